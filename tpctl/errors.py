@@ -1,0 +1,15 @@
+"""Errors with a contract: a bad config exits 2 with one line naming the key,
+the value and what would be valid (see DESIGN.md, section 3)."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value, found before any worker starts."""
+
+    def __init__(self, key: str, value: object, valid: str):
+        self.key, self.value, self.valid = key, value, valid
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        return f"invalid config: {self.key}={self.value!r}: {self.valid}"

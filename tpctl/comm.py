@@ -1,0 +1,215 @@
+"""Every collective tpctl issues goes through this module.
+
+One place means one place to count: `CommStats` records the bytes each rank
+sends into each kind of collective, so a cost model can be checked against
+what the code actually does. The autograd functions at the bottom are the
+small differentiable building blocks the parallel layers are made of; each
+names its forward and backward collective.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+Group = Optional[dist.ProcessGroup]
+
+
+class CommStats:
+    """Bytes handed to collectives by this rank, per kind of collective."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def add(self, op: str, tensor: torch.Tensor) -> None:
+        self.bytes[op] += tensor.numel() * tensor.element_size()
+        self.calls[op] += 1
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+
+STATS = CommStats()
+
+
+def group_size(group: Group) -> int:
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    return dist.get_rank(group)
+
+
+def all_reduce(tensor: torch.Tensor, group: Group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce; a group of one is free."""
+    if group_size(group) > 1:
+        STATS.add("all_reduce", tensor)
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's `tensor` along `dim`, in group-rank order."""
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    tensor = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((world * tensor.shape[0],) + tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
+    STATS.add("all_gather", tensor)
+    dist.all_gather_into_tensor(out, tensor, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Sum over the group, then keep this rank's block of `dim`."""
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    tensor = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((tensor.shape[0] // world,) + tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
+    STATS.add("reduce_scatter", tensor)
+    dist.reduce_scatter_tensor(out, tensor, group=group)
+    return out.movedim(0, dim)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = False):
+    """Broadcast from global rank `src`; returns a work handle when async."""
+    if group_size(group) == 1:
+        return None
+    STATS.add("broadcast", tensor)
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def reduce(tensor: torch.Tensor, dst: int, group: Group, async_op: bool = False):
+    """Sum into global rank `dst`; returns a work handle when async."""
+    if group_size(group) == 1:
+        return None
+    STATS.add("reduce", tensor)
+    return dist.reduce(tensor, dst=dst, group=group, async_op=async_op)
+
+
+def split_block(tensor: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """This rank's block of `dim` (no communication)."""
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    return tensor.chunk(world, dim=dim)[group_rank(group)].contiguous()
+
+
+# --------------------------------------------------------------------------
+# Differentiable collectives. The pairs are adjoint: the backward of each is
+# the collective whose matrix is the transpose of the forward's.
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Forward identity, backward all-reduce (Megatron's `f`): the input is
+    replicated over the group and each rank uses it for a different slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+
+
+class _ReduceToReplicated(torch.autograd.Function):
+    """Forward all-reduce of partial sums, backward identity (Megatron's `g`):
+    every rank then computes the same thing from the replicated sum."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SumShared(torch.autograd.Function):
+    """All-reduce in both directions: for statistics (norm moments, softmax
+    sums) that every rank then uses for its *own* slice, so each rank's
+    gradient contribution must be summed back."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+
+
+class _AllGather(torch.autograd.Function):
+    """Forward all-gather along `dim`, backward reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Forward reduce-scatter along `dim`, backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _SplitBlock(torch.autograd.Function):
+    """Forward keep this rank's block of a replicated tensor, backward
+    all-gather (the gradient of the other blocks lives on the other ranks)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return split_block(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+def copy_to_group(x, group):
+    return _CopyToGroup.apply(x, group) if group_size(group) > 1 else x
+
+
+def reduce_to_replicated(x, group):
+    return _ReduceToReplicated.apply(x, group) if group_size(group) > 1 else x
+
+
+def sum_shared(x, group):
+    return _SumShared.apply(x, group) if group_size(group) > 1 else x
+
+
+def gather_along(x, group, dim):
+    return _AllGather.apply(x, group, dim) if group_size(group) > 1 else x
+
+
+def reduce_scatter_along(x, group, dim):
+    return _ReduceScatter.apply(x, group, dim) if group_size(group) > 1 else x
+
+
+def split_along(x, group, dim):
+    return _SplitBlock.apply(x, group, dim) if group_size(group) > 1 else x

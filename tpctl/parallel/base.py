@@ -1,0 +1,193 @@
+"""The interface every tensor-parallel mode implements, and the machinery
+shared by all of them: the role-driven rewrite of a model, gradient
+synchronisation and the global gradient norm.
+
+A mode answers three questions:
+  * data: which rows of a micro-batch does this rank read, and which of
+    those does it feed as input and score as targets;
+  * layers: what replaces a module of a given role (embedding, qkv, ...);
+  * loss: the vocab-parallel cross entropy over the ranks sharing rows.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .. import comm
+from ..mesh import Mesh
+from .geometry import padded_vocab
+from .loss import vocab_parallel_cross_entropy
+from .shard import ShardSpec, make_param, spec_of
+
+ROLES = (
+    "embedding", "pos_embedding", "qkv", "attn_out", "mlp_in", "mlp_out",
+    "norm", "lm_head", "dropout", "attn_dropout",
+)
+
+
+class RewriteContext:
+    """State of one rewrite: keeps tied parameters tied."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self._new: dict[int, nn.Parameter] = {}
+
+    def shard(self, original: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
+        """The sharded parameter for `original`, created once: a parameter
+        used by two modules (embedding = LM head) stays one parameter."""
+        made = self._new.get(id(original))
+        if made is None:
+            made = self._new[id(original)] = make_param(original, spec)
+        elif (made.tpctl_spec.full_shape, made.tpctl_spec.index) != (spec.full_shape, spec.index):
+            raise ValueError(f"a tied parameter {tuple(original.shape)} is used by layers that shard it differently")
+        return made
+
+
+class ParallelMode:
+    """Base class of the modes; subclasses fill in the role converters."""
+
+    name = "none"
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.geo = mesh.geo
+
+    # ---- data ---------------------------------------------------------
+    def read_block(self) -> tuple[int, int]:
+        """(index, count): this rank reads row block `index` of `count`
+        equal blocks of its data-parallel share of a micro-batch."""
+        return 0, 1
+
+    def split_input(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+    def split_target(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+    def read_rows(self, batch_size: int, grad_accum: int, micro: int) -> range:
+        """Rows of the global batch this rank reads for micro-batch `micro`."""
+        per_micro = batch_size // grad_accum
+        per_dp = per_micro // self.mesh.dp_size
+        index, count = self.read_block()
+        per_rank = per_dp // count
+        start = micro * per_micro + self.mesh.dp_rank * per_dp + index * per_rank
+        return range(start, start + per_rank)
+
+    # ---- loss ---------------------------------------------------------
+    # How many tensor-parallel ranks hold (a replica of) each row's loss.
+    @property
+    def loss_replicas(self) -> int:
+        return 1
+
+    def loss_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks that share rows of the logits (and split the vocab)."""
+        return None
+
+    def vocab_block(self) -> int:
+        """Index of this rank's block of the (padded) vocabulary in logits."""
+        return 0
+
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                      label_smoothing: float = 0.0) -> torch.Tensor:
+        """Per-token loss of this rank's rows; full logits are never gathered."""
+        width = logits.shape[-1]
+        return vocab_parallel_cross_entropy(
+            logits.reshape(-1, width), targets.reshape(-1), self.vocab_block() * width,
+            vocab_size, self.loss_group(), label_smoothing,
+        )
+
+    # ---- layers -------------------------------------------------------
+    def convert(self, role: str, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        converter: Optional[Callable] = getattr(self, f"convert_{role}", None)
+        if converter is None:
+            raise ValueError(f"mode {self.name} has no layer for role {role!r}")
+        return converter(module, ctx)
+
+    def padded_vocab(self, vocab_size: int) -> int:
+        return padded_vocab(vocab_size, self.geo.vocab_multiple)
+
+    def replicated(self, param: torch.Tensor, group: str, partial: bool) -> None:
+        """Tag a parameter every rank of `group` holds whole."""
+        param.tpctl_spec = ShardSpec(
+            tuple(param.shape), (None,) * param.dim(), tuple(self.mesh.group_ranks[group]),
+            partial, self.mesh.groups[group],
+        )
+
+
+# ---- the rewrite --------------------------------------------------------
+
+def parallelize(model: nn.Module, mode: ParallelMode, plan: Optional[dict[str, str]] = None) -> nn.Module:
+    """Replace the model's layers, by role, with `mode`'s parallel layers.
+
+    `plan` maps module-name patterns (fnmatch) to roles; by default the
+    model's own `tp_plan`. The model's code is untouched: only submodules are
+    swapped, and each new layer holds just this rank's shard of the weights.
+    """
+    plan = plan if plan is not None else getattr(model, "tp_plan", None)
+    if plan is None:
+        raise ValueError(f"{type(model).__name__} has no tp_plan; pass plan={{module pattern: role}}")
+    for role in plan.values():
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r} in the plan; roles are {', '.join(ROLES)}")
+    ctx = RewriteContext(mode.mesh)
+    for name, module in list(model.named_modules()):
+        role = next((r for pattern, r in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
+        if role is None or not name:
+            continue
+        new = mode.convert(role, module, ctx)
+        if new is not module:
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    for name, param in model.named_parameters():
+        if spec_of(param) is None:
+            if mode.name in ("none", "1d"):
+                # Replicated over the group and fed replicated activations:
+                # every rank computes the same gradient.
+                mode.replicated(param, "tp", partial=False)
+            else:
+                raise ValueError(f"parameter {name!r} has no role in the plan; mode {mode.name} cannot leave it whole")
+    model.tpctl_mode = mode
+    return model
+
+
+# ---- gradients ----------------------------------------------------------
+
+def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
+    flat = _flatten_dense_tensors(grads)
+    comm.all_reduce(flat, group)
+    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
+
+
+def sync_grads(model: nn.Module, mesh: Mesh) -> None:
+    """Sum every gradient that is a partial sum, over exactly the ranks that
+    hold its other parts, once: replicas inside the tensor-parallel group
+    (per the parameter's ShardSpec), then the data-parallel replicas."""
+    buckets: dict[int, tuple[object, list[torch.Tensor]]] = {}
+    params = [p for p in model.parameters() if p.grad is not None]
+    for p in params:
+        spec = spec_of(p)
+        if spec is not None and spec.partial_grad and len(spec.replica_ranks) > 1:
+            buckets.setdefault(id(spec.replica_group), (spec.replica_group, []))[1].append(p.grad)
+    for group, grads in buckets.values():
+        _all_reduce_coalesced(grads, group)
+    if mesh.dp_size > 1:
+        _all_reduce_coalesced([p.grad for p in params], mesh.dp_group)
+
+
+def grad_norm(model: nn.Module, mesh: Mesh) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, as one process would
+    compute it: each shard counted once however many ranks replicate it."""
+    total = torch.zeros((), dtype=torch.float64, device=mesh.device)
+    for p in model.parameters():
+        spec = spec_of(p)
+        if p.grad is not None and (spec is None or spec.is_canonical):
+            total += p.grad.detach().double().pow(2).sum()
+    comm.all_reduce(total, mesh.tp_group)
+    return total.sqrt()

@@ -1,0 +1,25 @@
+"""mode=none: one tensor-parallel rank; the reference every mode must match.
+Layers stay as written (only dropout draws from the mesh's generator, so a
+run is reproducible from its seed); data parallelism still applies."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from .base import ParallelMode
+from .layers import ParallelDropout
+
+
+class NoParallel(ParallelMode):
+    name = "none"
+
+    def _keep(self, module: nn.Module, ctx) -> nn.Module:
+        return module
+
+    convert_embedding = convert_pos_embedding = convert_qkv = convert_attn_out = _keep
+    convert_mlp_in = convert_mlp_out = convert_norm = convert_lm_head = _keep
+
+    def convert_dropout(self, module: nn.Dropout, ctx) -> nn.Module:
+        return ParallelDropout(module.p, self.mesh.rng_local)
+
+    convert_attn_dropout = convert_dropout

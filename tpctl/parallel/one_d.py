@@ -1,0 +1,162 @@
+"""mode=1d: Megatron-LM tensor parallelism over P ranks.
+
+Column-parallel linears split the output features (each rank holds whole
+heads of q, k and v; whole slices of the MLP's hidden layer), row-parallel
+linears split the input features and all-reduce their output. Activations
+between blocks are replicated, or, with sequence parallelism, split along the
+sequence: then all-reduce becomes reduce-scatter and the column-linear's
+input is all-gathered, so norms and dropout run on a sequence shard.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import comm
+from .base import ParallelMode, RewriteContext
+from .layers import ParallelDropout
+from .shard import ShardSpec, block, fused_block
+
+SEQ_DIM = 1  # activations are [batch, seq, hidden]
+
+
+class ColumnLinear(nn.Module):
+    """Y[:, p] = X W[p]^T (+ b[p]): input replicated (or gathered from
+    sequence shards), output split along features."""
+
+    def __init__(self, weight, bias, group, seq_parallel: bool):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.group, self.seq_parallel = group, seq_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = comm.gather_along(x, self.group, SEQ_DIM) if self.seq_parallel else comm.copy_to_group(x, self.group)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowLinear(nn.Module):
+    """Y = sum_p X[:, p] W[:, p]^T (+ b): input split along features, output
+    all-reduced (or reduce-scattered onto sequence shards)."""
+
+    def __init__(self, weight, bias, group, seq_parallel: bool):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.group, self.seq_parallel = group, seq_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.seq_parallel:
+            y = comm.reduce_scatter_along(y, self.group, SEQ_DIM)
+        else:
+            y = comm.reduce_to_replicated(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabEmbedding(nn.Module):
+    """Each rank holds a block of the vocabulary's rows: look up the ids
+    that fall in it, zero the rest, and sum over ranks."""
+
+    def __init__(self, weight, vocab_start: int, group, seq_parallel: bool):
+        super().__init__()
+        self.weight, self.vocab_start = weight, vocab_start
+        self.group, self.seq_parallel = group, seq_parallel
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.seq_parallel:
+            return comm.reduce_scatter_along(out, self.group, SEQ_DIM)
+        return comm.reduce_to_replicated(out, self.group)
+
+
+class SeqShardPosEmbedding(nn.Module):
+    """A replicated position table whose output keeps only this rank's
+    sequence shard, to match sequence-parallel activations."""
+
+    def __init__(self, weight, group):
+        super().__init__()
+        self.weight, self.group = weight, group
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        return comm.split_block(F.embedding(pos, self.weight), self.group, 0)
+
+
+class OneD(ParallelMode):
+    name = "1d"
+
+    def __init__(self, mesh, seq_parallel: bool = False):
+        super().__init__(mesh)
+        self.seq_parallel = seq_parallel
+        self.group = mesh.tp_group
+        self.p, self.world = mesh.tp_rank, mesh.tp_size
+
+    @property
+    def loss_replicas(self) -> int:
+        return self.world
+
+    def loss_group(self):
+        return self.group
+
+    def vocab_block(self) -> int:
+        return self.p
+
+    # Tensors this rank's replicas share with the whole tensor-parallel group.
+    def _replicated(self, param) -> None:
+        # With sequence parallelism each rank sees other tokens, so the
+        # replicas' gradients are partial sums.
+        self.replicated(param, "tp", partial=self.seq_parallel)
+
+    def _split(self, tensor, dim: int, n: int, parts: int = 1) -> ShardSpec:
+        ranges = fused_block(n, parts, self.world, self.world, self.p) if parts > 1 else block(n, self.world, self.p)
+        index = tuple(ranges if d == dim else None for d in range(tensor.dim()))
+        return ShardSpec(tuple(tensor.shape), index)
+
+    def _column(self, linear: nn.Linear, ctx: RewriteContext, parts: int = 1, rows: int | None = None) -> ColumnLinear:
+        n = rows if rows is not None else linear.out_features
+        weight = ctx.shard(linear.weight, self._split(linear.weight, 0, n, parts))
+        bias = None if linear.bias is None else ctx.shard(linear.bias, self._split(linear.bias, 0, n, parts))
+        return ColumnLinear(weight, bias, self.group, self.seq_parallel)
+
+    def convert_qkv(self, module: nn.Linear, ctx):
+        return self._column(module, ctx, parts=3)
+
+    def convert_mlp_in(self, module: nn.Linear, ctx):
+        return self._column(module, ctx)
+
+    def convert_lm_head(self, module: nn.Linear, ctx):
+        return self._column(module, ctx, rows=self.padded_vocab(module.out_features))
+
+    def _row(self, linear: nn.Linear, ctx) -> RowLinear:
+        weight = ctx.shard(linear.weight, self._split(linear.weight, 1, linear.in_features))
+        bias = linear.bias
+        if bias is not None:
+            self._replicated(bias)
+        return RowLinear(weight, bias, self.group, self.seq_parallel)
+
+    convert_attn_out = convert_mlp_out = _row
+
+    def convert_embedding(self, module: nn.Embedding, ctx):
+        rows = self.padded_vocab(module.num_embeddings)
+        weight = ctx.shard(module.weight, self._split(module.weight, 0, rows))
+        return VocabEmbedding(weight, self.p * (rows // self.world), self.group, self.seq_parallel)
+
+    def convert_pos_embedding(self, module: nn.Embedding, ctx):
+        self._replicated(module.weight)
+        return SeqShardPosEmbedding(module.weight, self.group) if self.seq_parallel else module
+
+    def convert_norm(self, module: nn.Module, ctx):
+        for param in module.parameters():
+            self._replicated(param)
+        return module
+
+    def convert_dropout(self, module: nn.Dropout, ctx):
+        # Replicated activations need one mask on every rank; sequence shards
+        # are different tokens and need their own.
+        rng = self.mesh.rng_local if self.seq_parallel else self.mesh.rng_shared
+        return ParallelDropout(module.p, rng)
+
+    def convert_attn_dropout(self, module: nn.Dropout, ctx):
+        return ParallelDropout(module.p, self.mesh.rng_local)  # heads are split

@@ -1,0 +1,115 @@
+"""Which slice of the full tensor a rank holds, as data.
+
+Every parameter a mode creates carries a `ShardSpec`: for each dimension the
+ranges of the (padded) full tensor it holds, which ranks hold identical
+copies, and whether those copies' gradients are partial sums. The same data
+drives initialisation (slice the whole tensor), gradient synchronisation, the
+global gradient norm (each shard counted once), tests (compare against the
+reference's slice) and, later, resharding checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+Ranges = tuple[tuple[int, int], ...]
+
+
+@dataclass
+class ShardSpec:
+    full_shape: tuple[int, ...]
+    # Per dim: None (the whole dim) or the (start, stop) ranges held, in
+    # order. Indices at or past full_shape[d] are padding (zeros).
+    index: tuple[Optional[Ranges], ...]
+    # Global ranks holding an identical copy of this shard inside the
+    # tensor-parallel group, this rank included (sorted).
+    replica_ranks: tuple[int, ...] = ()
+    # True when each replica's gradient covers only its own rows, so the
+    # replicas' gradients must be summed; False when they are already equal.
+    partial_grad: bool = False
+    replica_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+
+    def local_shape(self) -> tuple[int, ...]:
+        return tuple(
+            full if ranges is None else sum(b - a for a, b in ranges)
+            for full, ranges in zip(self.full_shape, self.index)
+        )
+
+    def slice(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the whole tensor `full` (padding zero-filled)."""
+        out = full
+        for dim, ranges in enumerate(self.index):
+            if ranges is None:
+                continue
+            pieces = []
+            for a, b in ranges:
+                real_b = min(b, out.shape[dim])
+                if real_b > a:
+                    pieces.append(out.narrow(dim, a, real_b - a))
+                pad = b - max(a, real_b)
+                if pad > 0:
+                    shape = list(out.shape)
+                    shape[dim] = pad
+                    pieces.append(out.new_zeros(shape))
+            out = torch.cat(pieces, dim=dim)
+        return out.contiguous()
+
+    @property
+    def is_canonical(self) -> bool:
+        """The one replica whose values count (e.g. for the gradient norm)."""
+        return not self.replica_ranks or dist.get_rank() == self.replica_ranks[0]
+
+
+def block(n: int, blocks: int, index: int) -> Ranges:
+    """Contiguous block `index` of `blocks` equal blocks of range(n)."""
+    size = n // blocks
+    return ((index * size, (index + 1) * size),)
+
+
+def fused_block(n: int, parts: int, shards: int, blocks: int, index: int) -> Ranges:
+    """Block `index` of `blocks` of a fused dimension made of `parts` equal
+    parts (e.g. [q|k|v]), reordered so that each of `shards` compute shards
+    holds the same slice of every part (whole heads of q, k and v).
+
+    `blocks` may be a multiple of `shards` (3d stores a compute shard in
+    q sub-blocks); each block then lies inside one shard's reordered range.
+    """
+    part = n // parts
+    order = []
+    for s in range(shards):
+        for p in range(parts):
+            lo = p * part + s * (part // shards)
+            order.append((lo, lo + part // shards))
+    flat_lo, flat_hi = index * (n // blocks), (index + 1) * (n // blocks)
+    out, pos = [], 0
+    for a, b in order:
+        lo, hi = max(a, a + flat_lo - pos), min(b, a + flat_hi - pos)
+        if lo < hi:
+            out.append((lo, hi))
+        pos += b - a
+    return _merge(out)
+
+
+def _merge(ranges: Sequence[tuple[int, int]]) -> Ranges:
+    merged: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return tuple(merged)
+
+
+def make_param(full: torch.Tensor, spec: ShardSpec) -> torch.nn.Parameter:
+    """A new parameter holding `spec`'s slice of `full`, tagged with `spec`."""
+    param = torch.nn.Parameter(spec.slice(full.detach()).clone())
+    param.tpctl_spec = spec
+    return param
+
+
+def spec_of(param: torch.Tensor) -> Optional[ShardSpec]:
+    return getattr(param, "tpctl_spec", None)

@@ -1,0 +1,90 @@
+"""One rank of a run; started by the launcher through torchrun as
+`python -m tpctl.worker <run dir>/config.yaml`. It reads the resolved config
+and never runs Hydra. Each arrow of a run's flow is one call in `main`."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+log = logging.getLogger("tpctl.worker")
+
+
+def init_distributed(device: str, timeout_s: float) -> torch.device:
+    """Join the process group torchrun set up (gloo on CPU, nccl on GPU).
+    The timeout bounds every collective, so a dead rank fails the run."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local_rank))
+        return torch.device("cuda", local_rank)
+    dist.init_process_group("gloo", timeout=timeout)
+    return torch.device("cpu")
+
+
+def setup_logging(run_dir: Path, rank: int) -> None:
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(log_dir / f"rank{rank}.log")
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
+def print_summary(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="tpctl run summary", show_header=False)
+    for key, value in summary.items():
+        if value is None:
+            continue
+        if key.endswith("_bytes"):
+            value = f"{value / 2**20:,.1f} MiB"
+        elif isinstance(value, float):
+            value = f"{value:,.4f}" if abs(value) < 1000 else f"{value:,.0f}"
+        table.add_row(key, str(value))
+    Console().print(table)
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    from .config import load_worker_config
+    from .data import TokenData, prepare_data
+    from .mesh import init_mesh
+    from .models import build_model
+    from .parallel import get_mode
+    from .parallel.base import parallelize
+    from .train import Trainer
+
+    config_path = Path((argv if argv is not None else sys.argv[1:])[0])
+    run_dir = config_path.parent
+    cfg = load_worker_config(config_path)
+    device = init_distributed(cfg.device, cfg.launcher.collective_timeout_s)
+    setup_logging(run_dir, dist.get_rank())
+    mesh = init_mesh(cfg.mode, cfg.size, cfg.depth, cfg.dp, cfg.seed, device)
+    log.info("mesh: mode=%s coords=%s dp_rank=%d", mesh.mode, mesh.coords, mesh.dp_rank)
+    mode = get_mode(mesh, seq_parallel=cfg.seq_parallel)
+    model = parallelize(build_model(cfg.model, cfg.seed), mode).to(device)
+    data = TokenData(cfg, prepare_data(cfg))
+    log.info("data: %s", data.describe())
+    trainer = Trainer(cfg, model, mode, data, run_dir)
+    records = trainer.fit()
+    summary = trainer.summary(records)
+    log.info("summary: %s", summary)
+    if mesh.rank == 0:
+        print_summary(summary)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

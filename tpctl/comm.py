@@ -17,6 +17,10 @@ import torch.distributed as dist
 
 Group = Optional[dist.ProcessGroup]
 
+# torch 2.10 renamed the tensor-in/tensor-out collectives; keep both working.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class CommStats:
     """Bytes handed to collectives by this rank, per kind of collective."""
@@ -64,7 +68,7 @@ def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor
     tensor = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((world * tensor.shape[0],) + tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
     STATS.add("all_gather", tensor)
-    dist.all_gather_into_tensor(out, tensor, group=group)
+    _all_gather_tensor(out, tensor, group=group)
     return out.movedim(0, dim)
 
 
@@ -76,7 +80,7 @@ def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Te
     tensor = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((tensor.shape[0] // world,) + tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
     STATS.add("reduce_scatter", tensor)
-    dist.reduce_scatter_tensor(out, tensor, group=group)
+    _reduce_scatter_tensor(out, tensor, group=group)
     return out.movedim(0, dim)
 
 

@@ -24,3 +24,36 @@ class ParallelDropout(nn.Module):
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
+
+
+class SplitLayerNorm(nn.Module):
+    """LayerNorm over a hidden dimension split across `group`: the row
+    moments are one all-reduce of the stacked partial sums (and one in the
+    backward, through autograd)."""
+
+    def __init__(self, weight, bias, hidden: int, eps: float, group):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.hidden, self.eps, self.group = hidden, eps, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..comm import sum_shared
+
+        sums = sum_shared(torch.stack([x.sum(-1), (x * x).sum(-1)]), self.group)
+        mean = sums[0] / self.hidden
+        var = sums[1] / self.hidden - mean * mean
+        y = (x - mean.unsqueeze(-1)) * torch.rsqrt(var + self.eps).unsqueeze(-1)
+        if self.weight is not None:
+            y = y * self.weight
+        return y if self.bias is None else y + self.bias
+
+
+class Lookup(nn.Module):
+    """An embedding table holding a (sharded) parameter as given."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.weight)

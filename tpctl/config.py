@@ -1,0 +1,295 @@
+"""Config: the typed schema in Hydra's ConfigStore, composition of the jobs a
+command line asks for, and validation — every error found before any worker
+starts and reported as one `ConfigError` line (DESIGN.md, sections 2 and 3).
+
+Three entry points:
+  * `compose_jobs(overrides, multirun)` composes every job of a command line
+    with Hydra's Compose API and turns Hydra's errors into ConfigErrors;
+  * `validate(cfg)` checks values (the mode-specific rules live in
+    `tpctl.parallel.geometry.validate_parallel`);
+  * `load_worker_config(path)` reads a run dir's resolved config.yaml, typed,
+    for the workers, which never run Hydra.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from .errors import ConfigError
+from .schema import DataConfig, LauncherConfig, ModelConfig, OptimConfig, TrainConfig, TrainLoopConfig
+
+# configs/ lives at the repository root, next to the package (the install is
+# editable, see the Makefile).
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_NAME = "train"
+
+ARCHS = ("gpt", "mlp")
+DATASETS = ("synthetic", "text")
+DEVICES = ("cpu", "cuda")
+
+# Group name -> schema. Each group file starts with `- /schema/<group>@_here_`
+# in its defaults list, so the YAML in it is merged onto (and checked against)
+# the dataclass. The schemas live in their own `schema` group rather than
+# beside the options so that `model=` lists only real models.
+GROUP_SCHEMAS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "launcher": LauncherConfig}
+
+
+def register_configs() -> None:
+    """Register the schema in Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    for group, schema in GROUP_SCHEMAS.items():
+        cs.store(group="schema", name=group, node=schema)
+
+
+def load_worker_config(path: str | os.PathLike) -> DictConfig:
+    """The resolved config a run dir holds, typed by TrainConfig."""
+    return OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path))
+
+
+# --------------------------------------------------------------------------
+# Validation of values
+# --------------------------------------------------------------------------
+
+
+def validate(cfg: Any) -> None:
+    """Raise ConfigError for the first invalid value in a composed config."""
+    from .parallel.geometry import validate_parallel
+
+    _check_resolvable(cfg)
+    _check_known_keys(cfg, OmegaConf.structured(TrainConfig), "")
+    _check_choice("model.arch", cfg.model.arch, ARCHS)
+    _check_choice("data.name", cfg.data.name, DATASETS)
+    _check_choice("device", cfg.device, DEVICES)
+    validate_parallel(cfg)
+    if cfg.device == "cuda":
+        # torch is imported only here: a CPU config check stays fast.
+        import torch
+
+        world = cfg.size * cfg.dp
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have < world:
+            raise ConfigError("device", "cuda", f"size*dp={world} ranks need {world} CUDA devices, this machine has {have}: use device=cpu")
+
+    t, m, o = cfg.train, cfg.model, cfg.optim
+    _check_at_least("train.steps", t.steps, 1)
+    _check_at_least("train.log_every", t.log_every, 1)
+    _check_at_least("train.eval_every", t.eval_every, 0)
+    _check_at_least("train.eval_batches", t.eval_batches, 1)
+    _check_at_least("train.seq_len", t.seq_len, 1)
+    if t.seq_len > m.block_size:
+        raise ConfigError("train.seq_len", t.seq_len, f"expected at most model.block_size={m.block_size}")
+    if not 0.0 <= t.label_smoothing < 1.0:
+        raise ConfigError("train.label_smoothing", t.label_smoothing, "expected a value in [0, 1)")
+    if not o.lr > 0:
+        raise ConfigError("optim.lr", o.lr, "expected a positive learning rate")
+    _check_at_least("optim.warmup_steps", o.warmup_steps, 0)
+    _check_at_least("optim.grad_clip", o.grad_clip, 0)
+    if cfg.data.path is not None and not Path(cfg.data.path).exists():
+        raise ConfigError("data.path", cfg.data.path, "no such file")
+    if cfg.data.vocab_size > m.vocab_size:
+        raise ConfigError("data.vocab_size", cfg.data.vocab_size, f"the data has more token ids than the model: expected at most model.vocab_size={m.vocab_size}")
+
+
+def _check_resolvable(cfg: Any) -> None:
+    """A broken ${interpolation} would otherwise fail later, at first access."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "config"
+        node = cfg
+        for part in key.split("."):
+            node = node._get_node(part) if isinstance(node, DictConfig) and part in node else None
+        raw = node._value() if node is not None else None
+        raise ConfigError(key, raw, _one_line(e)) from None
+
+
+def _check_choice(key: str, value: Any, valid: Iterable[str]) -> None:
+    if value not in valid:
+        raise ConfigError(key, value, f"expected one of {', '.join(valid)}" + _did_you_mean(str(value), valid))
+
+
+def _check_at_least(key: str, value: float, low: float) -> None:
+    if value < low:
+        raise ConfigError(key, value, f"expected a value >= {low}")
+
+
+def _check_known_keys(cfg: Any, schema: DictConfig, prefix: str) -> None:
+    """`+key=value` may add keys that the schema lacks; nothing would read them."""
+    for key in cfg.keys():
+        full = f"{prefix}{key}"
+        if key not in schema:
+            value = cfg[key]
+            if isinstance(value, DictConfig):
+                value = OmegaConf.to_container(value)
+            raise ConfigError(full, value, _valid_keys_hint(str(key), list(schema.keys()), prefix))
+        if isinstance(schema._get_node(key), DictConfig):
+            _check_known_keys(cfg._get_node(key), schema._get_node(key), full + ".")
+
+
+def _did_you_mean(word: str, candidates: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, [str(c) for c in candidates], n=2)
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
+def _valid_keys_hint(word: str, keys: Iterable[Any], prefix: str) -> str:
+    keys = [str(k) for k in keys]
+    where = f"under {prefix.rstrip('.')!r}" if prefix else "at the top level"
+    return f"unknown key; valid keys {where}: {', '.join(keys)}" + _did_you_mean(word, keys)
+
+
+# --------------------------------------------------------------------------
+# Composition of the jobs of a command line
+# --------------------------------------------------------------------------
+
+
+def compose_jobs(overrides: list[str], multirun: bool = False, config_name: str = CONFIG_NAME, config_dir: str | None = None) -> list[DictConfig]:
+    """Compose the config of every job that `tpctl train [-m] overrides` runs.
+
+    For a multirun the sweep is expanded the way Hydra's basic sweeper does
+    (the cartesian product of the comma-separated values). Any Hydra or
+    OmegaConf error becomes a ConfigError naming the override at fault.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    register_configs()
+    parsed = _parse_overrides(overrides)
+    if multirun:
+        try:
+            jobs = BasicSweeper.split_arguments(parsed, max_batch_size=None)[0]
+        except HydraException as e:
+            raise ConfigError("overrides", " ".join(overrides), _one_line(e)) from None
+    else:
+        for o in parsed:
+            if o.is_sweep_override():
+                raise ConfigError(o.get_key_element(), _value_text(o),
+                                  "a comma-separated value is a sweep: add -m (--multirun), or write [a,b] for a list or 'a,b' for a string")
+        jobs = [list(overrides)]
+
+    # -cd/--config-dir adds a directory to the search path, as Hydra does.
+    extra = [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"] if config_dir else []
+    composed = []
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        for job in jobs:
+            try:
+                composed.append(compose(config_name, overrides=extra + job))
+            except (HydraException, OmegaConfBaseException) as e:
+                raise _explain(e, OverridesParser.create().parse_overrides(job), config_name) from None
+    return composed
+
+
+def _parse_overrides(overrides: list[str]) -> list:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for text in overrides:  # one at a time, to name the one that does not parse
+        try:
+            parser.parse_overrides([text])
+        except OverrideParseException as e:
+            reason = e.message.splitlines()[1] if len(e.message.splitlines()) > 1 else e.message
+            raise ConfigError("override", text, f"expected key=value in Hydra's override syntax ({reason})") from None
+    return parser.parse_overrides(overrides)
+
+
+def _explain(error: Exception, overrides: list, config_name: str) -> ConfigError:
+    """Turn a composition error into a ConfigError naming key, value, valid."""
+    from hydra import compose
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import MissingConfigException
+
+    # An unknown option of a config group: model=gpt-huge.
+    if isinstance(error, MissingConfigException) and error.missing_cfg_file and "/" in error.missing_cfg_file:
+        group, option = error.missing_cfg_file.rsplit("/", 1)
+        options = GlobalHydra.instance().config_loader().get_group_options(group)
+        if options:
+            return ConfigError(group, option, f"no such {group}; available: {', '.join(options)}" + _did_you_mean(option, options))
+
+    cause = _omegaconf_cause(error)
+    full_key = getattr(cause, "full_key", None) if cause is not None else None
+    override = _override_for(full_key, overrides) if full_key else None
+    if override is not None:
+        key, value = override.key_or_group, _value_text(override)
+        # The config as composed without overrides has every key a job can
+        # have: all options of a group share the group's schema.
+        reference = compose(config_name, return_hydra_config=True)
+        if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+            hint = _unknown_key_hint(key, reference)
+            if hint:
+                return ConfigError(key, value, hint)
+        if isinstance(cause, ValidationError):
+            return ConfigError(key, value, _expected_type(key, reference))
+        return ConfigError(key, value, _one_line(cause))
+    return ConfigError("overrides", " ".join(o.input_line for o in overrides), _one_line(error))
+
+
+def _value_text(override) -> Any:
+    """The value of an override as the user wrote it (5 stays 5, abc stays 'abc')."""
+    if override.is_sweep_override() or override.value() is None:
+        return override.input_line.split("=", 1)[1] if "=" in override.input_line else None
+    value = override.value()
+    return value if isinstance(value, (int, float, bool, str)) else override.get_value_element_as_str()
+
+
+def _omegaconf_cause(error: BaseException) -> OmegaConfBaseException | None:
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OmegaConfBaseException):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _override_for(full_key: str, overrides: list):
+    """The override that set `full_key` or a key below it."""
+    for o in reversed(overrides):  # the last one wins, as in Hydra
+        key = o.key_or_group
+        if key == full_key or key.startswith(full_key + ".") or full_key.startswith(key + "."):
+            return o
+    return None
+
+
+def _unknown_key_hint(key: str, reference: DictConfig) -> str | None:
+    """Name the first segment of `key` that does not exist, with the keys that do."""
+    node, prefix = reference, ""
+    for part in key.split("."):
+        if not isinstance(node, DictConfig):
+            return f"{prefix.rstrip('.')!r} is a value, not a group of keys"
+        if part not in node:
+            # At the top level, leave Hydra's own `hydra` node out of the list.
+            return _valid_keys_hint(part, [k for k in node.keys() if prefix or k != "hydra"], prefix)
+        node, prefix = node._get_node(part), f"{prefix}{part}."
+    return None
+
+
+def _expected_type(key: str, reference: DictConfig) -> str:
+    from omegaconf import BooleanNode, FloatNode, IntegerNode, StringNode
+
+    node = reference._get_node(key.split(".")[0])
+    for part in key.split(".")[1:]:
+        node = node._get_node(part) if isinstance(node, DictConfig) else None
+    kinds = {IntegerNode: "an integer", FloatNode: "a number", BooleanNode: "true or false", StringNode: "a string"}
+    for cls, what in kinds.items():
+        if isinstance(node, cls):
+            return f"expected {what}" + (" or null" if node._is_optional() else "")
+    if isinstance(node, DictConfig):
+        return f"expected a group of keys ({', '.join(str(k) for k in node.keys())}); set one with {key}.<name>=<value>"
+    return "the value has the wrong type"
+
+
+def _one_line(error: BaseException | str) -> str:
+    """Hydra's messages span lines (and end with the search path): keep the gist."""
+    text = str(error).split("\nConfig search path")[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith(("full_key:", "object_type=", "reference_type="))]
+    return "; ".join(lines)

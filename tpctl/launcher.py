@@ -1,0 +1,123 @@
+"""Start `size × dp` workers on this node through torchrun's Python API, wait,
+and report which rank failed and why (DESIGN.md, section 2: "launcher").
+
+Each worker runs `python -u -m tpctl.worker <run dir>/config.yaml`: it reads the
+resolved config (`tpctl.config.load_worker_config`) and never runs Hydra; its
+run dir is the folder holding that file. torchrun's environment (RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) tells it who it is.
+
+Test hook: the environment variable TPCTL_WORKER_MODULE (or launch's
+`worker_module` argument) names another module to run instead of tpctl.worker,
+e.g. `tests.fake_worker`, so the launcher can be tested on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+WORKER_MODULE = "tpctl.worker"
+WORKER_MODULE_ENV = "TPCTL_WORKER_MODULE"
+# Seconds the workers get to exit after SIGINT/SIGTERM before SIGKILL.
+SHUTDOWN_TIMEOUT_S = 10
+
+
+def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = None) -> int:
+    """Run the workers of one training run; return the exit status for tpctl:
+    0 when every rank finished, 1 when a rank failed, 128+signal (130 for
+    Ctrl-C) when the launcher was interrupted. Workers never outlive it."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    run_dir = Path(run_dir)
+    module = worker_module or os.environ.get(WORKER_MODULE_ENV) or WORKER_MODULE
+    nproc = cfg.size * cfg.dp
+    addr = cfg.launcher.master_addr
+    port = cfg.launcher.master_port or free_port(addr)
+    run_id = f"tpctl-{uuid.uuid4().hex[:12]}"
+
+    # torchrun's CLI sets this; its Python API does not. Without it every
+    # worker starts one thread per core and they fight over the cores.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # The agent logs every step of its life, and each failure in its own
+    # format; tpctl reports failures itself, one line per rank (below).
+    # torch sets a level on each of its loggers, so the parent's is not enough.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"{addr}:{port}",
+        run_id=run_id,
+        max_restarts=0,
+        monitor_interval=cfg.launcher.monitor_interval_s,
+        start_method="spawn",
+        # The agent's own files (error.json of a failed rank) go to the run
+        # dir rather than a temp dir nobody cleans. Worker stdout/stderr are
+        # not redirected: rank 0 draws its progress bar on this terminal.
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "torchelastic")),
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+    )
+    # torch installs its own SIGINT/SIGTERM handlers while workers run
+    # (they raise SignalException and stop the workers); put ours back after.
+    saved_handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        elastic_launch(config, sys.executable)("-u", "-m", module, str(run_dir / "config.yaml"))
+        return 0
+    except ChildFailedError as e:
+        report_failures(e.failures)
+        return 1
+    except SignalException as e:
+        print(f"tpctl: interrupted by {signal.Signals(e.sigval).name}; workers stopped", file=sys.stderr)
+        return 128 + int(e.sigval)
+    except KeyboardInterrupt:  # before the workers started: nothing to stop
+        print("tpctl: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    finally:
+        for sig, handler in saved_handlers.items():
+            signal.signal(sig, handler)
+
+
+def report_failures(failures: dict[int, Any]) -> None:
+    """One line per rank that failed on its own; one line for the ranks the
+    agent then stopped with SIGTERM (torch lists those as failures too)."""
+    stopped = [r for r, f in failures.items() if f.exitcode == -signal.SIGTERM]
+    failed = [r for r in failures if r not in stopped] or stopped
+    for rank in sorted(failed):
+        f = failures[rank]
+        print(f"tpctl: error: rank {rank} failed with exit code {f.exitcode}: {failure_reason(f)}", file=sys.stderr)
+    if stopped and failed != stopped:
+        print(f"tpctl: stopped the other ranks: {', '.join(map(str, sorted(stopped)))}", file=sys.stderr)
+
+
+def failure_reason(failure: Any) -> str:
+    """One line on why a rank died: the exception its @record'ed main raised,
+    or the signal that killed it."""
+    if failure.exitcode < 0:
+        return f"killed by {failure.signal_name()}"
+    message = failure.message
+    if isinstance(message, dict):  # the error file of @record: {"message": "...", "extraInfo": {...}}
+        message = message.get("message", "")
+    if not message or message.startswith("To enable traceback"):
+        return "no error recorded (see the rank's output; the worker's main needs @record)"
+    # "<Type>: <message>"; keep the first line of a message that spans several.
+    return str(message).strip().splitlines()[0]
+
+
+def free_port(addr: str) -> int:
+    """A port that is free now on `addr` (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,213 @@
+"""mode=2d (SUMMA / Optimus, P = q*q) and mode=2.5d (Tesseract, P = d*q*q).
+
+Rank (i, j) of a q x q grid holds activation rows block i, hidden block j,
+and block (i, j) of every weight in nn.Linear's own (out, in) layout, so an
+embedding and the LM head tied to it share one layout. A linear is three
+SUMMA products over the grid:
+
+    forward   Y  = X W^T   C[i,t] = sum_j X[i,j] W[t,j]^T   (bcast W down columns, reduce along rows)
+    backward  dX = dY W    C[i,j] = sum_t dY[i,t] W[t,j]    (bcast dY along rows, W down columns)
+              dW = dY^T X  C[t,j] = sum_i dY[i,t]^T X[i,j]  (reuses the dY broadcasts, reduce down columns)
+
+The next step's broadcasts are issued (async) before the current matmul, so
+communication overlaps compute. 2.5d stacks d such grids (depth layers h),
+each on its own rows of the batch, with every weight replicated over depth:
+their gradients are summed over the depth group once, after backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import comm
+from .base import ParallelMode, RewriteContext
+from .layers import Lookup, ParallelDropout, SplitLayerNorm
+from .shard import ShardSpec, block, fused_block
+
+
+@dataclass
+class Grid:
+    """One q x q SUMMA grid: this rank's (i, j) and its row/column groups."""
+
+    q: int
+    i: int
+    j: int
+    row_group: object  # ranks (i, 0..q-1): same activation rows
+    col_group: object  # ranks (0..q-1, j): same hidden block
+    row_ranks: list  # global rank of (i, t), by t
+    col_ranks: list  # global rank of (t, j), by t
+
+    def bcast_row(self, local: torch.Tensor, t: int):
+        """Start broadcasting block (i, t) along this rank's row."""
+        buf = local.contiguous() if t == self.j else torch.empty_like(local)
+        return buf, comm.broadcast(buf, self.row_ranks[t], self.row_group, async_op=True)
+
+    def bcast_col(self, local: torch.Tensor, t: int):
+        """Start broadcasting block (t, j) down this rank's column."""
+        buf = local.contiguous() if t == self.i else torch.empty_like(local)
+        return buf, comm.broadcast(buf, self.col_ranks[t], self.col_group, async_op=True)
+
+
+def _wait(handle) -> None:
+    if handle is not None:
+        handle.wait()
+
+
+def _pipelined(q: int, start):
+    """Yield the results of start(t) for t = 0..q-1, with step t+1's
+    broadcasts already in flight while the caller computes step t."""
+    pending = start(0)
+    for t in range(q):
+        current = pending
+        if t + 1 < q:
+            pending = start(t + 1)
+        for _, handle in current:
+            _wait(handle)
+        yield [buf for buf, _ in current]
+
+
+class _SummaLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, grid: Grid):
+        ctx.save_for_backward(x, weight)
+        ctx.grid = grid
+        partials, reduces = [], []
+        for t, (w_t,) in enumerate(_pipelined(grid.q, lambda t: [grid.bcast_col(weight, t)])):
+            p = x @ w_t.t()  # rows i x out-block t, summed over this rank's in-block
+            partials.append(p)
+            reduces.append(comm.reduce(p, grid.row_ranks[t], grid.row_group, async_op=True))
+        for handle in reduces:
+            _wait(handle)
+        return partials[grid.j]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grid = ctx.grid
+        grad_out = grad_out.contiguous()
+        grad_x = torch.zeros_like(x)
+        partials, reduces = [], []
+        start = lambda t: [grid.bcast_row(grad_out, t), grid.bcast_col(weight, t)]  # noqa: E731
+        for t, (dy_t, w_t) in enumerate(_pipelined(grid.q, start)):
+            grad_x += dy_t @ w_t
+            p = dy_t.t() @ x  # out-block t x in-block j, summed over rows i
+            partials.append(p)
+            reduces.append(comm.reduce(p, grid.col_ranks[t], grid.col_group, async_op=True))
+        for handle in reduces:
+            _wait(handle)
+        return grad_x, partials[grid.i], None
+
+
+class Linear2D(nn.Module):
+    def __init__(self, weight, bias, grid: Grid):
+        super().__init__()
+        self.weight, self.bias, self.grid = weight, bias, grid
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _SummaLinear.apply(x.reshape(-1, x.shape[-1]), self.weight, self.grid)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if self.bias is None else y + self.bias
+
+
+class Embedding2D(nn.Module):
+    """Gather the column's vocabulary blocks of this hidden block (backward:
+    reduce-scatter), then a plain lookup of this rank's rows."""
+
+    def __init__(self, weight, col_group):
+        super().__init__()
+        self.weight, self.col_group = weight, col_group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, comm.gather_along(self.weight, self.col_group, 0))
+
+
+class TwoD(ParallelMode):
+    """2d, and 2.5d when the mesh has depth layers."""
+
+    def __init__(self, mesh):
+        super().__init__(mesh)
+        self.name = mesh.mode
+        c = mesh.coords
+        self.depth, self.h = mesh.geo.depth, c.get("h", 0)
+        self.grid = Grid(mesh.geo.q, c["i"], c["j"], mesh.groups["row"], mesh.groups["col"],
+                         mesh.group_ranks["row"], mesh.group_ranks["col"])
+        # Ranks holding the same hidden block (a column through all layers).
+        self.hidden_replica = "hidden_replica" if self.depth > 1 else "col"
+
+    # ---- data: rows block (h, i) of d*q; hidden block j -----------------
+    def read_block(self):
+        return self.h * self.grid.q + self.grid.i, self.depth * self.grid.q
+
+    def shard_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a [rows, seq, hidden] activation."""
+        index, count = self.read_block()
+        return x.chunk(count, 0)[index].chunk(self.grid.q, -1)[self.grid.j]
+
+    @property
+    def loss_replicas(self) -> int:
+        return self.grid.q
+
+    def loss_group(self):
+        return self.grid.row_group
+
+    def vocab_block(self) -> int:
+        return self.grid.j
+
+    # ---- parameter layouts -----------------------------------------------
+    def _weight_spec(self, full: torch.Tensor, out_ranges, in_dim: int) -> ShardSpec:
+        in_ranges = block(in_dim, self.grid.q, self.grid.j)
+        if self.depth > 1:
+            return ShardSpec(tuple(full.shape), (out_ranges, in_ranges), tuple(self.mesh.group_ranks["depth"]),
+                             True, self.mesh.groups["depth"])
+        return ShardSpec(tuple(full.shape), (out_ranges, in_ranges))
+
+    def _hidden_spec(self, full: torch.Tensor, ranges, dim: int = 0) -> ShardSpec:
+        """A tensor split along `dim` by hidden block j, replicated over the
+        ranks with other rows (whose gradients are partial)."""
+        index = tuple(ranges if d == dim else None for d in range(full.dim()))
+        return ShardSpec(tuple(full.shape), index, tuple(self.mesh.group_ranks[self.hidden_replica]),
+                         True, self.mesh.groups[self.hidden_replica])
+
+    def _linear(self, linear: nn.Linear, ctx: RewriteContext, parts: int = 1, out: int | None = None) -> Linear2D:
+        q, n = self.grid.q, out if out is not None else linear.out_features
+        out_ranges = lambda b: fused_block(n, parts, q, q, b) if parts > 1 else block(n, q, b)  # noqa: E731
+        weight = ctx.shard(linear.weight, self._weight_spec(linear.weight, out_ranges(self.grid.i), linear.in_features))
+        bias = None
+        if linear.bias is not None:
+            bias = ctx.shard(linear.bias, self._hidden_spec(linear.bias, out_ranges(self.grid.j)))
+        return Linear2D(weight, bias, self.grid)
+
+    # ---- roles -------------------------------------------------------------
+    def convert_qkv(self, module, ctx):
+        return self._linear(module, ctx, parts=3)
+
+    def convert_attn_out(self, module, ctx):
+        return self._linear(module, ctx)
+
+    convert_mlp_in = convert_mlp_out = convert_attn_out
+
+    def convert_lm_head(self, module, ctx):
+        return self._linear(module, ctx, out=self.padded_vocab(module.out_features))
+
+    def convert_embedding(self, module: nn.Embedding, ctx):
+        rows = self.padded_vocab(module.num_embeddings)
+        spec = self._weight_spec(module.weight, block(rows, self.grid.q, self.grid.i), module.embedding_dim)
+        return Embedding2D(ctx.shard(module.weight, spec), self.grid.col_group)
+
+    def convert_pos_embedding(self, module: nn.Embedding, ctx):
+        spec = self._hidden_spec(module.weight, block(module.embedding_dim, self.grid.q, self.grid.j), dim=1)
+        return Lookup(ctx.shard(module.weight, spec))
+
+    def convert_norm(self, module: nn.LayerNorm, ctx):
+        hidden = module.normalized_shape[-1]
+        shard = lambda p: None if p is None else ctx.shard(p, self._hidden_spec(p, block(hidden, self.grid.q, self.grid.j)))  # noqa: E731
+        return SplitLayerNorm(shard(module.weight), shard(module.bias), hidden, module.eps, self.grid.row_group)
+
+    def convert_dropout(self, module: nn.Dropout, ctx):
+        return ParallelDropout(module.p, self.mesh.rng_local)  # every activation is sharded
+
+    convert_attn_dropout = convert_dropout

@@ -61,7 +61,7 @@ def train(args: list[str]) -> int:
     flags = get_args_parser().parse_args(args)  # Hydra's own flags, so nothing differs
     if flags.config_path:
         return _usage_error("--config-path/-cp is not supported; add a config directory with --config-dir/-cd")
-    informational = flags.help or flags.hydra_help or flags.version or flags.shell_completion or flags.info
+    informational = flags.help or flags.hydra_help or flags.shell_completion or flags.info
     if not informational:
         status = _check_jobs(flags.overrides, flags.multirun, flags.config_name or CONFIG_NAME, flags.config_dir, validate_values=not flags.cfg)
         if status != EXIT_OK:

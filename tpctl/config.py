@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -22,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from .errors import ConfigError
-from .schema import DataConfig, LauncherConfig, ModelConfig, OptimConfig, TrainConfig, TrainLoopConfig
+from .schema import TrainConfig
 
 # configs/ lives at the repository root, next to the package (the install is
 # editable, see the Makefile).
@@ -33,21 +34,20 @@ ARCHS = ("gpt", "mlp")
 DATASETS = ("synthetic", "text")
 DEVICES = ("cpu", "cuda")
 
-# Group name -> schema. Each group file starts with `- /schema/<group>@_here_`
-# in its defaults list, so the YAML in it is merged onto (and checked against)
-# the dataclass. The schemas live in their own `schema` group rather than
-# beside the options so that `model=` lists only real models.
-GROUP_SCHEMAS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "launcher": LauncherConfig}
 
 
 def register_configs() -> None:
-    """Register the schema in Hydra's ConfigStore (idempotent)."""
+    """Register the schema in Hydra's ConfigStore (idempotent).
+
+    configs/train.yaml lists `train_schema` first in its defaults list, so the
+    YAML files and the command line are merged onto TrainConfig. Its fields
+    are typed with the group dataclasses (model: ModelConfig, ...), so each
+    group's file (configs/model/*.yaml, ...) is checked against its dataclass
+    as it is merged: a misspelt key or a wrong type anywhere is an error.
+    """
     from hydra.core.config_store import ConfigStore
 
-    cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
-    for group, schema in GROUP_SCHEMAS.items():
-        cs.store(group="schema", name=group, node=schema)
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
 def load_worker_config(path: str | os.PathLike) -> DictConfig:
@@ -216,6 +216,16 @@ def _explain(error: Exception, overrides: list, config_name: str) -> ConfigError
         if options:
             return ConfigError(group, option, f"no such {group}; available: {', '.join(options)}" + _did_you_mean(option, options))
 
+    # An error inside a config file (configs/model/x.yaml has a bad key or
+    # value): Hydra says "In 'model/x': <error>". Name the file's option.
+    in_file = re.match(r"In '([^']+)': (?:\w+ raised while composing config:\n)?(.*)", str(error), re.S)
+    if in_file and not isinstance(error, MissingConfigException):
+        name, detail = in_file.groups()
+        group, option = name.rsplit("/", 1) if "/" in name else ("config", name)
+        where = re.search(r"full_key: (\S+)", detail)
+        at = f" at {where.group(1)}" if where else ""
+        return ConfigError(group, option, f"the config file {name}.yaml is invalid{at}: {_one_line(detail)}")
+
     cause = _omegaconf_cause(error)
     full_key = getattr(cause, "full_key", None) if cause is not None else None
     override = _override_for(full_key, overrides) if full_key else None
@@ -236,10 +246,10 @@ def _explain(error: Exception, overrides: list, config_name: str) -> ConfigError
 
 def _value_text(override) -> Any:
     """The value of an override as the user wrote it (5 stays 5, abc stays 'abc')."""
-    if override.is_sweep_override() or override.value() is None:
-        return override.input_line.split("=", 1)[1] if "=" in override.input_line else None
+    if override.is_sweep_override():
+        return override.input_line.split("=", 1)[1]
     value = override.value()
-    return value if isinstance(value, (int, float, bool, str)) else override.get_value_element_as_str()
+    return value if value is None or isinstance(value, (int, float, bool, str)) else override.get_value_element_as_str()
 
 
 def _omegaconf_cause(error: BaseException) -> OmegaConfBaseException | None:

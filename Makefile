@@ -1,0 +1,30 @@
+# Fresh machine: `make demo` trains a small model, `make test` runs the tests.
+VENV   := .venv
+PYTHON := $(VENV)/bin/python
+PIP    := $(PYTHON) -m pip
+
+.PHONY: install demo test test-fast clean
+
+# The stamp is rebuilt when the packaging changes; the venv itself only once.
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PYTHON) || python3 -m venv $(VENV)
+	# torch first and pinned, so pip takes the local CPU wheel and never
+	# resolves `torch>=2.3` to a (much larger) CUDA build.
+	$(PIP) install torch==2.13.0
+	# Editable: configs/ lives at the repo root and is found next to the package.
+	$(PIP) install -e '.[test]'
+	touch $@
+
+demo: install
+	$(VENV)/bin/tpctl train mode=1d size=2
+
+test: install
+	$(PYTHON) -m pytest -q
+
+test-fast: install
+	$(PYTHON) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf outputs multirun .pytest_cache

@@ -1,0 +1,184 @@
+"""mode=3d (P = q^3), rank (i, j, l) of a q x q x q cube.
+
+An activation layout names the cube axis that splits the hidden dimension
+(`hidden`) and the one that, with i, splits the rows (`rows`). Blocks start in
+layout A = (hidden l, rows (i, j)). A linear fed layout (hidden h, rows (i, r))
+holds W[(r, i), h] -- output features in q*q blocks, input features by h -- and
+
+    all-gathers X over r        -> rows block i, input block h
+    all-gathers W over i        -> output block r, input block h
+    multiplies locally          -> rows block i, output block r, partial over h
+    reduce-scatters over h      -> rows (i, h), output block r
+
+so its output is in the flipped layout (hidden r, rows (i, h)). Backward, the
+gathers become reduce-scatters and vice versa (autograd of comm's ops). Two
+linears in a row (qkv -> proj, fc -> proj) return to layout A, so a residual
+add sees matching layouts; the roles fix which layout each layer is fed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import comm
+from .base import ParallelMode, RewriteContext
+from .layers import Lookup, ParallelDropout, SplitLayerNorm
+from .shard import ShardSpec, block, fused_block
+
+
+@dataclass(frozen=True)
+class Layout3D:
+    hidden: str  # cube axis splitting the hidden dim: "l" or "j"
+    rows: str  # cube axis splitting rows within block i: the other one
+
+    def flip(self) -> "Layout3D":
+        return Layout3D(self.rows, self.hidden)
+
+    @property
+    def replica_plane(self) -> str:
+        """Group of ranks holding the same hidden block in this layout."""
+        return "i" + self.rows
+
+
+LAYOUT_A = Layout3D(hidden="l", rows="j")  # embeddings, norms, residual stream
+LAYOUT_B = LAYOUT_A.flip()  # inside attention and the MLP, and the logits
+
+# The layout each role is fed.
+ROLE_LAYOUT = {"qkv": LAYOUT_A, "mlp_in": LAYOUT_A, "lm_head": LAYOUT_A,
+               "attn_out": LAYOUT_B, "mlp_out": LAYOUT_B}
+
+
+class Linear3D(nn.Module):
+    def __init__(self, weight, bias, layout: Layout3D, groups: dict):
+        super().__init__()
+        self.weight, self.bias, self.layout = weight, bias, layout
+        self.rows_group = groups[layout.rows]
+        self.weight_group = groups["i"]
+        self.hidden_group = groups[layout.hidden]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = comm.gather_along(x, self.rows_group, 0)
+        weight = comm.gather_along(self.weight, self.weight_group, 0)
+        y = comm.reduce_scatter_along(F.linear(x, weight), self.hidden_group, 0)
+        return y if self.bias is None else y + self.bias
+
+
+class Embedding3D(nn.Module):
+    """A lookup as a 3d linear of one-hot rows: gather this rank's vocabulary
+    block over i, look up the ids of rows block i that fall in it, then sum
+    over the vocabulary blocks while scattering the rows."""
+
+    def __init__(self, weight, layout: Layout3D, vocab_block: int, groups: dict):
+        super().__init__()
+        self.weight, self.layout, self.vocab_block = weight, layout, vocab_block
+        self.weight_group, self.rows_group = groups["i"], groups[layout.rows]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        table = comm.gather_along(self.weight, self.weight_group, 0)
+        local = ids - self.vocab_block * table.shape[0]
+        outside = (local < 0) | (local >= table.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), table).masked_fill(outside.unsqueeze(-1), 0.0)
+        return comm.reduce_scatter_along(out, self.rows_group, 0)
+
+
+class ThreeD(ParallelMode):
+    name = "3d"
+
+    def __init__(self, mesh):
+        super().__init__(mesh)
+        self.q = mesh.geo.q
+        self.c = mesh.coords
+
+    # ---- data: read rows block i; feed it whole (the embedding scatters
+    # it to rows (i, j)); score rows (i, l), where the LM head's logits land.
+    def read_block(self):
+        return self.c["i"], self.q
+
+    def split_target(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.chunk(self.q, 0)[self.c[LAYOUT_B.rows]]
+
+    def shard_hidden(self, x: torch.Tensor, layout: Layout3D = LAYOUT_A) -> torch.Tensor:
+        """This rank's piece of a [rows, seq, hidden] activation in `layout`."""
+        rows = x.chunk(self.q * self.q, 0)[self.c["i"] * self.q + self.c[layout.rows]]
+        return rows.chunk(self.q, -1)[self.c[layout.hidden]]
+
+    @property
+    def loss_replicas(self) -> int:
+        return self.q
+
+    def loss_group(self):
+        return self.mesh.groups[LAYOUT_B.hidden]
+
+    def vocab_block(self) -> int:
+        return self.c[LAYOUT_B.hidden]
+
+    # ---- parameter layouts -------------------------------------------------
+    def _weight_ranges(self, n: int, layout: Layout3D, parts: int = 1):
+        """Block (r, i) of q*q blocks of an output dim fed `layout`."""
+        index = self.c[layout.rows] * self.q + self.c["i"]
+        if parts > 1:
+            return fused_block(n, parts, self.q, self.q * self.q, index)
+        return block(n, self.q * self.q, index)
+
+    def _hidden_spec(self, full: torch.Tensor, layout: Layout3D, dim: int = 0, ranges=None) -> ShardSpec:
+        """Split by `layout`'s hidden block, replicated over its plane."""
+        if ranges is None:
+            ranges = block(full.shape[dim], self.q, self.c[layout.hidden])
+        index = tuple(ranges if d == dim else None for d in range(full.dim()))
+        plane = layout.replica_plane
+        return ShardSpec(tuple(full.shape), index, tuple(self.mesh.group_ranks[plane]), True, self.mesh.groups[plane])
+
+    def _linear(self, linear: nn.Linear, ctx: RewriteContext, role: str, parts: int = 1,
+                out: int | None = None) -> Linear3D:
+        layout = ROLE_LAYOUT[role]
+        n = out if out is not None else linear.out_features
+        in_ranges = block(linear.in_features, self.q, self.c[layout.hidden])
+        spec = ShardSpec(tuple(linear.weight.shape), (self._weight_ranges(n, layout, parts), in_ranges))
+        weight = ctx.shard(linear.weight, spec)
+        bias = None
+        if linear.bias is not None:
+            out_layout = layout.flip()
+            ranges = (fused_block(n, parts, self.q, self.q, self.c[out_layout.hidden]) if parts > 1
+                      else block(n, self.q, self.c[out_layout.hidden]))
+            bias = ctx.shard(linear.bias, self._hidden_spec(linear.bias, out_layout, ranges=ranges))
+        return Linear3D(weight, bias, layout, self.mesh.groups)
+
+    # ---- roles ----------------------------------------------------------------
+    def convert_qkv(self, module, ctx):
+        return self._linear(module, ctx, "qkv", parts=3)
+
+    def convert_mlp_in(self, module, ctx):
+        return self._linear(module, ctx, "mlp_in")
+
+    def convert_attn_out(self, module, ctx):
+        return self._linear(module, ctx, "attn_out")
+
+    def convert_mlp_out(self, module, ctx):
+        return self._linear(module, ctx, "mlp_out")
+
+    def convert_lm_head(self, module, ctx):
+        return self._linear(module, ctx, "lm_head", out=self.padded_vocab(module.out_features))
+
+    def convert_embedding(self, module: nn.Embedding, ctx):
+        rows = self.padded_vocab(module.num_embeddings)
+        in_ranges = block(module.embedding_dim, self.q, self.c[LAYOUT_A.hidden])
+        spec = ShardSpec(tuple(module.weight.shape), (self._weight_ranges(rows, LAYOUT_A), in_ranges))
+        return Embedding3D(ctx.shard(module.weight, spec), LAYOUT_A, self.c[LAYOUT_A.rows], self.mesh.groups)
+
+    def convert_pos_embedding(self, module: nn.Embedding, ctx):
+        return Lookup(ctx.shard(module.weight, self._hidden_spec(module.weight, LAYOUT_A, dim=1)))
+
+    def convert_norm(self, module: nn.LayerNorm, ctx):
+        hidden = module.normalized_shape[-1]
+        shard = lambda p: None if p is None else ctx.shard(p, self._hidden_spec(p, LAYOUT_A))  # noqa: E731
+        return SplitLayerNorm(shard(module.weight), shard(module.bias), hidden, module.eps,
+                              self.mesh.groups[LAYOUT_A.hidden])
+
+    def convert_dropout(self, module: nn.Dropout, ctx):
+        return ParallelDropout(module.p, self.mesh.rng_local)  # every activation is sharded
+
+    convert_attn_dropout = convert_dropout

@@ -1,0 +1,114 @@
+"""`tpctl train` as a user runs it: a real subprocess per test.
+
+A bad config must exit 2 with one line on stderr naming the key, the value
+and what would be valid, before any run dir exists or any worker starts
+(DESIGN.md, section 3).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from cli_support import tpctl  # noqa: F401  (fixture)
+
+# (overrides, key, value as printed, a fragment of what would be valid)
+BAD_CONFIGS = [
+    (["mode=4d"], "mode", "'4d'", "none, 1d, 2d, 2.5d, 3d"),
+    (["size=0"], "size", "0", "positive"),
+    (["mode=2d", "size=3"], "size", "3", "square number"),
+    (["mode=2.5d", "depth=2", "size=6"], "size", "6", "depth*q*q; with depth=2: 2, 8, 18"),
+    (["model.n_head=3", "mode=1d", "size=2"], "model.n_head", "3", "multiple of 2"),
+    # 1d splits heads and hidden alike: the heads are named first.
+    (["mode=1d", "size=3"], "model.n_head", "4", "multiple of 3"),
+    # 3d splits heads q ways but the hidden dim q*q ways.
+    (["mode=3d", "size=8", "model.n_head=2", "model.n_embd=66"], "model.n_embd", "66", "hidden dim 4 ways"),
+    # 2d size 4 splits the batch 2 ways, 3d size 8 4 ways.
+    (["train.batch_size=5", "mode=2d", "size=4"], "train.batch_size", "5", "multiple of 2"),
+    (["train.batch_size=6", "mode=3d", "size=8"], "train.batch_size", "6", "multiple of 4"),
+    (["data.path=/nonexistent"], "data.path", "'/nonexistent'", "no such file"),
+    (["train.seq_len=65"], "train.seq_len", "65", "model.block_size=64"),
+    (["model.arch=gtp"], "model.arch", "'gtp'", "did you mean 'gpt'"),
+    (["trian.steps=5"], "trian.steps", "5", "did you mean 'train'"),
+    (["train.stpes=5"], "train.stpes", "5", "valid keys under 'train': steps,"),
+    (["+train.foo=1"], "train.foo", "1", "unknown key"),
+    (["train.steps=abc"], "train.steps", "'abc'", "expected an integer"),
+    (["seq_parallel=maybe"], "seq_parallel", "'maybe'", "expected true or false"),
+    (["model=gpt-huge"], "model", "'gpt-huge'", "available: gpt-small, gpt-tiny, mlp"),
+    (["size=2,4"], "size", "'2,4'", "--multirun"),
+    (["train.steps"], "override", "'train.steps'", "key=value"),
+    # In a sweep one bad job stops them all, the good ones included.
+    (["-m", "mode=2d", "size=4,3"], "size", "3", "square number"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("overrides,key,value,valid", BAD_CONFIGS, ids=[" ".join(c[0]) for c in BAD_CONFIGS])
+def test_bad_config_exits_2_with_one_line_before_any_worker(tpctl, overrides, key, value, valid):
+    # Were the config accepted, the fake worker would write files to the run dir.
+    tpctl.extra_env["TPCTL_WORKER_MODULE"] = "tests.fake_worker"
+    run_dir, sweep_dir = tpctl.cwd / "run", tpctl.cwd / "sweep"
+    result = tpctl.run(["train", *overrides, f"hydra.run.dir={run_dir}", f"hydra.sweep.dir={sweep_dir}"])
+
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    line = lines[0]
+    assert line.startswith("tpctl: error: invalid config: "), line
+    assert f" {key}={value}: " in line, line
+    assert valid in line, line
+    assert not run_dir.exists() and not sweep_dir.exists(), "a run dir was created"
+    assert not list(tpctl.cwd.rglob("config.yaml")) and not list(tpctl.cwd.rglob("*.log"))
+    assert tpctl.leftover_pids(wait_s=0) == []
+
+
+@pytest.mark.timeout(60)
+def test_cfg_job_prints_composed_config_and_starts_nothing(tpctl):
+    result = tpctl.run(["train", "--cfg", "job", "mode=1d", "size=2", "model=mlp", "train.steps=7"])
+    assert result.returncode == 0, result.stderr
+    assert "mode: 1d" in result.stdout and "steps: 7" in result.stdout and "arch: mlp" in result.stdout
+    assert not (tpctl.cwd / "outputs").exists()
+
+
+@pytest.mark.timeout(60)
+def test_help(tpctl):
+    top = tpctl.run(["--help"])
+    assert top.returncode == 0 and "train" in top.stdout
+    hydra_help = tpctl.run(["train", "--help"])
+    assert hydra_help.returncode == 0, hydra_help.stderr
+    assert "model: gpt-small, gpt-tiny, mlp" in hydra_help.stdout
+    unknown = tpctl.run(["trian"])
+    assert unknown.returncode == 2 and unknown.stderr.strip().splitlines() == [
+        "tpctl: error: unknown command 'trian'; expected: train (see tpctl --help)"
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_multirun_gives_each_job_its_own_run_dir(tpctl):
+    tpctl.extra_env["TPCTL_WORKER_MODULE"] = "tests.fake_worker"
+    sweep = tpctl.cwd / "sweep"
+    result = tpctl.run(["train", "-m", "mode=1d", "size=1,2", "data=synthetic", f"hydra.sweep.dir={sweep}"], timeout=100)
+    assert result.returncode == 0, result.stderr
+    for job, size in (("0", 1), ("1", 2)):
+        config = (sweep / job / "config.yaml").read_text()
+        assert f"size: {size}" in config
+        assert sorted(p.name for p in (sweep / job).glob("fake_worker_rank*.pid")) == [f"fake_worker_rank{r}.pid" for r in range(size)]
+    assert tpctl.leftover_pids() == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(importlib.util.find_spec("tpctl.worker") is None or importlib.util.find_spec("tpctl.data") is None,
+                    reason="tpctl.worker / tpctl.data not written yet")
+def test_train_end_to_end_writes_the_run_dir_contract(tpctl):
+    run_dir = tpctl.cwd / "run"
+    result = tpctl.run(["train", "mode=1d", "size=2", "data=synthetic", "train.steps=4", "train.log_every=2",
+                        "train.eval_every=0", "train.progress=false", f"hydra.run.dir={run_dir}"], timeout=100)
+    assert result.returncode == 0, result.stderr
+    assert "size: 2" in (run_dir / "config.yaml").read_text()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r][-1] == 4
+    for key in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s"):
+        assert key in records[-1], key
+    assert tpctl.leftover_pids() == []

@@ -1,0 +1,80 @@
+"""The launcher with a stand-in worker (tests/fake_worker.py): success, a rank
+that raises, and Ctrl-C. No test may leave a process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from cli_support import REPO, tpctl  # noqa: F401  (fixture)
+from tpctl.config import compose_jobs
+from tpctl.launcher import launch
+
+
+def fake_run_args(run_dir: Path, *overrides: str) -> list[str]:
+    return ["train", *overrides, "data=synthetic", f"hydra.run.dir={run_dir}"]
+
+
+def pid_files(run_dir: Path) -> list[Path]:
+    return sorted(run_dir.glob("fake_worker_rank*.pid"))
+
+
+def assert_dead(pids: list[int]) -> None:
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:1], pid
+
+
+@pytest.mark.timeout(60)
+def test_launch_runs_size_times_dp_workers(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    cfg = compose_jobs(["mode=1d", "size=2", "dp=2"])[0]
+    OmegaConf.save(cfg, tmp_path / "config.yaml")
+    assert launch(cfg, tmp_path, worker_module="tests.fake_worker") == 0
+    assert [p.name for p in pid_files(tmp_path)] == [f"fake_worker_rank{r}.pid" for r in range(4)]
+
+
+@pytest.mark.timeout(90)
+def test_failing_rank_is_named_and_the_others_are_stopped(tpctl):
+    # Rank 1 raises; the others would sleep a minute if nobody stopped them.
+    tpctl.extra_env.update(TPCTL_WORKER_MODULE="tests.fake_worker", FAKE_WORKER_FAIL_RANK="1", FAKE_WORKER_SLEEP="60")
+    run_dir = tpctl.cwd / "run"
+    start = time.monotonic()
+    result = tpctl.run(fake_run_args(run_dir, "mode=1d", "size=2", "dp=2"), timeout=80)
+    elapsed = time.monotonic() - start
+
+    assert result.returncode == 1, result.stderr
+    assert "tpctl: error: rank 1 failed with exit code 1: RuntimeError: fake failure on rank 1" in result.stderr
+    assert "tpctl: stopped the other ranks: 0, 2, 3" in result.stderr
+    assert f"tpctl: error: training failed in {run_dir}" in result.stderr
+    assert elapsed < 40, "the other ranks were waited for, not stopped"
+    assert len(pid_files(run_dir)) == 4
+    assert_dead([int(p.read_text()) for p in pid_files(run_dir)])
+    assert tpctl.leftover_pids() == []
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_stops_every_worker_and_exits_130(tpctl):
+    tpctl.extra_env.update(TPCTL_WORKER_MODULE="tests.fake_worker", FAKE_WORKER_SLEEP="60")
+    run_dir = tpctl.cwd / "run"
+    proc = tpctl.start(fake_run_args(run_dir, "mode=1d", "size=2"))
+    try:
+        deadline = time.monotonic() + 40
+        while len(pid_files(run_dir)) < 2:  # every worker is running
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C sends to the launcher
+        _, stderr = proc.communicate(timeout=40)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "interrupted by SIGINT" in stderr
+    assert_dead([int(p.read_text()) for p in pid_files(run_dir)])
+    assert tpctl.leftover_pids() == []

@@ -44,12 +44,16 @@ class CommStats:
 STATS = CommStats()
 
 
+# `None` means "this rank alone" (a collective over it is a no-op), never
+# torch's implicit WORLD: the whole world is always named, dist.group.WORLD.
+
+
 def group_size(group: Group) -> int:
-    return dist.get_world_size(group)
+    return 1 if group is None else dist.get_world_size(group)
 
 
 def group_rank(group: Group) -> int:
-    return dist.get_rank(group)
+    return 0 if group is None else dist.get_rank(group)
 
 
 def all_reduce(tensor: torch.Tensor, group: Group, op=dist.ReduceOp.SUM) -> torch.Tensor:

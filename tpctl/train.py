@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from . import comm
 from .data import TokenData
@@ -83,7 +84,7 @@ class Trainer:
         """Mean over the global batch from each rank's sum over its rows:
         every row's loss lives on `loss_replicas` ranks of its group."""
         total = local_sum.detach().double().reshape(1).clone()
-        comm.all_reduce(total, None)
+        comm.all_reduce(total, dist.group.WORLD)
         return total.item() / (self.mode.loss_replicas * self.tokens_per_step)
 
     def train_step(self, step: int) -> dict:

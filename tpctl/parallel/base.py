@@ -70,6 +70,11 @@ class ParallelMode:
     def split_target(self, rows: torch.Tensor) -> torch.Tensor:
         return rows
 
+    def shard_hidden(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a [rows, seq, hidden] activation between
+        blocks (the residual stream), given the rows it reads."""
+        return rows
+
     def read_rows(self, batch_size: int, grad_accum: int, micro: int) -> range:
         """Rows of the global batch this rank reads for micro-batch `micro`."""
         per_micro = batch_size // grad_accum

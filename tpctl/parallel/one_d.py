@@ -93,6 +93,9 @@ class OneD(ParallelMode):
         self.group = mesh.tp_group
         self.p, self.world = mesh.tp_rank, mesh.tp_size
 
+    def shard_hidden(self, rows: torch.Tensor) -> torch.Tensor:
+        return comm.split_block(rows, self.group, SEQ_DIM) if self.seq_parallel else rows
+
     @property
     def loss_replicas(self) -> int:
         return self.world

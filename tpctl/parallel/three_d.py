@@ -101,10 +101,10 @@ class ThreeD(ParallelMode):
     def split_target(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.chunk(self.q, 0)[self.c[LAYOUT_B.rows]]
 
-    def shard_hidden(self, x: torch.Tensor, layout: Layout3D = LAYOUT_A) -> torch.Tensor:
-        """This rank's piece of a [rows, seq, hidden] activation in `layout`."""
-        rows = x.chunk(self.q * self.q, 0)[self.c["i"] * self.q + self.c[layout.rows]]
-        return rows.chunk(self.q, -1)[self.c[layout.hidden]]
+    def shard_hidden(self, rows: torch.Tensor, layout: Layout3D = LAYOUT_A) -> torch.Tensor:
+        """This rank's piece of an activation in `layout` (default: the
+        residual stream's), given rows block i."""
+        return rows.chunk(self.q, 0)[self.c[layout.rows]].chunk(self.q, -1)[self.c[layout.hidden]]
 
     @property
     def loss_replicas(self) -> int:

@@ -142,10 +142,8 @@ class TwoD(ParallelMode):
     def read_block(self):
         return self.h * self.grid.q + self.grid.i, self.depth * self.grid.q
 
-    def shard_hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of a [rows, seq, hidden] activation."""
-        index, count = self.read_block()
-        return x.chunk(count, 0)[index].chunk(self.grid.q, -1)[self.grid.j]
+    def shard_hidden(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.chunk(self.grid.q, -1)[self.grid.j]
 
     @property
     def loss_replicas(self) -> int:

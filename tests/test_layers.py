@@ -1,0 +1,224 @@
+"""Every parallel layer against the single-process layer it replaces.
+
+One pool of 8 gloo ranks serves every mode: a mesh of `size` ranks takes
+dp = 8 / size replicas, so data parallelism is exercised too. For each case
+the reference module runs whole on every rank; the parallel copy runs on this
+rank's rows and shards; outputs, input grads and parameter grads (after the
+gradient sync) must equal the reference's slices within fp32 round-off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tpctl.testing import DistPool
+
+WORLD = 8
+# id: (mode, size, depth, dp, seq_parallel)
+MESHES = {
+    "none-dp8": ("none", 1, 1, 8, False),
+    "1d-2-dp4": ("1d", 2, 1, 4, False),
+    "1d-4-sp-dp2": ("1d", 4, 1, 2, True),
+    "1d-4-dp2": ("1d", 4, 1, 2, False),
+    "2d-4-dp2": ("2d", 4, 1, 2, False),
+    "2.5d-8-d2": ("2.5d", 8, 2, 1, False),
+    "3d-8": ("3d", 8, 1, 1, False),
+}
+TOL = dict(rtol=1e-5, atol=1e-5)
+BATCH, SEQ, HIDDEN, HEADS = 8, 8, 16, 4
+
+# --------------------------------------------------------------------------
+# Code run on the ranks.
+
+_modes: dict = {}  # per rank process: process groups are built once per mesh
+
+
+def _mode(key: str):
+    if key not in _modes:
+        from tpctl.mesh import init_mesh
+        from tpctl.parallel import get_mode
+
+        mode, size, depth, dp, sp = MESHES[key]
+        _modes[key] = get_mode(init_mesh(mode, size, depth, dp, seed=0), seq_parallel=sp)
+    return _modes[key]
+
+
+def _model_cfg(**kw):
+    from tpctl.schema import ModelConfig
+
+    base = dict(vocab_size=37, n_layer=2, n_head=HEADS, n_embd=HIDDEN, block_size=SEQ, dropout=0.0)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+class Sandwich(nn.Module):
+    """Embedding -> [block] -> norm -> LM head: the input and output ends."""
+
+    tp_plan = {"wte": "embedding", "wpe": "pos_embedding", "ln": "norm", "lm_head": "lm_head"}
+
+    def __init__(self, cfg, tied: bool, head_bias: bool):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.ln = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=head_bias)
+        if tied:
+            self.lm_head.weight = self.wte.weight
+
+    def forward(self, ids):
+        return self.lm_head(self.ln(self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))))
+
+
+def _build(case: str):
+    """(module, plan, kind) for a case; kind says what it maps."""
+    from tpctl.models.gpt import GPT, MLP, Block, CausalSelfAttention
+    from tpctl.models.mlp import TokenMLP
+
+    cfg = _model_cfg()
+    attn_plan = {"qkv": "qkv", "proj": "attn_out", "attn_drop": "attn_dropout", "resid_drop": "dropout"}
+    if case == "mlp":
+        return MLP(cfg), {"fc": "mlp_in", "proj": "mlp_out", "drop": "dropout"}, "hidden"
+    if case == "mlp-nobias":
+        return MLP(_model_cfg(bias=False)), {"fc": "mlp_in", "proj": "mlp_out", "drop": "dropout"}, "hidden"
+    if case == "norm":
+        norm = nn.LayerNorm(HIDDEN)
+        nn.init.normal_(norm.weight)
+        nn.init.normal_(norm.bias)
+        return nn.Sequential(norm), {"0": "norm"}, "hidden"
+    if case == "norm-nobias":
+        norm = nn.LayerNorm(HIDDEN, bias=False)
+        nn.init.normal_(norm.weight)
+        return nn.Sequential(norm), {"0": "norm"}, "hidden"
+    if case == "attention":
+        return CausalSelfAttention(cfg), attn_plan, "hidden"
+    if case == "block":
+        plan = {"ln_1": "norm", "ln_2": "norm", "mlp.fc": "mlp_in", "mlp.proj": "mlp_out", "mlp.drop": "dropout"}
+        plan.update({f"attn.{k}": v for k, v in attn_plan.items()})
+        return Block(cfg), plan, "hidden"
+    if case == "embedding":
+        class Embed(nn.Module):
+            tp_plan = {"wte": "embedding", "wpe": "pos_embedding"}
+
+            def __init__(self):
+                super().__init__()
+                self.wte, self.wpe = nn.Embedding(cfg.vocab_size, HIDDEN), nn.Embedding(SEQ, HIDDEN)
+
+            def forward(self, ids):
+                return self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+        return Embed(), None, "ids->hidden"
+    if case == "head-tied":
+        return Sandwich(cfg, tied=True, head_bias=False), None, "ids->loss"
+    if case == "head-untied-bias":
+        return Sandwich(cfg, tied=False, head_bias=True), None, "ids->loss"
+    if case == "gpt":
+        return GPT(_model_cfg(vocab_size=64)), None, "ids->loss"
+    if case == "token-mlp":
+        return TokenMLP(_model_cfg(tie_embeddings=False)), None, "ids->loss"
+    raise KeyError(case)
+
+
+def _compare(key: str, case: str, label_smoothing: float = 0.0) -> int:
+    import torch.nn.functional as F
+
+    from tpctl.parallel.base import parallelize, sync_grads
+
+    mode = _mode(key)
+    torch.manual_seed(0)
+    ref, plan, kind = _build(case)
+    torch.manual_seed(0)
+    par = parallelize(_build(case)[0], mode, plan)
+    gen = torch.Generator().manual_seed(1)
+    rows = mode.read_rows(BATCH, 1, 0)
+    vocab = getattr(ref, "wte", None).num_embeddings if kind.startswith("ids") else None
+
+    if kind == "hidden":
+        x = torch.randn(BATCH, SEQ, HIDDEN, generator=gen, requires_grad=True)
+        x_local = mode.shard_hidden(x.detach()[rows.start:rows.stop]).clone().requires_grad_()
+        ref_in, par_in = x, x_local
+    else:
+        ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+        ref_in, par_in = ids, mode.split_input(ids[rows.start:rows.stop])
+
+    ref_out, par_out = ref(ref_in), par(par_in)
+    if kind == "ids->loss":
+        targets = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+        ref_loss = F.cross_entropy(ref_out.reshape(-1, vocab), targets.reshape(-1), reduction="sum",
+                                   label_smoothing=label_smoothing)
+        local = mode.split_target(targets[rows.start:rows.stop])
+        par_loss = mode.cross_entropy(par_out, local, vocab, label_smoothing).sum()
+        total = par_loss.detach().double().reshape(1).clone()
+        torch.distributed.all_reduce(total)  # world: every rank holds some rows
+        torch.testing.assert_close(total.item() / mode.loss_replicas, ref_loss.item(), **TOL)
+        ref_loss.backward()
+        par_loss.backward()
+    else:
+        probe = torch.randn(ref_out.shape, generator=gen)
+        expected = mode.shard_hidden(ref_out.detach()[rows.start:rows.stop])
+        torch.testing.assert_close(par_out, expected, **TOL)
+        (ref_out * probe).sum().backward()
+        (par_out * mode.shard_hidden(probe[rows.start:rows.stop])).sum().backward()
+        if kind == "hidden":
+            torch.testing.assert_close(x_local.grad, mode.shard_hidden(x.grad[rows.start:rows.stop]), **TOL)
+
+    sync_grads(par, mode.mesh)
+    ref_params = dict(ref.named_parameters())
+    checked = 0
+    for name, p in par.named_parameters():
+        torch.testing.assert_close(p.grad, p.tpctl_spec.slice(ref_params[name].grad), **TOL,
+                                   msg=lambda m, name=name: f"grad of {name}: {m}")
+        checked += 1
+    return checked
+
+
+def _dropout_masks(key: str) -> list[bool]:
+    """Same-mask / own-mask rule: returns, for each dropout role, whether the
+    tensor-parallel ranks drew identical masks."""
+    from tpctl.parallel.base import parallelize
+
+    mode = _mode(key)
+    net = parallelize(nn.Sequential(nn.Dropout(0.5), nn.Dropout(0.5)), mode, {"0": "dropout", "1": "attn_dropout"})
+    out = []
+    for layer in net:
+        mask = layer(torch.ones(64)).ne(0).float()
+        masks = [torch.empty_like(mask) for _ in range(mode.mesh.tp_size)]
+        torch.distributed.all_gather(masks, mask, group=mode.mesh.tp_group)
+        out.append(all(torch.equal(m, masks[0]) for m in masks))
+    return out
+
+
+# --------------------------------------------------------------------------
+# The tests.
+
+@pytest.fixture(scope="module")
+def pool():
+    p = DistPool(WORLD, timeout_s=120)
+    yield p
+    p.close()
+
+
+CASES = ["mlp", "mlp-nobias", "norm", "norm-nobias", "attention", "block", "embedding",
+         "head-tied", "head-untied-bias", "token-mlp", "gpt"]
+
+
+@pytest.mark.parametrize("key", list(MESHES))
+@pytest.mark.parametrize("case", CASES)
+def test_layer_matches_single_process(pool, key, case):
+    checked = pool.run(_compare, key, case)
+    assert all(n > 0 for n in checked)
+
+
+@pytest.mark.parametrize("key", ["1d-4-dp2", "2d-4-dp2", "3d-8"])
+def test_label_smoothing(pool, key):
+    pool.run(_compare, key, "head-untied-bias", 0.1)
+
+
+@pytest.mark.parametrize("key,same", [
+    ("1d-4-dp2", [True, False]),  # replicated residual stream; heads split
+    ("1d-4-sp-dp2", [False, False]),  # sequence shards
+    ("2d-4-dp2", [False, False]),
+    ("3d-8", [False, False]),
+])
+def test_dropout_rng_rule(pool, key, same):
+    assert pool.run(_dropout_masks, key) == [same] * WORLD

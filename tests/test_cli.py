@@ -85,6 +85,30 @@ def test_help(tpctl):
     ]
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,message", [
+    (["train", "--foo"], "tpctl: error: tpctl train: unrecognized arguments: --foo (see tpctl train --help)"),
+    (["train", "-cp", "elsewhere"], "tpctl: error: --config-path/-cp is not supported; add a config directory with --config-dir/-cd"),
+    ([], None),
+])
+def test_usage_errors_exit_2_with_one_line(tpctl, args, message):
+    result = tpctl.run(args)
+    assert result.returncode == 2, result.stderr
+    if message is not None:
+        assert result.stderr.strip().splitlines() == [message]
+
+
+@pytest.mark.timeout(60)
+def test_a_group_file_with_a_bad_key_is_named(tpctl):
+    (tpctl.cwd / "extra" / "model").mkdir(parents=True)
+    (tpctl.cwd / "extra" / "model" / "mine.yaml").write_text("arch: gpt\nn_embed: 64\n")
+    result = tpctl.run(["train", "-cd", str(tpctl.cwd / "extra"), "model=mine"])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "tpctl: error: invalid config: model='mine': the config file model/mine.yaml is invalid at model.n_embed: Key 'n_embed' not in 'ModelConfig'"
+    ]
+
+
 @pytest.mark.timeout(120)
 def test_multirun_gives_each_job_its_own_run_dir(tpctl):
     tpctl.extra_env["TPCTL_WORKER_MODULE"] = "tests.fake_worker"

@@ -78,3 +78,16 @@ def test_ctrl_c_stops_every_worker_and_exits_130(tpctl):
     assert "interrupted by SIGINT" in stderr
     assert_dead([int(p.read_text()) for p in pid_files(run_dir)])
     assert tpctl.leftover_pids() == []
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_job_of_a_multirun_does_not_stop_the_others(tpctl):
+    # Only the size=2 job has a rank 1 to fail; the size=1 job trains.
+    tpctl.extra_env.update(TPCTL_WORKER_MODULE="tests.fake_worker", FAKE_WORKER_FAIL_RANK="1")
+    sweep = tpctl.cwd / "sweep"
+    result = tpctl.run(["train", "-m", "mode=1d", "size=2,1", "data=synthetic", f"hydra.sweep.dir={sweep}"], timeout=100)
+    assert result.returncode == 1, result.stderr
+    assert "rank 1 failed" in result.stderr
+    assert f"tpctl: error: training failed in {sweep / '0'}" in result.stderr
+    assert len(pid_files(sweep / "0")) == 2 and len(pid_files(sweep / "1")) == 1
+    assert tpctl.leftover_pids() == []

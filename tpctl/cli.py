@@ -58,7 +58,9 @@ def train(args: list[str]) -> int:
     """`tpctl train ARGS`: check every job, then hand ARGS to Hydra."""
     from hydra._internal.utils import get_args_parser
 
-    flags = get_args_parser().parse_args(args)  # Hydra's own flags, so nothing differs
+    parser = get_args_parser()  # Hydra's own flags, so nothing differs
+    parser.error = lambda message: sys.exit(_usage_error(f"tpctl train: {message} (see tpctl train --help)"))
+    flags = parser.parse_args(args)
     if flags.config_path:
         return _usage_error("--config-path/-cp is not supported; add a config directory with --config-dir/-cd")
     informational = flags.help or flags.hydra_help or flags.shell_completion or flags.info

@@ -13,6 +13,7 @@ e.g. `tests.fake_worker`, so the launcher can be tested on its own.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import signal
@@ -39,6 +40,9 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
 
     run_dir = Path(run_dir)
     module = worker_module or os.environ.get(WORKER_MODULE_ENV) or WORKER_MODULE
+    if not _module_exists(module):  # else every rank would fail with the same ImportError
+        print(f"tpctl: error: worker module {module!r} not found (check {WORKER_MODULE_ENV})", file=sys.stderr)
+        return 1
     nproc = cfg.size * cfg.dp
     addr = cfg.launcher.master_addr
     port = cfg.launcher.master_port or free_port(addr)
@@ -114,6 +118,13 @@ def failure_reason(failure: Any) -> str:
         return "no error recorded (see the rank's output; the worker's main needs @record)"
     # "<Type>: <message>"; keep the first line of a message that spans several.
     return str(message).strip().splitlines()[0]
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a parent package is missing
+        return False
 
 
 def free_port(addr: str) -> int:

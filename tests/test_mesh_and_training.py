@@ -161,3 +161,36 @@ def test_gpt_small_param_bytes_per_rank_follow_theory(pool, mesh, factor):
     for _, per_rank in results:
         assert per_rank == pytest.approx(theory, rel=0.05), f"{per_rank / 2**20:.1f} MiB vs {theory / 2**20:.1f} MiB"
     assert not math.isclose(theory, total) or factor == 1
+
+
+def _public_api_loop() -> float:
+    """The docstring's custom loop, one step, against one process."""
+    import torch.nn.functional as F
+
+    import tpctl
+    from tpctl.models import build_model
+    from tpctl.schema import ModelConfig
+
+    cfg = ModelConfig(vocab_size=50, n_embd=16, n_head=4, block_size=8)
+    gen = torch.Generator().manual_seed(3)
+    ids, targets = torch.randint(0, 50, (8, 8), generator=gen), torch.randint(0, 50, (8, 8), generator=gen)
+    ref = build_model(cfg, seed=0)
+    ref_loss = F.cross_entropy(ref(ids).reshape(-1, 50), targets.reshape(-1))
+    ref_loss.backward()
+
+    tp = tpctl.init_parallel(mode="3d", size=8)
+    model = tpctl.parallelize(build_model(cfg, seed=0), tp)
+    loss_sum = tp.cross_entropy(model(tp.shard_batch(ids)), tp.shard_targets(targets), 50).sum()
+    (loss_sum / targets.numel()).backward()
+    tp.sync_grads(model)
+    norm = tp.clip_grad_norm_(model, 1e9)  # no clipping: just the global norm
+    ref_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref.parameters())).item()
+    assert norm == pytest.approx(ref_norm, rel=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, p.tpctl_spec.slice(dict(ref.named_parameters())[name].grad),
+                                   rtol=1e-5, atol=1e-6)
+    return tp.global_mean(loss_sum, targets.numel()) - ref_loss.item()
+
+
+def test_public_api_custom_loop(pool):
+    assert all(abs(d) < 1e-5 for d in pool.run(_public_api_loop))

@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from . import comm
 from .data import TokenData
-from .parallel.base import ParallelMode, grad_norm, sync_grads
+from .parallel.base import ParallelMode
 
 log = logging.getLogger("tpctl.train")
 
@@ -80,12 +79,6 @@ class Trainer:
         logits = self.model(x)
         return self.mode.cross_entropy(logits, y, self.cfg.model.vocab_size, self.cfg.train.label_smoothing).sum()
 
-    def _global_mean(self, local_sum: torch.Tensor) -> float:
-        """Mean over the global batch from each rank's sum over its rows:
-        every row's loss lives on `loss_replicas` ranks of its group."""
-        total = local_sum.detach().double().reshape(1).clone()
-        comm.all_reduce(total, dist.group.WORLD)
-        return total.item() / (self.mode.loss_replicas * self.tokens_per_step)
 
     def train_step(self, step: int) -> dict:
         self.model.train()
@@ -97,20 +90,13 @@ class Trainer:
             # the gradient of the global mean, whatever the split.
             (loss_sum / self.tokens_per_step).backward()
             local_sum += loss_sum.detach()
-        sync_grads(self.model, self.mesh)
-        norm = grad_norm(self.model, self.mesh)
-        clip = self.cfg.optim.grad_clip
-        if clip > 0:
-            coef = clip / (norm.item() + 1e-6)
-            if coef < 1.0:
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+        self.mode.sync_grads(self.model)
+        norm = self.mode.clip_grad_norm_(self.model, self.cfg.optim.grad_clip)
         lr = self.schedule(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        return {"loss": self._global_mean(local_sum), "lr": lr, "grad_norm": norm.item()}
+        return {"loss": self.mode.global_mean(local_sum, self.tokens_per_step), "lr": lr, "grad_norm": norm}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -119,7 +105,7 @@ class Trainer:
         for k in range(self.cfg.train.eval_batches):
             for x, y in self._micro_batches("val", k):
                 local_sum += self._loss_sum(x, y)
-        return self._global_mean(local_sum) / self.cfg.train.eval_batches
+        return self.mode.global_mean(local_sum, self.tokens_per_step * self.cfg.train.eval_batches)
 
     # ---- the loop ----------------------------------------------------------
     def fit(self) -> list[dict]:
@@ -127,12 +113,17 @@ class Trainer:
         records: list[dict] = []
         metrics_file = open(self.run_dir / "metrics.jsonl", "w") if (self.is_logger and self.run_dir) else None
         progress = _Progress(t.steps, enabled=self.is_logger and t.progress)
+        # Bytes this rank hands to collectives during training steps (eval
+        # excluded), for comparing modes against their cost model.
+        self.comm_train_bytes = 0
         start = last_time = time.perf_counter()
         last_step = 0
         try:
             with progress:
                 for step in range(t.steps):
+                    before = comm.STATS.total_bytes()
                     out = self.train_step(step)
+                    self.comm_train_bytes += comm.STATS.total_bytes() - before
                     done = step + 1
                     logged = done % t.log_every == 0 or done == t.steps
                     evaluated = t.eval_every > 0 and (done % t.eval_every == 0 or done == t.steps)
@@ -167,7 +158,8 @@ class Trainer:
             "steps": last["step"], "first_loss": first["loss"], "final_loss": last["loss"],
             "val_loss": next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None),
             "tokens_per_s": last["step"] * self.tokens_per_step / self.elapsed_s,
-            "time_s": self.elapsed_s, "param_bytes_per_rank": param_bytes(self.model),
+            "time_s": self.elapsed_s, "param_bytes": param_bytes(self.model),
+            "comm_bytes_per_step": self.comm_train_bytes / last["step"],
             "peak_rss_bytes": rss,
         }
         if self.mesh.device.type == "cuda":

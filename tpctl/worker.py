@@ -5,6 +5,7 @@ and never runs Hydra. Each arrow of a run's flow is one call in `main`."""
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import sys
@@ -30,6 +31,20 @@ def init_distributed(device: str, timeout_s: float) -> torch.device:
     return torch.device("cpu")
 
 
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this worker if the launcher dies, even by
+    SIGKILL, so no orphaned rank keeps waiting in a collective."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        except OSError:
+            pass
+
+
 def setup_logging(run_dir: Path, rank: int) -> None:
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -48,7 +63,7 @@ def print_summary(summary: dict) -> None:
     for key, value in summary.items():
         if value is None:
             continue
-        if key.endswith("_bytes"):
+        if "bytes" in key:
             value = f"{value / 2**20:,.1f} MiB"
         elif isinstance(value, float):
             value = f"{value:,.4f}" if abs(value) < 1000 else f"{value:,.0f}"
@@ -57,13 +72,11 @@ def print_summary(summary: dict) -> None:
 
 
 @record
-def main(argv: list[str] | None = None) -> None:
+def run(argv: list[str] | None = None) -> None:
+    from . import init_parallel, parallelize
     from .config import load_worker_config
     from .data import TokenData, prepare_data
-    from .mesh import init_mesh
     from .models import build_model
-    from .parallel import get_mode
-    from .parallel.base import parallelize
     from .train import Trainer
 
     config_path = Path((argv if argv is not None else sys.argv[1:])[0])
@@ -71,9 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_worker_config(config_path)
     device = init_distributed(cfg.device, cfg.launcher.collective_timeout_s)
     setup_logging(run_dir, dist.get_rank())
-    mesh = init_mesh(cfg.mode, cfg.size, cfg.depth, cfg.dp, cfg.seed, device)
+    mode = init_parallel(cfg.mode, cfg.size, cfg.depth, cfg.dp, cfg.seed, cfg.seq_parallel, device)
+    mesh = mode.mesh
     log.info("mesh: mode=%s coords=%s dp_rank=%d", mesh.mode, mesh.coords, mesh.dp_rank)
-    mode = get_mode(mesh, seq_parallel=cfg.seq_parallel)
     model = parallelize(build_model(cfg.model, cfg.seed), mode).to(device)
     data = TokenData(cfg, prepare_data(cfg))
     log.info("data: %s", data.describe())
@@ -82,8 +95,18 @@ def main(argv: list[str] | None = None) -> None:
     summary = trainer.summary(records)
     log.info("summary: %s", summary)
     if mesh.rank == 0:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         print_summary(summary)
     dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    die_with_parent()
+    try:
+        run(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every rank; the launcher reports it once.
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,16 @@ class ParallelMode:
         start = micro * per_micro + self.mesh.dp_rank * per_dp + index * per_rank
         return range(start, start + per_rank)
 
+    def shard_batch(self, batch: torch.Tensor, micro: int = 0, grad_accum: int = 1) -> torch.Tensor:
+        """This rank's model input from a whole global batch of token ids."""
+        rows = self.read_rows(batch.shape[0], grad_accum, micro)
+        return self.split_input(batch[rows.start:rows.stop])
+
+    def shard_targets(self, batch: torch.Tensor, micro: int = 0, grad_accum: int = 1) -> torch.Tensor:
+        """This rank's targets (the rows its logits hold) from a global batch."""
+        rows = self.read_rows(batch.shape[0], grad_accum, micro)
+        return self.split_target(batch[rows.start:rows.stop])
+
     # ---- loss ---------------------------------------------------------
     # How many tensor-parallel ranks hold (a replica of) each row's loss.
     @property
@@ -106,6 +116,28 @@ class ParallelMode:
             logits.reshape(-1, width), targets.reshape(-1), self.vocab_block() * width,
             vocab_size, self.loss_group(), label_smoothing,
         )
+
+    def global_mean(self, local_sum: torch.Tensor, count: int) -> float:
+        """The mean over the whole global batch of a per-row quantity, from
+        each rank's sum over its rows (each row lives on `loss_replicas`
+        ranks of its group, and every data-parallel replica has other rows)."""
+        total = local_sum.detach().double().reshape(1).clone()
+        comm.all_reduce(total, dist.group.WORLD)
+        return total.item() / (self.loss_replicas * count)
+
+    # ---- gradients ------------------------------------------------------
+    def sync_grads(self, model: nn.Module) -> None:
+        sync_grads(model, self.mesh)
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float:
+        """Clip to `max_norm` on the true global norm; returns that norm."""
+        norm = grad_norm(model, self.mesh).item()
+        coef = max_norm / (norm + 1e-6)
+        if max_norm > 0 and coef < 1.0:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
 
     # ---- layers -------------------------------------------------------
     def convert(self, role: str, module: nn.Module, ctx: RewriteContext) -> nn.Module:

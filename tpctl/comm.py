@@ -113,111 +113,60 @@ def split_block(tensor: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------
-# Differentiable collectives. The pairs are adjoint: the backward of each is
-# the collective whose matrix is the transpose of the forward's.
+# Differentiable collectives. Each is a pair (forward, backward) of
+# collectives whose matrices are transposes of each other; one autograd
+# function runs any pair.
 
 
-class _CopyToGroup(torch.autograd.Function):
-    """Forward identity, backward all-reduce (Megatron's `f`): the input is
-    replicated over the group and each rank uses it for a different slice."""
-
+class _Adjoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
+    def forward(ctx, x, group, forward, backward):
+        ctx.group, ctx.backward_fn = group, backward
+        return forward(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+        return ctx.backward_fn(grad, ctx.group), None, None, None
 
 
-class _ReduceToReplicated(torch.autograd.Function):
-    """Forward all-reduce of partial sums, backward identity (Megatron's `g`):
-    every rank then computes the same thing from the replicated sum."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+def _identity(x, group):
+    return x
 
 
-class _SumShared(torch.autograd.Function):
-    """All-reduce in both directions: for statistics (norm moments, softmax
-    sums) that every rank then uses for its *own* slice, so each rank's
-    gradient contribution must be summed back."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+def _sum(x, group):
+    # A fresh buffer: all_reduce works in place, and autograd may still
+    # need the tensor it was handed.
+    return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
 
 
-class _AllGather(torch.autograd.Function):
-    """Forward all-gather along `dim`, backward reduce-scatter."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.group, ctx.dim), None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    """Forward reduce-scatter along `dim`, backward all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.group, ctx.dim), None, None
-
-
-class _SplitBlock(torch.autograd.Function):
-    """Forward keep this rank's block of a replicated tensor, backward
-    all-gather (the gradient of the other blocks lives on the other ranks)."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return split_block(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.group, ctx.dim), None, None
+def _apply(x, group, forward, backward):
+    return _Adjoint.apply(x, group, forward, backward) if group_size(group) > 1 else x
 
 
 def copy_to_group(x, group):
-    return _CopyToGroup.apply(x, group) if group_size(group) > 1 else x
+    """Forward identity, backward all-reduce (Megatron's `f`): the input is
+    replicated over the group and each rank uses it for a different slice."""
+    return _apply(x, group, _identity, _sum)
 
 
 def reduce_to_replicated(x, group):
-    return _ReduceToReplicated.apply(x, group) if group_size(group) > 1 else x
+    """Forward all-reduce of partial sums, backward identity (Megatron's `g`):
+    every rank then computes the same thing from the replicated sum."""
+    return _apply(x, group, _sum, _identity)
 
 
 def sum_shared(x, group):
-    return _SumShared.apply(x, group) if group_size(group) > 1 else x
+    """All-reduce both ways: for statistics (norm moments) that every rank
+    then uses for its *own* slice, so the gradient contributions sum back."""
+    return _apply(x, group, _sum, _sum)
 
 
 def gather_along(x, group, dim):
-    return _AllGather.apply(x, group, dim) if group_size(group) > 1 else x
+    """Forward all-gather along `dim`, backward reduce-scatter."""
+    return _apply(x, group, lambda t, g: all_gather(t, g, dim), lambda t, g: reduce_scatter(t, g, dim))
 
 
 def reduce_scatter_along(x, group, dim):
-    return _ReduceScatter.apply(x, group, dim) if group_size(group) > 1 else x
+    """Forward reduce-scatter along `dim`, backward all-gather."""
+    return _apply(x, group, lambda t, g: reduce_scatter(t, g, dim), lambda t, g: all_gather(t, g, dim))
 
-
-def split_along(x, group, dim):
-    return _SplitBlock.apply(x, group, dim) if group_size(group) > 1 else x

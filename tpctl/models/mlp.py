@@ -6,30 +6,28 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..schema import ModelConfig
+from .gpt import MLP
 
 
 class MLPBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.fc = nn.Linear(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.mlp_ratio * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop(self.proj(F.gelu(self.fc(self.norm(x)))))
+        return x + self.mlp(self.norm(x))
 
 
 class TokenMLP(nn.Module):
     tp_plan = {
         "wte": "embedding",
         "blocks.*.norm": "norm",
-        "blocks.*.fc": "mlp_in",
-        "blocks.*.proj": "mlp_out",
-        "blocks.*.drop": "dropout",
+        "blocks.*.mlp.fc": "mlp_in",
+        "blocks.*.mlp.proj": "mlp_out",
+        "blocks.*.mlp.drop": "dropout",
         "ln_f": "norm",
         "lm_head": "lm_head",
     }

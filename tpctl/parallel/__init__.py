@@ -11,9 +11,12 @@ def get_mode(mesh, seq_parallel: bool = False):
     if mesh.mode == "1d":
         from .one_d import OneD
         return OneD(mesh, seq_parallel=seq_parallel)
-    if mesh.mode in ("2d", "2.5d"):
+    if mesh.mode == "2d":
         from .two_d import TwoD
         return TwoD(mesh)
+    if mesh.mode == "2.5d":
+        from .two_p5_d import TwoPointFiveD
+        return TwoPointFiveD(mesh)
     if mesh.mode == "3d":
         from .three_d import ThreeD
         return ThreeD(mesh)

@@ -1,4 +1,4 @@
-"""mode=2d (SUMMA / Optimus, P = q*q) and mode=2.5d (Tesseract, P = d*q*q).
+"""mode=2d: SUMMA / Optimus on a q x q grid, P = q*q.
 
 Rank (i, j) of a q x q grid holds activation rows block i, hidden block j,
 and block (i, j) of every weight in nn.Linear's own (out, in) layout, so an
@@ -10,9 +10,7 @@ SUMMA products over the grid:
               dW = dY^T X  C[t,j] = sum_i dY[i,t]^T X[i,j]  (reuses the dY broadcasts, reduce down columns)
 
 The next step's broadcasts are issued (async) before the current matmul, so
-communication overlaps compute. 2.5d stacks d such grids (depth layers h),
-each on its own rows of the batch, with every weight replicated over depth:
-their gradients are summed over the depth group once, after backward.
+communication overlaps compute. 2.5d (two_p5_d.py) runs d of these grids.
 """
 
 from __future__ import annotations
@@ -126,21 +124,20 @@ class Embedding2D(nn.Module):
 
 
 class TwoD(ParallelMode):
-    """2d, and 2.5d when the mesh has depth layers."""
+    name = "2d"
+    # The group of ranks holding the same hidden block: their copies of a
+    # hidden-split parameter (bias, norm, position table) see other rows.
+    hidden_replica = "col"
 
     def __init__(self, mesh):
         super().__init__(mesh)
-        self.name = mesh.mode
         c = mesh.coords
-        self.depth, self.h = mesh.geo.depth, c.get("h", 0)
         self.grid = Grid(mesh.geo.q, c["i"], c["j"], mesh.groups["row"], mesh.groups["col"],
                          mesh.group_ranks["row"], mesh.group_ranks["col"])
-        # Ranks holding the same hidden block (a column through all layers).
-        self.hidden_replica = "hidden_replica" if self.depth > 1 else "col"
 
-    # ---- data: rows block (h, i) of d*q; hidden block j -----------------
+    # ---- data: rows block i, hidden block j --------------------------------
     def read_block(self):
-        return self.h * self.grid.q + self.grid.i, self.depth * self.grid.q
+        return self.grid.i, self.grid.q
 
     def shard_hidden(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.chunk(self.grid.q, -1)[self.grid.j]
@@ -157,11 +154,8 @@ class TwoD(ParallelMode):
 
     # ---- parameter layouts -----------------------------------------------
     def _weight_spec(self, full: torch.Tensor, out_ranges, in_dim: int) -> ShardSpec:
-        in_ranges = block(in_dim, self.grid.q, self.grid.j)
-        if self.depth > 1:
-            return ShardSpec(tuple(full.shape), (out_ranges, in_ranges), tuple(self.mesh.group_ranks["depth"]),
-                             True, self.mesh.groups["depth"])
-        return ShardSpec(tuple(full.shape), (out_ranges, in_ranges))
+        """Block (i, j) of a weight in (out, in) layout."""
+        return ShardSpec(tuple(full.shape), (out_ranges, block(in_dim, self.grid.q, self.grid.j)))
 
     def _hidden_spec(self, full: torch.Tensor, ranges, dim: int = 0) -> ShardSpec:
         """A tensor split along `dim` by hidden block j, replicated over the

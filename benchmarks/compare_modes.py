@@ -26,9 +26,12 @@ from rich.table import Table
 
 CONFIGS = {
     "none": ["mode=none"],
+    "none-dp2": ["mode=none", "dp=2"],
+    "1d-2": ["mode=1d", "size=2"],
     "1d-4": ["mode=1d", "size=4"],
     "1d-4-sp": ["mode=1d", "size=4", "seq_parallel=true"],
     "2d-4": ["mode=2d", "size=4"],
+    "2d-4-dp2": ["mode=2d", "size=4", "dp=2"],
     "2.5d-8": ["mode=2.5d", "size=8", "depth=2"],
     "3d-8": ["mode=3d", "size=8"],
 }

@@ -124,6 +124,8 @@ class Trainer:
                     before = comm.STATS.total_bytes()
                     out = self.train_step(step)
                     self.comm_train_bytes += comm.STATS.total_bytes() - before
+                    if step == 0:
+                        self.first_loss = out["loss"]
                     done = step + 1
                     logged = done % t.log_every == 0 or done == t.steps
                     evaluated = t.eval_every > 0 and (done % t.eval_every == 0 or done == t.steps)
@@ -151,11 +153,11 @@ class Trainer:
         return records
 
     def summary(self, records: list[dict]) -> dict:
-        first, last = records[0], records[-1]
+        last = records[-1]
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         out = {
             "mode": self.mesh.mode, "size": self.mesh.tp_size, "dp": self.mesh.dp_size,
-            "steps": last["step"], "first_loss": first["loss"], "final_loss": last["loss"],
+            "steps": last["step"], "first_loss": self.first_loss, "final_loss": last["loss"],
             "val_loss": next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None),
             "tokens_per_s": last["step"] * self.tokens_per_step / self.elapsed_s,
             "time_s": self.elapsed_s, "param_bytes": param_bytes(self.model),

@@ -5,7 +5,8 @@
 
 Each mode runs through `tpctl train` (real workers, gloo on CPU unless you
 pass device=cuda) in its own run dir; the table shows per-rank parameter
-memory, bytes sent to collectives per step, step time and the loss curve's
+memory, bytes handed to collectives per step and what ring algorithms send
+for them (rank 0), step time and the loss curve's
 largest deviation from mode=none, each also as a ratio to mode=none. On a
 2-core machine 8 processes time-share the cores: step times measure overhead,
 not speed-up.
@@ -66,7 +67,8 @@ def main() -> None:
     # Skip the first steps: they include warm-up (allocations, thread pools).
     step_time = {n: statistics.median(r["step_time_s"] for r in m[len(m) // 4:]) for n, (_, m) in results.items()}
     table = Table(title=f"tpctl modes, {args.steps} steps, {' '.join(args.overrides) or 'defaults'}")
-    for col in ("mode", "ranks", "params/rank", "vs none", "comm/step/rank", "step time", "vs none", "max |dloss|/loss"):
+    for col in ("mode", "ranks", "params/rank", "vs none", "collective payload/step", "ring wire bytes/step",
+                "step time", "vs none", "max |dloss|/loss"):
         table.add_column(col, justify="right")
     for name in names:
         summary, metrics = results[name]
@@ -74,7 +76,7 @@ def main() -> None:
         table.add_row(
             name, str(summary["size"] * summary["dp"]),
             f"{summary['param_bytes'] / 2**20:.2f} MiB", f"{summary['param_bytes'] / ref_summary['param_bytes']:.3f}",
-            f"{summary['comm_bytes_per_step'] / 2**20:.2f} MiB",
+            f"{summary['comm_bytes_per_step'] / 2**20:.2f} MiB", f"{summary['comm_wire_bytes_per_step'] / 2**20:.2f} MiB",
             f"{step_time[name] * 1000:.1f} ms", f"{step_time[name] / step_time['none']:.2f}",
             f"{dev:.1e}",
         )

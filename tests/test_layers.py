@@ -222,3 +222,62 @@ def test_label_smoothing(pool, key):
 ])
 def test_dropout_rng_rule(pool, key, same):
     assert pool.run(_dropout_masks, key) == [same] * WORLD
+
+
+def _mlp_comm(key: str) -> tuple[dict, dict]:
+    """Collectives of one MLP forward + backward (no gradient sync)."""
+    from tpctl import comm
+    from tpctl.models.gpt import MLP
+    from tpctl.parallel.base import parallelize
+
+    mode = _mode(key)
+    net = parallelize(MLP(_model_cfg()), mode, {"fc": "mlp_in", "proj": "mlp_out", "drop": "dropout"})
+    rows = mode.read_rows(BATCH, 1, 0)
+    x = mode.shard_hidden(torch.randn(BATCH, SEQ, HIDDEN)[rows.start:rows.stop]).requires_grad_()
+    comm.STATS.reset()
+    net(x).sum().backward()
+    return dict(comm.STATS.calls), dict(comm.STATS.bytes)
+
+
+def _expected_mlp_comm(key: str) -> tuple[dict, dict]:
+    """The same from the layout math (DESIGN.md): payload = the full tensor
+    of each collective, fp32. fc: HIDDEN -> 4*HIDDEN, proj: back."""
+    mode, size, depth, dp, sp = MESHES[key]
+    f = 4  # bytes per fp32 element
+    linears = [(4 * HIDDEN, HIDDEN), (HIDDEN, 4 * HIDDEN)]  # (out n, in k)
+    tokens = BATCH // dp * SEQ  # per data-parallel replica
+    if mode == "1d":
+        # forward: all-reduce of proj's output; backward: of fc's input grad
+        return {"all_reduce": 2}, {"all_reduce": 2 * tokens * HIDDEN * f}
+    if mode in ("2d", "2.5d"):
+        q = round((size // depth) ** 0.5)
+        m = tokens // (depth * q)
+        calls = {"broadcast": 0, "reduce": 0}
+        nbytes = {"broadcast": 0, "reduce": 0}
+        for n, k in linears:
+            w, y = n // q * k // q, m * n // q
+            calls["broadcast"] += 3 * q  # fwd W; bwd dY and W
+            calls["reduce"] += 2 * q  # fwd Y; bwd dW
+            nbytes["broadcast"] += q * (w + y + w) * f
+            nbytes["reduce"] += q * (y + w) * f
+        return calls, nbytes
+    if mode == "3d":
+        q = round(size ** (1 / 3))
+        m = tokens // q  # rows block i: what a linear gathers
+        full = 0
+        for n, k in linears:
+            # each pair's full tensor: X (m x k/q), W (n/q x k/q), Y (m x n/q);
+            # forward gathers X and W and reduce-scatters Y, backward
+            # gathers dY and reduce-scatters dX and dW.
+            full += m * k // q + n // q * k // q + m * n // q
+        return {"all_gather": 3 * len(linears), "reduce_scatter": 3 * len(linears)}, \
+            {"all_gather": full * f, "reduce_scatter": full * f}
+    return {}, {}
+
+
+@pytest.mark.parametrize("key", ["1d-4-dp2", "2d-4-dp2", "2.5d-8-d2", "3d-8"])
+def test_comm_counter_matches_the_algorithm(pool, key):
+    calls, nbytes = pool.run(_mlp_comm, key)[0]
+    want_calls, want_bytes = _expected_mlp_comm(key)
+    assert calls == want_calls
+    assert nbytes == want_bytes

@@ -22,23 +22,44 @@ _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# Bytes one rank sends, on average, for each byte of the full (gathered or
+# reduced) tensor, with the bandwidth-optimal ring / pipelined algorithms of
+# a group of P ranks: an all-reduce is a reduce-scatter plus an all-gather.
+_WIRE_FACTOR = {
+    "all_reduce": lambda p: 2 * (p - 1) / p,
+    "all_gather": lambda p: (p - 1) / p,
+    "reduce_scatter": lambda p: (p - 1) / p,
+    "broadcast": lambda p: (p - 1) / p,
+    "reduce": lambda p: (p - 1) / p,
+}
+
+
 class CommStats:
-    """Bytes handed to collectives by this rank, per kind of collective."""
+    """What this rank hands to collectives, per kind of collective: calls,
+    payload bytes (the full tensor of the collective) and wire bytes (what a
+    ring algorithm sends per rank, the unit of DESIGN.md's cost table)."""
 
     def __init__(self) -> None:
-        self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.wire_bytes: dict[str, float] = defaultdict(float)
 
-    def add(self, op: str, tensor: torch.Tensor) -> None:
-        self.bytes[op] += tensor.numel() * tensor.element_size()
+    def add(self, op: str, full: torch.Tensor, group_size: int) -> None:
+        nbytes = full.numel() * full.element_size()
         self.calls[op] += 1
+        self.bytes[op] += nbytes
+        self.wire_bytes[op] += _WIRE_FACTOR[op](group_size) * nbytes
 
     def reset(self) -> None:
-        self.bytes.clear()
         self.calls.clear()
+        self.bytes.clear()
+        self.wire_bytes.clear()
 
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
+
+    def total_wire_bytes(self) -> float:
+        return sum(self.wire_bytes.values())
 
 
 STATS = CommStats()
@@ -59,7 +80,7 @@ def group_rank(group: Group) -> int:
 def all_reduce(tensor: torch.Tensor, group: Group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce; a group of one is free."""
     if group_size(group) > 1:
-        STATS.add("all_reduce", tensor)
+        STATS.add("all_reduce", tensor, group_size(group))
         dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
@@ -71,7 +92,7 @@ def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor
         return tensor
     tensor = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((world * tensor.shape[0],) + tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
-    STATS.add("all_gather", tensor)
+    STATS.add("all_gather", out, world)
     _all_gather_tensor(out, tensor, group=group)
     return out.movedim(0, dim)
 
@@ -83,7 +104,7 @@ def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Te
         return tensor
     tensor = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((tensor.shape[0] // world,) + tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
-    STATS.add("reduce_scatter", tensor)
+    STATS.add("reduce_scatter", tensor, world)
     _reduce_scatter_tensor(out, tensor, group=group)
     return out.movedim(0, dim)
 
@@ -92,7 +113,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = Fal
     """Broadcast from global rank `src`; returns a work handle when async."""
     if group_size(group) == 1:
         return None
-    STATS.add("broadcast", tensor)
+    STATS.add("broadcast", tensor, group_size(group))
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
@@ -100,7 +121,7 @@ def reduce(tensor: torch.Tensor, dst: int, group: Group, async_op: bool = False)
     """Sum into global rank `dst`; returns a work handle when async."""
     if group_size(group) == 1:
         return None
-    STATS.add("reduce", tensor)
+    STATS.add("reduce", tensor, group_size(group))
     return dist.reduce(tensor, dst=dst, group=group, async_op=async_op)
 
 

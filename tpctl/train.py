@@ -114,16 +114,18 @@ class Trainer:
         metrics_file = open(self.run_dir / "metrics.jsonl", "w") if (self.is_logger and self.run_dir) else None
         progress = _Progress(t.steps, enabled=self.is_logger and t.progress)
         # Bytes this rank hands to collectives during training steps (eval
-        # excluded), for comparing modes against their cost model.
-        self.comm_train_bytes = 0
+        # excluded), and what a ring algorithm would send for them, for
+        # comparing modes against their cost model.
+        self.comm_train_bytes = self.comm_train_wire_bytes = 0
         start = last_time = time.perf_counter()
         last_step = 0
         try:
             with progress:
                 for step in range(t.steps):
-                    before = comm.STATS.total_bytes()
+                    before = comm.STATS.total_bytes(), comm.STATS.total_wire_bytes()
                     out = self.train_step(step)
-                    self.comm_train_bytes += comm.STATS.total_bytes() - before
+                    self.comm_train_bytes += comm.STATS.total_bytes() - before[0]
+                    self.comm_train_wire_bytes += comm.STATS.total_wire_bytes() - before[1]
                     if step == 0:
                         self.first_loss = out["loss"]
                     done = step + 1
@@ -162,6 +164,7 @@ class Trainer:
             "tokens_per_s": last["step"] * self.tokens_per_step / self.elapsed_s,
             "time_s": self.elapsed_s, "param_bytes": param_bytes(self.model),
             "comm_bytes_per_step": self.comm_train_bytes / last["step"],
+            "comm_wire_bytes_per_step": self.comm_train_wire_bytes / last["step"],
             "peak_rss_bytes": rss,
         }
         if self.mesh.device.type == "cuda":

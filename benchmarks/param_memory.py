@@ -59,7 +59,7 @@ def main() -> None:
     table = Table(title=f"parameter memory per rank (fp32), {model_kwargs}")
     for col in ("mode", "size", "whole model", "per rank (max)", "theory", "per rank / theory"):
         table.add_column(col, justify="right")
-    for (mode, size, depth, dp, divisor), results in rows:
+    for (mode, size, depth, _dp, divisor), results in rows:
         whole = results[0][0]
         per_rank = max(r[1] for r in results)
         theory = whole / divisor

@@ -281,3 +281,18 @@ def test_comm_counter_matches_the_algorithm(pool, key):
     want_calls, want_bytes = _expected_mlp_comm(key)
     assert calls == want_calls
     assert nbytes == want_bytes
+
+
+def _compare_lock_step(key: str, case: str) -> int:
+    mode = _mode(key)
+    mode.grid.overlap = False
+    try:
+        return _compare(key, case)
+    finally:
+        mode.grid.overlap = True
+
+
+@pytest.mark.parametrize("key", ["2d-4-dp2", "2.5d-8-d2"])
+def test_summa_without_overlap_is_the_same(pool, key):
+    """The lock-step SUMMA (benchmarks/summa_overlap.py's baseline)."""
+    assert all(n > 0 for n in pool.run(_compare_lock_step, key, "block"))

@@ -38,6 +38,9 @@ class Grid:
     col_group: object  # ranks (0..q-1, j): same hidden block
     row_ranks: list  # global rank of (i, t), by t
     col_ranks: list  # global rank of (t, j), by t
+    # Issue step t+1's broadcasts before step t's matmul (see _pipelined);
+    # False runs the plain lock-step SUMMA, for measuring what overlap buys.
+    overlap: bool = True
 
     def bcast_row(self, local: torch.Tensor, t: int):
         """Start broadcasting block (i, t) along this rank's row."""
@@ -55,17 +58,20 @@ def _wait(handle) -> None:
         handle.wait()
 
 
-def _pipelined(q: int, start):
+def _pipelined(q: int, start, overlap: bool = True):
     """Yield the results of start(t) for t = 0..q-1, with step t+1's
-    broadcasts already in flight while the caller computes step t."""
+    broadcasts already in flight while the caller computes step t (without
+    overlap: started only once the caller is done with step t)."""
     pending = start(0)
     for t in range(q):
         current = pending
-        if t + 1 < q:
+        if t + 1 < q and overlap:
             pending = start(t + 1)
         for _, handle in current:
             _wait(handle)
         yield [buf for buf, _ in current]
+        if t + 1 < q and not overlap:
+            pending = start(t + 1)
 
 
 class _SummaLinear(torch.autograd.Function):
@@ -74,10 +80,10 @@ class _SummaLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.grid = grid
         partials, reduces = [], []
-        for t, (w_t,) in enumerate(_pipelined(grid.q, lambda t: [grid.bcast_col(weight, t)])):
+        for t, (w_t,) in enumerate(_pipelined(grid.q, lambda t: [grid.bcast_col(weight, t)], grid.overlap)):
             p = x @ w_t.t()  # rows i x out-block t, summed over this rank's in-block
             partials.append(p)
-            reduces.append(comm.reduce(p, grid.row_ranks[t], grid.row_group, async_op=True))
+            reduces.append(comm.reduce(p, grid.row_ranks[t], grid.row_group, async_op=grid.overlap))
         for handle in reduces:
             _wait(handle)
         return partials[grid.j]
@@ -90,11 +96,11 @@ class _SummaLinear(torch.autograd.Function):
         grad_x = torch.zeros_like(x)
         partials, reduces = [], []
         start = lambda t: [grid.bcast_row(grad_out, t), grid.bcast_col(weight, t)]  # noqa: E731
-        for t, (dy_t, w_t) in enumerate(_pipelined(grid.q, start)):
+        for t, (dy_t, w_t) in enumerate(_pipelined(grid.q, start, grid.overlap)):
             grad_x += dy_t @ w_t
             p = dy_t.t() @ x  # out-block t x in-block j, summed over rows i
             partials.append(p)
-            reduces.append(comm.reduce(p, grid.col_ranks[t], grid.col_group, async_op=True))
+            reduces.append(comm.reduce(p, grid.col_ranks[t], grid.col_group, async_op=grid.overlap))
         for handle in reduces:
             _wait(handle)
         return grad_x, partials[grid.i], None

@@ -141,6 +141,9 @@ def _compare(key: str, case: str, label_smoothing: float = 0.0) -> int:
         ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
         ref_in, par_in = ids, mode.split_input(ids[rows.start:rows.stop])
 
+    ref_params = dict(ref.named_parameters())
+    for name, p in par.named_parameters():  # initialised whole, then sliced
+        assert torch.equal(p, p.tpctl_spec.slice(ref_params[name].detach())), name
     ref_out, par_out = ref(ref_in), par(par_in)
     if kind == "ids->loss":
         targets = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
@@ -163,7 +166,6 @@ def _compare(key: str, case: str, label_smoothing: float = 0.0) -> int:
             torch.testing.assert_close(x_local.grad, mode.shard_hidden(x.grad[rows.start:rows.stop]), **TOL)
 
     sync_grads(par, mode.mesh)
-    ref_params = dict(ref.named_parameters())
     checked = 0
     for name, p in par.named_parameters():
         torch.testing.assert_close(p.grad, p.tpctl_spec.slice(ref_params[name].grad), **TOL,

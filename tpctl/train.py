@@ -18,6 +18,7 @@ import torch
 from . import comm
 from .data import TokenData
 from .parallel.base import ParallelMode
+from .parallel.shard import spec_of
 
 log = logging.getLogger("tpctl.train")
 
@@ -42,7 +43,7 @@ def build_optimizer(model: torch.nn.Module, optim) -> torch.optim.Optimizer:
     GPT-2. Decided from the *full* shape, so a shard decays like its whole."""
     decay, no_decay = [], []
     for p in model.parameters():
-        spec = getattr(p, "tpctl_spec", None)
+        spec = spec_of(p)
         ndim = len(spec.full_shape) if spec is not None else p.dim()
         (decay if ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": optim.weight_decay},

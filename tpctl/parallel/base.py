@@ -166,6 +166,8 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan: Optional[dict[str, s
     model's own `tp_plan`. The model's code is untouched: only submodules are
     swapped, and each new layer holds just this rank's shard of the weights.
     """
+    if getattr(model, "tpctl_mode", None) is not None:
+        raise ValueError(f"{type(model).__name__} is already parallelized ({model.tpctl_mode.name})")
     plan = plan if plan is not None else getattr(model, "tp_plan", None)
     if plan is None:
         raise ValueError(f"{type(model).__name__} has no tp_plan; pass plan={{module pattern: role}}")
@@ -189,7 +191,7 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan: Optional[dict[str, s
                 mode.replicated(param, "tp", partial=False)
             else:
                 raise ValueError(f"parameter {name!r} has no role in the plan; mode {mode.name} cannot leave it whole")
-    model.tpctl_mode = mode
+    model.tpctl_mode = mode  # marks the model as rewritten (and by which mode)
     return model
 
 

@@ -79,6 +79,7 @@ def test_help(tpctl):
     hydra_help = tpctl.run(["train", "--help"])
     assert hydra_help.returncode == 0, hydra_help.stderr
     assert "model: gpt-small, gpt-tiny, mlp" in hydra_help.stdout
+    assert hydra_help.stdout.startswith("tpctl train: train a model with tensor parallelism")
     unknown = tpctl.run(["trian"])
     assert unknown.returncode == 2 and unknown.stderr.strip().splitlines() == [
         "tpctl: error: unknown command 'trian'; expected: train (see tpctl --help)"

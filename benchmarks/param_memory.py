@@ -31,11 +31,11 @@ def measure(mode: str, size: int, depth: int, dp: int, model_kwargs: dict) -> tu
     import torch
 
     import tpctl
-    from tpctl.models import build_model
+    from tpctl.models import GPT
     from tpctl.schema import ModelConfig
 
-    with torch.device("meta"):
-        model = build_model(ModelConfig(**model_kwargs), 0)
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        model = GPT(ModelConfig(**model_kwargs))
         whole = sum(p.numel() * p.element_size() for p in model.parameters())
         tpctl.parallelize(model, tpctl.init_parallel(mode, size, depth, dp))
     return whole, sum(p.numel() * p.element_size() for p in model.parameters())

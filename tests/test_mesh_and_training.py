@@ -103,14 +103,14 @@ def _grad_accum_curves() -> tuple[list, list]:
 
 def _param_bytes(mode: str, size: int, depth: int, dp: int) -> tuple[int, int]:
     from tpctl.mesh import init_mesh
-    from tpctl.models import build_model
+    from tpctl.models import GPT
     from tpctl.parallel import get_mode
     from tpctl.parallel.base import parallelize
     from tpctl.schema import ModelConfig
 
     gpt_small = ModelConfig(vocab_size=50257, n_layer=12, n_head=12, n_embd=768, block_size=1024)
     with torch.device("meta"):  # shapes only: no 124M-parameter model per rank
-        full = build_model(gpt_small, 0)
+        full = GPT(gpt_small)
         total = sum(p.numel() for p in full.parameters()) * 4
         model = parallelize(full, get_mode(init_mesh(mode, size, depth, dp)))
     return total, sum(p.numel() * p.element_size() for p in model.parameters())
@@ -194,3 +194,43 @@ def _public_api_loop() -> float:
 
 def test_public_api_custom_loop(pool):
     assert all(abs(d) < 1e-5 for d in pool.run(_public_api_loop))
+
+
+def _lazy_equals_eager(mode: str, size: int, depth: int, dp: int) -> int:
+    """A lazily built model (one parameter made whole at a time) shards to
+    exactly what slicing the eagerly built whole model gives."""
+    import tpctl
+    from tpctl.models import build_model
+    from tpctl.schema import ModelConfig
+
+    cfg = ModelConfig(vocab_size=37, n_embd=16, n_head=4, block_size=8, mlp_ratio=4)
+    tp = tpctl.init_parallel(mode, size, depth, dp)
+    whole = build_model(cfg, seed=5)
+    eager = tpctl.parallelize(build_model(cfg, seed=5), tp)
+    lazy = tpctl.parallelize(build_model(cfg, seed=5, lazy=True), tp)
+    whole_params = dict(whole.named_parameters())
+    lazy_params = dict(lazy.named_parameters())
+    assert lazy.lm_head.weight is lazy.wte.weight, "tied weights must stay one parameter"
+    for name, p in eager.named_parameters():
+        assert not lazy_params[name].is_meta, name
+        assert torch.equal(lazy_params[name], p), name
+        assert torch.equal(p, p.tpctl_spec.slice(whole_params[name].detach())), name
+    return len(lazy_params)
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"{m[0]}-{m[1]}")
+def test_lazy_build_gives_the_same_shards(pool, mesh):
+    assert min(pool.run(_lazy_equals_eager, *mesh)) > 0
+
+
+def test_initial_weights_depend_on_the_seed_only():
+    from tpctl.models import build_model
+    from tpctl.schema import ModelConfig
+
+    cfg = ModelConfig(n_embd=16, n_head=4, block_size=8)
+    a, b, c = build_model(cfg, 1), build_model(cfg, 1), build_model(cfg, 2)
+    pa, pb, pc = (dict(m.named_parameters()) for m in (a, b, c))
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+    assert not torch.equal(pa["wte.weight"], pc["wte.weight"])
+    assert not torch.equal(pa["wte.weight"][:, :8], pa["wpe.weight"][:8, :8].T)  # own generators
+    assert pa["blocks.0.attn.proj.weight"].std() < pa["blocks.0.attn.qkv.weight"].std()  # GPT-2 scaled init

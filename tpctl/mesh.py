@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .parallel.geometry import Geometry, geometry
+from .seeding import derive_seed
 
 # Grid axes of each mode, slowest first.
 AXES = {
@@ -165,14 +166,7 @@ def init_mesh(mode: str, size: int, depth: int = 1, dp: int = 1, seed: int = 0,
         varying = tuple(axes.index(a) for a in var_axes)
         mesh.groups[name], mesh.group_ranks[name] = _subgroup(_new_groups(world, size, shape, varying), rank)
 
-    mesh.rng_shared = torch.Generator(device=mesh.device).manual_seed(_mix(seed, 1, mesh.dp_rank))
-    mesh.rng_local = torch.Generator(device=mesh.device).manual_seed(_mix(seed, 2, rank))
+    mesh.rng_shared = torch.Generator(device=mesh.device).manual_seed(derive_seed(seed, "dropout-shared", mesh.dp_rank))
+    mesh.rng_local = torch.Generator(device=mesh.device).manual_seed(derive_seed(seed, "dropout-local", rank))
     return mesh
 
-
-def _mix(*xs: int) -> int:
-    """A deterministic seed from several integers (no Python hash salt)."""
-    h = 0x9E3779B97F4A7C15
-    for x in xs:
-        h = ((h ^ (x + 0x632BE59BD9B4E019)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    return h >> 1

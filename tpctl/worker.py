@@ -87,7 +87,8 @@ def run(argv: list[str] | None = None) -> None:
     mode = init_parallel(cfg.mode, cfg.size, cfg.depth, cfg.dp, cfg.seed, cfg.seq_parallel, device)
     mesh = mode.mesh
     log.info("mesh: mode=%s coords=%s dp_rank=%d", mesh.mode, mesh.coords, mesh.dp_rank)
-    model = parallelize(build_model(cfg.model, cfg.seed), mode).to(device)
+    # Lazy: each rank makes one parameter whole at a time, to slice its shard.
+    model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode).to(device)
     data = TokenData(cfg, prepare_data(cfg))
     log.info("data: %s", data.describe())
     trainer = Trainer(cfg, model, mode, data, run_dir)

@@ -5,6 +5,7 @@ reads the number of heads from the width of the tensor it receives (a rank
 may hold only some heads), and the model returns logits, leaving the loss to
 the caller (a parallel cross entropy never sees full logits).
 `tp_plan` maps module names to roles; each parallel mode maps roles to layers.
+Initial values come from `models.init` (see `build_model`).
 """
 
 from __future__ import annotations
@@ -95,18 +96,11 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
-        self.apply(self._init_weights)
-        # GPT-2's scaled init of the projections into the residual stream.
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    def init_std(self, name: str) -> float:
+        """GPT-2's initial weights: N(0, 0.02), scaled down for the
+        projections into the residual stream (used by models.init)."""
+        return 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("proj.weight") else 0.02
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)

@@ -41,9 +41,6 @@ class TokenMLP(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=True)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx)

@@ -32,10 +32,12 @@ ROLES = (
 
 
 class RewriteContext:
-    """State of one rewrite: keeps tied parameters tied."""
+    """State of one rewrite: keeps tied parameters tied, and makes a lazy
+    (meta-device) parameter whole only for as long as it takes to slice it."""
 
-    def __init__(self, mesh: Mesh):
+    def __init__(self, mesh: Mesh, init=None):
         self.mesh = mesh
+        self.init = init  # a models.init.ParamInit, for models built lazily
         self._new: dict[int, nn.Parameter] = {}
 
     def shard(self, original: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
@@ -43,7 +45,8 @@ class RewriteContext:
         used by two modules (embedding = LM head) stays one parameter."""
         made = self._new.get(id(original))
         if made is None:
-            made = self._new[id(original)] = make_param(original, spec)
+            full = self.init.full(original) if original.is_meta and self.init else original.detach()
+            made = self._new[id(original)] = make_param(full, spec)
         elif (made.tpctl_spec.full_shape, made.tpctl_spec.index) != (spec.full_shape, spec.index):
             raise ValueError(f"a tied parameter {tuple(original.shape)} is used by layers that shard it differently")
         return made
@@ -174,7 +177,8 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan: Optional[dict[str, s
     for role in plan.values():
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r} in the plan; roles are {', '.join(ROLES)}")
-    ctx = RewriteContext(mode.mesh)
+    init = getattr(model, "tpctl_init", None)
+    ctx = RewriteContext(mode.mesh, init)
     for name, module in list(model.named_modules()):
         role = next((r for pattern, r in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
         if role is None or not name:
@@ -183,6 +187,8 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan: Optional[dict[str, s
         if new is not module:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    if init is not None:
+        init.materialize(model)  # what no layer sharded: norms, replicated tables, ...
     for name, param in model.named_parameters():
         if spec_of(param) is None:
             if mode.name in ("none", "1d"):

@@ -106,7 +106,7 @@ def _merge(ranges: Sequence[tuple[int, int]]) -> Ranges:
 
 def make_param(full: torch.Tensor, spec: ShardSpec) -> torch.nn.Parameter:
     """A new parameter holding `spec`'s slice of `full`, tagged with `spec`."""
-    param = torch.nn.Parameter(spec.slice(full.detach()).clone())
+    param = torch.nn.Parameter(spec.slice(full.detach()).clone())  # a copy: `full` may be freed
     param.tpctl_spec = spec
     return param
 

@@ -30,6 +30,7 @@ BAD_CONFIGS = [
     (["train.batch_size=6", "mode=3d", "size=8"], "train.batch_size", "6", "multiple of 4"),
     (["data.path=/nonexistent"], "data.path", "'/nonexistent'", "no such file"),
     (["train.seq_len=65"], "train.seq_len", "65", "model.block_size=64"),
+    (["optim.min_lr=0.01"], "optim.min_lr", "0.01", "min_lr <= optim.lr=0.001"),
     (["model.arch=gtp"], "model.arch", "'gtp'", "did you mean 'gpt'"),
     (["trian.steps=5"], "trian.steps", "5", "did you mean 'train'"),
     (["train.stpes=5"], "train.stpes", "5", "valid keys under 'train': steps,"),

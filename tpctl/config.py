@@ -91,6 +91,8 @@ def validate(cfg: Any) -> None:
         raise ConfigError("train.label_smoothing", t.label_smoothing, "expected a value in [0, 1)")
     if not o.lr > 0:
         raise ConfigError("optim.lr", o.lr, "expected a positive learning rate")
+    if not 0 <= o.min_lr <= o.lr:
+        raise ConfigError("optim.min_lr", o.min_lr, f"the cosine schedule decays to it: expected 0 <= min_lr <= optim.lr={o.lr}")
     _check_at_least("optim.warmup_steps", o.warmup_steps, 0)
     _check_at_least("optim.grad_clip", o.grad_clip, 0)
     if cfg.data.path is not None and not Path(cfg.data.path).exists():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -55,11 +56,11 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     root.setLevel(logging.INFO)
 
 
-def print_summary(summary: dict) -> None:
+def print_summary(summary: dict, run_dir: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="tpctl run summary", show_header=False)
+    table = Table(title="tpctl run summary", caption=f"run dir: {run_dir}", show_header=False)
     for key, value in summary.items():
         if value is None:
             continue
@@ -91,13 +92,17 @@ def run(argv: list[str] | None = None) -> None:
     model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode).to(device)
     data = TokenData(cfg, prepare_data(cfg))
     log.info("data: %s", data.describe())
+    if mesh.rank == 0:
+        whole = sum(math.prod(p.tpctl_spec.full_shape) for p in model.parameters())
+        print(f"tpctl: mode={cfg.mode} size={cfg.size} dp={cfg.dp} ({mesh.world_size} ranks), "
+              f"{cfg.model.arch} with {whole / 1e6:.2f}M parameters, {data.describe()}", flush=True)
     trainer = Trainer(cfg, model, mode, data, run_dir)
     records = trainer.fit()
     summary = trainer.summary(records)
     log.info("summary: %s", summary)
     if mesh.rank == 0:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        print_summary(summary)
+        print_summary(summary, run_dir)
     dist.destroy_process_group()
 
 

@@ -234,3 +234,28 @@ def test_initial_weights_depend_on_the_seed_only():
     assert not torch.equal(pa["wte.weight"], pc["wte.weight"])
     assert not torch.equal(pa["wte.weight"][:, :8], pa["wpe.weight"][:8, :8].T)  # own generators
     assert pa["blocks.0.attn.proj.weight"].std() < pa["blocks.0.attn.qkv.weight"].std()  # GPT-2 scaled init
+
+
+def _train_with_dropout(mode: str, size: int, depth: int, dp: int) -> tuple[list, int]:
+    """Train with dropout; every parameter replicated inside the
+    tensor-parallel group must still be identical on all its replicas."""
+    import torch.distributed as dist
+
+    trainer, losses = _train({"mode": mode, "size": size, "depth": depth, "dp": dp, "model.dropout": 0.2}, steps=4)
+    checked = 0
+    for name, p in trainer.model.named_parameters():
+        spec = p.tpctl_spec
+        if len(spec.replica_ranks) > 1:
+            copies = [torch.empty_like(p) for _ in spec.replica_ranks]
+            dist.all_gather(copies, p.detach(), group=spec.replica_group)
+            assert all(torch.equal(c, copies[0]) for c in copies), f"{name} drifted across its replicas"
+            checked += 1
+    return losses, checked
+
+
+@pytest.mark.parametrize("mesh", MESHES[1:], ids=lambda m: f"{m[0]}-{m[1]}")
+def test_dropout_training_keeps_replicas_identical(pool, mesh):
+    results = pool.run(_train_with_dropout, *mesh)
+    losses, checked = results[0]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    assert max(r[1] for r in results) > 0  # some rank holds replicated parameters

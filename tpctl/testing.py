@@ -11,18 +11,13 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .launcher import free_port
 
 
 def _serve(rank: int, world: int, port: int, tasks, results, timeout_s: float) -> None:
@@ -51,7 +46,7 @@ class DistPool:
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
-        port = free_port()
+        port = free_port("127.0.0.1")
         self._procs = [
             ctx.Process(target=_serve, args=(r, world_size, port, self._tasks[r], self._results, timeout_s), daemon=True)
             for r in range(world_size)

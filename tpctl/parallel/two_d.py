@@ -10,8 +10,8 @@ SUMMA products over the grid:
               dW = dY^T X  C[t,j] = sum_i dY[i,t]^T X[i,j]  (reuses the dY broadcasts, reduce down columns)
 
 The next step's broadcasts are issued (async) before the current matmul, so
-communication overlaps compute (benchmarks/summa_overlap.py: 4-8% faster than
-lock-step on 2 CPU cores with gloo). 2.5d (two_p5_d.py) runs d of these grids.
+communication overlaps compute (benchmarks/summa_overlap.py: 3-8% faster than
+lock-step on 2 CPU cores with gloo, run to run). 2.5d (two_p5_d.py) runs d of these grids.
 """
 
 from __future__ import annotations

@@ -57,3 +57,13 @@ class Lookup(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(ids, self.weight)
+
+
+def vocab_block_lookup(ids: torch.Tensor, table: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """Embeddings of `ids` from a table holding rows [vocab_start,
+    vocab_start + len(table)) of the vocabulary; ids outside it give zeros,
+    so summing over the ranks holding the other blocks completes the lookup."""
+    local = ids - vocab_start
+    outside = (local < 0) | (local >= table.shape[0])
+    out = torch.nn.functional.embedding(local.masked_fill(outside, 0), table)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)

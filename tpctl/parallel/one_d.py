@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from .base import ParallelMode, RewriteContext
-from .layers import ParallelDropout
+from .layers import ParallelDropout, vocab_block_lookup
 from .shard import ShardSpec, block, fused_block
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
@@ -64,9 +64,7 @@ class VocabEmbedding(nn.Module):
         self.group, self.seq_parallel = group, seq_parallel
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.vocab_start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = vocab_block_lookup(ids, self.weight, self.vocab_start)
         if self.seq_parallel:
             return comm.reduce_scatter_along(out, self.group, SEQ_DIM)
         return comm.reduce_to_replicated(out, self.group)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from .base import ParallelMode, RewriteContext
-from .layers import Lookup, ParallelDropout, SplitLayerNorm
+from .layers import Lookup, ParallelDropout, SplitLayerNorm, vocab_block_lookup
 from .shard import ShardSpec, block, fused_block
 
 
@@ -79,9 +79,7 @@ class Embedding3D(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         table = comm.gather_along(self.weight, self.weight_group, 0)
-        local = ids - self.vocab_block * table.shape[0]
-        outside = (local < 0) | (local >= table.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), table).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = vocab_block_lookup(ids, table, self.vocab_block * table.shape[0])
         return comm.reduce_scatter_along(out, self.rows_group, 0)
 
 

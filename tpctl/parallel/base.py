@@ -152,12 +152,20 @@ class ParallelMode:
     def padded_vocab(self, vocab_size: int) -> int:
         return padded_vocab(vocab_size, self.geo.vocab_multiple)
 
+    def split_spec(self, full: torch.Tensor, dim: Optional[int] = None, ranges=None,
+                   replicas: Optional[str] = None, partial: bool = True) -> ShardSpec:
+        """`full` split along `dim` only (dim None: held whole), with copies on
+        every rank of the mesh group `replicas`, whose gradients are partial
+        sums unless `partial` is False."""
+        index = tuple(ranges if d == dim else None for d in range(full.dim()))
+        if replicas is None:
+            return ShardSpec(tuple(full.shape), index)
+        return ShardSpec(tuple(full.shape), index, tuple(self.mesh.group_ranks[replicas]), partial,
+                         self.mesh.groups[replicas])
+
     def replicated(self, param: torch.Tensor, group: str, partial: bool) -> None:
         """Tag a parameter every rank of `group` holds whole."""
-        param.tpctl_spec = ShardSpec(
-            tuple(param.shape), (None,) * param.dim(), tuple(self.mesh.group_ranks[group]),
-            partial, self.mesh.groups[group],
-        )
+        param.tpctl_spec = self.split_spec(param, replicas=group, partial=partial)
 
 
 # ---- the rewrite --------------------------------------------------------

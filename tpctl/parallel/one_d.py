@@ -112,8 +112,7 @@ class OneD(ParallelMode):
 
     def _split(self, tensor, dim: int, n: int, parts: int = 1) -> ShardSpec:
         ranges = fused_block(n, parts, self.world, self.world, self.p) if parts > 1 else block(n, self.world, self.p)
-        index = tuple(ranges if d == dim else None for d in range(tensor.dim()))
-        return ShardSpec(tuple(tensor.shape), index)
+        return self.split_spec(tensor, dim, ranges)
 
     def _column(self, linear: nn.Linear, ctx: RewriteContext, parts: int = 1, rows: int | None = None) -> ColumnLinear:
         n = rows if rows is not None else linear.out_features

@@ -126,9 +126,7 @@ class ThreeD(ParallelMode):
         """Split by `layout`'s hidden block, replicated over its plane."""
         if ranges is None:
             ranges = block(full.shape[dim], self.q, self.c[layout.hidden])
-        index = tuple(ranges if d == dim else None for d in range(full.dim()))
-        plane = layout.replica_plane
-        return ShardSpec(tuple(full.shape), index, tuple(self.mesh.group_ranks[plane]), True, self.mesh.groups[plane])
+        return self.split_spec(full, dim, ranges, replicas=layout.replica_plane)
 
     def _linear(self, linear: nn.Linear, ctx: RewriteContext, role: str, parts: int = 1,
                 out: int | None = None) -> Linear3D:

@@ -173,9 +173,7 @@ class TwoD(ParallelMode):
     def _hidden_spec(self, full: torch.Tensor, ranges, dim: int = 0) -> ShardSpec:
         """A tensor split along `dim` by hidden block j, replicated over the
         ranks with other rows (whose gradients are partial)."""
-        index = tuple(ranges if d == dim else None for d in range(full.dim()))
-        return ShardSpec(tuple(full.shape), index, tuple(self.mesh.group_ranks[self.hidden_replica]),
-                         True, self.mesh.groups[self.hidden_replica])
+        return self.split_spec(full, dim, ranges, replicas=self.hidden_replica)
 
     def _linear(self, linear: nn.Linear, ctx: RewriteContext, parts: int = 1, out: int | None = None) -> Linear2D:
         q, n = self.grid.q, out if out is not None else linear.out_features

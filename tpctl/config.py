@@ -62,7 +62,7 @@ def load_worker_config(path: str | os.PathLike) -> DictConfig:
 
 def validate(cfg: Any) -> None:
     """Raise ConfigError for the first invalid value in a composed config."""
-    from .parallel.geometry import validate_parallel
+    from .geometry import validate_parallel
 
     _check_resolvable(cfg)
     _check_known_keys(cfg, OmegaConf.structured(TrainConfig), "")

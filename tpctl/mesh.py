@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .parallel.geometry import Geometry, geometry
+from .geometry import Geometry, geometry
 from .seeding import derive_seed
 
 # Grid axes of each mode, slowest first.

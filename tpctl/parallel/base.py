@@ -21,7 +21,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import comm
 from ..mesh import Mesh
-from .geometry import padded_vocab
+from ..geometry import padded_vocab
 from .loss import vocab_parallel_cross_entropy
 from .shard import ShardSpec, make_param, spec_of
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..errors import ConfigError
-from ..schema import MODES, TrainConfig
+from .errors import ConfigError
+from .schema import MODES, TrainConfig
 
 
 def exact_root(n: int, k: int) -> int | None:

@@ -170,6 +170,24 @@ class ParallelMode:
 
 # ---- the rewrite --------------------------------------------------------
 
+def module_roles(model: nn.Module, plan: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """{module name: role} for every module the rewrite replaces, in
+    definition order. `plan` maps module-name patterns (fnmatch) to roles;
+    by default the model's own `tp_plan`."""
+    plan = plan if plan is not None else getattr(model, "tp_plan", None)
+    if plan is None:
+        raise ValueError(f"{type(model).__name__} has no tp_plan; pass plan={{module pattern: role}}")
+    for role in plan.values():
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r} in the plan; roles are {', '.join(ROLES)}")
+    roles = {}
+    for name, _ in model.named_modules():
+        role = next((r for pattern, r in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
+        if role is not None and name:
+            roles[name] = role
+    return roles
+
+
 def parallelize(model: nn.Module, mode: ParallelMode, plan: Optional[dict[str, str]] = None) -> nn.Module:
     """Replace the model's layers, by role, with `mode`'s parallel layers.
 
@@ -179,18 +197,11 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan: Optional[dict[str, s
     """
     if getattr(model, "tpctl_mode", None) is not None:
         raise ValueError(f"{type(model).__name__} is already parallelized ({model.tpctl_mode.name})")
-    plan = plan if plan is not None else getattr(model, "tp_plan", None)
-    if plan is None:
-        raise ValueError(f"{type(model).__name__} has no tp_plan; pass plan={{module pattern: role}}")
-    for role in plan.values():
-        if role not in ROLES:
-            raise ValueError(f"unknown role {role!r} in the plan; roles are {', '.join(ROLES)}")
+    roles = module_roles(model, plan)
     init = getattr(model, "tpctl_init", None)
     ctx = RewriteContext(mode.mesh, init)
-    for name, module in list(model.named_modules()):
-        role = next((r for pattern, r in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
-        if role is None or not name:
-            continue
+    for name, role in roles.items():
+        module = model.get_submodule(name)
         new = mode.convert(role, module, ctx)
         if new is not module:
             parent_name, _, child = name.rpartition(".")

@@ -10,7 +10,7 @@ import torch
 from tpctl import data
 from tpctl.data import DataInfo, TokenData, decode, encode, prepare_data
 from tpctl.errors import ConfigError
-from tpctl.schema import TrainConfig
+from tpctl.config import default_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,8 +23,8 @@ def cache(tmp_path, monkeypatch):
     return d
 
 
-def make_cfg(**data_kw) -> TrainConfig:
-    cfg = TrainConfig()
+def make_cfg(**data_kw):
+    cfg = default_config()
     cfg.data.max_bytes = 200_000
     cfg.train.batch_size = 8
     cfg.train.seq_len = 16

@@ -191,3 +191,9 @@ def reduce_scatter_along(x, group, dim):
     """Forward reduce-scatter along `dim`, backward all-gather."""
     return _apply(x, group, lambda t, g: reduce_scatter(t, g, dim), lambda t, g: all_gather(t, g, dim))
 
+
+def split_along(x, group, dim):
+    """Forward keep this rank's block of `dim` of a replicated tensor,
+    backward all-gather the blocks' gradients (every rank's replicated
+    computation before the split needs the whole gradient)."""
+    return _apply(x, group, lambda t, g: split_block(t, g, dim), lambda t, g: all_gather(t, g, dim))

@@ -23,14 +23,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from .errors import ConfigError
-from .schema import TrainConfig
+from .schema import ModelConfig, TrainConfig
 
 # configs/ lives at the repository root, next to the package (the install is
 # editable, see the Makefile).
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_NAME = "train"
 
-ARCHS = ("gpt", "mlp")
+ARCHS = ("gpt", "mlp", "gpt2", "llama", "custom")
 DATASETS = ("synthetic", "text")
 DEVICES = ("cpu", "cuda")
 
@@ -52,7 +52,47 @@ def register_configs() -> None:
 
 def load_worker_config(path: str | os.PathLike) -> DictConfig:
     """The resolved config a run dir holds, typed by TrainConfig."""
-    return OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path))
+    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path))
+    cfg.model = typed_model(cfg.model)
+    return cfg
+
+
+def default_config(**model: Any) -> DictConfig:
+    """The schema's defaults as one config (a built-in model's keys under
+    `model`, overridden by `model`), for code and tests that build a config
+    without Hydra."""
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.model = OmegaConf.merge(OmegaConf.structured(ModelConfig), model)
+    return cfg
+
+
+def typed_model(model: Any) -> DictConfig:
+    """The model config checked against ModelConfig (a built-in or Hugging
+    Face model: every key known and typed, defaults filled in), or as given
+    for a custom model (arch=custom: its keys are its builder's arguments)."""
+    if isinstance(model, DictConfig) and model._is_missing():
+        raise ConfigError("model", "???", "no model chosen: expected model=<name> (e.g. model=gpt-tiny)")
+    arch = model.get("arch") if isinstance(model, DictConfig) else getattr(model, "arch", None)
+    if arch == "custom":
+        target = model.get("_target_")
+        if not isinstance(target, str) or "." not in target:
+            raise ConfigError("model._target_", target, "model=custom needs model._target_=package.module.callable (a function or class that returns the model)")
+        return model
+    schema = OmegaConf.structured(ModelConfig)
+    for key in model.keys():
+        if key not in schema:
+            raise ConfigError(f"model.{key}", model[key], _valid_keys_hint(str(key), list(schema.keys()), "model.")
+                              + "; a custom model (model=custom) takes any keys")
+    try:
+        return OmegaConf.merge(schema, model)
+    except ValidationError as e:
+        key = str(getattr(e, "full_key", "") or "model")
+        key = key if key.startswith("model.") else f"model.{key}"
+        return _raise(ConfigError(key, model.get(key.split(".", 1)[1]), _expected_type(key, OmegaConf.create({"model": schema}))))
+
+
+def _raise(error: Exception):
+    raise error
 
 
 # --------------------------------------------------------------------------
@@ -67,6 +107,7 @@ def validate(cfg: Any) -> None:
     _check_resolvable(cfg)
     _check_known_keys(cfg, OmegaConf.structured(TrainConfig), "")
     _check_choice("model.arch", cfg.model.arch, ARCHS)
+    cfg.model = typed_model(cfg.model)
     _check_choice("data.name", cfg.data.name, DATASETS)
     _check_choice("device", cfg.device, DEVICES)
     validate_parallel(cfg)
@@ -85,7 +126,8 @@ def validate(cfg: Any) -> None:
     _check_at_least("train.eval_every", t.eval_every, 0)
     _check_at_least("train.eval_batches", t.eval_batches, 1)
     _check_at_least("train.seq_len", t.seq_len, 1)
-    if t.seq_len > m.block_size:
+    sized = m.arch != "custom" and not m.get("pretrained")  # sizes known from the config
+    if sized and t.seq_len > m.block_size:
         raise ConfigError("train.seq_len", t.seq_len, f"expected at most model.block_size={m.block_size}")
     if not 0.0 <= t.label_smoothing < 1.0:
         raise ConfigError("train.label_smoothing", t.label_smoothing, "expected a value in [0, 1)")
@@ -97,8 +139,15 @@ def validate(cfg: Any) -> None:
     _check_at_least("optim.grad_clip", o.grad_clip, 0)
     if cfg.data.path is not None and not Path(cfg.data.path).exists():
         raise ConfigError("data.path", cfg.data.path, "no such file")
-    if cfg.data.vocab_size > m.vocab_size:
+    if sized and cfg.data.vocab_size > m.vocab_size:
         raise ConfigError("data.vocab_size", cfg.data.vocab_size, f"the data has more token ids than the model: expected at most model.vocab_size={m.vocab_size}")
+    if cfg.data.tokenizer is not None and not Path(cfg.data.tokenizer).is_dir():
+        raise ConfigError("data.tokenizer", cfg.data.tokenizer, "expected a local Hugging Face tokenizer directory (save_pretrained)")
+    if m.get("pretrained") is not None and not (Path(m.pretrained) / "config.json").is_file():
+        raise ConfigError("model.pretrained", m.pretrained, "expected a local save_pretrained directory holding config.json and safetensors")
+    from .models import check_model  # imports torch: after every cheap check
+
+    check_model(cfg)
 
 
 def _check_resolvable(cfg: Any) -> None:
@@ -128,7 +177,7 @@ def _check_known_keys(cfg: Any, schema: DictConfig, prefix: str) -> None:
     """`+key=value` may add keys that the schema lacks; nothing would read them."""
     for key in cfg.keys():
         full = f"{prefix}{key}"
-        if key not in schema:
+        if key not in schema.keys():  # (`in` is False for a ??? key)
             value = cfg[key]
             if isinstance(value, DictConfig):
                 value = OmegaConf.to_container(value)

@@ -106,7 +106,7 @@ def prepare_data(cfg) -> DataInfo:
             info = _stdlib_corpus(cfg)
         else:
             info = _user_file(cfg, d.path)
-        if info.vocab_size > cfg.model.vocab_size:
+        if _model_vocab(cfg) is not None and info.vocab_size > _model_vocab(cfg):
             raise ConfigError(
                 "model.vocab_size", cfg.model.vocab_size,
                 f"must be > {info.vocab_size - 1}, the largest token id in "
@@ -117,11 +117,20 @@ def prepare_data(cfg) -> DataInfo:
     return info
 
 
+def _model_vocab(cfg) -> Optional[int]:
+    """The model's vocabulary size where the config alone tells it (not for
+    a custom or pretrained model: models.check_model checks those, built)."""
+    m = cfg.model
+    if m.get("arch") == "custom" or m.get("pretrained"):
+        return None
+    return m.vocab_size
+
+
 def _synthetic_info(cfg) -> DataInfo:
     d = cfg.data
     if d.synthetic_tokens < 1:
         raise ConfigError("data.synthetic_tokens", d.synthetic_tokens, "must be >= 1")
-    if not 1 <= d.vocab_size <= cfg.model.vocab_size:
+    if not 1 <= d.vocab_size <= (_model_vocab(cfg) or d.vocab_size):
         raise ConfigError("data.vocab_size", d.vocab_size,
                           f"must be in 1..model.vocab_size={cfg.model.vocab_size}")
     return DataInfo(None, d.synthetic_tokens, d.vocab_size,
@@ -199,20 +208,64 @@ def _info(tokens: Path, meta: Path, what: str, text: bool = True) -> DataInfo:
     return DataInfo(str(tokens), n, s["max_id"] + 1, desc)
 
 
-def _build(dest: Path, byte_chunks: Iterator[bytes], total: int, what: str) -> None:
-    """Byte-tokenise a stream of byte chunks into ``dest`` (uint16), showing
-    progress: building is a one-off, every later run is a cache hit."""
+def _build(dest: Path, byte_chunks: Iterator[bytes], total: int, what: str, tokenizer_dir: Optional[str] = None) -> None:
+    """Tokenise a stream of byte chunks into ``dest`` (uint16), byte-level or
+    with a Hugging Face tokenizer, showing progress: building is a one-off,
+    every later run is a cache hit."""
     log.info("building %s cache %s (%.1f MB of text)", what, dest, total / 1e6)
     t0 = time.perf_counter()
+    encode_chunk = _hf_encoder(tokenizer_dir) if tokenizer_dir else \
+        (lambda chunk: np.frombuffer(chunk, dtype=np.uint8).astype(TOKEN_DTYPE))
 
     def tokens() -> Iterator[bytes]:
         with _progress(total, f"tokenising {what}") as advance:
-            for chunk in byte_chunks:
+            for chunk in _whole_lines(byte_chunks) if tokenizer_dir else byte_chunks:
                 advance(len(chunk))
-                yield np.frombuffer(chunk, dtype=np.uint8).astype(TOKEN_DTYPE).tobytes()
+                yield encode_chunk(chunk).tobytes()
 
     _atomic_write(dest, tokens())
     log.info("built %s in %.2fs", dest.name, time.perf_counter() - t0)
+
+
+def _hf_encoder(tokenizer_dir: str):
+    """Bytes -> uint16 ids with the Hugging Face tokenizer saved in
+    `tokenizer_dir` (a local directory: nothing is downloaded)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    if len(tokenizer) > np.iinfo(TOKEN_DTYPE).max + 1:
+        raise ConfigError("data.tokenizer", tokenizer_dir, f"its {len(tokenizer)} ids do not fit the uint16 token files")
+
+    def encode_chunk(chunk: bytes) -> np.ndarray:
+        ids = tokenizer(chunk.decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
+        return np.asarray(ids, dtype=TOKEN_DTYPE)
+    return encode_chunk
+
+
+def _whole_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """Re-cut chunks at line ends, so a subword tokenizer never sees a word
+    (or a UTF-8 character) cut in two."""
+    rest = b""
+    for chunk in chunks:
+        data = rest + chunk
+        cut = data.rfind(b"\n") + 1
+        if cut == 0:
+            rest = data
+            continue
+        rest = data[cut:]
+        yield data[:cut]
+    if rest:
+        yield rest
+
+
+def _tokenizer_key(cfg) -> Optional[list]:
+    """What identifies the tokenizer in a cache key: its files' names, sizes
+    and modification times (None: the byte tokenizer)."""
+    tokenizer = cfg.data.get("tokenizer")
+    if not tokenizer:
+        return None
+    root = Path(tokenizer).resolve()
+    return [str(root)] + sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in root.iterdir() if p.is_file())
 
 
 @contextmanager
@@ -274,13 +327,13 @@ def _stdlib_corpus(cfg) -> DataInfo:
     root = Path(sysconfig.get_paths()["stdlib"])
     # Key on each file's name, size and mtime: an upgraded Python or edited
     # file gives a new cache file instead of a stale one.
-    key = _key(kind="stdlib", max_bytes=max_bytes, root=root, files=[
+    key = _key(kind="stdlib", max_bytes=max_bytes, root=root, tokenizer=_tokenizer_key(cfg), files=[
         (str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in files])
     dest = cache_dir(cfg) / f"stdlib-{key}.bin"
     if not dest.exists():
         total = min(max_bytes, sum(p.stat().st_size for p in files))
-        _build(dest, stdlib_corpus_bytes(files, max_bytes), total, "stdlib corpus")
-    return _info(dest, dest.with_suffix(".json"), "stdlib corpus")
+        _build(dest, stdlib_corpus_bytes(files, max_bytes), total, "stdlib corpus", cfg.data.get("tokenizer"))
+    return _info(dest, dest.with_suffix(".json"), "stdlib corpus", text=not cfg.data.get("tokenizer"))
 
 
 # -- a user's file: text (tokenised + cached) or .bin (used in place) ---------
@@ -291,7 +344,7 @@ def _user_file(cfg, path_str: str) -> DataInfo:
     if not path.is_file():
         raise ConfigError("data.path", path_str, "no such file")
     st = path.stat()
-    key = _key(path=str(path.resolve()), size=st.st_size, mtime_ns=st.st_mtime_ns)
+    key = _key(path=str(path.resolve()), size=st.st_size, mtime_ns=st.st_mtime_ns, tokenizer=_tokenizer_key(cfg))
     if path.suffix == ".bin":
         if st.st_size % TOKEN_DTYPE.itemsize:
             raise ConfigError("data.path", path_str,
@@ -299,8 +352,8 @@ def _user_file(cfg, path_str: str) -> DataInfo:
         return _info(path, cache_dir(cfg) / f"{path.stem}-{key}.json", f"token file {path.name}", text=False)
     dest = cache_dir(cfg) / f"{path.stem}-{key}.bin"
     if not dest.exists():
-        _build(dest, _read_chunks(path), st.st_size, f"text file {path.name}")
-    return _info(dest, dest.with_suffix(".json"), f"text file {path.name}")
+        _build(dest, _read_chunks(path), st.st_size, f"text file {path.name}", cfg.data.get("tokenizer"))
+    return _info(dest, dest.with_suffix(".json"), f"text file {path.name}", text=not cfg.data.get("tokenizer"))
 
 
 def _read_chunks(path: Path) -> Iterator[bytes]:

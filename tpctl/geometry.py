@@ -79,13 +79,18 @@ def validate_parallel(cfg: TrainConfig) -> Geometry:
     if cfg.dp < 1:
         raise ConfigError("dp", cfg.dp, "expected a positive number of data-parallel replicas")
     m = cfg.model
-    if m.n_head % geo.head_split:
-        raise ConfigError("model.n_head", m.n_head, f"mode={cfg.mode} size={cfg.size} splits heads {geo.head_split} ways: expected a multiple of {geo.head_split}")
-    if m.n_embd % m.n_head:
-        raise ConfigError("model.n_embd", m.n_embd, f"expected a multiple of model.n_head={m.n_head}")
-    for key, dim in (("model.n_embd", m.n_embd), ("model.mlp_ratio", m.n_embd * m.mlp_ratio)):
-        if dim % geo.hidden_split:
-            raise ConfigError(key, getattr(m, key.split(".")[1]), f"mode={cfg.mode} size={cfg.size} splits the hidden dim {geo.hidden_split} ways: hidden size {dim} does not divide")
+    if m.arch != "custom" and not m.get("pretrained"):
+        # Sizes known from the config: name the key. (Any model is checked
+        # module by module too, once built: models.check_model.)
+        for key, heads in (("model.n_head", m.n_head), ("model.n_kv_head", m.get("n_kv_head"))):
+            if heads is not None and heads % geo.head_split:
+                raise ConfigError(key, heads, f"mode={cfg.mode} size={cfg.size} splits heads {geo.head_split} ways: expected a multiple of {geo.head_split}")
+        if m.n_embd % m.n_head:
+            raise ConfigError("model.n_embd", m.n_embd, f"expected a multiple of model.n_head={m.n_head}")
+        inner = ("model.intermediate_size", m.intermediate_size) if m.get("intermediate_size") else ("model.mlp_ratio", m.n_embd * m.mlp_ratio)
+        for key, dim in (("model.n_embd", m.n_embd), inner):
+            if dim % geo.hidden_split:
+                raise ConfigError(key, m[key.split(".")[1]], f"mode={cfg.mode} size={cfg.size} splits the hidden dim {geo.hidden_split} ways: hidden size {dim} does not divide")
     if cfg.seq_parallel:
         if cfg.mode != "1d":
             raise ConfigError("seq_parallel", True, f"sequence parallelism is for mode=1d; expected seq_parallel=false with mode={cfg.mode}")

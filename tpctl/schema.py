@@ -8,14 +8,20 @@ time, before any worker starts. The YAML files under ``configs/`` fill them in.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Dict, Optional
+
+from omegaconf import MISSING
 
 MODES = ("none", "1d", "2d", "2.5d", "3d")
 
 
 @dataclass
 class ModelConfig:
-    # "gpt" (nanoGPT-style decoder) or "mlp" (token MLP with an untied head).
+    """Keys of the built-in and Hugging Face models (a custom model's config,
+    arch=custom, is free-form: its keys are its builder's arguments)."""
+
+    # Built in: "gpt" (nanoGPT-style decoder), "mlp" (token MLP with an untied
+    # head). Hugging Face (model=hf): "gpt2", "llama".
     arch: str = "gpt"
     vocab_size: int = 256
     n_layer: int = 2
@@ -26,6 +32,15 @@ class ModelConfig:
     dropout: float = 0.0
     bias: bool = True
     tie_embeddings: bool = True
+    # Llama: key/value heads (grouped-query attention; null: n_head) and the
+    # MLP's hidden size (null: mlp_ratio * n_embd).
+    n_kv_head: Optional[int] = None
+    intermediate_size: Optional[int] = None
+    # Hugging Face: a local save_pretrained directory (config.json and
+    # safetensors); its config replaces the size keys above.
+    pretrained: Optional[str] = None
+    # Module-name patterns -> roles; null: the model's tp_plan, else traced.
+    plan: Optional[Dict[str, str]] = None
 
 
 @dataclass
@@ -39,6 +54,8 @@ class DataConfig:
     cache_dir: Optional[str] = None
     # Byte-level tokens are < 256; a .bin file may hold GPT-2 ids (< 50257).
     vocab_size: int = 256
+    # A local Hugging Face tokenizer directory for text data; null: bytes.
+    tokenizer: Optional[str] = None
     val_fraction: float = 0.1
     # Size of the default corpus and of the synthetic token stream.
     max_bytes: int = 4_000_000
@@ -92,7 +109,9 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (nccl)
     seq_parallel: bool = False  # 1d only
-    model: ModelConfig = field(default_factory=ModelConfig)
+    # A ModelConfig, or for arch=custom any keys (see config.typed_model):
+    # untyped here so that a custom model's arguments can be added.
+    model: Any = MISSING
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)

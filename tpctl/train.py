@@ -17,6 +17,7 @@ import torch
 
 from . import comm
 from .data import TokenData
+from .models.roles import logits_of
 from .parallel.base import ParallelMode
 from .parallel.shard import spec_of
 
@@ -77,8 +78,10 @@ class Trainer:
                    self.mode.split_target(y).to(self.mesh.device))
 
     def _loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self.model(x)
-        return self.mode.cross_entropy(logits, y, self.cfg.model.vocab_size, self.cfg.train.label_smoothing).sum()
+        logits = logits_of(self.model(x))
+        # The real vocabulary (the LM head's width before any padding).
+        vocab = getattr(self.model, "tpctl_vocab_size", None) or self.cfg.model.vocab_size
+        return self.mode.cross_entropy(logits, y, vocab, self.cfg.train.label_smoothing).sum()
 
 
     def train_step(self, step: int) -> dict:

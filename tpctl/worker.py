@@ -89,13 +89,13 @@ def run(argv: list[str] | None = None) -> None:
     mesh = mode.mesh
     log.info("mesh: mode=%s coords=%s dp_rank=%d", mesh.mode, mesh.coords, mesh.dp_rank)
     # Lazy: each rank makes one parameter whole at a time, to slice its shard.
-    model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode).to(device)
+    model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode, cfg.model.get("plan")).to(device)
     data = TokenData(cfg, prepare_data(cfg))
     log.info("data: %s", data.describe())
     if mesh.rank == 0:
         whole = sum(math.prod(p.tpctl_spec.full_shape) for p in model.parameters())
         print(f"tpctl: mode={cfg.mode} size={cfg.size} dp={cfg.dp} ({mesh.world_size} ranks), "
-              f"{cfg.model.arch} with {whole / 1e6:.2f}M parameters, {data.describe()}", flush=True)
+              f"{cfg.model.get('_target_') or cfg.model.arch} with {whole / 1e6:.2f}M parameters, {data.describe()}", flush=True)
     trainer = Trainer(cfg, model, mode, data, run_dir)
     records = trainer.fit()
     summary = trainer.summary(records)

@@ -1,31 +1,122 @@
-"""Built-in models: plain PyTorch, parallelised from the outside by role."""
+"""Models: the built-in ones, Hugging Face's, and a user's own, all
+parallelised from the outside by role (see roles.py for how roles are found
+when a model has no plan)."""
 
 from __future__ import annotations
 
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
 import torch
 
-from ..schema import ModelConfig
 from .gpt import GPT
 from .init import ParamInit
 from .mlp import TokenMLP
+from .roles import Plan, logits_of, resolve_plan
 
-__all__ = ["ARCHS", "GPT", "TokenMLP", "ParamInit", "build_model"]
+__all__ = ["ARCHS", "BUILTIN_ARCHS", "GPT", "TokenMLP", "ParamInit", "Plan", "build_model", "logits_of",
+           "resolve_plan", "vocab_size_of"]
 
-ARCHS = {"gpt": GPT, "mlp": TokenMLP}
+BUILTIN_ARCHS = {"gpt": GPT, "mlp": TokenMLP}
+HF_ARCHS = ("gpt2", "llama")
+ARCHS = (*BUILTIN_ARCHS, *HF_ARCHS, "custom")
+# Keys of the model config that are tpctl's, not a custom model's arguments.
+CUSTOM_RESERVED = ("arch", "_target_", "plan", "pretrained")
 
 
-def build_model(cfg: ModelConfig, seed: int, lazy: bool = False) -> torch.nn.Module:
-    """A built-in model whose initial weights are fixed by `seed` alone
-    (each parameter from its own generator, see models.init), so every mode
-    slices its shards from the same whole model.
+def build_model(cfg: Any, seed: int, lazy: bool = False) -> torch.nn.Module:
+    """The model of config `cfg` with initial weights fixed by `seed`.
 
-    lazy=True leaves the parameters on the meta device with the initialiser
-    attached as `model.tpctl_init`: `parallelize` then makes each parameter
-    whole only to slice this rank's shard, one at a time.
+    Built-in and Hugging Face models are built on the meta device with a
+    parameter source attached as `model.tpctl_init` (seeded per parameter,
+    see models.init, or the pretrained files): lazy=True leaves them there,
+    so that `parallelize` makes each parameter whole only to slice this
+    rank's shard, one at a time; lazy=False materialises them.
+
+    A custom model (`arch=custom`, `_target_` a callable) is built by its own
+    code under `torch.manual_seed(seed)`, whole, with its own initialisation.
     """
-    with torch.device("meta"):
-        model = ARCHS[cfg.arch](cfg)
-    model.tpctl_init = ParamInit(model, seed)
-    if not lazy:
-        model.tpctl_init.materialize(model)
+    if cfg.arch in BUILTIN_ARCHS:
+        with torch.device("meta"):
+            model = BUILTIN_ARCHS[cfg.arch](cfg)
+        model.tpctl_init = ParamInit(model, seed)
+        if not lazy:
+            model.tpctl_init.materialize(model)
+    elif cfg.arch in HF_ARCHS:
+        from .hf import build_hf
+
+        model = build_hf(cfg, seed, lazy)
+    elif cfg.arch == "custom":
+        model = build_custom(cfg, seed)
+    else:
+        raise ValueError(f"unknown model arch {cfg.arch!r}; expected one of {', '.join(ARCHS)}")
     return model
+
+
+def import_target(path: str):
+    """The object `pkg.module.name` names, importing from the working
+    directory as well as the Python path."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ImportError(f"{path!r} is not a dotted path (package.module.callable)")
+    if str(Path.cwd()) not in sys.path and "" not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    module = importlib.import_module(module_name)
+    if not hasattr(module, attr):
+        raise ImportError(f"module {module_name!r} has no attribute {attr!r}")
+    return getattr(module, attr)
+
+
+def build_custom(cfg: Any, seed: int) -> torch.nn.Module:
+    target = import_target(cfg._target_)
+    kwargs = {k: v for k, v in cfg.items() if k not in CUSTOM_RESERVED}
+    torch.manual_seed(seed)
+    model = target(**kwargs)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{cfg._target_} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def vocab_size_of(cfg: Any, plan: Plan, model: torch.nn.Module) -> int:
+    """The real vocabulary size: the LM head's width (the config's for a
+    model without one)."""
+    head = next((name for name, role in plan.roles.items() if role == "lm_head"), None)
+    if head is not None:
+        return model.get_submodule(head).out_features
+    if getattr(cfg, "vocab_size", None) is None:
+        raise ValueError("cannot tell the vocabulary size: no LM head found; set model.vocab_size")
+    return cfg.vocab_size
+
+
+def check_model(cfg: Any) -> Plan:
+    """Build `cfg.model` as the workers will (on the meta device where it
+    can be), find its roles and check that `cfg.mode` can shard every one:
+    ConfigError naming the module and the reason, before any worker starts.
+    Returns the plan."""
+    from ..errors import ConfigError
+    from ..geometry import geometry
+    from ..parallel.base import check_plan
+
+    m = cfg.model
+    what = m.get("_target_") or m.get("pretrained") or m.arch
+    try:
+        model = build_model(m, cfg.seed, lazy=True)
+    except ImportError as e:
+        raise ConfigError("model._target_" if m.arch == "custom" else "model.arch", what, f"cannot import: {e}") from None
+    except (TypeError, ValueError, OSError, KeyError) as e:
+        raise ConfigError("model", what, f"building the model failed: {type(e).__name__}: {e}") from None
+    try:
+        plan = resolve_plan(model, m.get("plan"))
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise ConfigError("model", what, f"tracing the model's forward failed: {type(e).__name__}: {e}") from None
+    geo = geometry(cfg.mode, cfg.size, cfg.depth)
+    problems = check_plan(plan, model, geo)
+    if problems:
+        name, reason = next(iter(problems.items()))
+        raise ConfigError("model", what, f"mode={cfg.mode} size={cfg.size} cannot shard module {name}: {reason}")
+    vocab = vocab_size_of(m, plan, model)
+    if cfg.data.vocab_size > vocab:
+        raise ConfigError("data.vocab_size", cfg.data.vocab_size, f"the model's vocabulary has {vocab} entries: expected at most {vocab}")
+    return plan

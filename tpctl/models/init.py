@@ -1,54 +1,62 @@
-"""Initial weights that any rank can make one parameter at a time.
+"""Where a lazily built model's parameters come from, one shard at a time.
 
-Each parameter is drawn from its own generator, seeded by (seed, parameter
-name), so the whole model's initial values are fixed by the seed alone --
-whatever the mode -- while a rank that needs only a shard makes that one
-parameter whole, slices it and lets it go: peak memory is the largest
-parameter, not the model (DESIGN.md: "build the model without materialising
-it whole where it is large").
+A model built on the meta device carries a `ParamSource` as
+`model.tpctl_init`. The rewrite asks it for each parameter's shard
+(`shard(param, spec)`), and `materialize` gives whatever no layer sharded
+its whole value. Two sources exist:
+
+  * `ParamInit` (here): each parameter drawn from its own generator, seeded
+    by (seed, parameter name), so the whole model's initial values are fixed
+    by the seed alone -- whatever the mode -- while a rank that needs only a
+    shard makes that one parameter whole, slices it and lets it go: peak
+    memory is the largest parameter, not the model (DESIGN.md: "build the
+    model without materialising it whole where it is large").
+  * `pretrained.SafetensorsSource`: the slices read straight from a
+    checkpoint's safetensors files.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Callable, Optional
+
 import torch
 import torch.nn as nn
 
+from ..parallel.shard import ShardSpec
 from ..seeding import derive_seed
+from ..parallel.layers import is_norm
 
 
-class ParamInit:
-    """The initial value of every parameter of `model` (built on the meta
-    device), by its own generator. The model may scale the default std per
-    parameter with a method `init_std(name) -> float`."""
+class ParamSource:
+    """Names every parameter of `model` (tied ones under each of their
+    names, the first one canonical) and hands out values by parameter."""
 
-    def __init__(self, model: nn.Module, seed: int):
-        self.seed = seed
-        self._std = getattr(model, "init_std", lambda name: 0.02)
-        # id(param) -> (name, owning module, the param itself: kept alive so
-        # that its id stays unique). A tied parameter keeps its first name.
-        self._params: dict[int, tuple[str, nn.Module, torch.Tensor]] = {}
-        for module_name, module in model.named_modules():
+    def __init__(self, model: nn.Module):
+        # id(param) -> (names, owning module, the param itself: kept alive
+        # so that its id stays unique).
+        self._params: dict[int, tuple[list[str], nn.Module, torch.Tensor]] = {}
+        for module_name, module in model.named_modules(remove_duplicate=False):
             for attr, param in module.named_parameters(recurse=False):
                 name = f"{module_name}.{attr}" if module_name else attr
-                self._params.setdefault(id(param), (name, module, param))
+                entry = self._params.setdefault(id(param), ([], module, param))
+                if name not in entry[0]:
+                    entry[0].append(name)
+
+    def names(self, param: torch.Tensor) -> list[str]:
+        return self._params[id(param)][0]
 
     def full(self, param: torch.Tensor) -> torch.Tensor:
-        """The whole initial value of `param` (a parameter of the model)."""
-        name, module, _ = self._params[id(param)]
-        attr = name.rpartition(".")[2]
-        shape = tuple(param.shape)
-        if isinstance(module, nn.LayerNorm):
-            return torch.ones(shape) if attr == "weight" else torch.zeros(shape)
-        if isinstance(module, (nn.Linear, nn.Embedding)) and attr == "weight":
-            generator = torch.Generator().manual_seed(derive_seed(self.seed, name))
-            return torch.randn(shape, generator=generator).mul_(self._std(name))
-        if isinstance(module, nn.Linear) and attr == "bias":
-            return torch.zeros(shape)
-        raise ValueError(f"no initial value rule for {name} ({type(module).__name__}.{attr})")
+        """The whole value of `param` (a parameter of the model)."""
+        raise NotImplementedError
+
+    def shard(self, param: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+        """The slice `spec` of `param`'s value."""
+        return spec.slice(self.full(param))
 
     def materialize(self, model: nn.Module) -> None:
-        """Give every parameter still on the meta device its initial value,
-        keeping tied parameters tied and any tpctl_spec tag."""
+        """Give every parameter still on the meta device its value, keeping
+        tied parameters tied and any tpctl_spec tag."""
         made: dict[int, nn.Parameter] = {}
         for module in model.modules():
             for attr, param in list(module.named_parameters(recurse=False)):
@@ -60,3 +68,47 @@ class ParamInit:
                         new.tpctl_spec = param.tpctl_spec
                     made[id(param)] = new
                 setattr(module, attr, made[id(param)])
+
+
+class ParamInit(ParamSource):
+    """The initial value of every parameter of `model` (built on the meta
+    device), by its own generator. `std(name)` gives the normal std of a
+    weight; by default the model's method `init_std(name)`, else 0.02."""
+
+    def __init__(self, model: nn.Module, seed: int, std: Optional[Callable[[str], float]] = None):
+        super().__init__(model)
+        self.seed = seed
+        self._std = std or getattr(model, "init_std", lambda name: 0.02)
+
+    def full(self, param: torch.Tensor) -> torch.Tensor:
+        names, module, _ = self._params[id(param)]
+        name = names[0]
+        attr = name.rpartition(".")[2]
+        shape = tuple(param.shape)
+        if is_norm(module):
+            return torch.ones(shape) if attr == "weight" else torch.zeros(shape)
+        if isinstance(module, (nn.Linear, nn.Embedding)) and attr == "weight":
+            generator = torch.Generator().manual_seed(derive_seed(self.seed, name))
+            return torch.randn(shape, generator=generator).mul_(self._std(name))
+        if isinstance(module, nn.Linear) and attr == "bias":
+            return torch.zeros(shape)
+        raise ValueError(f"no initial value rule for {name} ({type(module).__name__}.{attr})")
+
+
+@contextmanager
+def params_on_meta():
+    """Build a model whose parameters land on the meta device while its
+    buffers (rotary frequencies, masks) are computed for real. Each
+    parameter exists for real only while its constructor runs."""
+    register = nn.Module.register_parameter
+
+    def on_meta(self, name, param):
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register

@@ -11,7 +11,6 @@ A mode answers three questions:
 
 from __future__ import annotations
 
-import fnmatch
 from typing import Callable, Optional
 
 import torch
@@ -26,18 +25,19 @@ from .loss import vocab_parallel_cross_entropy
 from .shard import ShardSpec, make_param, spec_of
 
 ROLES = (
-    "embedding", "pos_embedding", "qkv", "attn_out", "mlp_in", "mlp_out",
+    "embedding", "pos_embedding", "qkv", "attn_in", "attn_out", "mlp_in", "mlp_out",
     "norm", "lm_head", "dropout", "attn_dropout",
 )
 
 
 class RewriteContext:
-    """State of one rewrite: keeps tied parameters tied, and makes a lazy
-    (meta-device) parameter whole only for as long as it takes to slice it."""
+    """State of one rewrite: keeps tied parameters tied, and asks a lazy
+    (meta-device) parameter's source for this rank's slice alone."""
 
     def __init__(self, mesh: Mesh, init=None):
         self.mesh = mesh
-        self.init = init  # a models.init.ParamInit, for models built lazily
+        self.init = init  # a models.init.ParamSource, for models built lazily
+        self.name = ""  # the module being converted
         self._new: dict[int, nn.Parameter] = {}
 
     def shard(self, original: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
@@ -45,8 +45,11 @@ class RewriteContext:
         used by two modules (embedding = LM head) stays one parameter."""
         made = self._new.get(id(original))
         if made is None:
-            full = self.init.full(original) if original.is_meta and self.init else original.detach()
-            made = self._new[id(original)] = make_param(full, spec)
+            if original.is_meta and self.init:  # read or made one shard at a time
+                local = self.init.shard(original, spec)
+            else:
+                local = spec.slice(original.detach())
+            made = self._new[id(original)] = make_param(local, spec)
         elif (made.tpctl_spec.full_shape, made.tpctl_spec.index) != (spec.full_shape, spec.index):
             raise ValueError(f"a tied parameter {tuple(original.shape)} is used by layers that shard it differently")
         return made
@@ -163,6 +166,9 @@ class ParallelMode:
         return ShardSpec(tuple(full.shape), index, tuple(self.mesh.group_ranks[replicas]), partial,
                          self.mesh.groups[replicas])
 
+    def prepare(self, model: nn.Module, plan) -> None:
+        """Called by `parallelize` before any layer is converted."""
+
     def replicated(self, param: torch.Tensor, group: str, partial: bool) -> None:
         """Tag a parameter every rank of `group` holds whole."""
         param.tpctl_spec = self.split_spec(param, replicas=group, partial=partial)
@@ -172,40 +178,50 @@ class ParallelMode:
 
 def module_roles(model: nn.Module, plan: Optional[dict[str, str]] = None) -> dict[str, str]:
     """{module name: role} for every module the rewrite replaces, in
-    definition order. `plan` maps module-name patterns (fnmatch) to roles;
-    by default the model's own `tp_plan`."""
-    plan = plan if plan is not None else getattr(model, "tp_plan", None)
-    if plan is None:
-        raise ValueError(f"{type(model).__name__} has no tp_plan; pass plan={{module pattern: role}}")
-    for role in plan.values():
-        if role not in ROLES:
-            raise ValueError(f"unknown role {role!r} in the plan; roles are {', '.join(ROLES)}")
-    roles = {}
-    for name, _ in model.named_modules():
-        role = next((r for pattern, r in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
-        if role is not None and name:
-            roles[name] = role
-    return roles
+    definition order: from `plan` (module-name patterns -> roles), the
+    model's `tp_plan`, or traced from its forward (models.roles)."""
+    from ..models.roles import resolve_plan
+
+    return resolve_plan(model, plan).roles
 
 
-def parallelize(model: nn.Module, mode: ParallelMode, plan: Optional[dict[str, str]] = None) -> nn.Module:
+def parallelize(model: nn.Module, mode: ParallelMode, plan=None) -> nn.Module:
     """Replace the model's layers, by role, with `mode`'s parallel layers.
 
-    `plan` maps module-name patterns (fnmatch) to roles; by default the
-    model's own `tp_plan`. The model's code is untouched: only submodules are
-    swapped, and each new layer holds just this rank's shard of the weights.
+    `plan`: a models.roles.Plan, or module-name patterns (fnmatch) -> roles;
+    by default the model's own `tp_plan`, else roles traced from its forward.
+    The model's code is untouched: only submodules are swapped, each new layer
+    holds just this rank's shard of the weights, and attention modules that
+    store a head count get this rank's.
     """
+    from ..models.hf import linearize
+    from ..models.roles import Plan, resolve_plan
+
     if getattr(model, "tpctl_mode", None) is not None:
         raise ValueError(f"{type(model).__name__} is already parallelized ({model.tpctl_mode.name})")
-    roles = module_roles(model, plan)
+    linearize(model)  # GPT-2's Conv1D: a Linear with a transposed weight
+    if not isinstance(plan, Plan):
+        plan = resolve_plan(model, plan)
+    problems = check_plan(plan, model, mode.geo)
+    if problems:
+        name, reason = next(iter(problems.items()))
+        raise ValueError(f"cannot parallelize {name} in mode {mode.name} (size {mode.geo.size}): {reason}")
+    head = next((name for name, role in plan.roles.items() if role == "lm_head"), None)
+    if head is not None:  # the real vocabulary, before a mode pads it
+        model.tpctl_vocab_size = model.get_submodule(head).out_features
     init = getattr(model, "tpctl_init", None)
     ctx = RewriteContext(mode.mesh, init)
-    for name, role in roles.items():
+    mode.prepare(model, plan)
+    for name, role in plan.roles.items():
         module = model.get_submodule(name)
+        ctx.name = name
         new = mode.convert(role, module, ctx)
         if new is not module:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    for owner, heads in plan.heads.items():
+        for attr, full in heads.attrs.items():
+            setattr(model.get_submodule(owner), attr, full // mode.geo.head_split)
     if init is not None:
         init.materialize(model)  # what no layer sharded: norms, replicated tables, ...
     for name, param in model.named_parameters():
@@ -217,7 +233,40 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan: Optional[dict[str, s
             else:
                 raise ValueError(f"parameter {name!r} has no role in the plan; mode {mode.name} cannot leave it whole")
     model.tpctl_mode = mode  # marks the model as rewritten (and by which mode)
+    model.tpctl_plan = plan
     return model
+
+
+def check_plan(plan, model: nn.Module, geo) -> dict[str, str]:
+    """{module name: why mode `geo` cannot shard it}: what the role tracer
+    could not place (fatal unless nothing is split), and head counts or
+    matrix sizes the split does not divide."""
+    if geo.mode == "none":
+        return {}
+    problems = dict(plan.problems)
+    for owner, heads in plan.heads.items():
+        for what, count in (("query heads", heads.heads), ("key/value heads", heads.kv_heads)):
+            if count % geo.head_split:
+                problems.setdefault(owner, f"{count} {what} do not split {geo.head_split} ways (mode {geo.mode}, size {geo.size})")
+    split = geo.hidden_split
+    for name, role in plan.roles.items():
+        module = model.get_submodule(name)
+        if role in ("qkv", "attn_in", "mlp_in", "attn_out", "mlp_out"):
+            dims = {"out": module.out_features, "in": module.in_features}
+            if geo.mode == "1d":  # only the split dimension
+                dims = {"out": module.out_features} if role not in ("attn_out", "mlp_out") else {"in": module.in_features}
+            for which, size in dims.items():
+                if size % split:
+                    problems.setdefault(name, f"{size} {which} features do not split {split} ways (mode {geo.mode}, size {geo.size})")
+        elif role in ("embedding", "pos_embedding") and geo.mode != "1d" and module.embedding_dim % geo.q:
+            problems.setdefault(name, f"{module.embedding_dim} embedding features do not split {geo.q} ways")
+        elif role == "lm_head" and geo.mode != "1d" and module.in_features % split:
+            problems.setdefault(name, f"{module.in_features} in features do not split {split} ways (mode {geo.mode}, size {geo.size})")
+        elif role == "norm" and geo.mode != "1d":
+            weight = getattr(module, "weight", None)
+            if weight is not None and weight.shape[-1] % geo.q:
+                problems.setdefault(name, f"{weight.shape[-1]} features do not split {geo.q} ways")
+    return problems
 
 
 # ---- gradients ----------------------------------------------------------

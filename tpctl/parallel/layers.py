@@ -26,26 +26,60 @@ class ParallelDropout(nn.Module):
         return f"p={self.p}"
 
 
-class SplitLayerNorm(nn.Module):
-    """LayerNorm over a hidden dimension split across `group`: the row
-    moments are one all-reduce of the stacked partial sums (and one in the
-    backward, through autograd)."""
+def is_norm(module: nn.Module) -> bool:
+    """LayerNorm and RMSNorm, PyTorch's or a model's own (LlamaRMSNorm, ...)."""
+    if isinstance(module, (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))):
+        return True
+    name = type(module).__name__
+    weight = getattr(module, "weight", None)
+    return name.endswith(("RMSNorm", "LayerNorm")) and isinstance(weight, torch.Tensor) and weight.dim() == 1
 
-    def __init__(self, weight, bias, hidden: int, eps: float, group):
+
+def is_rms_norm(module: nn.Module) -> bool:
+    return is_norm(module) and "RMSNorm" in type(module).__name__
+
+
+def norm_eps(module: nn.Module) -> float:
+    for attr in ("eps", "variance_epsilon", "epsilon"):
+        value = getattr(module, attr, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return 1e-6 if is_rms_norm(module) else 1e-5
+
+
+class SplitNorm(nn.Module):
+    """LayerNorm (or RMSNorm, rms=True) over a hidden dimension split across
+    `group`: the row moments are one all-reduce of the stacked partial sums
+    (and one in the backward, through autograd)."""
+
+    def __init__(self, weight, bias, hidden: int, eps: float, group, rms: bool = False):
         super().__init__()
         self.weight, self.bias = weight, bias
-        self.hidden, self.eps, self.group = hidden, eps, group
+        self.hidden, self.eps, self.group, self.rms = hidden, eps, group, rms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from ..comm import sum_shared
 
-        sums = sum_shared(torch.stack([x.sum(-1), (x * x).sum(-1)]), self.group)
-        mean = sums[0] / self.hidden
-        var = sums[1] / self.hidden - mean * mean
-        y = (x - mean.unsqueeze(-1)) * torch.rsqrt(var + self.eps).unsqueeze(-1)
+        if self.rms:
+            mean_square = sum_shared((x * x).sum(-1), self.group) / self.hidden
+            y = x * torch.rsqrt(mean_square + self.eps).unsqueeze(-1)
+        else:
+            sums = sum_shared(torch.stack([x.sum(-1), (x * x).sum(-1)]), self.group)
+            mean = sums[0] / self.hidden
+            var = sums[1] / self.hidden - mean * mean
+            y = (x - mean.unsqueeze(-1)) * torch.rsqrt(var + self.eps).unsqueeze(-1)
         if self.weight is not None:
             y = y * self.weight
         return y if self.bias is None else y + self.bias
+
+    @classmethod
+    def like(cls, module: nn.Module, shard, group) -> "SplitNorm":
+        """The split version of `module` (a LayerNorm or RMSNorm), its
+        parameters sharded by `shard(param)`."""
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        hidden = weight.shape[-1] if weight is not None else module.normalized_shape[-1]
+        return cls(None if weight is None else shard(weight), None if bias is None else shard(bias),
+                   hidden, norm_eps(module), group, rms=is_rms_norm(module))
 
 
 class Lookup(nn.Module):

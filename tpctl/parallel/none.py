@@ -16,7 +16,7 @@ class NoParallel(ParallelMode):
     def _keep(self, module: nn.Module, ctx) -> nn.Module:
         return module
 
-    convert_embedding = convert_pos_embedding = convert_qkv = convert_attn_out = _keep
+    convert_embedding = convert_pos_embedding = convert_qkv = convert_attn_in = convert_attn_out = _keep
     convert_mlp_in = convert_mlp_out = convert_norm = convert_lm_head = _keep
 
     def convert_dropout(self, module: nn.Dropout, ctx) -> nn.Module:

@@ -90,6 +90,30 @@ class OneD(ParallelMode):
         self.seq_parallel = seq_parallel
         self.group = mesh.tp_group
         self.p, self.world = mesh.tp_rank, mesh.tp_size
+        # With sequence parallelism the sequence is split where the residual
+        # stream starts: at the embedding, or -- for a model that computes
+        # positions or masks from the embedding's output shape (Hugging Face
+        # models) -- on entering the first block (`blocks`, a module name).
+        self.blocks: str | None = None
+
+    def prepare(self, model, plan) -> None:
+        self.blocks = None
+        if self.seq_parallel and plan.source == "inferred" and plan.blocks:
+            self.blocks = plan.blocks
+            model.get_submodule(plan.blocks)[0].register_forward_pre_hook(self._split_sequence, with_kwargs=True)
+
+    def _split_sequence(self, module, args, kwargs):
+        """Forward pre-hook of the first block: its hidden states (the first
+        argument) are replicated; keep this rank's sequence shard."""
+        if args:
+            return (comm.split_along(args[0], self.group, SEQ_DIM), *args[1:]), kwargs
+        kwargs["hidden_states"] = comm.split_along(kwargs["hidden_states"], self.group, SEQ_DIM)
+        return args, kwargs
+
+    def _before_split(self, ctx) -> bool:
+        """Whether the module being converted sees the replicated sequence
+        (outside the blocks, when the split is on entering them)."""
+        return self.blocks is not None and not ctx.name.startswith(self.blocks + ".")
 
     def shard_hidden(self, rows: torch.Tensor) -> torch.Tensor:
         return comm.split_block(rows, self.group, SEQ_DIM) if self.seq_parallel else rows
@@ -126,6 +150,8 @@ class OneD(ParallelMode):
     def convert_mlp_in(self, module: nn.Linear, ctx):
         return self._column(module, ctx)
 
+    convert_attn_in = convert_mlp_in
+
     def convert_lm_head(self, module: nn.Linear, ctx):
         return self._column(module, ctx, rows=self.padded_vocab(module.out_features))
 
@@ -141,22 +167,26 @@ class OneD(ParallelMode):
     def convert_embedding(self, module: nn.Embedding, ctx):
         rows = self.padded_vocab(module.num_embeddings)
         weight = ctx.shard(module.weight, self._split(module.weight, 0, rows))
-        return VocabEmbedding(weight, self.p * (rows // self.world), self.group, self.seq_parallel)
+        scatter = self.seq_parallel and self.blocks is None
+        return VocabEmbedding(weight, self.p * (rows // self.world), self.group, scatter)
 
     def convert_pos_embedding(self, module: nn.Embedding, ctx):
+        if self._before_split(ctx):
+            self.replicated(module.weight, "tp", partial=False)
+            return module
         self._replicated(module.weight)
         return SeqShardPosEmbedding(module.weight, self.group) if self.seq_parallel else module
 
     def convert_norm(self, module: nn.Module, ctx):
         for param in module.parameters():
-            self._replicated(param)
+            self.replicated(param, "tp", partial=self.seq_parallel and not self._before_split(ctx))
         return module
 
     def convert_dropout(self, module: nn.Dropout, ctx):
         # Replicated activations need one mask on every rank; sequence shards
         # are different tokens and need their own.
-        rng = self.mesh.rng_local if self.seq_parallel else self.mesh.rng_shared
-        return ParallelDropout(module.p, rng)
+        shards = self.seq_parallel and not self._before_split(ctx)
+        return ParallelDropout(module.p, self.mesh.rng_local if shards else self.mesh.rng_shared)
 
     def convert_attn_dropout(self, module: nn.Dropout, ctx):
         return ParallelDropout(module.p, self.mesh.rng_local)  # heads are split

@@ -10,8 +10,9 @@ reference's slice) and, later, resharding checkpoints.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,22 +42,36 @@ class ShardSpec:
 
     def slice(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the whole tensor `full` (padding zero-filled)."""
-        out = full
-        for dim, ranges in enumerate(self.index):
-            if ranges is None:
-                continue
+        return self.read(lambda box: full[tuple(slice(a, b) for a, b in box)], full.dtype)
+
+    def boxes(self) -> list[tuple[tuple[int, int], ...]]:
+        """The blocks of the full tensor this shard is made of, padding
+        clipped: one (start, stop) per dim, in the order they are stacked."""
+        per_dim = []
+        for full, ranges in zip(self.full_shape, self.index):
+            ranges = ((0, full),) if ranges is None else ranges
+            per_dim.append([(a, min(b, full)) for a, b in ranges if a < full])
+        return list(itertools.product(*per_dim))
+
+    def read(self, read_box: Callable[[tuple], torch.Tensor], dtype=None) -> torch.Tensor:
+        """This rank's shard, assembled from `read_box(((start, stop), ...))`
+        blocks of the full tensor (e.g. slices of a file): no rank ever needs
+        the whole tensor. Ranges past the full shape are zero padding."""
+        def assemble(dim: int, prefix: tuple) -> torch.Tensor:
+            if dim == len(self.full_shape):
+                return read_box(prefix)
+            full, ranges = self.full_shape[dim], self.index[dim]
             pieces = []
-            for a, b in ranges:
-                real_b = min(b, out.shape[dim])
-                if real_b > a:
-                    pieces.append(out.narrow(dim, a, real_b - a))
-                pad = b - max(a, real_b)
+            for a, b in ((0, full),) if ranges is None else ranges:
+                if min(b, full) > a:
+                    pieces.append(assemble(dim + 1, prefix + ((a, min(b, full)),)))
+                pad = b - max(a, full)
                 if pad > 0:
-                    shape = list(out.shape)
-                    shape[dim] = pad
-                    pieces.append(out.new_zeros(shape))
-            out = torch.cat(pieces, dim=dim)
-        return out.contiguous()
+                    shape = [b - a for a, b in prefix] + [pad] + list(self.local_shape()[dim + 1:])
+                    pieces.append(torch.zeros(shape, dtype=pieces[0].dtype if pieces else dtype))
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+        return assemble(0, ()).contiguous()
 
     @property
     def is_canonical(self) -> bool:
@@ -104,9 +119,12 @@ def _merge(ranges: Sequence[tuple[int, int]]) -> Ranges:
     return tuple(merged)
 
 
-def make_param(full: torch.Tensor, spec: ShardSpec) -> torch.nn.Parameter:
-    """A new parameter holding `spec`'s slice of `full`, tagged with `spec`."""
-    param = torch.nn.Parameter(spec.slice(full.detach()).clone())  # a copy: `full` may be freed
+def make_param(local: torch.Tensor, spec: ShardSpec) -> torch.nn.Parameter:
+    """A new parameter holding `local`, the slice `spec` of a full tensor,
+    tagged with `spec`."""
+    if tuple(local.shape) != spec.local_shape():
+        raise ValueError(f"a shard of shape {tuple(local.shape)} where {spec.local_shape()} was expected")
+    param = torch.nn.Parameter(local.detach().clone())  # a copy: the full tensor may be freed
     param.tpctl_spec = spec
     return param
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from .base import ParallelMode, RewriteContext
-from .layers import Lookup, ParallelDropout, SplitLayerNorm, vocab_block_lookup
+from .layers import Lookup, ParallelDropout, SplitNorm, vocab_block_lookup
 from .shard import ShardSpec, block, fused_block
 
 
@@ -48,7 +48,7 @@ LAYOUT_A = Layout3D(hidden="l", rows="j")  # embeddings, norms, residual stream
 LAYOUT_B = LAYOUT_A.flip()  # inside attention and the MLP, and the logits
 
 # The layout each role is fed.
-ROLE_LAYOUT = {"qkv": LAYOUT_A, "mlp_in": LAYOUT_A, "lm_head": LAYOUT_A,
+ROLE_LAYOUT = {"qkv": LAYOUT_A, "attn_in": LAYOUT_A, "mlp_in": LAYOUT_A, "lm_head": LAYOUT_A,
                "attn_out": LAYOUT_B, "mlp_out": LAYOUT_B}
 
 
@@ -147,6 +147,9 @@ class ThreeD(ParallelMode):
     def convert_qkv(self, module, ctx):
         return self._linear(module, ctx, "qkv", parts=3)
 
+    def convert_attn_in(self, module, ctx):
+        return self._linear(module, ctx, "attn_in")
+
     def convert_mlp_in(self, module, ctx):
         return self._linear(module, ctx, "mlp_in")
 
@@ -168,11 +171,9 @@ class ThreeD(ParallelMode):
     def convert_pos_embedding(self, module: nn.Embedding, ctx):
         return Lookup(ctx.shard(module.weight, self._hidden_spec(module.weight, LAYOUT_A, dim=1)))
 
-    def convert_norm(self, module: nn.LayerNorm, ctx):
-        hidden = module.normalized_shape[-1]
-        shard = lambda p: None if p is None else ctx.shard(p, self._hidden_spec(p, LAYOUT_A))  # noqa: E731
-        return SplitLayerNorm(shard(module.weight), shard(module.bias), hidden, module.eps,
-                              self.mesh.groups[LAYOUT_A.hidden])
+    def convert_norm(self, module: nn.Module, ctx):
+        shard = lambda p: ctx.shard(p, self._hidden_spec(p, LAYOUT_A))  # noqa: E731
+        return SplitNorm.like(module, shard, self.mesh.groups[LAYOUT_A.hidden])
 
     def convert_dropout(self, module: nn.Dropout, ctx):
         return ParallelDropout(module.p, self.mesh.rng_local)  # every activation is sharded

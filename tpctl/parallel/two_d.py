@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from .base import ParallelMode, RewriteContext
-from .layers import Lookup, ParallelDropout, SplitLayerNorm
+from .layers import Lookup, ParallelDropout, SplitNorm
 from .shard import ShardSpec, block, fused_block
 
 
@@ -191,7 +191,7 @@ class TwoD(ParallelMode):
     def convert_attn_out(self, module, ctx):
         return self._linear(module, ctx)
 
-    convert_mlp_in = convert_mlp_out = convert_attn_out
+    convert_attn_in = convert_mlp_in = convert_mlp_out = convert_attn_out
 
     def convert_lm_head(self, module, ctx):
         return self._linear(module, ctx, out=self.padded_vocab(module.out_features))
@@ -205,10 +205,10 @@ class TwoD(ParallelMode):
         spec = self._hidden_spec(module.weight, block(module.embedding_dim, self.grid.q, self.grid.j), dim=1)
         return Lookup(ctx.shard(module.weight, spec))
 
-    def convert_norm(self, module: nn.LayerNorm, ctx):
-        hidden = module.normalized_shape[-1]
-        shard = lambda p: None if p is None else ctx.shard(p, self._hidden_spec(p, block(hidden, self.grid.q, self.grid.j)))  # noqa: E731
-        return SplitLayerNorm(shard(module.weight), shard(module.bias), hidden, module.eps, self.grid.row_group)
+    def convert_norm(self, module: nn.Module, ctx):
+        hidden = module.weight.shape[-1] if getattr(module, "weight", None) is not None else module.normalized_shape[-1]
+        shard = lambda p: ctx.shard(p, self._hidden_spec(p, block(hidden, self.grid.q, self.grid.j)))  # noqa: E731
+        return SplitNorm.like(module, shard, self.grid.row_group)
 
     def convert_dropout(self, module: nn.Dropout, ctx):
         return ParallelDropout(module.p, self.mesh.rng_local)  # every activation is sharded

@@ -14,7 +14,8 @@ $(VENV)/.installed: pyproject.toml
 	# resolves `torch>=2.3` to a (much larger) CUDA build.
 	$(PIP) install torch==2.13.0
 	# Editable: configs/ lives at the repo root and is found next to the package.
-	$(PIP) install -e '.[test]'
+	# The hf extra (transformers) is optional for users; the tests cover it.
+	$(PIP) install -e '.[test,hf]'
 	touch $@
 
 demo: install

@@ -32,6 +32,8 @@ commands:
              tpctl train -m mode=1d size=2,4        (one run per value)
              tpctl train --cfg job                  (print the config, run nothing)
              tpctl train --help                     (groups, options and flags)
+  inspect  what the rewrite does to a model in a mode (roles, layers, shard shapes), no training:
+             tpctl inspect model=hf model.arch=llama mode=3d size=8
 
 exit status: 0 trained, 1 training failed, 2 bad config or usage, 130 interrupted
 """
@@ -49,9 +51,16 @@ def main(argv: list[str] | None = None) -> None:
     if command in ("-h", "--help", "help"):
         print(USAGE, end="")
         sys.exit(EXIT_OK)
-    if command == "train":
-        sys.exit(train(rest))
-    sys.exit(_usage_error(f"unknown command {command!r}; expected: train (see tpctl --help)"))
+    run = COMMANDS.get(command)
+    if run is None:
+        return sys.exit(_usage_error(f"unknown command {command!r}; expected one of: {', '.join(COMMANDS)} (see tpctl --help)"))
+    sys.exit(run(rest))
+
+
+def _inspect(args: list[str]) -> int:
+    from .inspect import main as inspect_main
+
+    return inspect_main(args)
 
 
 def train(args: list[str]) -> int:
@@ -138,6 +147,9 @@ def _usage_error(message: str) -> int:
     print(f"tpctl: error: {message}", file=sys.stderr)
     return EXIT_USAGE
 
+
+# command -> function(args) -> exit status; each command lives in its own module.
+COMMANDS = {"train": train, "inspect": _inspect}
 
 if __name__ == "__main__":
     main()

@@ -197,3 +197,10 @@ def split_along(x, group, dim):
     backward all-gather the blocks' gradients (every rank's replicated
     computation before the split needs the whole gradient)."""
     return _apply(x, group, lambda t, g: split_block(t, g, dim), lambda t, g: all_gather(t, g, dim))
+
+
+def gather_to_replicated(x, group, dim):
+    """Forward all-gather along `dim` into a tensor every rank then uses
+    whole and alike; backward keep this rank's block of the (identical)
+    gradient. The adjoint of split_along."""
+    return _apply(x, group, lambda t, g: all_gather(t, g, dim), lambda t, g: split_block(t, g, dim))

@@ -100,8 +100,10 @@ def _raise(error: Exception):
 # --------------------------------------------------------------------------
 
 
-def validate(cfg: Any) -> None:
-    """Raise ConfigError for the first invalid value in a composed config."""
+def validate(cfg: Any, model_check: bool = True) -> None:
+    """Raise ConfigError for the first invalid value in a composed config.
+    model_check=False skips building the model (tpctl inspect shows what a
+    mode cannot shard instead of refusing it)."""
     from .geometry import validate_parallel
 
     _check_resolvable(cfg)
@@ -145,9 +147,10 @@ def validate(cfg: Any) -> None:
         raise ConfigError("data.tokenizer", cfg.data.tokenizer, "expected a local Hugging Face tokenizer directory (save_pretrained)")
     if m.get("pretrained") is not None and not (Path(m.pretrained) / "config.json").is_file():
         raise ConfigError("model.pretrained", m.pretrained, "expected a local save_pretrained directory holding config.json and safetensors")
-    from .models import check_model  # imports torch: after every cheap check
+    if model_check:
+        from .models import check_model  # imports torch: after every cheap check
 
-    check_model(cfg)
+        check_model(cfg)
 
 
 def _check_resolvable(cfg: Any) -> None:

@@ -136,6 +136,33 @@ class Mesh:
         return self.group_ranks[name][index]
 
 
+def _coords(geo: Geometry, tp_rank: int) -> dict[str, int]:
+    axes, shape = AXES[geo.mode], _grid_shape(geo)
+    coords, rest = {}, tp_rank
+    for name, extent in reversed(list(zip(axes, shape))):
+        coords[name] = rest % extent
+        rest //= extent
+    return {a: coords[a] for a in axes}
+
+
+def layout_mesh(mode: str, size: int, depth: int = 1, dp: int = 1, rank: int = 0) -> Mesh:
+    """The mesh rank `rank` would have, without any process group (groups
+    are None, member ranks are real): for tools that look at layouts and
+    shapes -- inspect, the planner -- and never communicate."""
+    geo = geometry(mode, size, depth)
+    world, shape = size * dp, _grid_shape(geo)
+    mesh = Mesh(geo=geo, rank=rank, world_size=world, dp_size=dp, dp_rank=rank // size,
+                tp_rank=rank % size, coords=_coords(geo, rank % size), device=torch.device("cpu"))
+    mesh.group_ranks["dp"] = [d * size + mesh.tp_rank for d in range(dp)]
+    mesh.group_ranks["tp"] = [mesh.dp_rank * size + t for t in range(size)]
+    mesh.groups.update(tp=None, dp=None)
+    for name, var_axes in GROUPS[mode].items():
+        varying = tuple(AXES[mode].index(a) for a in var_axes)
+        mesh.group_ranks[name] = next(g for g in _new_groups(world, size, shape, varying) if rank in g)
+        mesh.groups[name] = None
+    return mesh
+
+
 def init_mesh(mode: str, size: int, depth: int = 1, dp: int = 1, seed: int = 0,
               device: str | torch.device = "cpu") -> Mesh:
     """Build the mesh for `mode` on an initialised default process group."""
@@ -148,11 +175,7 @@ def init_mesh(mode: str, size: int, depth: int = 1, dp: int = 1, seed: int = 0,
     shape = _grid_shape(geo)
     axes = AXES[mode]
     tp_rank = rank % size
-    coords, rest = {}, tp_rank
-    for name, extent in reversed(list(zip(axes, shape))):
-        coords[name] = rest % extent
-        rest //= extent
-    coords = {a: coords[a] for a in axes}
+    coords = _coords(geo, tp_rank)
 
     mesh = Mesh(geo=geo, rank=rank, world_size=world, dp_size=dp, dp_rank=rank // size,
                 tp_rank=tp_rank, coords=coords, device=torch.device(device))

@@ -71,6 +71,8 @@ class Plan:
     # The module list of the transformer blocks (where sequence parallelism
     # starts when positions are computed from the embedding's output shape).
     blocks: Optional[str] = None
+    # Attention and MLP modules -> the Linears inside them.
+    units: dict[str, list[str]] = field(default_factory=dict)
 
 
 def logits_of(output: Any) -> torch.Tensor:
@@ -89,7 +91,9 @@ def resolve_plan(model: nn.Module, plan: Optional[dict[str, str]] = None) -> Pla
     """The roles of `model`'s modules: from `plan` (module-name patterns ->
     roles) if given, else from the model's `tp_plan`, else traced."""
     given = plan if plan is not None else getattr(model, "tp_plan", None)
-    if given is None:
+    if plan is None and isinstance(given, dict) and not set(given.values()) <= set(ROLES):
+        given = None  # another library's plan (transformers' colwise/rowwise styles): trace instead
+    if not given:
         return infer_plan(model)
     for role in given.values():
         if role not in ROLES:
@@ -269,7 +273,8 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> Plan:
         units.setdefault(u, []).append(i)
 
     heads: dict[str, Heads] = {}
-    for ops in units.values():
+    attention_units, units = units, {}
+    for ops in attention_units.values():
         ops.sort()
         members = set(ops)
         feeders: list[str] = []
@@ -313,6 +318,7 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> Plan:
         attrs = {a: v for a, v in vars(modules[owner]).items()
                  if a in HEAD_ATTRS and isinstance(v, int) and not isinstance(v, bool) and v in (h, kv, q_width, kv_width)}
         heads[owner] = Heads(h, kv, head_dim, attrs)
+        units[owner] = feeders + [out_proj]
 
     # The LM head: the Linear the logits come from.
     heads_out = [node_name[i] for i in out if kind_of[i] == "linear"]
@@ -332,6 +338,7 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> Plan:
             assign(name, "mlp_out")
             for source in fed_by:
                 assign(source, "mlp_in")
+            units[_common_parent(sorted(fed_by) + [name])] = sorted(fed_by) + [name]
     for name in rest:
         if name not in roles:
             problems[name] = "a Linear outside the attention / MLP / LM head pattern"
@@ -375,7 +382,7 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> Plan:
         if name and name not in calls and own and not all(id(p) in called for p in own):
             problems.setdefault(name, "never called in the forward")
     ordered = {name: roles[name] for name in modules if name in roles}
-    return Plan(ordered, "inferred", heads, problems, _blocks(model, ordered))
+    return Plan(ordered, "inferred", heads, problems, _blocks(model, ordered), units)
 
 
 def _common_parent(names: list[str]) -> str:

@@ -34,9 +34,11 @@ class RewriteContext:
     """State of one rewrite: keeps tied parameters tied, and asks a lazy
     (meta-device) parameter's source for this rank's slice alone."""
 
-    def __init__(self, mesh: Mesh, init=None):
+    def __init__(self, mesh: Mesh, init=None, shapes_only: bool = False):
         self.mesh = mesh
         self.init = init  # a models.init.ParamSource, for models built lazily
+        # Make meta shards of the right shapes only (for tools that inspect layouts).
+        self.shapes_only = shapes_only
         self.name = ""  # the module being converted
         self._new: dict[int, nn.Parameter] = {}
 
@@ -45,7 +47,9 @@ class RewriteContext:
         used by two modules (embedding = LM head) stays one parameter."""
         made = self._new.get(id(original))
         if made is None:
-            if original.is_meta and self.init:  # read or made one shard at a time
+            if self.shapes_only:
+                local = torch.empty(spec.local_shape(), dtype=original.dtype, device="meta")
+            elif original.is_meta and self.init:  # read or made one shard at a time
                 local = self.init.shard(original, spec)
             else:
                 local = spec.slice(original.detach())

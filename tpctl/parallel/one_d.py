@@ -23,16 +23,21 @@ SEQ_DIM = 1  # activations are [batch, seq, hidden]
 
 
 class ColumnLinear(nn.Module):
-    """Y[:, p] = X W[p]^T (+ b[p]): input replicated (or gathered from
-    sequence shards), output split along features."""
+    """Y[:, p] = X W[p]^T (+ b[p]): output split along features. The input
+    is replicated (`entry="replicated"`), sequence shards that it gathers
+    (`"seq_shards"`), or already gathered by the attention or MLP module it
+    sits in (`"gathered"`: that module's entry hook does the communication)."""
 
-    def __init__(self, weight, bias, group, seq_parallel: bool):
+    def __init__(self, weight, bias, group, entry: str = "replicated"):
         super().__init__()
         self.weight, self.bias = weight, bias
-        self.group, self.seq_parallel = group, seq_parallel
+        self.group, self.entry = group, entry
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = comm.gather_along(x, self.group, SEQ_DIM) if self.seq_parallel else comm.copy_to_group(x, self.group)
+        if self.entry == "seq_shards":
+            x = comm.gather_along(x, self.group, SEQ_DIM)
+        elif self.entry == "replicated":
+            x = comm.copy_to_group(x, self.group)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -90,30 +95,55 @@ class OneD(ParallelMode):
         self.seq_parallel = seq_parallel
         self.group = mesh.tp_group
         self.p, self.world = mesh.tp_rank, mesh.tp_size
-        # With sequence parallelism the sequence is split where the residual
-        # stream starts: at the embedding, or -- for a model that computes
-        # positions or masks from the embedding's output shape (Hugging Face
-        # models) -- on entering the first block (`blocks`, a module name).
+        # With sequence parallelism the residual stream is split along the
+        # sequence from the embedding on, or -- for a model that computes
+        # positions, masks or reshapes from the full sequence length outside
+        # its blocks (Hugging Face models) -- inside the blocks only: split on
+        # entering the first, gathered on leaving the last. `blocks` names
+        # that module list; None: the first way.
         self.blocks: str | None = None
+        self.gathered: set[str] = set()  # Linears whose input a module's entry hook gathered
 
     def prepare(self, model, plan) -> None:
-        self.blocks = None
+        self.blocks, self.gathered = None, set()
         if self.seq_parallel and plan.source == "inferred" and plan.blocks:
             self.blocks = plan.blocks
-            model.get_submodule(plan.blocks)[0].register_forward_pre_hook(self._split_sequence, with_kwargs=True)
+            blocks = model.get_submodule(plan.blocks)
+            blocks[0].register_forward_pre_hook(self._split_sequence, with_kwargs=True)
+            blocks[-1].register_forward_hook(self._gather_sequence)
+            # Attention and MLP modules may read the sequence length from
+            # their input (Llama's view(*input_shape, -1, d)): they get the
+            # whole sequence, gathered once on entry for all their Linears.
+            for owner, members in plan.units.items():
+                model.get_submodule(owner).register_forward_pre_hook(self._gather_on_entry, with_kwargs=True)
+                self.gathered.update(members)
+
+    def _gather_on_entry(self, module, args, kwargs):
+        """Pre-hook of an attention or MLP module: its hidden states (the
+        first argument) from sequence shards to the whole sequence; the
+        backward sums the Linears' partial input gradients and scatters."""
+        if args:
+            return (comm.gather_along(args[0], self.group, SEQ_DIM), *args[1:]), kwargs
+        kwargs["hidden_states"] = comm.gather_along(kwargs["hidden_states"], self.group, SEQ_DIM)
+        return args, kwargs
 
     def _split_sequence(self, module, args, kwargs):
-        """Forward pre-hook of the first block: its hidden states (the first
-        argument) are replicated; keep this rank's sequence shard."""
+        """Pre-hook of the first block: keep this rank's sequence shard of
+        its (replicated) hidden states, the first argument."""
         if args:
             return (comm.split_along(args[0], self.group, SEQ_DIM), *args[1:]), kwargs
         kwargs["hidden_states"] = comm.split_along(kwargs["hidden_states"], self.group, SEQ_DIM)
         return args, kwargs
 
-    def _before_split(self, ctx) -> bool:
-        """Whether the module being converted sees the replicated sequence
-        (outside the blocks, when the split is on entering them)."""
-        return self.blocks is not None and not ctx.name.startswith(self.blocks + ".")
+    def _gather_sequence(self, module, args, out):
+        """Hook of the last block: the whole sequence again, replicated."""
+        if isinstance(out, tuple):
+            return (comm.gather_to_replicated(out[0], self.group, SEQ_DIM), *out[1:])
+        return comm.gather_to_replicated(out, self.group, SEQ_DIM)
+
+    def _shards_sequence(self, ctx) -> bool:
+        """Whether the module being converted sees a sequence shard."""
+        return self.seq_parallel and (self.blocks is None or ctx.name.startswith(self.blocks + "."))
 
     def shard_hidden(self, rows: torch.Tensor) -> torch.Tensor:
         return comm.split_block(rows, self.group, SEQ_DIM) if self.seq_parallel else rows
@@ -128,12 +158,6 @@ class OneD(ParallelMode):
     def vocab_block(self) -> int:
         return self.p
 
-    # Tensors this rank's replicas share with the whole tensor-parallel group.
-    def _replicated(self, param) -> None:
-        # With sequence parallelism each rank sees other tokens, so the
-        # replicas' gradients are partial sums.
-        self.replicated(param, "tp", partial=self.seq_parallel)
-
     def _split(self, tensor, dim: int, n: int, parts: int = 1) -> ShardSpec:
         ranges = fused_block(n, parts, self.world, self.world, self.p) if parts > 1 else block(n, self.world, self.p)
         return self.split_spec(tensor, dim, ranges)
@@ -142,7 +166,8 @@ class OneD(ParallelMode):
         n = rows if rows is not None else linear.out_features
         weight = ctx.shard(linear.weight, self._split(linear.weight, 0, n, parts))
         bias = None if linear.bias is None else ctx.shard(linear.bias, self._split(linear.bias, 0, n, parts))
-        return ColumnLinear(weight, bias, self.group, self.seq_parallel)
+        entry = "gathered" if ctx.name in self.gathered else "seq_shards" if self._shards_sequence(ctx) else "replicated"
+        return ColumnLinear(weight, bias, self.group, entry)
 
     def convert_qkv(self, module: nn.Linear, ctx):
         return self._column(module, ctx, parts=3)
@@ -159,33 +184,30 @@ class OneD(ParallelMode):
         weight = ctx.shard(linear.weight, self._split(linear.weight, 1, linear.in_features))
         bias = linear.bias
         if bias is not None:
-            self._replicated(bias)
-        return RowLinear(weight, bias, self.group, self.seq_parallel)
+            self.replicated(bias, "tp", partial=self._shards_sequence(ctx))
+        return RowLinear(weight, bias, self.group, self._shards_sequence(ctx))
 
     convert_attn_out = convert_mlp_out = _row
 
     def convert_embedding(self, module: nn.Embedding, ctx):
         rows = self.padded_vocab(module.num_embeddings)
         weight = ctx.shard(module.weight, self._split(module.weight, 0, rows))
-        scatter = self.seq_parallel and self.blocks is None
-        return VocabEmbedding(weight, self.p * (rows // self.world), self.group, scatter)
+        return VocabEmbedding(weight, self.p * (rows // self.world), self.group, self._shards_sequence(ctx))
 
     def convert_pos_embedding(self, module: nn.Embedding, ctx):
-        if self._before_split(ctx):
-            self.replicated(module.weight, "tp", partial=False)
-            return module
-        self._replicated(module.weight)
-        return SeqShardPosEmbedding(module.weight, self.group) if self.seq_parallel else module
+        shards = self._shards_sequence(ctx)
+        self.replicated(module.weight, "tp", partial=shards)
+        return SeqShardPosEmbedding(module.weight, self.group) if shards else module
 
     def convert_norm(self, module: nn.Module, ctx):
         for param in module.parameters():
-            self.replicated(param, "tp", partial=self.seq_parallel and not self._before_split(ctx))
+            self.replicated(param, "tp", partial=self._shards_sequence(ctx))
         return module
 
     def convert_dropout(self, module: nn.Dropout, ctx):
         # Replicated activations need one mask on every rank; sequence shards
         # are different tokens and need their own.
-        shards = self.seq_parallel and not self._before_split(ctx)
+        shards = self._shards_sequence(ctx)
         return ParallelDropout(module.p, self.mesh.rng_local if shards else self.mesh.rng_shared)
 
     def convert_attn_dropout(self, module: nn.Dropout, ctx):

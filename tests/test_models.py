@@ -148,9 +148,9 @@ def _curve(key: str, name: str, steps: int = 10) -> list[float]:
     mode = _mode(key)
     m, size, depth, dp, sp = MESHES[key]
     cfg = default_config()
-    cfg.model = _model_cfg(name)
-    for k, v in {"mode": m, "size": size, "depth": depth, "dp": dp, "seq_parallel": sp, "data.name": "synthetic",
-                 "data.vocab_size": VOCAB, "data.synthetic_tokens": 20_000, "train.batch_size": BATCH,
+    cfg.model = _model_cfg(name, vocab_size=256)  # byte-level text: something to learn
+    for k, v in {"mode": m, "size": size, "depth": depth, "dp": dp, "seq_parallel": sp, "data.name": "text",
+                 "data.max_bytes": 200_000, "train.batch_size": BATCH,
                  "train.seq_len": SEQ, "train.steps": steps, "train.eval_every": 0, "train.log_every": 1,
                  "train.progress": False, "optim.lr": 1e-2, "optim.warmup_steps": 2}.items():
         OmegaConf.update(cfg, k, v)

@@ -115,3 +115,31 @@ def linearize(model: nn.Module) -> nn.Module:
         transposed.add(f"{name}.weight")
     model.tpctl_transposed = transposed
     return model
+
+
+def save_hf(cfg: Any, tensors: dict[str, torch.Tensor], out_dir: Path) -> Path:
+    """Write full (unsharded) weights of a tpctl-trained Hugging Face model,
+    keyed by its parameter names, as a directory `from_pretrained` loads:
+    config.json and safetensors, Conv1D weights transposed back."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(cfg)
+    with params_on_meta():
+        model = AutoModelForCausalLM.from_config(config)
+    transposed = {f"{name}.weight" for name, m in model.named_modules() if type(m).__name__ == "Conv1D"}
+    seen: dict[int, str] = {}
+    tied = set()  # names of a parameter shared with an earlier name (the LM head's weight)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied.add(name)
+        seen.setdefault(id(p), name)
+    state = {name: (t.t() if name in transposed else t).contiguous() for name, t in tensors.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"the weights do not match {type(model).__name__}: missing {sorted(set(missing) - tied)}, "
+                         f"unexpected {sorted(unexpected)}")
+    model.tie_weights()
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+

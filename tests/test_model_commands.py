@@ -31,7 +31,7 @@ def _one_error_line(result) -> str:
 
 @pytest.mark.timeout(120)
 def test_a_model_the_mode_cannot_shard_is_refused_naming_the_module(tpctl):
-    result = tpctl.run(["train", *CUSTOM, "+model.n_heads=3", "+model.width=24", "mode=2d", "size=4"])
+    result = tpctl.run(["train", *CUSTOM, "+model.n_heads=3", "++model.width=24", "mode=2d", "size=4"])
     line = _one_error_line(result)
     assert "cannot shard module stack.0.mixer: 3 query heads do not split 2 ways" in line, line
     assert not (tpctl.cwd / "outputs").exists(), "nothing may start before the config is valid"
@@ -56,7 +56,7 @@ def test_inspect_shows_roles_layers_and_shards(tpctl):
         assert text in out, text
     # k_proj: 4 kv heads x 4 = 16 out features over q*q=4 blocks, 32 in over q=2.
     assert "weight (4, 16)" in out
-    refused = tpctl.run(["inspect", *CUSTOM, "+model.n_heads=3", "+model.width=24", "mode=2d", "size=4"])
+    refused = tpctl.run(["inspect", *CUSTOM, "+model.n_heads=3", "++model.width=24", "mode=2d", "size=4"])
     assert refused.returncode == 2
     assert "stack.0.mixer" in refused.stdout and "3 query heads" in refused.stderr
 
@@ -92,7 +92,8 @@ def test_text_data_with_a_hugging_face_tokenizer(tmp_path, monkeypatch):
 def _curve(tpctl, args: list[str], name: str) -> list[float]:
     run_dir = tpctl.cwd / name
     result = tpctl.run(["train", *args, "train.steps=10", "train.log_every=1", "train.eval_every=0",
-                        "data=synthetic", "train.batch_size=8", f"hydra.run.dir={run_dir}"], timeout=400)
+                        "optim.lr=1e-2", "optim.warmup_steps=2", "data.max_bytes=200000", "train.batch_size=8",
+                        f"hydra.run.dir={run_dir}"], timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [json.loads(line)["loss"] for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
 

@@ -225,3 +225,62 @@ def test_pretrained_loads_slices_in_2d_and_3d(pool, tmp_path, name):
     assert (tmp_path / name / "model.safetensors").exists()
     for key in ("2d-4-dp2", "3d-8"):
         assert max(pool.run(_pretrained, key, str(tmp_path / name), name)) < 1e-5
+
+
+# ---- role inference, in one process ---------------------------------------
+
+def test_traced_roles_of_the_built_in_gpt_equal_its_hand_written_plan():
+    from tpctl.config import default_config
+    from tpctl.models import build_model
+    from tpctl.models.roles import infer_plan, resolve_plan
+
+    model = build_model(default_config().model, seed=0, lazy=True)
+    traced, written = infer_plan(model), resolve_plan(model)
+    assert written.source == "tp_plan" and traced.source == "inferred"
+    # attn_drop is only called in training with p > 0; traced, it is still
+    # found inside the attention module.
+    assert traced.roles == written.roles
+    assert not traced.problems
+
+
+def test_a_given_plan_wins_over_the_trace():
+    from tests.custom_model import build
+    from tpctl.models.roles import resolve_plan
+
+    model = build(VOCAB, 16, 4, 2, 16)
+    plan = resolve_plan(model, {"tokens": "embedding", "stack.*.ff.0": "mlp_in", "stack.*.ff.2": "mlp_out"})
+    assert plan.source == "plan"
+    assert plan.roles == {"tokens": "embedding", "stack.0.ff.0": "mlp_in", "stack.0.ff.2": "mlp_out",
+                          "stack.1.ff.0": "mlp_in", "stack.1.ff.2": "mlp_out"}
+    with pytest.raises(ValueError, match="unknown role 'colwise'"):
+        resolve_plan(model, {"tokens": "colwise"})
+
+
+def test_what_fits_no_role_is_reported_not_guessed():
+    import torch.nn as nn
+
+    from tpctl.geometry import geometry
+    from tpctl.models.roles import infer_plan
+    from tpctl.parallel.base import check_plan
+
+    class ThreeLinearMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(VOCAB, 16)
+            self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16)
+            self.conv = nn.Conv1d(16, 16, 1)
+            self.head = nn.Linear(16, VOCAB)
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            h = h + self.c(self.b(self.a(h)).relu())
+            h = h + self.conv(h.transpose(1, 2)).transpose(1, 2)
+            return self.head(h)
+
+    model = ThreeLinearMLP()
+    plan = infer_plan(model)
+    assert plan.roles["head"] == "lm_head" and plan.roles["emb"] == "embedding"
+    assert plan.problems["b"] == "used as both mlp_out and mlp_in"  # a Linear between two MLP Linears
+    assert "unsupported layer type (Conv1d)" in plan.problems["conv"]
+    assert check_plan(plan, model, geometry("none", 1)) == {}  # nothing split: nothing to refuse
+    assert "conv" in check_plan(plan, model, geometry("2d", 4))

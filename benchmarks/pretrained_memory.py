@@ -6,8 +6,8 @@ loading the whole model.
     python benchmarks/pretrained_memory.py --mode 2d --size 4
 
 A random Llama of the config is saved once with save_pretrained (the setup;
-not measured). Then, in fresh processes, peak RSS (ru_maxrss) is taken after
-imports (baseline) and after loading: `from_pretrained` in one process, and
+not measured). Then, in fresh processes, peak RSS is taken after
+imports (baseline) and after loading (VmHWM): `from_pretrained` in one process, and
 tpctl's lazy build + parallelize on every rank of the mesh.
 """
 
@@ -29,13 +29,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _rss() -> int:
-    import resource
+    from tpctl.train import peak_rss_bytes
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak_rss_bytes()
 
 
 def _imports() -> None:
-    import transformers  # noqa: F401
+    """Everything either side imports, so that the baseline holds it."""
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
 
     import tpctl.models  # noqa: F401
     import tpctl.parallel.three_d  # noqa: F401
@@ -47,7 +49,9 @@ def load_whole(directory: str) -> tuple[int, int]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(directory)
-    assert sum(p.numel() for p in model.parameters())
+    # Touch every weight: a memory-mapped file's pages count once read, as
+    # they are by the first forward.
+    assert sum(float(p.detach().abs().sum()) for p in model.parameters()) > 0
     return base, _rss()
 
 
@@ -62,6 +66,7 @@ def load_sharded(directory: str, mode: str, size: int) -> tuple[int, int, int]:
 
     cfg = typed_model(OmegaConf.create({"arch": "llama", "pretrained": directory}))
     model = tpctl.parallelize(build_model(cfg, seed=0, lazy=True), tpctl.init_parallel(mode, size))
+    assert sum(float(p.detach().abs().sum()) for p in model.parameters()) > 0
     return base, _rss(), sum(p.numel() * p.element_size() for p in model.parameters())
 
 

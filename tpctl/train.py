@@ -57,6 +57,19 @@ def param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set. VmHWM on Linux: ru_maxrss is
+    inherited from the parent that started the process (the launcher), so a
+    light worker would report its parent's peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 class Trainer:
     def __init__(self, cfg, model: torch.nn.Module, mode: ParallelMode, data: TokenData,
                  run_dir: Optional[Path] = None):
@@ -160,7 +173,7 @@ class Trainer:
 
     def summary(self, records: list[dict]) -> dict:
         last = records[-1]
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        rss = peak_rss_bytes()
         out = {
             "mode": self.mesh.mode, "size": self.mesh.tp_size, "dp": self.mesh.dp_size,
             "steps": last["step"], "first_loss": self.first_loss, "final_loss": last["loss"],

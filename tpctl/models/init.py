@@ -101,6 +101,10 @@ def params_on_meta():
     buffers (rotary frequencies, masks) are computed for real. Each
     parameter exists for real only while its constructor runs."""
     register = nn.Module.register_parameter
+    # Linear and Embedding would fill their (uninitialised, so not yet
+    # resident) weights before they move to meta: skip that, a ParamSource
+    # gives every value later.
+    resets = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
 
     def on_meta(self, name, param):
         if param is not None and not param.is_meta:
@@ -108,7 +112,11 @@ def params_on_meta():
         register(self, name, param)
 
     nn.Module.register_parameter = on_meta
+    for cls in resets:
+        cls.reset_parameters = lambda self: None
     try:
         yield
     finally:
         nn.Module.register_parameter = register
+        for cls, reset in resets.items():
+            cls.reset_parameters = reset

@@ -124,10 +124,11 @@ class _Node:
 class _Trace(TorchFunctionMode):
     """Records, for every tensor, the nearest layers (nodes) it came from."""
 
-    def __init__(self, params: set[int]):
+    def __init__(self, params: set[int], stand_ins: set[int]):
         super().__init__()
         self.nodes: list[_Node] = []
         self.params = params
+        self.stand_ins = stand_ins
         self._prov: dict[int, frozenset] = {}
         self._alive: list[torch.Tensor] = []  # keeps ids unique during the trace
 
@@ -149,7 +150,9 @@ class _Trace(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = _skip_stand_in(func, args, kwargs, self.stand_ins)
+        if out is None:
+            out = func(*args, **kwargs)
         operands = [a for a in _tensors((args, kwargs)) if id(a) not in self.params]
         prov = self.prov((args, kwargs))
         if func in _MATMULS:
@@ -159,6 +162,21 @@ class _Trace(TorchFunctionMode):
                 prov = frozenset({self.add(_Node("attention", "", prov, sources, shape))})
         self.tag(out, prov)
         return out
+
+
+def _skip_stand_in(func, args, kwargs, stand_ins: set[int]):
+    """The output of a Linear or Embedding whose weight is a stand-in, made
+    without computing it (zeros of the right shape: values never matter to
+    the trace), so that no stand-in is ever expanded into a whole matrix."""
+    if func is F.linear:
+        x, weight = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
+        if id(weight) in stand_ins:
+            return x.new_zeros(*x.shape[:-1], weight.shape[0])
+    elif func is F.embedding:
+        ids, weight = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
+        if id(weight) in stand_ins:
+            return weight.new_zeros(*ids.shape, weight.shape[1])
+    return None
 
 
 def _tensors(value):
@@ -198,7 +216,7 @@ def trace(model: nn.Module, vocab_size: int, seq: int = TRACE_SEQ):
                 originals[(module, attr)] = p
                 module._parameters[attr] = stand_ins[id(p)]
     params = {id(p) for p in model.parameters()}
-    tracer = _Trace(params)
+    tracer = _Trace(params, {id(p) for p in stand_ins.values()})
     calls: dict[str, list[int]] = {}
     handles = []
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tpctl.testing import DistPool
+from tpctl.testing import DistPool, mode_of
 
 WORLD = 8
 # id: (mode, size, depth, dp, seq_parallel)
@@ -32,17 +32,9 @@ BATCH, SEQ, HIDDEN, HEADS = 8, 8, 16, 4
 # --------------------------------------------------------------------------
 # Code run on the ranks.
 
-_modes: dict = {}  # per rank process: process groups are built once per mesh
-
 
 def _mode(key: str):
-    if key not in _modes:
-        from tpctl.mesh import init_mesh
-        from tpctl.parallel import get_mode
-
-        mode, size, depth, dp, sp = MESHES[key]
-        _modes[key] = get_mode(init_mesh(mode, size, depth, dp, seed=0), seq_parallel=sp)
-    return _modes[key]
+    return mode_of(*MESHES[key])
 
 
 def _model_cfg(**kw):

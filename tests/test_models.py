@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 
-from tpctl.testing import DistPool
+from tpctl.testing import DistPool, mode_of
 
 pytest.importorskip("transformers")
 
@@ -33,17 +33,8 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 BATCH, SEQ, VOCAB = 8, 8, 37
 MODELS = ("gpt2", "llama", "custom")
 
-_modes: dict = {}
-
-
 def _mode(key: str):
-    if key not in _modes:
-        from tpctl.mesh import init_mesh
-        from tpctl.parallel import get_mode
-
-        mode, size, depth, dp, sp = MESHES[key]
-        _modes[key] = get_mode(init_mesh(mode, size, depth, dp, seed=0), seq_parallel=sp)
-    return _modes[key]
+    return mode_of(*MESHES[key])
 
 
 def _model_cfg(name: str, **extra):

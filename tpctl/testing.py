@@ -91,3 +91,17 @@ class DistPool:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+
+
+_modes: dict = {}  # per rank process: the process groups of a mesh are built once
+
+
+def mode_of(mode: str, size: int, depth: int = 1, dp: int = 1, seq_parallel: bool = False):
+    """The ParallelMode of this mesh on a pool rank, built on first use."""
+    key = (mode, size, depth, dp, seq_parallel)
+    if key not in _modes:
+        from .mesh import init_mesh
+        from .parallel import get_mode
+
+        _modes[key] = get_mode(init_mesh(mode, size, depth, dp, seed=0), seq_parallel=seq_parallel)
+    return _modes[key]

@@ -112,7 +112,7 @@ def main() -> None:
     table.add_row(f"tpctl {args.mode} size {args.size}, worst rank", mib(worst[1]), mib(worst[0]), mib(worst[1] - worst[0]), mib(worst[2]))
     mean_peak = sum(r[1] for r in sharded) / len(sharded)
     table.add_row(f"tpctl {args.mode} size {args.size}, mean of ranks", mib(mean_peak), "", "", "")
-    Console().print(table)
+    Console(width=120).print(table)
     print(f"peak RSS ratio (whole / worst rank): {peak_w / worst[1]:.2f}x; "
           f"memory added by loading: {(peak_w - base_w) / max(worst[1] - worst[0], 1):.1f}x less per rank")
 

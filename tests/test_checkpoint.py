@@ -102,7 +102,7 @@ def pool():
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("src,dst", [("2d", "3d"), ("3d", "1d"), ("2.5d", "none"), ("1d", "2.5d")])
+@pytest.mark.parametrize("src,dst", [("3d", "1d"), ("2.5d", "2d")])
 def test_save_in_one_layout_load_in_another(pool, tmp_path, src, dst):
     results = pool.run(_save_then_load, str(tmp_path / "ckpt"), LAYOUTS[src], LAYOUTS[dst])
     assert all(r["checked"] > 0 for r in results)
@@ -115,3 +115,65 @@ def test_save_in_one_layout_load_in_another(pool, tmp_path, src, dst):
     whole = build_model(OmegaConf.structured(ModelConfig(n_layer=1, n_embd=16, n_head=4, block_size=8, vocab_size=37)), 1)
     numbers = sum(p.numel() for p in whole.parameters()) * 3 * 4
     assert numbers <= results[0]["bytes"]
+
+
+# ---- training resumes: in the pool, through Trainer (no process start-up) --
+
+def _train_cfg(layout, steps: int, every: int):
+    from omegaconf import OmegaConf
+
+    from tpctl.schema import TrainConfig
+
+    mode, size, depth, dp = layout
+    cfg = OmegaConf.structured(TrainConfig)
+    settings = {"mode": mode, "size": size, "depth": depth, "dp": dp,
+                "model.n_layer": 1, "model.n_embd": 16, "model.n_head": 4, "model.block_size": 16,
+                "model.vocab_size": 37, "data.name": "synthetic", "data.vocab_size": 37, "data.synthetic_tokens": 20_000,
+                "train.batch_size": 8, "train.seq_len": 16, "train.eval_every": 0, "train.log_every": 1,
+                "train.progress": False, "train.steps": steps, "optim.lr": 1e-2, "optim.warmup_steps": 3,
+                "checkpoint.every": every, "checkpoint.keep": 0}
+    for key, value in settings.items():
+        OmegaConf.update(cfg, key, value)
+    return cfg
+
+
+def _fit(layout, run_dir: str, steps: int = 8, every: int = 4, resume: str | None = None) -> list[tuple[int, float]]:
+    import tpctl
+    from tpctl import checkpoint
+    from tpctl.data import TokenData, prepare_data
+    from tpctl.models import build_model
+    from tpctl.train import Trainer
+
+    cfg = _train_cfg(layout, steps, every)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    tp = tpctl.init_parallel(cfg.mode, cfg.size, cfg.depth, cfg.dp, cfg.seed)
+    model = tpctl.parallelize(build_model(cfg.model, cfg.seed, lazy=True), tp)
+    trainer = Trainer(cfg, model, tp, TokenData(cfg, prepare_data(cfg)), Path(run_dir))
+    if resume is not None:
+        trainer.resume(Path(resume), checkpoint.verify(Path(resume)))
+    return [(r["step"], r["loss"]) for r in trainer.fit()]
+
+
+@pytest.mark.timeout(600)
+def test_resume_continues_the_uninterrupted_curve_in_every_mode_and_across_modes(pool, tmp_path):
+    # Same mode: 8 uninterrupted steps against 4 + resume + 4, bit for bit
+    # up to 1e-6 (weights, AdamW moments and step, schedule, data position).
+    curves = {}
+    for name, layout in LAYOUTS.items():
+        run = tmp_path / name
+        curves[name] = pool.run(_fit, layout, str(run))[0]
+        resumed = pool.run(_fit, layout, str(tmp_path / f"{name}-resumed"), resume=str(run / "checkpoints" / "step_4"))[0]
+        assert [s for s, _ in resumed] == [5, 6, 7, 8]
+        for (step, want), (_, got) in zip(curves[name][4:], resumed):
+            assert got == pytest.approx(want, rel=1e-6), f"{name} step {step}"
+        # The resumed run's metrics.jsonl holds each step once (it started empty here).
+        assert [json.loads(l)["step"] for l in (tmp_path / f"{name}-resumed" / "metrics.jsonl").read_text().splitlines()] == [5, 6, 7, 8]
+    # Across modes: the 2d checkpoint continues in every other layout along
+    # the 2d run's curve (modes agree within fp32 round-off).
+    for name, layout in LAYOUTS.items():
+        if name == "2d":
+            continue
+        resumed = pool.run(_fit, layout, str(tmp_path / f"2d-to-{name}"), resume=str(tmp_path / "2d" / "checkpoints" / "step_4"))[0]
+        for (step, want), (_, got) in zip(curves["2d"][4:], resumed):
+            assert got == pytest.approx(want, rel=1e-4), f"2d -> {name} step {step}"
+    assert len({loss for _, loss in curves["2d"]}) > 1  # the weights move

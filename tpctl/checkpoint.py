@@ -484,7 +484,8 @@ def resolve_resume(cfg, run_dir: Path, restarted: bool = False, warn: Callable[[
     train.resume: null (fresh), auto (the newest valid checkpoint of the run
     dir; none: fresh) or a checkpoint path (must be valid). After a restart
     the newest valid checkpoint of the run dir wins whatever the setting.
-    Raises CheckpointError (one line) for an invalid PATH or another model.
+    Raises CheckpointError (one line, the reason) for an invalid PATH or
+    another model; callers name the key.
     """
     resume = cfg.train.resume
     found = None
@@ -494,11 +495,11 @@ def resolve_resume(cfg, run_dir: Path, restarted: bool = False, warn: Callable[[
         try:
             found = Path(resume), verify(Path(resume))
         except CheckpointError as e:
-            raise CheckpointError(f"train.resume={resume!r}: {e}") from None
+            raise CheckpointError(f"not a valid checkpoint: {e}") from None
     if found is not None:
         diff = model_difference(found[1]["model"], model_config(cfg))
         if diff:
-            raise CheckpointError(f"train.resume={str(found[0])!r}: a checkpoint of another model: {diff}")
+            raise CheckpointError(f"{found[0]} is a checkpoint of another model: {diff}")
     return found
 
 

@@ -18,7 +18,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from .config import CONFIG_DIR, CONFIG_NAME, compose_jobs, load_worker_config, register_configs, validate
+from .config import (CONFIG_DIR, CONFIG_NAME, check_writable_dir, compose_jobs, load_worker_config, register_configs,
+                     run_dir_setting, validate)
 from .errors import ConfigError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -85,6 +86,8 @@ def _check_jobs(overrides: list[str], multirun: bool, config_name: str, config_d
         for cfg in compose_jobs(overrides, multirun, config_name, config_dir):
             if validate_values:
                 validate(cfg)
+        if validate_values:  # else Hydra fails with a traceback creating it
+            check_writable_dir(*run_dir_setting(overrides, multirun, config_name, config_dir))
     except ConfigError as e:
         return _config_error(e)
     return EXIT_OK
@@ -122,11 +125,31 @@ def _train_job(cfg) -> None:
         _failed_runs.append(run_dir)
         return
 
+    try:
+        _check_resume(run_cfg, run_dir)
+    except ConfigError as e:
+        sys.exit(_config_error(e))
     status = launch(run_cfg, run_dir)
     if status > 128:  # interrupted: stop here, and stop a multirun too
         sys.exit(status)
     if status != EXIT_OK:
         _failed_runs.append(run_dir)
+
+
+def _check_resume(cfg, run_dir: Path) -> None:
+    """train.resume=auto needs the run dir: check here, before any worker,
+    that its newest valid checkpoint is of this model (warning about each
+    invalid one passed over)."""
+    if cfg.train.resume is None:
+        return
+    from .checkpoint import CheckpointError, resolve_resume
+
+    try:
+        found = resolve_resume(cfg, run_dir)
+    except CheckpointError as e:
+        raise ConfigError("train.resume", cfg.train.resume, str(e)) from None
+    if found is None and cfg.train.resume == "auto":
+        print(f"tpctl: no checkpoint in {run_dir / 'checkpoints'}; starting fresh", file=sys.stderr)
 
 
 def _config_error(error: ConfigError) -> int:

@@ -65,7 +65,7 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
         rdzv_backend="c10d",
         rdzv_endpoint=f"{addr}:{port}",
         run_id=run_id,
-        max_restarts=0,
+        max_restarts=cfg.launcher.max_restarts,
         monitor_interval=cfg.launcher.monitor_interval_s,
         start_method="spawn",
         # The agent's own files (error.json of a failed rank) go to the run

@@ -115,6 +115,13 @@ def test_save_in_one_layout_load_in_another(pool, tmp_path, src, dst):
     whole = build_model(OmegaConf.structured(ModelConfig(n_layer=1, n_embd=16, n_head=4, block_size=8, vocab_size=37)), 1)
     numbers = sum(p.numel() for p in whole.parameters()) * 3 * 4
     assert numbers <= results[0]["bytes"]
+    # Export: whole tensors under the plain model's names (tied once).
+    from tpctl.export import full_weights
+
+    _, weights = full_weights(tmp_path / "ckpt" / "step_7")
+    assert list(weights) == [name for name, _ in whole.named_parameters()]
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, _full(name, "param", tensor.shape)), name
 
 
 # ---- training resumes: in the pool, through Trainer (no process start-up) --

@@ -33,6 +33,8 @@ commands:
              tpctl train -m mode=1d size=2,4        (one run per value)
              tpctl train --cfg job                  (print the config, run nothing)
              tpctl train --help                     (groups, options and flags)
+  export   write a checkpoint's full weights as one safetensors file:
+             tpctl export outputs/.../checkpoints/step_200 model.safetensors
 
 exit status: 0 trained, 1 training failed, 2 bad config or usage, 130 interrupted
 """
@@ -52,7 +54,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_OK)
     if command == "train":
         sys.exit(train(rest))
-    sys.exit(_usage_error(f"unknown command {command!r}; expected: train (see tpctl --help)"))
+    if command == "export":
+        from . import export
+
+        sys.exit(export.main(rest))
+    sys.exit(_usage_error(f"unknown command {command!r}; expected: train, export (see tpctl --help)"))
 
 
 def train(args: list[str]) -> int:

@@ -102,8 +102,10 @@ def run(argv: list[str] | None = None) -> None:
         trainer.resume(*found)
         if mesh.rank == 0:
             m = found[1]
-            print(f"tpctl: resumed from {found[0]} (step {m['step']}, written in mode={m['mode']} size={m['size']} "
-                  f"dp={m['dp']})", flush=True)
+            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            after = f" after restart {restart} of {cfg.launcher.max_restarts}" if restart else ""
+            print(f"tpctl: resumed from {found[0]}{after} (step {m['step']}, written in mode={m['mode']} "
+                  f"size={m['size']} dp={m['dp']})", flush=True)
     if trainer.start_step >= cfg.train.steps:
         if mesh.rank == 0:
             print(f"tpctl: nothing to train: the checkpoint is at step {trainer.start_step}, train.steps={cfg.train.steps}")

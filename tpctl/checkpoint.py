@@ -379,7 +379,7 @@ def save(root: Path, step: int, model, optimizer, mesh, cfg, first_loss: float =
     started = time.perf_counter()
     if mesh.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp_step_*"):  # left by a crash mid-write
+        for stale in root.glob(".tmp_*"):  # left by a crash mid-write
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
@@ -427,10 +427,30 @@ def save(root: Path, step: int, model, optimizer, mesh, cfg, first_loss: float =
 # --------------------------------------------------------------------------
 
 
+# (path, manifest mtime and size) -> manifest: the launcher checks a
+# checkpoint twice (config validation, then before the workers start);
+# hashing gigabytes once is enough.
+_verified: dict[tuple, dict] = {}
+
+
 def verify(path: Path, checksums: bool = True) -> dict:
     """The manifest of a complete, intact checkpoint; CheckpointError (one
     line) otherwise."""
     path = Path(path)
+    try:
+        stat = (path / MANIFEST).stat()
+        key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size, checksums)
+    except OSError:
+        key = None
+    if key in _verified:
+        return _verified[key]
+    manifest = _verify(path, checksums)
+    if key is not None:
+        _verified[key] = manifest
+    return manifest
+
+
+def _verify(path: Path, checksums: bool) -> dict:
     if not path.is_dir():
         raise CheckpointError("not a directory" if path.exists() else "no such directory")
     try:
@@ -515,6 +535,7 @@ def load(path: Path, model, optimizer, mesh, manifest: dict, seed: int) -> tuple
     re-seeded from (seed, step) — deterministic, but not the saved stream."""
     from torch.distributed.checkpoint import load as dcp_load
 
+    started = time.perf_counter()
     _, LoadPlanner = _planners()
     entries = state_entries(model, optimizer, mesh, 0, 0.0)
     geo = mesh.geo
@@ -539,6 +560,7 @@ def load(path: Path, model, optimizer, mesh, manifest: dict, seed: int) -> tuple
             gen.manual_seed(derive_seed(seed, key.split(".")[1], mesh.rank, step))
         elif gen == "cpu":
             torch.manual_seed(derive_seed(seed, "torch", mesh.rank, step))
+    log.info("checkpoint %s loaded in %.2fs", path, time.perf_counter() - started)
     return step, float(entries["train.first_loss"].tensor.item())
 
 

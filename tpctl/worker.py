@@ -135,7 +135,7 @@ def find_resume(cfg, run_dir: Path, rank: int):
             warn = (lambda m: print(m, file=sys.stderr, flush=True)) if restarted else log.warning
             found = resolve_resume(cfg, run_dir, restarted, warn)
             choice = [(str(found[0]), found[1]) if found else None]
-        except CheckpointError as e:
+        except Exception as e:  # the other ranks wait in the broadcast: always tell them
             choice = [f"train.resume={cfg.train.resume!r}: {e}"]
     dist.broadcast_object_list(choice, src=0)
     if isinstance(choice[0], str):

@@ -126,7 +126,7 @@ def test_save_in_one_layout_load_in_another(pool, tmp_path, src, dst):
 
 # ---- training resumes: in the pool, through Trainer (no process start-up) --
 
-def _train_cfg(layout, steps: int, every: int):
+def _train_cfg(layout, steps: int, every: int, dropout: float = 0.0):
     from omegaconf import OmegaConf
 
     from tpctl.schema import TrainConfig
@@ -138,20 +138,21 @@ def _train_cfg(layout, steps: int, every: int):
                 "model.vocab_size": 37, "data.name": "synthetic", "data.vocab_size": 37, "data.synthetic_tokens": 20_000,
                 "train.batch_size": 8, "train.seq_len": 16, "train.eval_every": 0, "train.log_every": 1,
                 "train.progress": False, "train.steps": steps, "optim.lr": 1e-2, "optim.warmup_steps": 3,
-                "checkpoint.every": every, "checkpoint.keep": 0}
+                "checkpoint.every": every, "checkpoint.keep": 0, "model.dropout": dropout}
     for key, value in settings.items():
         OmegaConf.update(cfg, key, value)
     return cfg
 
 
-def _fit(layout, run_dir: str, steps: int = 8, every: int = 4, resume: str | None = None) -> list[tuple[int, float]]:
+def _fit(layout, run_dir: str, steps: int = 8, every: int = 4, resume: str | None = None,
+         dropout: float = 0.0) -> list[tuple[int, float]]:
     import tpctl
     from tpctl import checkpoint
     from tpctl.data import TokenData, prepare_data
     from tpctl.models import build_model
     from tpctl.train import Trainer
 
-    cfg = _train_cfg(layout, steps, every)
+    cfg = _train_cfg(layout, steps, every, dropout)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     tp = tpctl.init_parallel(cfg.mode, cfg.size, cfg.depth, cfg.dp, cfg.seed)
     model = tpctl.parallelize(build_model(cfg.model, cfg.seed, lazy=True), tp)
@@ -184,6 +185,12 @@ def test_resume_continues_the_uninterrupted_curve_in_every_mode_and_across_modes
         for (step, want), (_, got) in zip(curves["2d"][4:], resumed):
             assert got == pytest.approx(want, rel=1e-4), f"2d -> {name} step {step}"
     assert len({loss for _, loss in curves["2d"]}) > 1  # the weights move
+    # Dropout: the shared and local generators come back with the weights.
+    calm = pool.run(_fit, LAYOUTS["2d"], str(tmp_path / "drop"), dropout=0.2)[0]
+    resumed = pool.run(_fit, LAYOUTS["2d"], str(tmp_path / "drop-resumed"), dropout=0.2,
+                       resume=str(tmp_path / "drop" / "checkpoints" / "step_4"))[0]
+    assert [loss for _, loss in resumed] == pytest.approx([loss for _, loss in calm[4:]], rel=1e-6)
+    assert [loss for _, loss in calm] != pytest.approx([loss for _, loss in curves["2d"]], rel=1e-6)  # dropout acts
 
 
 # ---- whole runs through `tpctl train` ---------------------------------------

@@ -6,14 +6,11 @@ SIGKILL, corrupted checkpoints, export."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_support import tpctl  # noqa: F401  (fixture)
 
 from tpctl.checkpoint import shard_boxes
 from tpctl.parallel.shard import ShardSpec
@@ -46,9 +43,8 @@ def _model(layout, n_layer=1):
 
     import tpctl
     from tpctl.models import build_model
-    from tpctl.schema import ModelConfig
+    from tpctl.schema import ModelConfig, OptimConfig
     from tpctl.train import build_optimizer
-    from tpctl.schema import OptimConfig
 
     mode, size, depth, dp = layout
     tp = tpctl.init_parallel(mode, size, depth, dp)
@@ -108,8 +104,9 @@ def test_save_in_one_layout_load_in_another(pool, tmp_path, src, dst):
     assert all(r["checked"] > 0 for r in results)
     # No replica written twice: the tensor bytes on disk are the model's
     # parameters and both moments once (plus a small per-chunk overhead).
-    from tpctl.models import build_model
     from omegaconf import OmegaConf
+
+    from tpctl.models import build_model
     from tpctl.schema import ModelConfig
 
     whole = build_model(OmegaConf.structured(ModelConfig(n_layer=1, n_embd=16, n_head=4, block_size=8, vocab_size=37)), 1)
@@ -194,8 +191,6 @@ def test_resume_continues_the_uninterrupted_curve_in_every_mode_and_across_modes
 
 
 # ---- whole runs through `tpctl train` ---------------------------------------
-
-from cli_support import tpctl  # noqa: E402,F401  (fixture)
 
 TINY = ["model=gpt-tiny", "model.n_layer=1", "data=synthetic", "data.synthetic_tokens=20000", "train.batch_size=8",
         "train.seq_len=16", "train.log_every=1", "train.eval_every=0", "train.progress=false", "seed=0"]

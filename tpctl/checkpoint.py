@@ -352,6 +352,36 @@ def config_hash(cfg) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _plain(cfg) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+# Settings a resumed run may change without changing what it computes
+# (the layout, where and how often it saves, the launcher).
+_LAYOUT_KEYS = ("mode", "size", "depth", "dp", "device", "seq_parallel", "launcher.", "checkpoint.", "train.resume",
+                "train.progress", "train.log_every", "train.eval_every", "train.eval_batches", "data.cache_dir")
+
+
+def config_changes(manifest: dict, cfg) -> list[str]:
+    """'key: saved -> now' for each setting (model aside: that one is
+    refused) that differs from the run that wrote the checkpoint and changes
+    the curve (e.g. train.steps reshapes the LR schedule)."""
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+
+    saved = dict(flat(manifest.get("config", {})))
+    now = dict(flat(_plain(cfg)))
+    return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+            if saved.get(k) != now.get(k) and not k.startswith("model.")
+            and not any(k == p or (p.endswith(".") and k.startswith(p)) for p in _LAYOUT_KEYS)]
+
+
 def model_config(cfg) -> dict:
     from omegaconf import OmegaConf
 
@@ -399,6 +429,7 @@ def save(root: Path, step: int, model, optimizer, mesh, cfg, first_loss: float =
             "format": FORMAT, "step": step, "mode": geo.mode, "size": geo.size, "depth": getattr(geo, "depth", 1),
             "dp": mesh.dp_size, "seed": int(cfg.seed), "model": model_config(cfg), "config_hash": config_hash(cfg),
             "data": {"name": cfg.data.name, "path": cfg.data.path, "next_batch": step},
+            "config": _plain(cfg),
             "torch": torch.__version__, "files": files,
         }
         with open(tmp / MANIFEST, "w") as f:

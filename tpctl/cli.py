@@ -156,6 +156,12 @@ def _check_resume(cfg, run_dir: Path) -> None:
         raise ConfigError("train.resume", cfg.train.resume, str(e)) from None
     if found is None and cfg.train.resume == "auto":
         print(f"tpctl: no checkpoint in {run_dir / 'checkpoints'}; starting fresh", file=sys.stderr)
+    elif found is not None:
+        from .checkpoint import config_changes
+
+        changes = config_changes(found[1], cfg)
+        if changes:  # allowed, but the curve will not be the uninterrupted one
+            print(f"tpctl: note: resuming {found[0]} with other settings: {'; '.join(changes)}", file=sys.stderr)
 
 
 def _config_error(error: ConfigError) -> int:

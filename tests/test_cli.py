@@ -40,6 +40,14 @@ BAD_CONFIGS = [
     (["model=gpt-huge"], "model", "'gpt-huge'", "available: custom, gpt-small, gpt-tiny, hf, llama-100m, mlp"),
     (["size=2,4"], "size", "'2,4'", "--multirun"),
     (["train.steps"], "override", "'train.steps'", "key=value"),
+    # Launcher and run-dir settings, checked before anything starts.
+    (["launcher.master_port=99999"], "launcher.master_port", "99999", "expected a TCP port 1..65535"),
+    (["launcher.max_restarts=-1"], "launcher.max_restarts", "-1", ">= 0"),
+    (["launcher.monitor_interval_s=0"], "launcher.monitor_interval_s", "0.0", "positive"),
+    (["data.path=."], "data.path", "'.'", "a directory: expected a UTF-8 text file"),
+    (["data.cache_dir=/proc/tpctl-cache"], "data.cache_dir", "'/proc/tpctl-cache'", "cannot create a directory in /proc"),
+    (["checkpoint.every=-1"], "checkpoint.every", "-1", ">= 0"),
+    (["train.resume=/nonexistent"], "train.resume", "'/nonexistent'", "not a valid checkpoint: no such directory"),
     # In a sweep one bad job stops them all, the good ones included.
     (["-m", "mode=2d", "size=4,3"], "size", "3", "square number"),
 ]
@@ -66,6 +74,22 @@ def test_bad_config_exits_2_with_one_line_before_any_worker(tpctl, overrides, ke
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("override,key", [
+    ("hydra.run.dir=/proc/tpctl-run", "hydra.run.dir"),
+    ("hydra.sweep.dir=/proc/tpctl-sweep", "hydra.sweep.dir"),
+])
+def test_an_unwritable_run_dir_exits_2_with_one_line(tpctl, override, key):
+    tpctl.extra_env["TPCTL_WORKER_MODULE"] = "tests.fake_worker"
+    args = ["train"] + (["-m", "dp=1,2"] if "sweep" in key else []) + [override]
+    result = tpctl.run(args)
+    assert result.returncode == 2, result.stderr
+    value = override.split("=", 1)[1]
+    assert result.stderr.strip().splitlines() == [
+        f"tpctl: error: invalid config: {key}={value!r}: cannot create a directory in /proc (No such file or directory)"]
+    assert tpctl.leftover_pids(wait_s=0) == []
+
+
+@pytest.mark.timeout(60)
 def test_cfg_job_prints_composed_config_and_starts_nothing(tpctl):
     result = tpctl.run(["train", "--cfg", "job", "mode=1d", "size=2", "model=mlp", "train.steps=7"])
     assert result.returncode == 0, result.stderr
@@ -83,7 +107,7 @@ def test_help(tpctl):
     assert hydra_help.stdout.startswith("tpctl train: train a model with tensor parallelism")
     unknown = tpctl.run(["trian"])
     assert unknown.returncode == 2 and unknown.stderr.strip().splitlines() == [
-        "tpctl: error: unknown command 'trian'; expected: train (see tpctl --help)"
+        "tpctl: error: unknown command 'trian'; expected: train, export (see tpctl --help)"
     ]
 
 

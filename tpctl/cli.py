@@ -18,7 +18,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from .config import CONFIG_DIR, CONFIG_NAME, compose_jobs, load_worker_config, register_configs, validate
+from .config import (CONFIG_DIR, CONFIG_NAME, check_writable_dir, compose_jobs, load_worker_config, register_configs,
+                     run_dir_setting, validate)
 from .errors import ConfigError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -34,6 +35,8 @@ commands:
              tpctl train --help                     (groups, options and flags)
   inspect  what the rewrite does to a model in a mode (roles, layers, shard shapes), no training:
              tpctl inspect model=hf model.arch=llama mode=3d size=8
+  export   write a checkpoint's full weights as one safetensors file:
+             tpctl export outputs/.../checkpoints/step_200 model.safetensors
 
 exit status: 0 trained, 1 training failed, 2 bad config or usage, 130 interrupted
 """
@@ -57,10 +60,13 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(run(rest))
 
 
-def _inspect(args: list[str]) -> int:
-    from .inspect import main as inspect_main
+def _command(module: str):
+    """The `main(args) -> status` of tpctl.<module>, imported when run."""
+    def run(args: list[str]) -> int:
+        import importlib
 
-    return inspect_main(args)
+        return importlib.import_module(f"tpctl.{module}").main(args)
+    return run
 
 
 def train(args: list[str]) -> int:
@@ -94,6 +100,8 @@ def _check_jobs(overrides: list[str], multirun: bool, config_name: str, config_d
         for cfg in compose_jobs(overrides, multirun, config_name, config_dir):
             if validate_values:
                 validate(cfg)
+        if validate_values:  # else Hydra fails with a traceback creating it
+            check_writable_dir(*run_dir_setting(overrides, multirun, config_name, config_dir))
     except ConfigError as e:
         return _config_error(e)
     return EXIT_OK
@@ -131,11 +139,37 @@ def _train_job(cfg) -> None:
         _failed_runs.append(run_dir)
         return
 
+    try:
+        _check_resume(run_cfg, run_dir)
+    except ConfigError as e:
+        sys.exit(_config_error(e))
     status = launch(run_cfg, run_dir)
     if status > 128:  # interrupted: stop here, and stop a multirun too
         sys.exit(status)
     if status != EXIT_OK:
         _failed_runs.append(run_dir)
+
+
+def _check_resume(cfg, run_dir: Path) -> None:
+    """train.resume=auto needs the run dir: check here, before any worker,
+    that its newest valid checkpoint is of this model (warning about each
+    invalid one passed over)."""
+    if cfg.train.resume is None:
+        return
+    from .checkpoint import CheckpointError, resolve_resume
+
+    try:
+        found = resolve_resume(cfg, run_dir)
+    except CheckpointError as e:
+        raise ConfigError("train.resume", cfg.train.resume, str(e)) from None
+    if found is None and cfg.train.resume == "auto":
+        print(f"tpctl: no checkpoint in {run_dir / 'checkpoints'}; starting fresh", file=sys.stderr)
+    elif found is not None:
+        from .checkpoint import config_changes
+
+        changes = config_changes(found[1], cfg)
+        if changes:  # allowed, but the curve will not be the uninterrupted one
+            print(f"tpctl: note: resuming {found[0]} with other settings: {'; '.join(changes)}", file=sys.stderr)
 
 
 def _config_error(error: ConfigError) -> int:
@@ -149,7 +183,7 @@ def _usage_error(message: str) -> int:
 
 
 # command -> function(args) -> exit status; each command lives in its own module.
-COMMANDS = {"train": train, "inspect": _inspect}
+COMMANDS = {"train": train, "inspect": _command("inspect"), "export": _command("export")}
 
 if __name__ == "__main__":
     main()

@@ -141,6 +141,15 @@ def validate(cfg: Any, model_check: bool = True) -> None:
     _check_at_least("optim.grad_clip", o.grad_clip, 0)
     if cfg.data.path is not None and not Path(cfg.data.path).exists():
         raise ConfigError("data.path", cfg.data.path, "no such file")
+    if cfg.data.path is not None and Path(cfg.data.path).is_dir():
+        raise ConfigError("data.path", cfg.data.path, "a directory: expected a UTF-8 text file or a .bin file of token ids")
+    if cfg.data.cache_dir is not None:
+        check_writable_dir("data.cache_dir", cfg.data.cache_dir)
+    _check_launcher(cfg.launcher)
+    c = cfg.checkpoint
+    _check_at_least("checkpoint.every", c.every, 0)
+    _check_at_least("checkpoint.keep", c.keep, 0)
+    _check_resume_path(cfg)
     if sized and cfg.data.vocab_size > m.vocab_size:
         raise ConfigError("data.vocab_size", cfg.data.vocab_size, f"the data has more token ids than the model: expected at most model.vocab_size={m.vocab_size}")
     if cfg.data.tokenizer is not None and not Path(cfg.data.tokenizer).is_dir():
@@ -151,6 +160,63 @@ def validate(cfg: Any, model_check: bool = True) -> None:
         from .models import check_model  # imports torch: after every cheap check
 
         check_model(cfg)
+
+
+def _check_launcher(launcher: Any) -> None:
+    import socket
+
+    _check_at_least("launcher.max_restarts", launcher.max_restarts, 0)
+    _check_at_least("launcher.collective_timeout_s", launcher.collective_timeout_s, 1)
+    if not launcher.monitor_interval_s > 0:
+        raise ConfigError("launcher.monitor_interval_s", launcher.monitor_interval_s, "expected a positive number of seconds")
+    try:
+        socket.getaddrinfo(launcher.master_addr, None)
+    except (OSError, UnicodeError) as e:
+        raise ConfigError("launcher.master_addr", launcher.master_addr, f"not a host name or address this machine resolves ({e})") from None
+    port = launcher.master_port
+    if not 0 <= port <= 65535:
+        raise ConfigError("launcher.master_port", port, "expected a TCP port 1..65535, or 0 to pick a free one")
+    if port:
+        # torchrun's rendezvous store listens there: it must be free now.
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((launcher.master_addr, port))
+            except OSError as e:
+                raise ConfigError("launcher.master_port", port, f"cannot listen there ({e.strerror}): choose a free port, or 0 to pick one") from None
+
+
+def check_writable_dir(key: str, path: str | os.PathLike) -> None:
+    """`path` is, or can be created as, a directory this process can write:
+    the nearest existing ancestor must be a directory we can create in
+    (tried for real: permission bits do not tell for root or /proc)."""
+    import tempfile
+
+    target = Path(path).expanduser().absolute()
+    existing = target
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is" if existing == target else f"is under {existing}, which is"
+        raise ConfigError(key, str(path), f"{what} a file, not a directory")
+    try:
+        tempfile.TemporaryDirectory(dir=existing).cleanup()
+    except OSError as e:
+        raise ConfigError(key, str(path), f"cannot create a directory in {existing} ({e.strerror})") from None
+
+
+def _check_resume_path(cfg: Any) -> None:
+    """train.resume=PATH: a valid checkpoint of this model, found before
+    anything starts (auto needs the run dir: see cli._check_resume)."""
+    resume = cfg.train.resume
+    if resume in (None, "auto"):
+        return
+    from .checkpoint import CheckpointError, resolve_resume
+
+    try:
+        resolve_resume(cfg, Path("."))
+    except CheckpointError as e:
+        raise ConfigError("train.resume", resume, str(e)) from None
 
 
 def _check_resolvable(cfg: Any) -> None:
@@ -241,6 +307,26 @@ def compose_jobs(overrides: list[str], multirun: bool = False, config_name: str 
             except (HydraException, OmegaConfBaseException) as e:
                 raise _explain(e, OverridesParser.create().parse_overrides(job), config_name) from None
     return composed
+
+
+def run_dir_setting(overrides: list[str], multirun: bool = False, config_name: str = CONFIG_NAME,
+                    config_dir: str | None = None) -> tuple[str, str]:
+    """(key, path) of where Hydra will create the run dir: hydra.run.dir, or
+    hydra.sweep.dir for -m (whose jobs are sub-dirs of it), as composed."""
+    from hydra import compose, initialize_config_dir
+
+    # A sweep (a=1,2) does not compose as one job; the sweep dir rarely
+    # depends on swept keys, so compose it from the hydra.* overrides alone.
+    job = [o for o in overrides if o.lstrip("+~").startswith("hydra.")] if multirun else list(overrides)
+    extra = [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"] if config_dir else []
+    register_configs()
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        try:
+            hydra_cfg = compose(config_name, overrides=extra + job, return_hydra_config=True).hydra
+            key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+            return key, str(hydra_cfg.sweep.dir if multirun else hydra_cfg.run.dir)
+        except OmegaConfBaseException as e:
+            raise ConfigError("hydra.run.dir", None, _one_line(e)) from None
 
 
 def _parse_overrides(overrides: list[str]) -> list:

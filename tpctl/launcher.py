@@ -51,6 +51,13 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
     # torchrun's CLI sets this; its Python API does not. Without it every
     # worker starts one thread per core and they fight over the cores.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if cfg.launcher.max_restarts > 0:
+        # By default the agent's rendezvous store is shared with the workers
+        # and outlives a restart, so a restarted rank can read the address
+        # a dead rank of the previous attempt published and fail to connect
+        # (gloo: "Connection refused"). Opting out gives each attempt a fresh
+        # store hosted by its rank 0.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # The agent logs every step of its life, and each failure in its own
     # format; tpctl reports failures itself, one line per rank (below).
     # torch sets a level on each of its loggers, so the parent's is not enough.
@@ -65,7 +72,7 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
         rdzv_backend="c10d",
         rdzv_endpoint=f"{addr}:{port}",
         run_id=run_id,
-        max_restarts=0,
+        max_restarts=cfg.launcher.max_restarts,
         monitor_interval=cfg.launcher.monitor_interval_s,
         start_method="spawn",
         # The agent's own files (error.json of a failed rank) go to the run

@@ -86,6 +86,9 @@ class TrainLoopConfig:
     eval_batches: int = 4
     label_smoothing: float = 0.0
     progress: bool = True  # rich progress bar on rank 0
+    # null: start fresh; auto: the newest valid checkpoint of the run dir
+    # (none: start fresh); or the path of a checkpoint (step_<N> dir).
+    resume: Optional[str] = None
 
 
 @dataclass
@@ -98,6 +101,19 @@ class LauncherConfig:
     master_port: int = 0
     # Seconds between the launcher's health checks of the workers.
     monitor_interval_s: float = 0.1
+    # Restarts of all workers after one fails (torchrun's elastic agent);
+    # they resume from the newest checkpoint of the run dir.
+    max_restarts: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    # Save every N steps under <run dir>/checkpoints/step_<N>/ (0: never
+    # periodically), and after the last step when at_end.
+    every: int = 100
+    at_end: bool = True
+    # Keep the newest N checkpoints (0: keep all).
+    keep: int = 2
 
 
 @dataclass
@@ -116,3 +132,4 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import resource
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -15,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from . import comm
+from . import checkpoint, comm
 from .data import TokenData
 from .models.roles import logits_of
 from .parallel.base import ParallelMode
@@ -81,6 +83,23 @@ class Trainer:
         self.schedule = Schedule(o.lr, o.min_lr, o.warmup_steps, cfg.train.steps)
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
         self.is_logger = self.mesh.rank == 0
+        # Where training starts (a resumed run: the checkpoint's step).
+        self.start_step = 0
+        self.first_loss = float("nan")
+        c = cfg.checkpoint
+        self.checkpointer = (checkpoint.Checkpointer(run_dir / checkpoint.CHECKPOINTS, c.every, c.keep, c.at_end)
+                             if run_dir is not None else None)
+
+    # ---- checkpoints -------------------------------------------------------
+    def resume(self, path: Path, manifest: dict) -> None:
+        """Continue from checkpoint `path`: weights, AdamW state, generators;
+        the LR schedule and the data follow from the step."""
+        self.start_step, self.first_loss = checkpoint.load(path, self.model, self.optimizer, self.mesh,
+                                                           manifest, self.cfg.seed)
+
+    def save_checkpoint(self, step: int) -> Path:
+        return checkpoint.save(self.checkpointer.root, step, self.model, self.optimizer, self.mesh, self.cfg,
+                               self.first_loss, self.checkpointer.keep)
 
     # ---- one global batch ------------------------------------------------
     def _micro_batches(self, split: str, step: int):
@@ -128,17 +147,22 @@ class Trainer:
     def fit(self) -> list[dict]:
         t = self.cfg.train
         records: list[dict] = []
-        metrics_file = open(self.run_dir / "metrics.jsonl", "w") if (self.is_logger and self.run_dir) else None
+        metrics_file = None
+        if self.is_logger and self.run_dir:
+            path = self.run_dir / "metrics.jsonl"
+            if self.start_step > 0:  # each step once: drop what the resumed steps will log again
+                checkpoint.truncate_metrics(path, self.start_step)
+            metrics_file = open(path, "a" if self.start_step > 0 else "w")
         progress = _Progress(t.steps, enabled=self.is_logger and t.progress)
         # Bytes this rank hands to collectives during training steps (eval
         # excluded), and what a ring algorithm would send for them, for
         # comparing modes against their cost model.
         self.comm_train_bytes = self.comm_train_wire_bytes = 0
         start = last_time = time.perf_counter()
-        last_step = 0
+        last_step = self.start_step
         try:
             with progress:
-                for step in range(t.steps):
+                for step in range(self.start_step, t.steps):
                     before = comm.STATS.total_bytes(), comm.STATS.total_wire_bytes()
                     out = self.train_step(step)
                     self.comm_train_bytes += comm.STATS.total_bytes() - before[0]
@@ -165,6 +189,9 @@ class Trainer:
                             metrics_file.flush()
                         if not progress.live:
                             progress.plain(record)
+                    if self.checkpointer and self.checkpointer.due(done, t.steps):
+                        self.save_checkpoint(done)
+                    _test_kill_hook(self.mesh.rank, done)
         finally:
             if metrics_file:
                 metrics_file.close()
@@ -173,20 +200,34 @@ class Trainer:
 
     def summary(self, records: list[dict]) -> dict:
         last = records[-1]
+        steps_run = last["step"] - self.start_step
         rss = peak_rss_bytes()
         out = {
             "mode": self.mesh.mode, "size": self.mesh.tp_size, "dp": self.mesh.dp_size,
             "steps": last["step"], "first_loss": self.first_loss, "final_loss": last["loss"],
             "val_loss": next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None),
-            "tokens_per_s": last["step"] * self.tokens_per_step / self.elapsed_s,
+            "tokens_per_s": steps_run * self.tokens_per_step / self.elapsed_s,
             "time_s": self.elapsed_s, "param_bytes": param_bytes(self.model),
-            "comm_bytes_per_step": self.comm_train_bytes / last["step"],
-            "comm_wire_bytes_per_step": self.comm_train_wire_bytes / last["step"],
+            "comm_bytes_per_step": self.comm_train_bytes / steps_run,
+            "comm_wire_bytes_per_step": self.comm_train_wire_bytes / steps_run,
             "peak_rss_bytes": rss,
         }
         if self.mesh.device.type == "cuda":
             out["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
         return out
+
+
+# Test hook: TPCTL_TEST_KILL_AT="<rank>:<step>" makes that rank SIGKILL itself
+# after that step, in the first attempt only (a restart must run on).
+KILL_ENV = "TPCTL_TEST_KILL_AT"
+
+
+def _test_kill_hook(rank: int, done: int) -> None:
+    spec = os.environ.get(KILL_ENV)
+    if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        kill_rank, kill_step = map(int, spec.split(":"))
+        if (rank, done) == (kill_rank, kill_step):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class _Progress:

@@ -97,6 +97,20 @@ def run(argv: list[str] | None = None) -> None:
         print(f"tpctl: mode={cfg.mode} size={cfg.size} dp={cfg.dp} ({mesh.world_size} ranks), "
               f"{cfg.model.get('_target_') or cfg.model.arch} with {whole / 1e6:.2f}M parameters, {data.describe()}", flush=True)
     trainer = Trainer(cfg, model, mode, data, run_dir)
+    found = find_resume(cfg, run_dir, mesh.rank)
+    if found is not None:
+        trainer.resume(*found)
+        if mesh.rank == 0:
+            m = found[1]
+            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            after = f" after restart {restart} of {cfg.launcher.max_restarts}" if restart else ""
+            print(f"tpctl: resumed from {found[0]}{after} (step {m['step']}, written in mode={m['mode']} "
+                  f"size={m['size']} dp={m['dp']})", flush=True)
+    if trainer.start_step >= cfg.train.steps:
+        if mesh.rank == 0:
+            print(f"tpctl: nothing to train: the checkpoint is at step {trainer.start_step}, train.steps={cfg.train.steps}")
+        dist.destroy_process_group()
+        return
     records = trainer.fit()
     summary = trainer.summary(records)
     log.info("summary: %s", summary)
@@ -104,6 +118,29 @@ def run(argv: list[str] | None = None) -> None:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         print_summary(summary, run_dir)
     dist.destroy_process_group()
+
+
+def find_resume(cfg, run_dir: Path, rank: int):
+    """(checkpoint path, manifest) to resume from, or None. Rank 0 picks and
+    verifies it (after a restart by torchrun: the newest valid one of the run
+    dir) and tells the others, so a bad checkpoint fails every rank alike."""
+    from .checkpoint import CheckpointError, resolve_resume
+
+    choice: list = [None]
+    if rank == 0:
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        try:
+            # The launcher has warned about invalid checkpoints already,
+            # unless torchrun restarted the workers.
+            warn = (lambda m: print(m, file=sys.stderr, flush=True)) if restarted else log.warning
+            found = resolve_resume(cfg, run_dir, restarted, warn)
+            choice = [(str(found[0]), found[1]) if found else None]
+        except Exception as e:  # the other ranks wait in the broadcast: always tell them
+            choice = [f"train.resume={cfg.train.resume!r}: {e}"]
+    dist.broadcast_object_list(choice, src=0)
+    if isinstance(choice[0], str):
+        raise CheckpointError(choice[0])
+    return None if choice[0] is None else (Path(choice[0][0]), choice[0][1])
 
 
 def main(argv: list[str] | None = None) -> None:

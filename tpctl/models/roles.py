@@ -286,13 +286,13 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> Plan:
         for k, u in unit_of.items():
             if u in linked:
                 unit_of[k] = unit_of[i]
-    units: dict[int, list[int]] = {}
+    ops_of_unit: dict[int, list[int]] = {}
     for i, u in unit_of.items():
-        units.setdefault(u, []).append(i)
+        ops_of_unit.setdefault(u, []).append(i)
 
     heads: dict[str, Heads] = {}
-    attention_units, units = units, {}
-    for ops in attention_units.values():
+    units: dict[str, list[str]] = {}  # attention / MLP module -> its Linears
+    for ops in ops_of_unit.values():
         ops.sort()
         members = set(ops)
         feeders: list[str] = []

@@ -83,7 +83,7 @@ def test_help(tpctl):
     assert hydra_help.stdout.startswith("tpctl train: train a model with tensor parallelism")
     unknown = tpctl.run(["trian"])
     assert unknown.returncode == 2 and unknown.stderr.strip().splitlines() == [
-        "tpctl: error: unknown command 'trian'; expected: train (see tpctl --help)"
+        "tpctl: error: unknown command 'trian'; expected: train, recipes, check-recipes (see tpctl --help)"
     ]
 
 

@@ -6,7 +6,11 @@ The flow of `tpctl train` (DESIGN.md, section 2), one call per arrow:
   compose every job of the command line and validate it   (`_check_jobs`)
   → Hydra runs each job: write the resolved config.yaml into its run dir,
     prepare the data once, start the workers              (`_train_job`)
-  → exit status: 0 trained, 1 training failed, 2 bad config or usage,
+  →   recipes  list the named experiments in recipes/ (tpctl train recipe=NAME [overrides])
+  check-recipes [--fast] [NAME...]
+           run recipes and check their loss bands and equalities (--fast: CI's short form)
+
+exit status: 0 trained, 1 training failed, 2 bad config or usage,
     130 interrupted (Ctrl-C).
 Every config error is found before Hydra creates a run dir and before any
 worker starts, and is printed as one line: `tpctl: error: <message>`.
@@ -33,8 +37,18 @@ commands:
              tpctl train --cfg job                  (print the config, run nothing)
              tpctl train --help                     (groups, options and flags)
 
+  recipes  list the named experiments in recipes/ (tpctl train recipe=NAME [overrides])
+  check-recipes [--fast] [NAME...]
+           run recipes and check their loss bands and equalities (--fast: CI's short form)
+
 exit status: 0 trained, 1 training failed, 2 bad config or usage, 130 interrupted
 """
+
+# The other commands: name -> module with `main(args) -> int`.
+COMMANDS = {
+    "recipes": "tpctl.recipes",
+    "check-recipes": "tpctl.check_recipes",
+}
 
 # Run dirs of the jobs whose training failed (a multirun goes on to its other jobs).
 _failed_runs: list[Path] = []
@@ -51,7 +65,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_OK)
     if command == "train":
         sys.exit(train(rest))
-    sys.exit(_usage_error(f"unknown command {command!r}; expected: train (see tpctl --help)"))
+    if command in COMMANDS:
+        import importlib
+
+        sys.exit(importlib.import_module(COMMANDS[command]).main(rest))
+    sys.exit(_usage_error(f"unknown command {command!r}; expected: {', '.join(['train', *COMMANDS])} (see tpctl --help)"))
 
 
 def train(args: list[str]) -> int:
@@ -107,6 +125,8 @@ def _train_job(cfg) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         validate(cfg)  # already checked; this is the config Hydra actually runs
+        # The run dir records which recipe it ran (the file name is its name).
+        cfg.recipe.name = HydraConfig.get().runtime.choices.get("recipe")
         config_path = run_dir / "config.yaml"
         OmegaConf.save(OmegaConf.to_container(cfg, resolve=True), config_path)
         # From here on, the parent sees exactly what every worker will read.

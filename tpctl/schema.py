@@ -8,7 +8,7 @@ time, before any worker starts. The YAML files under ``configs/`` fill them in.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 MODES = ("none", "1d", "2d", "2.5d", "3d")
 
@@ -84,6 +84,25 @@ class LauncherConfig:
 
 
 @dataclass
+class RecipeConfig:
+    """What a recipe (recipes/NAME.yaml, `tpctl train recipe=NAME`) must
+    reach; `tpctl check-recipes` checks it. Empty for a plain run."""
+
+    name: Optional[str] = None
+    description: str = ""
+    # [low, high]: the final training loss must land inside.
+    final_loss: Optional[List[float]] = None
+    # Another recipe whose loss curve this one must equal, step by step,
+    # within rel_tol (e.g. gpt-tiny-3d equals gpt-tiny-none).
+    equals: Optional[str] = None
+    rel_tol: float = 1.0e-4
+    # The short form that `tpctl check-recipes --fast` runs (CI): overrides
+    # applied after the recipe, and the band the short run must reach.
+    fast: List[str] = field(default_factory=list)
+    fast_final_loss: Optional[List[float]] = None
+
+
+@dataclass
 class TrainConfig:
     mode: str = "none"
     size: int = 1  # tensor-parallel ranks
@@ -97,3 +116,4 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)

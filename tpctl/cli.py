@@ -52,6 +52,9 @@ COMMANDS = {
 
 # Run dirs of the jobs whose training failed (a multirun goes on to its other jobs).
 _failed_runs: list[Path] = []
+# Every job of a multirun, in order, for its comparison (tpctl/compare.py):
+# {"job": n, "overrides": [...], "run_dir": path, "status": ok|failed|skipped, "reason": ...}
+_sweep_jobs: list[dict] = []
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,8 +91,15 @@ def train(args: list[str]) -> int:
             return status
 
     _failed_runs.clear()
+    _sweep_jobs.clear()
     sys.argv = ["tpctl train", *args]  # Hydra parses sys.argv
     _run_hydra()
+    if _sweep_jobs:
+        from .compare import write_comparison
+
+        sweep_dir = Path(_sweep_jobs[0]["sweep_dir"])
+        write_comparison(sweep_dir, _sweep_jobs)
+        print(f"tpctl: compared {len(_sweep_jobs)} jobs in {sweep_dir / 'comparison.md'}")
     if _failed_runs:
         print(f"tpctl: error: training failed in {', '.join(map(str, _failed_runs))}", file=sys.stderr)
         return EXIT_FAILED
@@ -98,14 +108,36 @@ def train(args: list[str]) -> int:
 
 def _check_jobs(overrides: list[str], multirun: bool, config_name: str, config_dir: str | None, validate_values: bool) -> int:
     """Compose and validate every job before Hydra creates any run dir.
-    `--cfg` only prints a config, so it needs composition, not valid values."""
+    `--cfg` only prints a config, so it needs composition, not valid values.
+
+    A sweep crosses values, and some combinations are invalid (mode=2d
+    size=8): those jobs are skipped with one line each and the others run
+    (Hydra still numbers them; `_train_job` skips them). A job that does not
+    compose (a misspelt key) fails the whole command, as does a sweep with no
+    valid job at all."""
     try:
-        for cfg in compose_jobs(overrides, multirun, config_name, config_dir):
-            if validate_values:
-                validate(cfg)
+        jobs = compose_jobs(overrides, multirun, config_name, config_dir)
     except ConfigError as e:
         return _config_error(e)
+    if not validate_values:
+        return EXIT_OK
+    errors = []
+    for cfg in jobs:
+        try:
+            validate(cfg)
+            errors.append(None)
+        except ConfigError as e:
+            errors.append(e)
+    if all(errors):  # nothing would run: the first reason, as for one job
+        return _config_error(errors[0])
+    for job, (cfg, error) in enumerate(zip(jobs, errors)):
+        if error is not None:
+            print(f"tpctl: skipping job {job} ({_layout(cfg)}): {error}", file=sys.stderr)
     return EXIT_OK
+
+
+def _layout(cfg) -> str:
+    return f"mode={cfg.mode} size={cfg.size}" + (f" depth={cfg.depth}" if cfg.depth != 1 else "") + (f" dp={cfg.dp}" if cfg.dp != 1 else "")
 
 
 def _run_hydra() -> None:
@@ -118,11 +150,23 @@ def _run_hydra() -> None:
 def _train_job(cfg) -> None:
     """One Hydra job: config.yaml → data → workers."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
     from omegaconf import OmegaConf
 
     from .launcher import launch
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    job = None
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        job = {"job": hydra_cfg.job.num, "overrides": list(hydra_cfg.overrides.task), "run_dir": str(run_dir),
+               "sweep_dir": hydra_cfg.sweep.dir, "status": "ok", "reason": None}
+        _sweep_jobs.append(job)
+        try:
+            validate(cfg)
+        except ConfigError as e:  # `_check_jobs` said so already, one line
+            job.update(status="skipped", reason=str(e))
+            return
     try:
         validate(cfg)  # already checked; this is the config Hydra actually runs
         # The run dir records which recipe it ran (the file name is its name).
@@ -140,6 +184,8 @@ def _train_job(cfg) -> None:
         traceback.print_exc()
         print(f"tpctl: error: preparing the run failed: {e}", file=sys.stderr)
         _failed_runs.append(run_dir)
+        if job is not None:
+            job.update(status="failed", reason=f"preparing the run failed: {e}")
         return
 
     status = launch(run_cfg, run_dir)
@@ -147,6 +193,8 @@ def _train_job(cfg) -> None:
         sys.exit(status)
     if status != EXIT_OK:
         _failed_runs.append(run_dir)
+        if job is not None:
+            job.update(status="failed", reason=f"exit status {status}")
 
 
 def _config_error(error: ConfigError) -> int:

@@ -73,6 +73,9 @@ def validate(cfg: Any) -> None:
     _check_choice("data.name", cfg.data.name, DATASETS)
     _check_choice("device", cfg.device, DEVICES)
     validate_parallel(cfg)
+    from .launcher import validate_nodes
+
+    validate_nodes(cfg)
     if cfg.device == "cuda":
         # torch is imported only here: a CPU config check stays fast.
         import torch

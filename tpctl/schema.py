@@ -81,6 +81,20 @@ class LauncherConfig:
     master_port: int = 0
     # Seconds between the launcher's health checks of the workers.
     monitor_interval_s: float = 0.1
+    # Multi-node: run `tpctl train` once per node with the same config and
+    # launcher.nnodes=N launcher.node_rank=K launcher.rdzv_endpoint=HOST:PORT;
+    # each node starts size*dp/nnodes workers and torchrun's c10d rendezvous
+    # at HOST:PORT (hosted by node_rank 0) joins them into one job.
+    nnodes: int = 1
+    node_rank: int = 0
+    # HOST:PORT of node 0, reachable from every node; None on one node
+    # (master_addr:master_port, a free port).
+    rdzv_endpoint: Optional[str] = None
+    # One id per job, the same on every node; None: one derived from the
+    # endpoint (multi-node) or a fresh one (single node).
+    rdzv_id: Optional[str] = None
+    # Seconds a node waits for the others to join before the run fails.
+    rdzv_timeout_s: int = 600
 
 
 @dataclass

@@ -36,6 +36,7 @@ commands:
              tpctl train -m mode=1d size=2,4        (one run per value)
              tpctl train --cfg job                  (print the config, run nothing)
              tpctl train --help                     (groups, options and flags)
+             tpctl train --dry-run launcher=slurm launcher.nnodes=2 ...  (print the submission)
 
   recipes  list the named experiments in recipes/ (tpctl train recipe=NAME [overrides])
   check-recipes [--fast] [NAME...]
@@ -52,6 +53,9 @@ COMMANDS = {
 
 # Run dirs of the jobs whose training failed (a multirun goes on to its other jobs).
 _failed_runs: list[Path] = []
+# `tpctl train --dry-run`: write each job's config.yaml, print its launch or
+# Slurm submission, start nothing.
+_dry_run = False
 # Every job of a multirun, in order, for its comparison (tpctl/compare.py):
 # {"job": n, "overrides": [...], "run_dir": path, "status": ok|failed|skipped, "reason": ...}
 _sweep_jobs: list[dict] = []
@@ -78,6 +82,12 @@ def main(argv: list[str] | None = None) -> None:
 def train(args: list[str]) -> int:
     """`tpctl train ARGS`: check every job, then hand ARGS to Hydra."""
     from hydra._internal.utils import get_args_parser
+
+    global _dry_run
+    # tpctl's own flag (Hydra's parser does not know it): print what would be
+    # launched or submitted, start nothing.
+    _dry_run = "--dry-run" in args
+    args = [a for a in args if a != "--dry-run"]
 
     parser = get_args_parser()  # Hydra's own flags, so nothing differs
     parser.error = lambda message: sys.exit(_usage_error(f"tpctl train: {message} (see tpctl train --help)"))
@@ -188,7 +198,20 @@ def _train_job(cfg) -> None:
             job.update(status="failed", reason=f"preparing the run failed: {e}")
         return
 
-    status = launch(run_cfg, run_dir)
+    if run_cfg.launcher.name == "slurm":
+        from . import slurm
+
+        if _dry_run:
+            print(slurm.dry_run(run_cfg, run_dir))
+            return
+        status = slurm.submit(run_cfg, run_dir)
+    elif _dry_run:
+        lc = run_cfg.launcher
+        print(f"tpctl: dry run: would start {run_cfg.size * run_cfg.dp // lc.nnodes} workers here "
+              f"(node {lc.node_rank} of {lc.nnodes}) reading {run_dir / 'config.yaml'}; nothing started")
+        return
+    else:
+        status = launch(run_cfg, run_dir)
     if status > 128:  # interrupted: stop here, and stop a multirun too
         sys.exit(status)
     if status != EXIT_OK:

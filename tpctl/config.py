@@ -76,14 +76,14 @@ def validate(cfg: Any) -> None:
     from .launcher import validate_nodes
 
     validate_nodes(cfg)
-    if cfg.device == "cuda":
+    if cfg.device == "cuda" and cfg.launcher.name == "local":  # Slurm's nodes are checked by gpus_per_node
         # torch is imported only here: a CPU config check stays fast.
         import torch
 
-        world = cfg.size * cfg.dp
+        world = cfg.size * cfg.dp // cfg.launcher.nnodes  # this node's share
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if have < world:
-            raise ConfigError("device", "cuda", f"size*dp={world} ranks need {world} CUDA devices, this machine has {have}: use device=cpu")
+            raise ConfigError("device", "cuda", f"size*dp/nnodes={world} ranks need {world} CUDA devices, this machine has {have}: use device=cpu")
 
     t, m, o = cfg.train, cfg.model, cfg.optim
     _check_at_least("train.steps", t.steps, 1)

@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+LAUNCHERS = ("local", "slurm")
 WORKER_MODULE = "tpctl.worker"
 WORKER_MODULE_ENV = "TPCTL_WORKER_MODULE"
 # Seconds the workers get to exit after SIGINT/SIGTERM before SIGKILL.
@@ -83,7 +84,8 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
         # The agent's own files (error.json of a failed rank) go to the run
         # dir rather than a temp dir nobody cleans. Worker stdout/stderr are
         # not redirected: rank 0 draws its progress bar on this terminal.
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "torchelastic")),
+        # (One folder per node: on Slurm the nodes share the run dir.)
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "torchelastic" / (f"node{lc.node_rank}" if lc.nnodes > 1 else ""))),
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     # torch installs its own SIGINT/SIGTERM handlers while workers run
@@ -120,6 +122,8 @@ def validate_nodes(cfg: Any) -> None:
     from .errors import ConfigError
 
     lc, world = cfg.launcher, cfg.size * cfg.dp
+    if lc.name not in LAUNCHERS:
+        raise ConfigError("launcher.name", lc.name, f"expected one of {', '.join(LAUNCHERS)} (launcher=local or launcher=slurm)")
     if lc.nnodes < 1:
         raise ConfigError("launcher.nnodes", lc.nnodes, "expected a positive number of nodes")
     if world % lc.nnodes:
@@ -127,6 +131,13 @@ def validate_nodes(cfg: Any) -> None:
                           f"every node runs the same number of workers: size*dp={world} must divide by nnodes")
     if not 0 <= lc.node_rank < lc.nnodes:
         raise ConfigError("launcher.node_rank", lc.node_rank, f"expected 0 <= node_rank < launcher.nnodes={lc.nnodes}")
+    if lc.name == "slurm":
+        if cfg.device == "cuda" and lc.gpus_per_node != world // lc.nnodes:
+            raise ConfigError("launcher.gpus_per_node", lc.gpus_per_node,
+                              f"device=cuda runs one worker per GPU: expected size*dp/nnodes={world // lc.nnodes}")
+        if lc.time_min < 1:
+            raise ConfigError("launcher.time_min", lc.time_min, "expected a positive number of minutes")
+        return  # Slurm tells each node its rank and the rendezvous host
     if lc.nnodes > 1 and not lc.rdzv_endpoint:
         raise ConfigError("launcher.rdzv_endpoint", lc.rdzv_endpoint,
                           "several nodes meet at node 0: expected HOST:PORT, reachable from every node")

@@ -95,6 +95,18 @@ class LauncherConfig:
     rdzv_id: Optional[str] = None
     # Seconds a node waits for the others to join before the run fails.
     rdzv_timeout_s: int = 600
+    # "local": start the workers here (one node, or this machine's share of
+    # several). "slurm": submit the job through submitit (tpctl/slurm.py);
+    # each of its nnodes Slurm tasks then launches its node's share.
+    name: str = "local"
+    partition: Optional[str] = None
+    gpus_per_node: int = 0
+    cpus_per_task: Optional[int] = None
+    time_min: int = 60
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    # Shell lines the sbatch script runs first (module load ..., source venv).
+    setup: List[str] = field(default_factory=list)
 
 
 @dataclass

@@ -1,16 +1,13 @@
 """The `tpctl` command line.
 
-    tpctl train [Hydra overrides] [-m] [--cfg job] [--help] [hydra.run.dir=PATH]
+    tpctl train [Hydra overrides] [-m] [--cfg job] [--dry-run] [--help] [hydra.run.dir=PATH]
+    tpctl recipes | check-recipes    (tpctl/recipes.py, tpctl/check_recipes.py)
 
 The flow of `tpctl train` (DESIGN.md, section 2), one call per arrow:
   compose every job of the command line and validate it   (`_check_jobs`)
   → Hydra runs each job: write the resolved config.yaml into its run dir,
     prepare the data once, start the workers              (`_train_job`)
-  →   recipes  list the named experiments in recipes/ (tpctl train recipe=NAME [overrides])
-  check-recipes [--fast] [NAME...]
-           run recipes and check their loss bands and equalities (--fast: CI's short form)
-
-exit status: 0 trained, 1 training failed, 2 bad config or usage,
+  → exit status: 0 trained, 1 training failed, 2 bad config or usage,
     130 interrupted (Ctrl-C).
 Every config error is found before Hydra creates a run dir and before any
 worker starts, and is printed as one line: `tpctl: error: <message>`.

@@ -85,6 +85,25 @@ def plan(names: list[str], fast: bool, config_dir: str | None) -> dict[str, tupl
     return planned
 
 
+def run_order(planned: dict) -> list[str]:
+    """Every recipe after the recipe it equals (depth first), else in name order."""
+    order: list[str] = []
+    visiting: set[str] = set()  # a cycle (a equals b equals a) stops here
+
+    def visit(name: str) -> None:
+        if name in order or name in visiting:
+            return
+        visiting.add(name)
+        equals = planned[name][1].recipe.equals
+        if equals:
+            visit(equals)
+        order.append(name)
+
+    for name in sorted(planned):
+        visit(name)
+    return order
+
+
 def run_recipe(name: str, overrides: list[str], out_dir: Path, config_dir: str | None, timeout_s: float) -> tuple[int, str]:
     """Train one recipe in its own process group; return (exit status, log tail)."""
     run_dir = out_dir / name
@@ -176,24 +195,23 @@ def main(args: list[str]) -> int:
     form = "fast" if flags.fast else "full"
     print(f"check-recipes: {len(planned)} recipes ({form} form) in {out_dir}", flush=True)
     curves: dict[str, list[dict]] = {}
-    seconds: dict[str, float] = {}
-    failed_runs: dict[str, str] = {}
-    for name, (overrides, _) in planned.items():
+    missed = {}
+    # A recipe runs after the one it equals, so each is checked as soon as it ran.
+    for name in run_order(planned):
+        overrides, cfg = planned[name]
         start = time.monotonic()
         status, tail = run_recipe(name, overrides, out_dir, flags.config_dir, RUN_TIMEOUT_S[form])
-        seconds[name] = time.monotonic() - start
+        seconds = time.monotonic() - start
         curves[name] = read_curve(out_dir / name) if status == 0 else []
         if status != 0:
-            failed_runs[name] = f"training exited {status} (see {out_dir / name}.log):\n{tail}"
-
-    missed = {}
-    for name, (_, cfg) in planned.items():
-        misses = [failed_runs[name]] if name in failed_runs else check(name, cfg, curves, flags.fast)
+            misses = [f"training exited {status} (see {out_dir / name}.log):\n{tail}"]
+        else:
+            misses = check(name, cfg, curves, flags.fast)
         if misses:
             missed[name] = misses
             print(f"{name}: MISSED: {'; '.join(misses)}", flush=True)
         else:
-            print(_summary_line(name, cfg, curves, flags.fast, seconds[name]), flush=True)
+            print(_summary_line(name, cfg, curves, flags.fast, seconds), flush=True)
     if missed:
         return _error(f"check-recipes: {len(missed)} of {len(planned)} recipes missed: {', '.join(missed)}", EXIT_MISSED)
     print(f"check-recipes: all {len(planned)} recipes met their goals")

@@ -88,30 +88,39 @@ def test_two_nodes_on_loopback_train_exactly_like_one_node(tpctl):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_one_nodes_death_ends_the_other_with_exit_1(tpctl):
+@pytest.mark.parametrize("dying", [1, 0], ids=["worker-node-dies", "rendezvous-host-dies"])
+def test_one_nodes_death_ends_the_other_with_exit_1(tpctl, dying):
     timeout_s = 60
     port = free_port("127.0.0.1")
     dirs = [tpctl.cwd / "node0", tpctl.cwd / "node1"]
-    args = ["mode=2d", "size=4", "train.steps=100000", f"launcher.collective_timeout_s={timeout_s}"]
+    # One worker per node is enough to lose a peer, and starts fastest.
+    args = ["mode=1d", "size=2", "train.steps=100000", f"launcher.collective_timeout_s={timeout_s}"]
     nodes = [tpctl.start(node_args(dirs[k], port, k, *args)) for k in (0, 1)]
+    survivor = 1 - dying
     try:
         deadline = time.monotonic() + 240
         while not any((d / "metrics.jsonl").exists() and (d / "metrics.jsonl").read_text() for d in dirs):
             assert all(p.poll() is None for p in nodes) and time.monotonic() < deadline, "training never started"
             time.sleep(0.5)
-        nodes[1].send_signal(signal.SIGKILL)  # node 1's tpctl dies; its workers follow (PDEATHSIG)
+        nodes[dying].send_signal(signal.SIGKILL)  # its tpctl dies; its workers follow (PDEATHSIG)
         killed_at = time.monotonic()
-        _, err = nodes[0].communicate(timeout=timeout_s + 60)
+        _, err = nodes[survivor].communicate(timeout=timeout_s + 60)
         elapsed = time.monotonic() - killed_at
     finally:
         for p in nodes:
             if p.poll() is None:
                 p.kill()
                 p.communicate()
-    assert nodes[0].returncode == 1, err[-3000:]
-    assert elapsed < timeout_s, f"node 0 took {elapsed:.0f}s to notice"
+    assert nodes[survivor].returncode == 1, err[-3000:]
+    assert elapsed < timeout_s, f"node {survivor} took {elapsed:.0f}s to notice"
     lines = [line for line in err.splitlines() if line.startswith("tpctl:")]
-    assert any(line.startswith("tpctl: error: rank ") and "failed with exit code 1" in line for line in lines), lines
-    assert "tpctl: a rank lost its connection to a peer: another rank, or another node's tpctl, died first (see its logs)" in lines
-    assert lines[-1] == f"tpctl: error: training failed in {dirs[0]}"
+    # Either its workers lose their peer first, or (when node 0, the
+    # rendezvous host, died) its agent loses the rendezvous first.
+    lost_peer = any(line.startswith("tpctl: error: rank ") and "failed with exit code 1" in line for line in lines)
+    if lost_peer:
+        assert "tpctl: a rank lost its connection to a peer: another rank, or another node's tpctl, died first (see its logs)" in lines
+    else:
+        assert dying == 0, lines
+        assert any(line.startswith(f"tpctl: error: node 1 of 2: lost the rendezvous at 127.0.0.1:{port}") for line in lines), lines
+    assert lines[-1] == f"tpctl: error: training failed in {dirs[survivor]}"
     assert tpctl.leftover_pids() == []

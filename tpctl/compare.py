@@ -58,14 +58,15 @@ def _split_overrides(rows: list[dict]) -> tuple[list[str], list[str]]:
 def markdown(rows: list[dict]) -> str:
     ref = next((r["job"] for r in rows if r["final_loss_rel_diff"] == 0.0 and r["status"] == "ok"), None)
     memory = "peak CUDA MiB/rank" if any(r["peak_cuda_bytes_per_rank"] for r in rows) else "peak RSS MiB/rank"
-    header = ["job", "overrides", "status", "final loss", f"vs job {ref}" if ref is not None else "rel. diff",
+    header = ["job", "overrides", "layout", "status", "final loss", f"vs job {ref}" if ref is not None else "rel. diff",
               "tokens/s", "comm MiB/step", "param MiB/rank", memory]
     common, own = _split_overrides(rows)
     lines = [f"Every job: `{' '.join(common)}`\n" if common else "",
              "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r, overrides in zip(rows, own):
         peak = r["peak_cuda_bytes_per_rank"] if memory.startswith("peak CUDA") else r["peak_rss_bytes_per_rank"]
-        cells = [str(r["job"]), f"`{overrides}`", r["status"], _fmt(r["final_loss"], ".4f"),
+        layout = f"{r['mode']} ×{r['size']}" + (f" dp {r['dp']}" if (r["dp"] or 1) > 1 else "") if r["mode"] else ""
+        cells = [str(r["job"]), f"`{overrides}`", layout, r["status"], _fmt(r["final_loss"], ".4f"),
                  _fmt(r["final_loss_rel_diff"], ".1e"), _fmt(r["tokens_per_s"], ",.0f"),
                  _fmt(r["comm_bytes_per_step"], ".2f", MIB), _fmt(r["param_bytes_per_rank"], ".3f", MIB),
                  _fmt(peak, ".0f", MIB)]

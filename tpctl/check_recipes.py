@@ -144,7 +144,9 @@ def check(name: str, cfg, curves: dict[str, list[dict]], fast: bool) -> list[str
         misses.append(f"final loss {final:.4f} outside [{band[0]:g}, {band[1]:g}]")
     if r.equals:
         ref = curves.get(r.equals) or []
-        if [x["step"] for x in ref] != [x["step"] for x in curve]:
+        if not ref:
+            misses.append(f"nothing to compare with: {r.equals} did not train")
+        elif [x["step"] for x in ref] != [x["step"] for x in curve]:
             misses.append(f"its steps differ from {r.equals}'s ({len(curve)} vs {len(ref)} logged)")
         else:
             got, want = max(zip(curve, ref), key=lambda pair: _rel(pair[0]["loss"], pair[1]["loss"]))
@@ -161,7 +163,7 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def _summary_line(name: str, cfg, curves: dict, fast: bool, seconds: float) -> str:
+def _summary_line(name: str, cfg, curves: dict, seconds: float) -> str:
     r, curve = cfg.recipe, curves[name]
     parts = [f"final loss {curve[-1]['loss']:.4f}"] if curve else []
     if r.equals and curves.get(r.equals) and len(curves[r.equals]) == len(curve):
@@ -211,7 +213,7 @@ def main(args: list[str]) -> int:
             missed[name] = misses
             print(f"{name}: MISSED: {'; '.join(misses)}", flush=True)
         else:
-            print(_summary_line(name, cfg, curves, flags.fast, seconds), flush=True)
+            print(_summary_line(name, cfg, curves, seconds), flush=True)
     if missed:
         return _error(f"check-recipes: {len(missed)} of {len(planned)} recipes missed: {', '.join(missed)}", EXIT_MISSED)
     print(f"check-recipes: all {len(planned)} recipes met their goals")

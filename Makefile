@@ -3,7 +3,7 @@ VENV   := .venv
 PYTHON := $(VENV)/bin/python
 PIP    := $(PYTHON) -m pip
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo test test-fast check-recipes clean
 
 # The stamp is rebuilt when the packaging changes; the venv itself only once.
 install: $(VENV)/.installed
@@ -26,6 +26,11 @@ test: install
 
 test-fast: install
 	$(PYTHON) -m pytest -q -m "not slow"
+
+# Every recipe in recipes/, in its short form, against its loss band and
+# equalities (CI runs this after the tests).
+check-recipes: install
+	$(VENV)/bin/tpctl check-recipes --fast
 
 clean:
 	rm -rf outputs multirun .pytest_cache

@@ -5,10 +5,12 @@ sets RANK/WORLD_SIZE) without training anything, so the launcher can be
 tested alone. Behaviour comes from environment variables:
   FAKE_WORKER_FAIL_RANK=r  rank r raises RuntimeError("fake failure on rank r")
   FAKE_WORKER_SLEEP=s      every other rank sleeps s seconds before finishing
+Rank 0 writes a summary.json with made-up numbers (for sweep comparisons).
 Each rank writes its pid to <run dir>/fake_worker_rank<r>.pid first, so a test
 can check afterwards that no worker is left alive.
 """
 
+import json
 import os
 import sys
 import time
@@ -26,6 +28,13 @@ def main() -> None:
         time.sleep(0.5)  # let the other ranks start, so there is something to stop
         raise RuntimeError(f"fake failure on rank {rank}")
     time.sleep(float(os.environ.get("FAKE_WORKER_SLEEP", "0")))
+    if rank == 0:  # the run dir's summary, as tpctl.worker writes it (made-up numbers)
+        world = int(os.environ["WORLD_SIZE"])
+        summary = {"mode": "fake", "size": world, "dp": 1, "steps": 1, "first_loss": 5.0, "final_loss": 4.0,
+                   "tokens_per_s": 1000.0 * world, "comm_bytes_per_step": 2.0**20 * world,
+                   "param_bytes": 2.0**20 / world, "param_bytes_max_rank": 2.0**20 / world,
+                   "peak_rss_bytes": 2.0**28, "peak_rss_bytes_max_rank": 2.0**28}
+        (run_dir / "summary.json").write_text(json.dumps(summary))
     print(f"fake worker rank {rank} of {os.environ['WORLD_SIZE']} done", flush=True)
 
 

@@ -14,6 +14,8 @@ import pytest
 
 from cli_support import tpctl  # noqa: F401  (fixture)
 
+from tpctl.cli import COMMANDS
+
 # (overrides, key, value as printed, a fragment of what would be valid)
 BAD_CONFIGS = [
     (["mode=4d"], "mode", "'4d'", "none, 1d, 2d, 2.5d, 3d"),
@@ -48,8 +50,10 @@ BAD_CONFIGS = [
     (["data.cache_dir=/proc/tpctl-cache"], "data.cache_dir", "'/proc/tpctl-cache'", "cannot create a directory in /proc"),
     (["checkpoint.every=-1"], "checkpoint.every", "-1", ">= 0"),
     (["train.resume=/nonexistent"], "train.resume", "'/nonexistent'", "not a valid checkpoint: no such directory"),
-    # In a sweep one bad job stops them all, the good ones included.
-    (["-m", "mode=2d", "size=4,3"], "size", "3", "square number"),
+    # A sweep with no valid job at all: the first job's reason.
+    (["-m", "mode=2d", "size=3,5"], "size", "3", "square number"),
+    # A job that does not compose (a misspelt key) stops a sweep.
+    (["-m", "mode=1d,2d", "trian.steps=5"], "trian.steps", "5", "did you mean 'train'"),
 ]
 
 
@@ -107,7 +111,7 @@ def test_help(tpctl):
     assert hydra_help.stdout.startswith("tpctl train: train a model with tensor parallelism")
     unknown = tpctl.run(["trian"])
     assert unknown.returncode == 2 and unknown.stderr.strip().splitlines() == [
-        "tpctl: error: unknown command 'trian'; expected: train, export (see tpctl --help)"
+        "tpctl: error: unknown command 'trian'; expected one of: " + ", ".join(["train", *COMMANDS]) + " (see tpctl --help)"
     ]
 
 
@@ -146,6 +150,27 @@ def test_multirun_gives_each_job_its_own_run_dir(tpctl):
         config = (sweep / job / "config.yaml").read_text()
         assert f"size: {size}" in config
         assert sorted(p.name for p in (sweep / job).glob("fake_worker_rank*.pid")) == [f"fake_worker_rank{r}.pid" for r in range(size)]
+    assert tpctl.leftover_pids() == []
+
+
+@pytest.mark.timeout(120)
+def test_sweep_skips_invalid_combinations_and_writes_a_comparison(tpctl):
+    tpctl.extra_env["TPCTL_WORKER_MODULE"] = "tests.fake_worker"
+    sweep = tpctl.cwd / "sweep"
+    result = tpctl.run(["train", "-m", "mode=1d,2d", "size=2,4", "data=synthetic", f"hydra.sweep.dir={sweep}"], timeout=100)
+    assert result.returncode == 0, result.stderr
+    skipped = [line for line in result.stderr.splitlines() if line.startswith("tpctl: skipping")]
+    assert skipped == ["tpctl: skipping job 2 (mode=2d size=2): invalid config: size=2: mode=2d needs a square number of ranks (1, 4, 9, 16, ...)"]
+    assert not (sweep / "2" / "config.yaml").exists()  # no worker started for it
+    jobs = json.loads((sweep / "comparison.json").read_text())["jobs"]
+    assert [(j["job"], j["status"]) for j in jobs] == [(0, "ok"), (1, "ok"), (2, "skipped"), (3, "ok")]
+    # The numbers come from each run's summary.json (the fake worker's: world-dependent).
+    assert [j["tokens_per_s"] for j in jobs] == [2000.0, 4000.0, None, 4000.0]
+    assert jobs[3]["param_bytes_per_rank"] == 2**20 / 4
+    table = (sweep / "comparison.md").read_text()
+    assert "Every job: `data=synthetic`" in table
+    assert "| 3 | `mode=2d size=4` | fake ×4 | ok | 4.0000 | 0.0e+00 | 4,000 | 4.00 | 0.250 | 256 |" in table
+    assert "- job 2 (`mode=2d size=2`) skipped: invalid config: size=2" in table
     assert tpctl.leftover_pids() == []
 
 

@@ -1,6 +1,7 @@
 """The `tpctl` command line.
 
-    tpctl train [Hydra overrides] [-m] [--cfg job] [--help] [hydra.run.dir=PATH]
+    tpctl train [Hydra overrides] [-m] [--cfg job] [--dry-run] [--help] [hydra.run.dir=PATH]
+    tpctl recipes | check-recipes    (tpctl/recipes.py, tpctl/check_recipes.py)
 
 The flow of `tpctl train` (DESIGN.md, section 2), one call per arrow:
   compose every job of the command line and validate it   (`_check_jobs`)
@@ -33,16 +34,34 @@ commands:
              tpctl train -m mode=1d size=2,4        (one run per value)
              tpctl train --cfg job                  (print the config, run nothing)
              tpctl train --help                     (groups, options and flags)
+             tpctl train --dry-run launcher=slurm launcher.nnodes=2 ...  (print the submission)
   inspect  what the rewrite does to a model in a mode (roles, layers, shard shapes), no training:
              tpctl inspect model=hf model.arch=llama mode=3d size=8
-  export   write a checkpoint's full weights as one safetensors file:
+  export   write a checkpoint's full weights (safetensors; a from_pretrained directory for model=hf):
              tpctl export outputs/.../checkpoints/step_200 model.safetensors
+  recipes  list the named experiments in recipes/ (tpctl train recipe=NAME [overrides])
+  check-recipes [--fast] [NAME...]
+           run recipes and check their loss bands and equalities (--fast: CI's short form)
 
 exit status: 0 trained, 1 training failed, 2 bad config or usage, 130 interrupted
 """
 
+# The other commands: name -> module with `main(args) -> int`.
+COMMANDS = {
+    "inspect": "tpctl.inspect",
+    "export": "tpctl.export",
+    "recipes": "tpctl.recipes",
+    "check-recipes": "tpctl.check_recipes",
+}
+
 # Run dirs of the jobs whose training failed (a multirun goes on to its other jobs).
 _failed_runs: list[Path] = []
+# `tpctl train --dry-run`: write each job's config.yaml, print its launch or
+# Slurm submission, start nothing.
+_dry_run = False
+# Every job of a multirun, in order, for its comparison (tpctl/compare.py):
+# {"job": n, "overrides": [...], "run_dir": path, "status": ok|failed|skipped, "reason": ...}
+_sweep_jobs: list[dict] = []
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,24 +73,24 @@ def main(argv: list[str] | None = None) -> None:
     if command in ("-h", "--help", "help"):
         print(USAGE, end="")
         sys.exit(EXIT_OK)
-    run = COMMANDS.get(command)
-    if run is None:
-        return sys.exit(_usage_error(f"unknown command {command!r}; expected one of: {', '.join(COMMANDS)} (see tpctl --help)"))
-    sys.exit(run(rest))
-
-
-def _command(module: str):
-    """The `main(args) -> status` of tpctl.<module>, imported when run."""
-    def run(args: list[str]) -> int:
+    if command == "train":
+        sys.exit(train(rest))
+    if command in COMMANDS:
         import importlib
 
-        return importlib.import_module(f"tpctl.{module}").main(args)
-    return run
+        sys.exit(importlib.import_module(COMMANDS[command]).main(rest))
+    sys.exit(_usage_error(f"unknown command {command!r}; expected one of: {', '.join(['train', *COMMANDS])} (see tpctl --help)"))
 
 
 def train(args: list[str]) -> int:
     """`tpctl train ARGS`: check every job, then hand ARGS to Hydra."""
     from hydra._internal.utils import get_args_parser
+
+    global _dry_run
+    # tpctl's own flag (Hydra's parser does not know it): print what would be
+    # launched or submitted, start nothing.
+    _dry_run = "--dry-run" in args
+    args = [a for a in args if a != "--dry-run"]
 
     parser = get_args_parser()  # Hydra's own flags, so nothing differs
     parser.error = lambda message: sys.exit(_usage_error(f"tpctl train: {message} (see tpctl train --help)"))
@@ -85,8 +104,15 @@ def train(args: list[str]) -> int:
             return status
 
     _failed_runs.clear()
+    _sweep_jobs.clear()
     sys.argv = ["tpctl train", *args]  # Hydra parses sys.argv
     _run_hydra()
+    if _sweep_jobs:
+        from .compare import write_comparison
+
+        sweep_dir = Path(_sweep_jobs[0]["sweep_dir"])
+        write_comparison(sweep_dir, _sweep_jobs)
+        print(f"tpctl: compared {len(_sweep_jobs)} jobs in {sweep_dir / 'comparison.md'}")
     if _failed_runs:
         print(f"tpctl: error: training failed in {', '.join(map(str, _failed_runs))}", file=sys.stderr)
         return EXIT_FAILED
@@ -95,16 +121,38 @@ def train(args: list[str]) -> int:
 
 def _check_jobs(overrides: list[str], multirun: bool, config_name: str, config_dir: str | None, validate_values: bool) -> int:
     """Compose and validate every job before Hydra creates any run dir.
-    `--cfg` only prints a config, so it needs composition, not valid values."""
+    `--cfg` only prints a config, so it needs composition, not valid values.
+
+    A sweep crosses values, and some combinations are invalid (mode=2d
+    size=8): those jobs are skipped with one line each and the others run
+    (Hydra still numbers them; `_train_job` skips them). A job that does not
+    compose (a misspelt key) fails the whole command, as does a sweep with no
+    valid job at all."""
     try:
-        for cfg in compose_jobs(overrides, multirun, config_name, config_dir):
-            if validate_values:
-                validate(cfg)
+        jobs = compose_jobs(overrides, multirun, config_name, config_dir)
         if validate_values:  # else Hydra fails with a traceback creating it
             check_writable_dir(*run_dir_setting(overrides, multirun, config_name, config_dir))
     except ConfigError as e:
         return _config_error(e)
+    if not validate_values:
+        return EXIT_OK
+    errors = []
+    for cfg in jobs:
+        try:
+            validate(cfg)
+            errors.append(None)
+        except ConfigError as e:
+            errors.append(e)
+    if all(errors):  # nothing would run: the first reason, as for one job
+        return _config_error(errors[0])
+    for job, (cfg, error) in enumerate(zip(jobs, errors)):
+        if error is not None:
+            print(f"tpctl: skipping job {job} ({_layout(cfg)}): {error}", file=sys.stderr)
     return EXIT_OK
+
+
+def _layout(cfg) -> str:
+    return f"mode={cfg.mode} size={cfg.size}" + (f" depth={cfg.depth}" if cfg.depth != 1 else "") + (f" dp={cfg.dp}" if cfg.dp != 1 else "")
 
 
 def _run_hydra() -> None:
@@ -117,13 +165,27 @@ def _run_hydra() -> None:
 def _train_job(cfg) -> None:
     """One Hydra job: config.yaml → data → workers."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
     from omegaconf import OmegaConf
 
     from .launcher import launch
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    job = None
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        job = {"job": hydra_cfg.job.num, "overrides": list(hydra_cfg.overrides.task), "run_dir": str(run_dir),
+               "sweep_dir": hydra_cfg.sweep.dir, "status": "ok", "reason": None}
+        _sweep_jobs.append(job)
+        try:
+            validate(cfg)
+        except ConfigError as e:  # `_check_jobs` said so already, one line
+            job.update(status="skipped", reason=str(e))
+            return
     try:
         validate(cfg)  # already checked; this is the config Hydra actually runs
+        # The run dir records which recipe it ran (the file name is its name).
+        cfg.recipe.name = HydraConfig.get().runtime.choices.get("recipe")
         config_path = run_dir / "config.yaml"
         OmegaConf.save(OmegaConf.to_container(cfg, resolve=True), config_path)
         # From here on, the parent sees exactly what every worker will read.
@@ -137,17 +199,34 @@ def _train_job(cfg) -> None:
         traceback.print_exc()
         print(f"tpctl: error: preparing the run failed: {e}", file=sys.stderr)
         _failed_runs.append(run_dir)
+        if job is not None:
+            job.update(status="failed", reason=f"preparing the run failed: {e}")
         return
 
     try:
         _check_resume(run_cfg, run_dir)
     except ConfigError as e:
         sys.exit(_config_error(e))
-    status = launch(run_cfg, run_dir)
+    if run_cfg.launcher.name == "slurm":
+        from . import slurm
+
+        if _dry_run:
+            print(slurm.dry_run(run_cfg, run_dir))
+            return
+        status = slurm.submit(run_cfg, run_dir)
+    elif _dry_run:
+        lc = run_cfg.launcher
+        print(f"tpctl: dry run: would start {run_cfg.size * run_cfg.dp // lc.nnodes} workers here "
+              f"(node {lc.node_rank} of {lc.nnodes}) reading {run_dir / 'config.yaml'}; nothing started")
+        return
+    else:
+        status = launch(run_cfg, run_dir)
     if status > 128:  # interrupted: stop here, and stop a multirun too
         sys.exit(status)
     if status != EXIT_OK:
         _failed_runs.append(run_dir)
+        if job is not None:
+            job.update(status="failed", reason=f"exit status {status}")
 
 
 def _check_resume(cfg, run_dir: Path) -> None:
@@ -181,9 +260,6 @@ def _usage_error(message: str) -> int:
     print(f"tpctl: error: {message}", file=sys.stderr)
     return EXIT_USAGE
 
-
-# command -> function(args) -> exit status; each command lives in its own module.
-COMMANDS = {"train": train, "inspect": _command("inspect"), "export": _command("export")}
 
 if __name__ == "__main__":
     main()

@@ -29,6 +29,9 @@ from .schema import ModelConfig, TrainConfig
 # editable, see the Makefile).
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_NAME = "train"
+# Named experiments; configs/recipe is a link to this folder, so Hydra sees
+# each file as an option of the `recipe` group (`tpctl train recipe=NAME`).
+RECIPE_DIR = CONFIG_DIR.parent / "recipes"
 
 ARCHS = ("gpt", "mlp", "gpt2", "llama", "custom")
 DATASETS = ("synthetic", "text")
@@ -113,14 +116,17 @@ def validate(cfg: Any, model_check: bool = True) -> None:
     _check_choice("data.name", cfg.data.name, DATASETS)
     _check_choice("device", cfg.device, DEVICES)
     validate_parallel(cfg)
-    if cfg.device == "cuda":
+    from .launcher import validate_nodes
+
+    validate_nodes(cfg)
+    if cfg.device == "cuda" and cfg.launcher.name == "local":  # Slurm's nodes are checked by gpus_per_node
         # torch is imported only here: a CPU config check stays fast.
         import torch
 
-        world = cfg.size * cfg.dp
+        world = cfg.size * cfg.dp // cfg.launcher.nnodes  # this node's share
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if have < world:
-            raise ConfigError("device", "cuda", f"size*dp={world} ranks need {world} CUDA devices, this machine has {have}: use device=cpu")
+            raise ConfigError("device", "cuda", f"size*dp/nnodes={world} ranks need {world} CUDA devices, this machine has {have}: use device=cpu")
 
     t, m, o = cfg.train, cfg.model, cfg.optim
     _check_at_least("train.steps", t.steps, 1)
@@ -354,7 +360,8 @@ def _explain(error: Exception, overrides: list, config_name: str) -> ConfigError
         group, option = error.missing_cfg_file.rsplit("/", 1)
         options = GlobalHydra.instance().config_loader().get_group_options(group)
         if options:
-            return ConfigError(group, option, f"no such {group}; available: {', '.join(options)}" + _did_you_mean(option, options))
+            where = _recipe_source(group, overrides)
+            return ConfigError(group, option, f"no such {group}{where}; available: {', '.join(options)}" + _did_you_mean(option, options))
 
     # An error inside a config file (configs/model/x.yaml has a bad key or
     # value): Hydra says "In 'model/x': <error>". Name the file's option.
@@ -364,7 +371,9 @@ def _explain(error: Exception, overrides: list, config_name: str) -> ConfigError
         group, option = name.rsplit("/", 1) if "/" in name else ("config", name)
         where = re.search(r"full_key: (\S+)", detail)
         at = f" at {where.group(1)}" if where else ""
-        return ConfigError(group, option, f"the config file {name}.yaml is invalid{at}: {_one_line(detail)}")
+        # Recipes live in recipes/ at the repo root (configs/recipe links there).
+        path = f"{RECIPE_DIR.name}/{option}.yaml" if group == "recipe" else f"{name}.yaml"
+        return ConfigError(group, option, f"the config file {path} is invalid{at}: {_one_line(detail)}")
 
     cause = _omegaconf_cause(error)
     full_key = getattr(cause, "full_key", None) if cause is not None else None
@@ -382,6 +391,15 @@ def _explain(error: Exception, overrides: list, config_name: str) -> ConfigError
             return ConfigError(key, value, _expected_type(key, reference))
         return ConfigError(key, value, _one_line(cause))
     return ConfigError("overrides", " ".join(o.input_line for o in overrides), _one_line(error))
+
+
+def _recipe_source(group: str, overrides: list) -> str:
+    """' (set in recipes/X.yaml)' when a group option the command line did not
+    choose came from the recipe the command line did choose."""
+    if any(o.key_or_group.lstrip("/") == group for o in overrides):
+        return ""
+    recipe = next((o.value() for o in reversed(overrides) if o.key_or_group == "recipe"), None)
+    return f" (set in {RECIPE_DIR.name}/{recipe}.yaml)" if isinstance(recipe, str) else ""
 
 
 def _value_text(override) -> Any:

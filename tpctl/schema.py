@@ -8,7 +8,7 @@ time, before any worker starts. The YAML files under ``configs/`` fill them in.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
@@ -116,6 +116,53 @@ class CheckpointConfig:
     keep: int = 2
 
 
+    # Multi-node: run `tpctl train` once per node with the same config and
+    # launcher.nnodes=N launcher.node_rank=K launcher.rdzv_endpoint=HOST:PORT;
+    # each node starts size*dp/nnodes workers and torchrun's c10d rendezvous
+    # at HOST:PORT (hosted by node_rank 0) joins them into one job.
+    nnodes: int = 1
+    node_rank: int = 0
+    # HOST:PORT of node 0, reachable from every node; None on one node
+    # (master_addr:master_port, a free port).
+    rdzv_endpoint: Optional[str] = None
+    # One id per job, the same on every node; None: one derived from the
+    # endpoint (multi-node) or a fresh one (single node).
+    rdzv_id: Optional[str] = None
+    # Seconds a node waits for the others to join before the run fails.
+    rdzv_timeout_s: int = 600
+    # "local": start the workers here (one node, or this machine's share of
+    # several). "slurm": submit the job through submitit (tpctl/slurm.py);
+    # each of its nnodes Slurm tasks then launches its node's share.
+    name: str = "local"
+    partition: Optional[str] = None
+    gpus_per_node: int = 0
+    cpus_per_task: Optional[int] = None
+    time_min: int = 60
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    # Shell lines the sbatch script runs first (module load ..., source venv).
+    setup: List[str] = field(default_factory=list)
+
+
+@dataclass
+class RecipeConfig:
+    """What a recipe (recipes/NAME.yaml, `tpctl train recipe=NAME`) must
+    reach; `tpctl check-recipes` checks it. Empty for a plain run."""
+
+    name: Optional[str] = None
+    description: str = ""
+    # [low, high]: the final training loss must land inside.
+    final_loss: Optional[List[float]] = None
+    # Another recipe whose loss curve this one must equal, step by step,
+    # within rel_tol (e.g. gpt-tiny-3d equals gpt-tiny-none).
+    equals: Optional[str] = None
+    rel_tol: float = 1.0e-4
+    # The short form that `tpctl check-recipes --fast` runs (CI): overrides
+    # applied after the recipe, and the band the short run must reach.
+    fast: List[str] = field(default_factory=list)
+    fast_final_loss: Optional[List[float]] = None
+
+
 @dataclass
 class TrainConfig:
     mode: str = "none"
@@ -133,3 +180,4 @@ class TrainConfig:
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)

@@ -214,6 +214,7 @@ class Trainer:
         }
         if self.mesh.device.type == "cuda":
             out["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
+        out.update(_max_over_ranks(out, ("param_bytes", "peak_rss_bytes", "peak_cuda_bytes")))
         return out
 
 
@@ -228,6 +229,21 @@ def _test_kill_hook(rank: int, done: int) -> None:
         kill_rank, kill_step = map(int, spec.split(":"))
         if (rank, done) == (kill_rank, kill_step):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _max_over_ranks(values: dict, keys: tuple[str, ...]) -> dict:
+    """{key_max_rank: the largest value of any rank}: ranks hold different
+    shards (a padded vocabulary block, replicated norms), and memory per rank
+    is what has to fit. Every rank must call this (one all-reduce)."""
+    import torch.distributed as dist
+
+    keys = tuple(k for k in keys if k in values)
+    if not dist.is_initialized():
+        return {f"{k}_max_rank": values[k] for k in keys}
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    local = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    return {f"{k}_max_rank": int(v) for k, v in zip(keys, local.tolist())}
 
 
 class _Progress:

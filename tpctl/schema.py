@@ -104,18 +104,6 @@ class LauncherConfig:
     # Restarts of all workers after one fails (torchrun's elastic agent);
     # they resume from the newest checkpoint of the run dir.
     max_restarts: int = 0
-
-
-@dataclass
-class CheckpointConfig:
-    # Save every N steps under <run dir>/checkpoints/step_<N>/ (0: never
-    # periodically), and after the last step when at_end.
-    every: int = 100
-    at_end: bool = True
-    # Keep the newest N checkpoints (0: keep all).
-    keep: int = 2
-
-
     # Multi-node: run `tpctl train` once per node with the same config and
     # launcher.nnodes=N launcher.node_rank=K launcher.rdzv_endpoint=HOST:PORT;
     # each node starts size*dp/nnodes workers and torchrun's c10d rendezvous
@@ -142,6 +130,16 @@ class CheckpointConfig:
     qos: Optional[str] = None
     # Shell lines the sbatch script runs first (module load ..., source venv).
     setup: List[str] = field(default_factory=list)
+
+
+@dataclass
+class CheckpointConfig:
+    # Save every N steps under <run dir>/checkpoints/step_<N>/ (0: never
+    # periodically), and after the last step when at_end.
+    every: int = 100
+    at_end: bool = True
+    # Keep the newest N checkpoints (0: keep all).
+    keep: int = 2
 
 
 @dataclass

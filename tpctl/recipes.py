@@ -60,7 +60,9 @@ def describe(cfg: DictConfig) -> str:
         goals.append(f"loss in [{r.final_loss[0]:g}, {r.final_loss[1]:g}]")
     if r.equals:
         goals.append(f"= {r.equals}")
-    model = cfg.model.arch if cfg.model.arch != "gpt" else f"gpt {cfg.model.n_layer}x{cfg.model.n_embd}"
+    m = cfg.model
+    sized = m.arch != "custom" and not m.get("pretrained")
+    model = f"{m.arch} {m.n_layer}x{m.n_embd}" if sized else str(m.get("_target_") or m.get("pretrained") or m.arch)
     return (f"{cfg.recipe.name:<18} {layout:<22} {model:<12} {cfg.data.name:<9} "
             f"{cfg.train.steps:>4} steps  {cfg.optim.name} lr={cfg.optim.lr:g}  {'; '.join(goals)}  # {r.description}")
 

@@ -229,11 +229,15 @@ def test_invalid_checkpoints_are_skipped_by_auto_and_refused_by_path(tpctl):
         line = _one_line_error(tpctl.run([*args, "train.steps=6", f"train.resume={ckpts / bad}"]))
         assert f"train.resume='{ckpts / bad}'" in line and why in line, line
 
+    # A crash mid-write leaves only a temp dir: never read, removed by the next save.
+    (ckpts / ".tmp_step_8").mkdir()
+    (ckpts / ".tmp_step_8" / "__0_0.distcp").write_bytes(b"half a checkpoint")
     resumed = tpctl.run([*args, "train.steps=6", "train.resume=auto"], timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     warnings = [line for line in resumed.stderr.splitlines() if "skipping invalid checkpoint" in line]
     assert len(warnings) == 2 and "step_6" in warnings[0] and "step_4" in warnings[1], resumed.stderr
     assert f"resumed from {ckpts / 'step_2'}" in resumed.stdout
+    assert not (ckpts / ".tmp_step_8").exists()
     again = _metrics(run)
     assert [r["step"] for r in again] == [1, 2, 3, 4, 5, 6]  # each step once
     for ref, got in zip(reference, again):

@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -150,6 +151,15 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         # Ctrl-C reaches every rank; the launcher reports it once.
         sys.exit(130)
+    except RuntimeError as e:
+        # Another rank died (and the launcher names it): one line here, not
+        # a traceback per surviving rank. @record has kept the error.
+        lost = re.search(r"Connection (closed|reset) by peer[^.]*", str(e))
+        if lost:
+            print(f"tpctl: rank {os.environ.get('RANK', '?')}: a peer rank is gone ({lost.group(0).strip()})",
+                  file=sys.stderr, flush=True)
+            sys.exit(1)
+        raise
 
 
 if __name__ == "__main__":

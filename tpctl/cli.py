@@ -6,7 +6,12 @@ The flow of `tpctl train` (DESIGN.md, section 2), one call per arrow:
   compose every job of the command line and validate it   (`_check_jobs`)
   → Hydra runs each job: write the resolved config.yaml into its run dir,
     prepare the data once, start the workers              (`_train_job`)
-  → exit status: 0 trained, 1 training failed, 2 bad config or usage,
+  →   plan     per-rank memory, FLOPs, bytes/calls per collective and predicted step time of every split:
+             tpctl plan model=gpt-small world=64 hardware=h100 [--json]
+  bench    run modes side by side on one model and world (with PyTorch's own TP as a baseline):
+             tpctl bench model=gpt-tiny size=4 modes=[1d,dtensor,2d]
+
+exit status: 0 trained, 1 training failed, 2 bad config or usage,
     130 interrupted (Ctrl-C).
 Every config error is found before Hydra creates a run dir and before any
 worker starts, and is printed as one line: `tpctl: error: <message>`.
@@ -33,8 +38,24 @@ commands:
              tpctl train --cfg job                  (print the config, run nothing)
              tpctl train --help                     (groups, options and flags)
 
+  plan     per-rank memory, FLOPs, bytes/calls per collective and predicted step time of every split:
+             tpctl plan model=gpt-small world=64 hardware=h100 [--json]
+  bench    run modes side by side on one model and world (with PyTorch's own TP as a baseline):
+             tpctl bench model=gpt-tiny size=4 modes=[1d,dtensor,2d]
+
 exit status: 0 trained, 1 training failed, 2 bad config or usage, 130 interrupted
 """
+
+def _command(module: str):
+    """A command living in tpctl/<module>.py as main(args) -> exit status (imported when run)."""
+    def run(args: list[str]) -> int:
+        import importlib
+
+        return importlib.import_module(f"tpctl.{module}").main(args)
+    return run
+
+
+COMMANDS = {"plan": _command("plan"), "bench": _command("bench")}
 
 # Run dirs of the jobs whose training failed (a multirun goes on to its other jobs).
 _failed_runs: list[Path] = []
@@ -51,7 +72,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_OK)
     if command == "train":
         sys.exit(train(rest))
-    sys.exit(_usage_error(f"unknown command {command!r}; expected: train (see tpctl --help)"))
+    if command in COMMANDS:
+        sys.exit(COMMANDS[command](rest))
+    sys.exit(_usage_error(f"unknown command {command!r}; expected: train, plan, bench (see tpctl --help)"))
 
 
 def train(args: list[str]) -> int:

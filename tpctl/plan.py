@@ -453,6 +453,7 @@ class Hardware:
     intra_latency: float  # seconds per ring step
     inter_bw: float  # bytes/s per rank, across nodes
     inter_latency: float
+    cores: int = 0  # CPU profiles: ranks beyond this many share cores (0: one device per rank)
     note: str = ""
 
 
@@ -466,7 +467,7 @@ def load_hardware(name: str) -> Hardware:
     raw = yaml.safe_load(path.read_text())
     fields = {f.name for f in dataclasses.fields(Hardware)}
     try:
-        values = {k: (str(v) if k == "note" else int(v) if k == "ranks_per_node" else float(v))
+        values = {k: (str(v) if k == "note" else int(v) if k in ("ranks_per_node", "cores") else float(v))
                   for k, v in raw.items() if k in fields and k != "name"}
         return Hardware(name=name, **values)
     except (TypeError, ValueError) as e:  # PyYAML reads 1.0e9 as text, hence float() above
@@ -493,6 +494,8 @@ def predict(plan: SplitPlan, geo: Geometry, hw: Hardware) -> SplitPlan:
     """Fill in step_time_s: compute + every collective at the speed of the
     slowest link its groups span (no overlap of compute and communication)."""
     compute = plan.flops / (hw.peak_flops * hw.efficiency)
+    if hw.cores and plan.split.world > hw.cores:
+        compute *= plan.split.world / hw.cores  # oversubscribed CPU: ranks take turns
     comm_s = 0.0
     for (kind, group), c in plan.comm.items():
         spans = any(len({r // hw.ranks_per_node for r in members}) > 1

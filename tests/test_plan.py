@@ -94,3 +94,67 @@ def test_counted_equals_planned(pool, key, tied):
             {k: (v["calls"], v["bytes"]) for k, v in want_kinds.items()}, f"rank {rank}"
         for k, v in kinds.items():  # wire bytes also check each group's size
             assert v["wire_bytes"] == pytest.approx(want_kinds[k]["wire_bytes"], rel=1e-9), f"rank {rank} {k}"
+
+
+# --------------------------------------------------------------------------
+# The commands, in-process (no workers are started by `tpctl plan`).
+
+
+def _plan_cli(args, capsys):
+    from tpctl import plan
+
+    status = plan.main(args)
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+@pytest.mark.timeout(60)
+def test_plan_json_ranks_every_valid_split(capsys):
+    import json
+
+    status, out, _ = _plan_cli(["model=gpt-tiny", "world=8", "hardware=h100", "--json"], capsys)
+    assert status == 0
+    doc = json.loads(out)
+    labels = [s["label"] for s in doc["splits"]]
+    # gpt-tiny (4 heads, batch 16) on 8 ranks: 1d up to 4, 2d 4, 2.5d 8 (depth 2), 3d 8, none dp=8
+    for want in ("none size=1 dp=8", "1d size=4 dp=2", "1d+sp size=2 dp=4", "2d size=4 dp=2",
+                 "2.5d size=8 d=2 dp=1", "3d size=8 dp=1"):
+        assert want in labels
+    assert doc["recommended"] == labels[0]
+    times = [s["step_time_s"] for s in doc["splits"]]
+    assert times == sorted(times)
+    assert any("1d size=8" in s["label"] and "n_head" in s["reason"] for s in doc["invalid"])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,key", [
+    (["model=gpt-tiny"], "world"),
+    (["model=gpt-tiny", "world=0"], "world"),
+    (["model=gpt-tiny", "world=8", "hardware=tpu"], "hardware"),
+    (["model=gpt-huge", "world=8"], "model"),
+])
+def test_plan_bad_input_exits_2_with_one_line(capsys, args, key):
+    status, _, err = _plan_cli(args, capsys)
+    assert status == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"tpctl: error: invalid config: {key}="), err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_runs_every_mode_on_the_same_model():
+    """none, our 1d and PyTorch's TP train the same model on the same batch
+    (equal step-1 losses), and our counted bytes per step are the plan's."""
+    from tpctl.bench import bench, predicted_ms
+    from tpctl.config import compose_jobs
+    from tpctl.geometry import geometry
+    from tpctl.plan import Split, model_shape, plan_split
+
+    cfg = compose_jobs(["model=gpt-tiny", "model.n_layer=1", "train.batch_size=4", "train.seq_len=16"])[0]
+    results = bench(cfg, ["none", "1d", "dtensor"], size=2, steps=1, rounds=1, warmup=0, timeout_s=240)
+    losses = [results[m]["first_loss"] for m in ("none", "1d", "dtensor")]
+    assert max(losses) - min(losses) < 1e-5, losses
+    planned = plan_split(model_shape(cfg.model), Split("1d", 2), geometry("1d", 2), 4, 16)
+    assert results["1d"]["comm_bytes"] == planned.comm_bytes
+    assert results["1d"]["param_bytes"] == planned.param_bytes
+    assert set(predicted_ms(cfg, ["none", "1d", "dtensor"], 2, None, "cpu")) == {"none", "1d", "dtensor"}

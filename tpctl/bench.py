@@ -332,7 +332,7 @@ def main(args: list[str]) -> int:
 
         load_hardware(opts["hardware"])
     except ConfigError as e:
-        print(f"tpctl: error: invalid config: {e}", file=sys.stderr)
+        print(f"tpctl: error: {e}", file=sys.stderr)
         return 2
     size = opts["size"]
     results = bench(cfg, modes, size, opts["steps"], opts["rounds"], opts["warmup"], opts["depth"])

@@ -427,7 +427,7 @@ def splits_of(world: int, cfg) -> list[tuple[Split, Optional[Geometry], Optional
             except ConfigError as e:
                 if s.mode in ("2d", "3d", "2.5d") and "needs" in str(e):
                     continue  # not a square / cube: not a split at all
-                out.append((s, None, str(e)))
+                out.append((s, None, str(e).removeprefix("invalid config: ")))
     return out
 
 
@@ -574,8 +574,7 @@ def main(args: list[str]) -> int:
         cfg = compose_jobs(overrides)[0]
         hw = load_hardware(hardware) if hardware else None
     except ConfigError as e:
-        print(f"tpctl: error: invalid config: {e}" if "invalid config" not in str(e) else f"tpctl: error: {e}",
-              file=sys.stderr)
+        print(f"tpctl: error: {e}", file=sys.stderr)
         return 2
     plans, invalid = plan_world(cfg, world, hw)
     if as_json:

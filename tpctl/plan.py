@@ -165,6 +165,7 @@ class SplitPlan:
     step_time_s: Optional[float] = None
     compute_s: Optional[float] = None
     comm_s: Optional[float] = None
+    fits: Optional[bool] = None  # memory_bytes within the hardware's memory per rank
 
     def by_kind(self) -> dict[str, dict[str, float]]:
         out: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "bytes": 0, "wire_bytes": 0.0})
@@ -192,7 +193,7 @@ class SplitPlan:
                  optim_bytes=self.optim_bytes, activation_bytes=self.activation_bytes,
                  memory_bytes=self.memory_bytes, flops=self.flops, comm_bytes=self.comm_bytes,
                  wire_bytes=self.wire_bytes, step_time_s=self.step_time_s, compute_s=self.compute_s,
-                 comm_s=self.comm_s, by_kind=self.by_kind(),
+                 comm_s=self.comm_s, fits=self.fits, by_kind=self.by_kind(),
                  comm=[{"kind": k, "group": g, **dataclasses.asdict(c)} for (k, g), c in sorted(self.comm.items())])
         return d
 
@@ -453,6 +454,7 @@ class Hardware:
     intra_latency: float  # seconds per ring step
     inter_bw: float  # bytes/s per rank, across nodes
     inter_latency: float
+    memory_bytes: float = 0.0  # per rank (device memory); 0: not checked
     cores: int = 0  # CPU profiles: ranks beyond this many share cores (0: one device per rank)
     note: str = ""
 
@@ -504,6 +506,7 @@ def predict(plan: SplitPlan, geo: Geometry, hw: Hardware) -> SplitPlan:
         steps = LATENCY_STEPS.get(kind, lambda p: p - 1)(c.group_size)
         comm_s += c.calls * steps * lat + c.wire_bytes / bw
     plan.compute_s, plan.comm_s, plan.step_time_s = compute, comm_s, compute + comm_s
+    plan.fits = not hw.memory_bytes or plan.memory_bytes <= hw.memory_bytes
     return plan
 
 
@@ -525,8 +528,8 @@ def plan_world(cfg, world: int, hw: Optional[Hardware]) -> tuple[list[SplitPlan]
             invalid.append((split, str(e)))
             continue
         plans.append(predict(p, geo, hw) if hw else p)
-    if hw:
-        plans.sort(key=lambda p: p.step_time_s)
+    if hw:  # the fastest first, among those that fit in memory
+        plans.sort(key=lambda p: (not p.fits, p.step_time_s))
     return plans, invalid
 
 
@@ -580,7 +583,7 @@ def main(args: list[str]) -> int:
     if as_json:
         print(json.dumps({"world": world, "hardware": dataclasses.asdict(hw) if hw else None,
                           "model": dict(cfg.model), "batch_size": cfg.train.batch_size,
-                          "seq_len": cfg.train.seq_len, "recommended": plans[0].split.label if hw and plans else None,
+                          "seq_len": cfg.train.seq_len, "recommended": plans[0].split.label if hw and plans and plans[0].fits else None,
                           "splits": [p.to_json() for p in plans],
                           "invalid": [{"label": s.label, "reason": why} for s, why in invalid]}, indent=1))
         return 0
@@ -600,7 +603,7 @@ def print_table(plans: list[SplitPlan], invalid, cfg, world: int, hw: Optional[H
     title = (f"tpctl plan: {m.arch} {m.n_layer}x{m.n_embd} (vocab {m.vocab_size}) on {world} ranks, "
              f"batch {t.batch_size} x seq {t.seq_len}" + (f", hardware {hw.name}" if hw else ""))
     table = Table(title=title, show_lines=False)
-    cols = ["", "split", "params MiB", "grads MiB", "AdamW MiB", "act MiB*", "GFLOP", "comm MiB", "wire MiB",
+    cols = ["", "split", "params MiB", "grads MiB", "AdamW MiB", "act MiB*", "total GiB", "GFLOP", "comm MiB", "wire MiB",
             "calls", "by kind (MiB / calls)"]
     if hw:
         cols += ["compute ms", "comm ms", "step ms"]
@@ -609,16 +612,21 @@ def print_table(plans: list[SplitPlan], invalid, cfg, world: int, hw: Optional[H
     for rank, p in enumerate(plans):
         kinds = "  ".join(f"{KIND_ABBREV[k]}:{_mib(v['bytes'])}/{v['calls']}"
                           for k, v in sorted(p.by_kind().items()))
-        row = ["★" if hw and rank == 0 else "", p.split.label, _mib(p.param_bytes), _mib(p.grad_bytes),
-               _mib(p.optim_bytes), _mib(p.activation_bytes), f"{p.flops / 1e9:,.1f}", _mib(p.comm_bytes),
+        mark = "★" if hw and rank == 0 and p.fits else ("over" if hw and p.fits is False else "")
+        row = [mark, p.split.label, _mib(p.param_bytes), _mib(p.grad_bytes),
+               _mib(p.optim_bytes), _mib(p.activation_bytes), f"{p.memory_bytes / 2**30:,.1f}", f"{p.flops / 1e9:,.1f}", _mib(p.comm_bytes),
                _mib(p.wire_bytes), str(sum(c.calls for c in p.comm.values())), kinds]
         if hw:
             row += [f"{p.compute_s * 1e3:,.2f}", f"{p.comm_s * 1e3:,.2f}", f"{p.step_time_s * 1e3:,.2f}"]
         table.add_row(*row)
-    console = Console(width=220)
+    console = Console(width=300)
     console.print(table)
     console.print("per rank, per optimizer step; comm = payload bytes handed to collectives (as comm.py counts them), "
                   "wire = what ring algorithms send; kinds: ar=all_reduce ag=all_gather rs=reduce_scatter bc=broadcast re=reduce. "
-                  "* activations: saved-for-backward estimate." + (" ★ recommended (fastest predicted step)." if hw else ""))
+                  "* activations: saved-for-backward estimate of one micro-batch." +
+                  (f" ★ recommended: the fastest predicted step that fits in {hw.memory_bytes / 2**30:,.0f} GiB per rank; "
+                   "over: does not fit (raise train.grad_accum or the world)." if hw else ""))
+    if hw and plans and not plans[0].fits:
+        console.print("no split fits in memory: raise train.grad_accum (smaller micro-batches) or the world size")
     for s, why in invalid:
         console.print(f"  not valid: {s.label}: {why}")

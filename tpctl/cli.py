@@ -7,7 +7,12 @@ The flow of `tpctl train` (DESIGN.md, section 2), one call per arrow:
   compose every job of the command line and validate it   (`_check_jobs`)
   → Hydra runs each job: write the resolved config.yaml into its run dir,
     prepare the data once, start the workers              (`_train_job`)
-  → exit status: 0 trained, 1 training failed, 2 bad config or usage,
+  →   plan     per-rank memory, FLOPs, bytes/calls per collective and predicted step time of every split:
+             tpctl plan model=gpt-small world=64 hardware=h100 [--json]
+  bench    run modes side by side on one model and world (with PyTorch's own TP as a baseline):
+             tpctl bench model=gpt-tiny size=4 modes=[1d,dtensor,2d]
+
+exit status: 0 trained, 1 training failed, 2 bad config or usage,
     130 interrupted (Ctrl-C).
 Every config error is found before Hydra creates a run dir and before any
 worker starts, and is printed as one line: `tpctl: error: <message>`.
@@ -42,6 +47,10 @@ commands:
   recipes  list the named experiments in recipes/ (tpctl train recipe=NAME [overrides])
   check-recipes [--fast] [NAME...]
            run recipes and check their loss bands and equalities (--fast: CI's short form)
+  plan     per-rank memory, FLOPs, bytes/calls per collective and predicted step time of every split:
+             tpctl plan model=gpt-small world=64 hardware=h100 [--json]
+  bench    run modes side by side on one model and world (with PyTorch's own TP as a baseline):
+             tpctl bench model=gpt-tiny size=4 modes=[1d,dtensor,2d]
 
 exit status: 0 trained, 1 training failed, 2 bad config or usage, 130 interrupted
 """
@@ -52,6 +61,8 @@ COMMANDS = {
     "export": "tpctl.export",
     "recipes": "tpctl.recipes",
     "check-recipes": "tpctl.check_recipes",
+    "plan": "tpctl.plan",
+    "bench": "tpctl.bench",
 }
 
 # Run dirs of the jobs whose training failed (a multirun goes on to its other jobs).

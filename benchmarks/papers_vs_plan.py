@@ -1,0 +1,82 @@
+"""The plan's predicted speed-up ratios between modes at 64 GPUs, beside the
+ratios the 2D, 2.5D and 3D papers measured (their abstracts; sources below).
+
+    python benchmarks/papers_vs_plan.py          # prints a markdown table
+
+The papers' exact model shapes and batch sizes were not available to us (only
+their abstracts were), so each row uses a stated stand-in: a GPT-style
+Transformer, 24 layers, vocab 51200, seq 512, hidden 4096 for strong scaling
+(the model fixed) and hidden 8192 for the weak-scaling point at 64 GPUs (the
+model grown with the GPU count). Ratios are of predicted step time at equal
+global batch on 64 ranks, dp = 1 (all 64 in one tensor-parallel group, as in
+the papers' tensor-parallel comparisons).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tpctl.geometry import geometry  # noqa: E402
+from tpctl.plan import Split, load_hardware, model_shape, plan_split, predict  # noqa: E402
+from tpctl.schema import ModelConfig  # noqa: E402
+
+SPLITS = {"1d": Split("1d", 64), "2d": Split("2d", 64), "2.5d": Split("2.5d", 64, depth=4), "3d": Split("3d", 64)}
+SETUPS = {
+    "strong": dict(n_embd=4096, batch=64),
+    "weak": dict(n_embd=8192, batch=128),
+}
+# (paper, setup, faster mode, slower mode, measured ratio, where it is stated)
+PAPERS = [
+    ("Optimus / 2D (Xu et al. 2021, arXiv:2104.05343)", "not stated in the abstract", "2d", "1d", "1.48",
+     "abstract: 'On 64 GPUs of TACC Frontera, Optimus achieves 1.48X speedup for training ... over Megatron'"),
+    ("Tesseract / 2.5D (Wang et al. 2021, arXiv:2105.14500, ICPP'22)", "strong", "2.5d", "1d", "1.38",
+     "abstract: 'speedups of 1.38x and 1.53x respectively with strong scaling' (vs 1-D, 2-D)"),
+    ("Tesseract / 2.5D", "strong", "2.5d", "2d", "1.53", "same sentence"),
+    ("Tesseract / 2.5D", "weak", "2.5d", "1d", "3.4 (max)", "abstract: '3.4/1.7 times throughput improvement compared to 1-D/2-D' (weak scaling)"),
+    ("Tesseract / 2.5D", "weak", "2.5d", "2d", "1.7 (max)", "same sentence"),
+    ("3D (Bian et al. 2021, arXiv:2105.14450)", "not stated in the abstract", "3d", "1d", "2.32",
+     "abstract: 64 V100 GPUs, '2.32x and 1.57x speedup' over 1-D and 2-D"),
+    ("3D", "not stated in the abstract", "3d", "2d", "1.57", "same sentence"),
+]
+
+
+def step_times(setup: str, hardware: str) -> dict[str, float]:
+    s = SETUPS[setup]
+    cfg = ModelConfig(arch="gpt", vocab_size=51200, n_layer=24, n_head=64, n_embd=s["n_embd"], block_size=512,
+                      mlp_ratio=4, dropout=0.0, bias=True, tie_embeddings=True)
+    shape = model_shape(cfg)
+    hw = load_hardware(hardware)
+    out = {}
+    for name, split in SPLITS.items():
+        geo = geometry(split.mode, split.size, split.depth)
+        out[name] = predict(plan_split(shape, split, geo, s["batch"], 512), geo, hw).step_time_s
+    return out
+
+
+def main() -> None:
+    hws = ("v100", "a100", "h100")
+    times = {(setup, hw): step_times(setup, hw) for setup in SETUPS for hw in hws}
+    print("| paper | scaling | ratio | measured (paper) | " + " | ".join(f"plan, {hw}" for hw in hws) + " | source |")
+    print("|---|---|---|---|" + "---|" * len(hws) + "---|")
+    for paper, setup, fast, slow, measured, source in PAPERS:
+        plan_setup = setup if setup in SETUPS else "strong"
+        cells = []
+        for hw in hws:
+            t = times[(plan_setup, hw)]
+            cells.append(f"{t[slow] / t[fast]:.2f}")
+        label = setup if setup in SETUPS else f"{setup} (plan: strong)"
+        print(f"| {paper} | {label} | {fast} vs {slow} | {measured} | " + " | ".join(cells) + f" | {source} |")
+    print()
+    print("Predicted step time (ms) of each mode at 64 ranks:")
+    print("| setup | hardware | " + " | ".join(SPLITS) + " |")
+    print("|---|---|" + "---|" * len(SPLITS))
+    for (setup, hw), t in times.items():
+        print(f"| {setup} (hidden {SETUPS[setup]['n_embd']}, batch {SETUPS[setup]['batch']}) | {hw} | "
+              + " | ".join(f"{t[m] * 1e3:,.0f}" for m in SPLITS) + " |")
+
+
+if __name__ == "__main__":
+    main()

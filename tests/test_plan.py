@@ -1,0 +1,160 @@
+"""The planner against reality: a whole GPT through one full train step
+(forward, vocab-parallel loss, backward, sync_grads, clip_grad_norm_, the
+logged global mean) in every mode, with data parallelism, on real gloo
+ranks. The bytes and calls comm.STATS counts per collective kind, and the
+parameter bytes each rank holds, must equal `tpctl plan`'s exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpctl.testing import DistPool
+
+WORLD = 8
+# id: (mode, size, depth, dp, seq_parallel, grad_accum)
+MESHES = {
+    "none-dp8": ("none", 1, 1, 8, False, 1),
+    "1d-2-dp4": ("1d", 2, 1, 4, False, 1),
+    "1d-4-sp-dp2": ("1d", 4, 1, 2, True, 1),
+    "2d-4-dp2-accum2": ("2d", 4, 1, 2, False, 2),
+    "2.5d-8-d2": ("2.5d", 8, 2, 1, False, 1),
+    "3d-8": ("3d", 8, 1, 1, False, 1),
+}
+BATCH, SEQ = 16, 8
+
+
+def _model_cfg(tied: bool):
+    from tpctl.schema import ModelConfig
+
+    # vocab 37 divides by nothing: the padded vocabulary is exercised too
+    return ModelConfig(arch="gpt", vocab_size=37, n_layer=2, n_head=4, n_embd=16, block_size=SEQ,
+                       dropout=0.0, bias=True, tie_embeddings=tied)
+
+
+_modes: dict = {}
+
+
+def _train_step(key: str, tied: bool):
+    """Counted collectives of one train step on this rank."""
+    from tpctl import comm
+    from tpctl.mesh import init_mesh
+    from tpctl.models import build_model
+    from tpctl.parallel import get_mode
+    from tpctl.parallel.base import parallelize
+
+    mode_name, size, depth, dp, sp, accum = MESHES[key]
+    if key not in _modes:
+        _modes[key] = get_mode(init_mesh(mode_name, size, depth, dp, seed=0), seq_parallel=sp)
+    mode = _modes[key]
+    cfg = _model_cfg(tied)
+    model = parallelize(build_model(cfg, seed=0, lazy=True), mode)
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    x, y = ids[:, :-1], ids[:, 1:]
+    comm.STATS.reset()
+    local = torch.zeros(())
+    for micro in range(accum):
+        logits = model(mode.shard_batch(x, micro, accum))
+        loss_sum = mode.cross_entropy(logits, mode.shard_targets(y, micro, accum), cfg.vocab_size).sum()
+        (loss_sum / y.numel()).backward()
+        local += loss_sum.detach()
+    mode.sync_grads(model)
+    mode.clip_grad_norm_(model, 1.0)
+    mode.global_mean(local, y.numel())
+    s = comm.STATS
+    kinds = {k: {"calls": s.calls[k], "bytes": s.bytes[k], "wire_bytes": s.wire_bytes[k]} for k in s.calls}
+    return kinds, sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _planned(key: str, tied: bool):
+    from tpctl.geometry import geometry
+    from tpctl.plan import Split, model_shape, plan_split
+
+    mode_name, size, depth, dp, sp, accum = MESHES[key]
+    split = Split(mode_name, size, depth, dp, sp)
+    plan = plan_split(model_shape(_model_cfg(tied)), split, geometry(mode_name, size, depth), BATCH, SEQ, accum)
+    return plan.by_kind(), plan.param_bytes
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = DistPool(WORLD, timeout_s=120)
+    yield p
+    p.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("key", list(MESHES))
+def test_counted_equals_planned(pool, key, tied):
+    want_kinds, want_params = _planned(key, tied)
+    for rank, (kinds, param_bytes) in enumerate(pool.run(_train_step, key, tied)):
+        assert param_bytes == want_params, f"rank {rank}"
+        assert {k: (v["calls"], v["bytes"]) for k, v in kinds.items()} == \
+            {k: (v["calls"], v["bytes"]) for k, v in want_kinds.items()}, f"rank {rank}"
+        for k, v in kinds.items():  # wire bytes also check each group's size
+            assert v["wire_bytes"] == pytest.approx(want_kinds[k]["wire_bytes"], rel=1e-9), f"rank {rank} {k}"
+
+
+# --------------------------------------------------------------------------
+# The commands, in-process (no workers are started by `tpctl plan`).
+
+
+def _plan_cli(args, capsys):
+    from tpctl import plan
+
+    status = plan.main(args)
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+@pytest.mark.timeout(60)
+def test_plan_json_ranks_every_valid_split(capsys):
+    import json
+
+    status, out, _ = _plan_cli(["model=gpt-tiny", "world=8", "hardware=h100", "--json"], capsys)
+    assert status == 0
+    doc = json.loads(out)
+    labels = [s["label"] for s in doc["splits"]]
+    # gpt-tiny (4 heads, batch 16) on 8 ranks: 1d up to 4, 2d 4, 2.5d 8 (depth 2), 3d 8, none dp=8
+    for want in ("none size=1 dp=8", "1d size=4 dp=2", "1d+sp size=2 dp=4", "2d size=4 dp=2",
+                 "2.5d size=8 d=2 dp=1", "3d size=8 dp=1"):
+        assert want in labels
+    assert doc["recommended"] == labels[0]
+    times = [s["step_time_s"] for s in doc["splits"]]
+    assert times == sorted(times)
+    assert any("1d size=8" in s["label"] and "n_head" in s["reason"] for s in doc["invalid"])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,key", [
+    (["model=gpt-tiny"], "world"),
+    (["model=gpt-tiny", "world=0"], "world"),
+    (["model=gpt-tiny", "world=8", "hardware=tpu"], "hardware"),
+    (["model=gpt-huge", "world=8"], "model"),
+])
+def test_plan_bad_input_exits_2_with_one_line(capsys, args, key):
+    status, _, err = _plan_cli(args, capsys)
+    assert status == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"tpctl: error: invalid config: {key}="), err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_runs_every_mode_on_the_same_model():
+    """none, our 1d and PyTorch's TP train the same model on the same batch
+    (equal step-1 losses), and our counted bytes per step are the plan's."""
+    from tpctl.bench import bench, predicted_ms
+    from tpctl.config import compose_jobs
+    from tpctl.geometry import geometry
+    from tpctl.plan import Split, model_shape, plan_split
+
+    cfg = compose_jobs(["model=gpt-tiny", "model.n_layer=1", "train.batch_size=4", "train.seq_len=16"])[0]
+    results = bench(cfg, ["none", "1d", "dtensor"], size=2, steps=1, rounds=1, warmup=0, timeout_s=240)
+    losses = [results[m]["first_loss"] for m in ("none", "1d", "dtensor")]
+    assert max(losses) - min(losses) < 1e-5, losses
+    planned = plan_split(model_shape(cfg.model), Split("1d", 2), geometry("1d", 2), 4, 16)
+    assert results["1d"]["comm_bytes"] == planned.comm_bytes
+    assert results["1d"]["param_bytes"] == planned.param_bytes
+    assert set(predicted_ms(cfg, ["none", "1d", "dtensor"], 2, None, "cpu")) == {"none", "1d", "dtensor"}

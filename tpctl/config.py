@@ -33,6 +33,8 @@ CONFIG_NAME = "train"
 ARCHS = ("gpt", "mlp")
 DATASETS = ("synthetic", "text")
 DEVICES = ("cpu", "cuda")
+PRECISIONS = ("fp32", "bf16")
+LOGGERS = ("jsonl", "tensorboard")
 
 
 
@@ -69,6 +71,13 @@ def validate(cfg: Any) -> None:
     _check_choice("model.arch", cfg.model.arch, ARCHS)
     _check_choice("data.name", cfg.data.name, DATASETS)
     _check_choice("device", cfg.device, DEVICES)
+    _check_choice("precision", cfg.precision, PRECISIONS)
+    _check_choice("logger", cfg.logger, LOGGERS)
+    if cfg.logger == "tensorboard":
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("logger", cfg.logger, "needs the tensorboard package: pip install 'tpctl[tensorboard]' (or pip install tensorboard), or use logger=jsonl")
     validate_parallel(cfg)
     if cfg.device == "cuda":
         # torch is imported only here: a CPU config check stays fast.

@@ -69,6 +69,9 @@ class TrainLoopConfig:
     eval_batches: int = 4
     label_smoothing: float = 0.0
     progress: bool = True  # rich progress bar on rank 0
+    # Recompute each block's forward in the backward instead of keeping its
+    # activations (torch.utils.checkpoint, non-reentrant).
+    activation_checkpointing: bool = False
 
 
 @dataclass
@@ -92,6 +95,10 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (nccl)
     seq_parallel: bool = False  # 1d only
+    # "fp32" or "bf16" (autocast; fp32 master weights and optimizer state).
+    precision: str = "fp32"
+    # "jsonl" (metrics.jsonl only) or "tensorboard" (also TensorBoard events).
+    logger: str = "jsonl"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

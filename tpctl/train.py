@@ -51,6 +51,11 @@ def build_optimizer(model: torch.nn.Module, optim) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
 
 
+def autocast(device: torch.device, precision: str):
+    """The autocast context of `precision` ("fp32": disabled)."""
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
 def param_bytes(model: torch.nn.Module) -> int:
     """Bytes of parameters this rank holds (tied parameters once)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
@@ -62,6 +67,10 @@ class Trainer:
         self.cfg, self.model, self.mode, self.data = cfg, model, mode, data
         self.mesh = mode.mesh
         self.run_dir = run_dir
+        if cfg.train.activation_checkpointing:
+            from .recompute import apply_activation_checkpointing
+
+            apply_activation_checkpointing(model)
         self.optimizer = build_optimizer(model, cfg.optim)
         o = cfg.optim
         self.schedule = Schedule(o.lr, o.min_lr, o.warmup_steps, cfg.train.steps)
@@ -77,8 +86,14 @@ class Trainer:
                    self.mode.split_target(y).to(self.mesh.device))
 
     def _loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self.model(x)
-        return self.mode.cross_entropy(logits, y, self.cfg.model.vocab_size, self.cfg.train.label_smoothing).sum()
+        # precision=bf16: the forward runs under autocast (matmuls in bf16)
+        # while parameters, their gradients and the optimizer state stay
+        # fp32; norms and the cross entropy compute in fp32. The backward
+        # runs outside autocast, as torch recommends: it follows the
+        # forward's dtypes.
+        with autocast(self.mesh.device, self.cfg.precision):
+            logits = self.model(x)
+            return self.mode.cross_entropy(logits, y, self.cfg.model.vocab_size, self.cfg.train.label_smoothing).sum()
 
 
     def train_step(self, step: int) -> dict:

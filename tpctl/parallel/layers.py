@@ -6,6 +6,27 @@ import torch
 import torch.nn as nn
 
 
+def to_compute(t: torch.Tensor) -> torch.Tensor:
+    """`t` in autocast's compute dtype (bf16 under precision=bf16) when
+    autocast is on for its device, else unchanged. Parallel layers cast
+    their inputs and weights *before* a collective, so activations and
+    gathered or broadcast weights cross the wire in the compute dtype (half
+    the bytes of fp32) and custom autograd functions see one dtype in
+    forward and backward; the fp32 master weight gets its gradient through
+    the cast, in fp32, as with autocast's own casts."""
+    device = t.device.type
+    if t.is_floating_point() and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        if t.dtype != dtype:
+            return t.to(dtype)
+    return t
+
+
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """A half-precision tensor in fp32 (statistics are accumulated in fp32)."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
 class ParallelDropout(nn.Module):
     """Dropout drawing its mask from an explicit generator: the mesh's shared
     generator for activations replicated over the tensor-parallel group (all
@@ -29,7 +50,9 @@ class ParallelDropout(nn.Module):
 class SplitLayerNorm(nn.Module):
     """LayerNorm over a hidden dimension split across `group`: the row
     moments are one all-reduce of the stacked partial sums (and one in the
-    backward, through autograd)."""
+    backward, through autograd). It computes in fp32 whatever autocast's
+    dtype (the moments, their all-reduce and the output), as autocast runs
+    nn.LayerNorm, so the residual stream's precision matches mode=none."""
 
     def __init__(self, weight, bias, hidden: int, eps: float, group):
         super().__init__()
@@ -39,6 +62,7 @@ class SplitLayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from ..comm import sum_shared
 
+        x = upcast(x)
         sums = sum_shared(torch.stack([x.sum(-1), (x * x).sum(-1)]), self.group)
         mean = sums[0] / self.hidden
         var = sums[1] / self.hidden - mean * mean

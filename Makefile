@@ -14,7 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	# resolves `torch>=2.3` to a (much larger) CUDA build.
 	$(PIP) install torch==2.13.0
 	# Editable: configs/ lives at the repo root and is found next to the package.
-	$(PIP) install -e '.[test]'
+	# report: matplotlib, so the tests cover `tpctl report` (tensorboard
+	# stays optional: its tests skip without it).
+	$(PIP) install -e '.[test,report]'
 	touch $@
 
 demo: install

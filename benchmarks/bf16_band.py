@@ -73,8 +73,8 @@ def main() -> None:
 
     fp32_ref, bf16_ref = results["none", "fp32"][1], results["none", "bf16"][1]
     table = Table(title=f"bf16 against fp32, {args.steps} steps, gpt-tiny {' '.join(args.overrides)}")
-    for col in ("mode", "max |dloss|/loss vs fp32 none", "mean", "max vs bf16 none", "final loss",
-                "fp32 none final", "bytes/step vs fp32"):
+    for col in ("mode", "max rel. dev. vs fp32 none", "mean", "max vs bf16 none", "final loss",
+                "fp32 none", "bytes/step vs fp32"):
         table.add_column(col, justify="right")
     report = {}
     for name in dict.fromkeys(["none", *args.modes]):

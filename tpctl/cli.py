@@ -32,9 +32,14 @@ commands:
              tpctl train -m mode=1d size=2,4        (one run per value)
              tpctl train --cfg job                  (print the config, run nothing)
              tpctl train --help                     (groups, options and flags)
+  report   PNG plots (loss, tokens/s, comm bytes/step) of run dirs:
+             tpctl report outputs/2026-01-01/12-00-00 ... [--out DIR]
 
 exit status: 0 trained, 1 training failed, 2 bad config or usage, 130 interrupted
 """
+
+# Commands living in their own module, tpctl/<module>.py, with main(args) -> int.
+COMMANDS = {"report": "report"}
 
 # Run dirs of the jobs whose training failed (a multirun goes on to its other jobs).
 _failed_runs: list[Path] = []
@@ -51,7 +56,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_OK)
     if command == "train":
         sys.exit(train(rest))
-    sys.exit(_usage_error(f"unknown command {command!r}; expected: train (see tpctl --help)"))
+    if command in COMMANDS:
+        import importlib
+
+        sys.exit(importlib.import_module(f"tpctl.{COMMANDS[command]}").main(rest))
+    sys.exit(_usage_error(f"unknown command {command!r}; expected: {', '.join(['train', *COMMANDS])} (see tpctl --help)"))
 
 
 def train(args: list[str]) -> int:

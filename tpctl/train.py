@@ -128,6 +128,7 @@ class Trainer:
         t = self.cfg.train
         records: list[dict] = []
         metrics_file = open(self.run_dir / "metrics.jsonl", "w") if (self.is_logger and self.run_dir) else None
+        tensorboard = _tensorboard_writer(self.run_dir) if (self.is_logger and self.run_dir and self.cfg.logger == "tensorboard") else None
         progress = _Progress(t.steps, enabled=self.is_logger and t.progress)
         # Bytes this rank hands to collectives during training steps (eval
         # excluded), and what a ring algorithm would send for them, for
@@ -162,11 +163,17 @@ class Trainer:
                         if metrics_file:
                             metrics_file.write(json.dumps(record) + "\n")
                             metrics_file.flush()
+                        if tensorboard:
+                            for key, value in record.items():
+                                if key != "step":
+                                    tensorboard.add_scalar(key, value, done)
                         if not progress.live:
                             progress.plain(record)
         finally:
             if metrics_file:
                 metrics_file.close()
+            if tensorboard:
+                tensorboard.close()
         self.elapsed_s = time.perf_counter() - start
         return records
 
@@ -186,6 +193,14 @@ class Trainer:
         if self.mesh.device.type == "cuda":
             out["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
         return out
+
+
+def _tensorboard_writer(run_dir: Path):
+    """A TensorBoard writer into <run dir>/tensorboard (logger=tensorboard;
+    config.validate has checked that the tensorboard package is installed)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
 
 class _Progress:

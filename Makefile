@@ -14,8 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	# resolves `torch>=2.3` to a (much larger) CUDA build.
 	$(PIP) install torch==2.13.0
 	# Editable: configs/ lives at the repo root and is found next to the package.
-	# The hf extra (transformers) is optional for users; the tests cover it.
-	$(PIP) install -e '.[test,hf]'
+	# Optional extras the tests cover: hf (transformers), report (matplotlib);
+	# tensorboard and slurm (submitit) stay optional: their tests skip without them.
+	$(PIP) install -e '.[test,hf,report]'
 	touch $@
 
 demo: install

@@ -51,6 +51,8 @@ commands:
              tpctl plan model=gpt-small world=64 hardware=h100 [--json]
   bench    run modes side by side on one model and world (with PyTorch's own TP as a baseline):
              tpctl bench model=gpt-tiny size=4 modes=[1d,dtensor,2d]
+  report   PNG plots (loss, tokens/s, comm bytes/step) of run dirs:
+             tpctl report outputs/2026-01-01/12-00-00 ... [--out DIR]
 
 exit status: 0 trained, 1 training failed, 2 bad config or usage, 130 interrupted
 """
@@ -63,6 +65,7 @@ COMMANDS = {
     "check-recipes": "tpctl.check_recipes",
     "plan": "tpctl.plan",
     "bench": "tpctl.bench",
+    "report": "tpctl.report",
 }
 
 # Run dirs of the jobs whose training failed (a multirun goes on to its other jobs).

@@ -36,6 +36,8 @@ RECIPE_DIR = CONFIG_DIR.parent / "recipes"
 ARCHS = ("gpt", "mlp", "gpt2", "llama", "custom")
 DATASETS = ("synthetic", "text")
 DEVICES = ("cpu", "cuda")
+PRECISIONS = ("fp32", "bf16")
+LOGGERS = ("jsonl", "tensorboard")
 
 
 
@@ -115,6 +117,13 @@ def validate(cfg: Any, model_check: bool = True) -> None:
     cfg.model = typed_model(cfg.model)
     _check_choice("data.name", cfg.data.name, DATASETS)
     _check_choice("device", cfg.device, DEVICES)
+    _check_choice("precision", cfg.precision, PRECISIONS)
+    _check_choice("logger", cfg.logger, LOGGERS)
+    if cfg.logger == "tensorboard":
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("logger", cfg.logger, "needs the tensorboard package: pip install 'tpctl[tensorboard]' (or pip install tensorboard), or use logger=jsonl")
     validate_parallel(cfg)
     from .launcher import validate_nodes
 

@@ -89,6 +89,9 @@ class TrainLoopConfig:
     # null: start fresh; auto: the newest valid checkpoint of the run dir
     # (none: start fresh); or the path of a checkpoint (step_<N> dir).
     resume: Optional[str] = None
+    # Recompute each block's forward in the backward instead of keeping its
+    # activations (torch.utils.checkpoint, non-reentrant).
+    activation_checkpointing: bool = False
 
 
 @dataclass
@@ -170,6 +173,10 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (nccl)
     seq_parallel: bool = False  # 1d only
+    # "fp32" or "bf16" (autocast; fp32 master weights and optimizer state).
+    precision: str = "fp32"
+    # "jsonl" (metrics.jsonl only) or "tensorboard" (also TensorBoard events).
+    logger: str = "jsonl"
     # A ModelConfig, or for arch=custom any keys (see config.typed_model):
     # untyped here so that a custom model's arguments can be added.
     model: Any = MISSING

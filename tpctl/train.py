@@ -54,6 +54,11 @@ def build_optimizer(model: torch.nn.Module, optim) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
 
 
+def autocast(device: torch.device, precision: str):
+    """The autocast context of `precision` ("fp32": disabled)."""
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
 def param_bytes(model: torch.nn.Module) -> int:
     """Bytes of parameters this rank holds (tied parameters once)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
@@ -78,6 +83,10 @@ class Trainer:
         self.cfg, self.model, self.mode, self.data = cfg, model, mode, data
         self.mesh = mode.mesh
         self.run_dir = run_dir
+        if cfg.train.activation_checkpointing:
+            from .recompute import apply_activation_checkpointing
+
+            apply_activation_checkpointing(model)
         self.optimizer = build_optimizer(model, cfg.optim)
         o = cfg.optim
         self.schedule = Schedule(o.lr, o.min_lr, o.warmup_steps, cfg.train.steps)
@@ -110,10 +119,16 @@ class Trainer:
                    self.mode.split_target(y).to(self.mesh.device))
 
     def _loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = logits_of(self.model(x))
-        # The real vocabulary (the LM head's width before any padding).
-        vocab = getattr(self.model, "tpctl_vocab_size", None) or self.cfg.model.vocab_size
-        return self.mode.cross_entropy(logits, y, vocab, self.cfg.train.label_smoothing).sum()
+        # precision=bf16: the forward runs under autocast (matmuls in bf16)
+        # while parameters, their gradients and the optimizer state stay
+        # fp32; norms and the cross entropy compute in fp32. The backward
+        # runs outside autocast, as torch recommends: it follows the
+        # forward's dtypes.
+        with autocast(self.mesh.device, self.cfg.precision):
+            logits = logits_of(self.model(x))
+            # The real vocabulary (the LM head's width before any padding).
+            vocab = getattr(self.model, "tpctl_vocab_size", None) or self.cfg.model.vocab_size
+            return self.mode.cross_entropy(logits, y, vocab, self.cfg.train.label_smoothing).sum()
 
 
     def train_step(self, step: int) -> dict:
@@ -153,6 +168,7 @@ class Trainer:
             if self.start_step > 0:  # each step once: drop what the resumed steps will log again
                 checkpoint.truncate_metrics(path, self.start_step)
             metrics_file = open(path, "a" if self.start_step > 0 else "w")
+        tensorboard = _tensorboard_writer(self.run_dir) if (self.is_logger and self.run_dir and self.cfg.logger == "tensorboard") else None
         progress = _Progress(t.steps, enabled=self.is_logger and t.progress)
         # Bytes this rank hands to collectives during training steps (eval
         # excluded), and what a ring algorithm would send for them, for
@@ -187,6 +203,10 @@ class Trainer:
                         if metrics_file:
                             metrics_file.write(json.dumps(record) + "\n")
                             metrics_file.flush()
+                        if tensorboard:
+                            for key, value in record.items():
+                                if key != "step":
+                                    tensorboard.add_scalar(key, value, done)
                         if not progress.live:
                             progress.plain(record)
                     if self.checkpointer and self.checkpointer.due(done, t.steps):
@@ -195,6 +215,8 @@ class Trainer:
         finally:
             if metrics_file:
                 metrics_file.close()
+            if tensorboard:
+                tensorboard.close()
         self.elapsed_s = time.perf_counter() - start
         return records
 
@@ -244,6 +266,14 @@ def _max_over_ranks(values: dict, keys: tuple[str, ...]) -> dict:
     local = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(local, op=dist.ReduceOp.MAX)
     return {f"{k}_max_rank": int(v) for k, v in zip(keys, local.tolist())}
+
+
+def _tensorboard_writer(run_dir: Path):
+    """A TensorBoard writer into <run dir>/tensorboard (logger=tensorboard;
+    config.validate has checked that the tensorboard package is installed)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
 
 class _Progress:

@@ -6,6 +6,27 @@ import torch
 import torch.nn as nn
 
 
+def to_compute(t: torch.Tensor) -> torch.Tensor:
+    """`t` in autocast's compute dtype (bf16 under precision=bf16) when
+    autocast is on for its device, else unchanged. Parallel layers cast
+    their inputs and weights *before* a collective, so activations and
+    gathered or broadcast weights cross the wire in the compute dtype (half
+    the bytes of fp32) and custom autograd functions see one dtype in
+    forward and backward; the fp32 master weight gets its gradient through
+    the cast, in fp32, as with autocast's own casts."""
+    device = t.device.type
+    if t.is_floating_point() and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        if t.dtype != dtype:
+            return t.to(dtype)
+    return t
+
+
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """A half-precision tensor in fp32 (statistics are accumulated in fp32)."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
 class ParallelDropout(nn.Module):
     """Dropout drawing its mask from an explicit generator: the mesh's shared
     generator for activations replicated over the tensor-parallel group (all
@@ -50,7 +71,10 @@ def norm_eps(module: nn.Module) -> float:
 class SplitNorm(nn.Module):
     """LayerNorm (or RMSNorm, rms=True) over a hidden dimension split across
     `group`: the row moments are one all-reduce of the stacked partial sums
-    (and one in the backward, through autograd)."""
+    (and one in the backward, through autograd). It computes in fp32 whatever
+    autocast's dtype (the moments, their all-reduce and the output), as
+    autocast runs nn.LayerNorm, so the residual stream's precision matches
+    mode=none."""
 
     def __init__(self, weight, bias, hidden: int, eps: float, group, rms: bool = False):
         super().__init__()
@@ -60,6 +84,7 @@ class SplitNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from ..comm import sum_shared
 
+        x = upcast(x)
         if self.rms:
             mean_square = sum_shared((x * x).sum(-1), self.group) / self.hidden
             y = x * torch.rsqrt(mean_square + self.eps).unsqueeze(-1)

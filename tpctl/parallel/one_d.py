@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from .base import ParallelMode, RewriteContext
-from .layers import ParallelDropout, vocab_block_lookup
+from .layers import ParallelDropout, to_compute, vocab_block_lookup
 from .shard import ShardSpec, block, fused_block
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
@@ -34,6 +34,7 @@ class ColumnLinear(nn.Module):
         self.group, self.entry = group, entry
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = to_compute(x)  # under autocast: the gather and the backward all-reduce in the compute dtype
         if self.entry == "seq_shards":
             x = comm.gather_along(x, self.group, SEQ_DIM)
         elif self.entry == "replicated":
@@ -56,7 +57,7 @@ class RowLinear(nn.Module):
             y = comm.reduce_scatter_along(y, self.group, SEQ_DIM)
         else:
             y = comm.reduce_to_replicated(y, self.group)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 class VocabEmbedding(nn.Module):

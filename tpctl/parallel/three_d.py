@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from .base import ParallelMode, RewriteContext
-from .layers import Lookup, ParallelDropout, SplitNorm, vocab_block_lookup
+from .layers import Lookup, ParallelDropout, SplitNorm, to_compute, vocab_block_lookup
 from .shard import ShardSpec, block, fused_block
 
 
@@ -61,10 +61,11 @@ class Linear3D(nn.Module):
         self.hidden_group = groups[layout.hidden]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = comm.gather_along(x, self.rows_group, 0)
-        weight = comm.gather_along(self.weight, self.weight_group, 0)
+        # Under autocast, X and W are gathered (and Y reduce-scattered) in the compute dtype.
+        x = comm.gather_along(to_compute(x), self.rows_group, 0)
+        weight = comm.gather_along(to_compute(self.weight), self.weight_group, 0)
         y = comm.reduce_scatter_along(F.linear(x, weight), self.hidden_group, 0)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 class Embedding3D(nn.Module):

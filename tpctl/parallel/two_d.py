@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from .base import ParallelMode, RewriteContext
-from .layers import Lookup, ParallelDropout, SplitNorm
+from .layers import Lookup, ParallelDropout, SplitNorm, to_compute
 from .shard import ShardSpec, block, fused_block
 
 
@@ -94,7 +94,10 @@ class _SummaLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grid = ctx.grid
         grad_out = grad_out.contiguous()
-        grad_x = torch.zeros_like(x)
+        # x, weight and grad_out share one dtype (Linear2D casts x and the
+        # weight to the compute dtype); the q-term sum of dX accumulates in
+        # fp32, as a single matmul would.
+        grad_x = torch.zeros_like(x, dtype=torch.promote_types(x.dtype, torch.float32))
         partials, reduces = [], []
         start = lambda t: [grid.bcast_row(grad_out, t), grid.bcast_col(weight, t)]  # noqa: E731
         for t, (dy_t, w_t) in enumerate(_pipelined(grid.q, start, grid.overlap)):
@@ -104,7 +107,7 @@ class _SummaLinear(torch.autograd.Function):
             reduces.append(comm.reduce(p, grid.col_ranks[t], grid.col_group, async_op=grid.overlap))
         for handle in reduces:
             _wait(handle)
-        return grad_x, partials[grid.i], None
+        return grad_x.to(x.dtype), partials[grid.i], None
 
 
 class Linear2D(nn.Module):
@@ -113,9 +116,10 @@ class Linear2D(nn.Module):
         self.weight, self.bias, self.grid = weight, bias, grid
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _SummaLinear.apply(x.reshape(-1, x.shape[-1]), self.weight, self.grid)
+        # Under autocast: broadcasts and reduces in the compute dtype.
+        y = _SummaLinear.apply(to_compute(x.reshape(-1, x.shape[-1])), to_compute(self.weight), self.grid)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 class Embedding2D(nn.Module):

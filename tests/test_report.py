@@ -109,7 +109,7 @@ def test_tensorboard_missing_is_a_config_error(monkeypatch):
 
 def test_unknown_command_lists_report(tpctl):
     proc = tpctl.run(["reprot"])
-    assert proc.returncode == 2 and "expected: train, report" in proc.stderr
+    assert proc.returncode == 2 and "expected one of: train, " in proc.stderr and "report" in proc.stderr
 
 
 @pytest.mark.slow

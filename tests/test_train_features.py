@@ -44,9 +44,9 @@ BF16_MODE_TOL = 1e-3
 def _cfg(**overrides):
     from omegaconf import OmegaConf
 
-    from tpctl.schema import TrainConfig
+    from tpctl.config import default_config
 
-    cfg = OmegaConf.structured(TrainConfig)
+    cfg = default_config()
     base = {"model.n_embd": 16, "model.n_head": 4, "model.block_size": 16, "model.vocab_size": 256,
             "data.name": "text", "data.max_bytes": 200_000,
             "train.batch_size": 8, "train.seq_len": 16, "train.eval_every": 0, "train.log_every": 1,

@@ -28,11 +28,9 @@ from .errors import ConfigError
 def _probe(cfg_dict: dict, sizes: list[int], reps: int) -> dict:
     import torch
     import torch.distributed as dist
-    from omegaconf import OmegaConf
 
     from . import bench
 
-    cfg = OmegaConf.create(cfg_dict)
     out = {}
     if dist.get_rank() == 0:  # one rank alone, as a mode=none run
         bench._setup("none", cfg_dict, 1, None)

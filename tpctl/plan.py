@@ -27,7 +27,7 @@ import json
 import math
 import sys
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -82,8 +82,6 @@ class ModelShape:
 
 def model_shape(model_cfg, seed: int = 0) -> ModelShape:
     """Build the model on the meta device and read its shapes and roles."""
-    import torch.nn as nn
-
     from .models import build_model
     from .parallel.base import module_roles
 
@@ -358,7 +356,6 @@ def _shard(shape: ModelShape, p: Param, split: Split, geo: Geometry, vp: int, li
     sync_grads sums, or None)."""
     mode, q, P, sp = split.mode, geo.q, split.size, split.seq_parallel
     full = math.prod(p.shape)
-    owner = p.name.rsplit(".", 1)[0]
     role = p.role
     if mode == "none":
         return full, None

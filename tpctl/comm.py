@@ -15,6 +15,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .geometry import WIRE_FACTOR
+
 Group = Optional[dist.ProcessGroup]
 
 # torch 2.10 renamed the tensor-in/tensor-out collectives; keep both working.
@@ -22,16 +24,6 @@ _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-# Bytes one rank sends, on average, for each byte of the full (gathered or
-# reduced) tensor, with the bandwidth-optimal ring / pipelined algorithms of
-# a group of P ranks: an all-reduce is a reduce-scatter plus an all-gather.
-_WIRE_FACTOR = {
-    "all_reduce": lambda p: 2 * (p - 1) / p,
-    "all_gather": lambda p: (p - 1) / p,
-    "reduce_scatter": lambda p: (p - 1) / p,
-    "broadcast": lambda p: (p - 1) / p,
-    "reduce": lambda p: (p - 1) / p,
-}
 
 
 class CommStats:
@@ -48,7 +40,7 @@ class CommStats:
         nbytes = full.numel() * full.element_size()
         self.calls[op] += 1
         self.bytes[op] += nbytes
-        self.wire_bytes[op] += _WIRE_FACTOR[op](group_size) * nbytes
+        self.wire_bytes[op] += WIRE_FACTOR[op](group_size) * nbytes
 
     def reset(self) -> None:
         self.calls.clear()

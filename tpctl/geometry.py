@@ -111,3 +111,16 @@ def validate_parallel(cfg: TrainConfig) -> Geometry:
 
 def padded_vocab(vocab_size: int, multiple: int) -> int:
     return math.ceil(vocab_size / multiple) * multiple
+
+
+# Bytes one rank sends, on average, for each byte of the full (gathered or
+# reduced) tensor, with the bandwidth-optimal ring / pipelined algorithms of
+# a group of p ranks: an all-reduce is a reduce-scatter plus an all-gather.
+# comm.py counts with it, the planner predicts with it.
+WIRE_FACTOR = {
+    "all_reduce": lambda p: 2 * (p - 1) / p,
+    "all_gather": lambda p: (p - 1) / p,
+    "reduce_scatter": lambda p: (p - 1) / p,
+    "broadcast": lambda p: (p - 1) / p,
+    "reduce": lambda p: (p - 1) / p,
+}

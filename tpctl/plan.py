@@ -32,20 +32,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .errors import ConfigError
-from .geometry import Geometry, padded_vocab, validate_parallel
+from .geometry import WIRE_FACTOR, Geometry, padded_vocab, validate_parallel
 
 HARDWARE_DIR = Path(__file__).resolve().parent.parent / "configs" / "hardware"
 F32 = 4  # bytes of an fp32 element: parameters, activations, gradients
 F64 = 8  # the gradient norm and the global loss mean are reduced in float64
 
-# Same formulas as comm._WIRE_FACTOR (not imported: this module must not need torch.distributed).
-WIRE_FACTOR = {
-    "all_reduce": lambda p: 2 * (p - 1) / p,
-    "all_gather": lambda p: (p - 1) / p,
-    "reduce_scatter": lambda p: (p - 1) / p,
-    "broadcast": lambda p: (p - 1) / p,
-    "reduce": lambda p: (p - 1) / p,
-}
 # Latency steps of a ring (or pipelined chain) collective over p ranks.
 LATENCY_STEPS = {"all_reduce": lambda p: 2 * (p - 1)}
 KIND_ABBREV = {"all_reduce": "ar", "all_gather": "ag", "reduce_scatter": "rs", "broadcast": "bc", "reduce": "re"}

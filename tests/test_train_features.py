@@ -118,9 +118,12 @@ def test_bf16_within_band_of_fp32(pool, reference, key):
 @pytest.mark.parametrize("key", list(MESHES))
 def test_activation_checkpointing_same_losses(pool, key):
     """fp32 with dropout: the recomputation redraws exactly the forward's masks."""
-    plain = pool.run(_train, key, **{"model.dropout": 0.2})[0]["losses"]
-    checkpointed = pool.run(_train, key, **{"model.dropout": 0.2, "train.activation_checkpointing": True})[0]["losses"]
-    assert checkpointed == plain
+    plain = pool.run(_train, key, **{"model.dropout": 0.2})[0]
+    checkpointed = pool.run(_train, key, **{"model.dropout": 0.2, "train.activation_checkpointing": True})[0]
+    assert checkpointed["losses"] == plain["losses"]
+    # The recomputation re-issues the blocks' forward collectives.
+    if MESHES[key][0] != "none":
+        assert checkpointed["comm_bytes"] > plain["comm_bytes"]
 
 
 @pytest.mark.parametrize("key", ["2d-4-dp2"])

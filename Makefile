@@ -14,9 +14,10 @@ $(VENV)/.installed: pyproject.toml
 	# resolves `torch>=2.3` to a (much larger) CUDA build.
 	$(PIP) install torch==2.13.0
 	# Editable: configs/ lives at the repo root and is found next to the package.
-	# Optional extras the tests cover: hf (transformers), report (matplotlib);
+	# Optional extras the tests cover: hf (transformers), report (matplotlib),
+	# data (pyarrow, datasets: prepare-data's parquet and datasets sources);
 	# tensorboard and slurm (submitit) stay optional: their tests skip without them.
-	$(PIP) install -e '.[test,hf,report]'
+	$(PIP) install -e '.[test,hf,report,data]'
 	touch $@
 
 demo: install

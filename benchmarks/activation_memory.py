@@ -52,11 +52,11 @@ def measure(mode_name: str, size: int, depth: int, model: str, batch: int, seq: 
     with activation checkpointing."""
     import torch
 
-    from tpctl.mesh import init_mesh
+    from tpctl.parallel.mesh import init_mesh
     from tpctl.models import build_model
     from tpctl.parallel import get_mode
     from tpctl.parallel.base import parallelize
-    from tpctl.recompute import apply_activation_checkpointing
+    from tpctl.training.recompute import apply_activation_checkpointing
     from tpctl.config import compose_jobs
 
     cfg = compose_jobs([f"model={model}"])[0]
@@ -94,7 +94,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from tpctl.testing import DistPool
+    from tpctl.launch.pool import DistPool
 
     table = Table(title=f"activation memory per rank, one forward+backward of {args.model}, "
                         f"batch {args.batch} x {args.seq} tokens (peak RSS increase, largest rank)")

@@ -17,35 +17,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-MODES = {
-    "none": ["mode=none"],
-    "1d-2": ["mode=1d", "size=2"],
-    "1d-4-sp": ["mode=1d", "size=4", "seq_parallel=true"],
-    "2d-4": ["mode=2d", "size=4"],
-    "2.5d-8": ["mode=2.5d", "size=8", "depth=2"],
-    "3d-8": ["mode=3d", "size=8"],
-}
+from tpctl.commands.run_dir import layout_overrides, read_metrics, read_summary, train_subprocess
+
+MODES = {name: layout_overrides(name) for name in ("none", "1d-2", "1d-4-sp", "2d-4", "2.5d-8", "3d-8")}
 
 
 def run(name: str, precision: str, extra: list[str], steps: int, root: Path) -> tuple[dict, list[dict]]:
     run_dir = root / f"{name}-{precision}"
-    cmd = [sys.executable, "-m", "tpctl.cli", "train", *MODES[name], "model=gpt-tiny", f"precision={precision}",
-           f"train.steps={steps}", "train.log_every=1", "train.eval_every=0", "train.progress=false",
-           f"hydra.run.dir={run_dir}", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = train_subprocess([*MODES[name], "model=gpt-tiny", f"precision={precision}", f"train.steps={steps}",
+                             "train.log_every=1", "train.eval_every=0", "train.progress=false", *extra], run_dir)
     if proc.returncode != 0:
         raise SystemExit(f"{name} {precision} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return summary, metrics
+    return read_summary(run_dir), read_metrics(run_dir)
 
 
 def deviations(curve: list[dict], reference: list[dict]) -> list[float]:

@@ -16,15 +16,14 @@ On a 2-core machine the 8 ranks time-share the cores.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tpctl.commands.run_dir import read_metrics, train_subprocess
 
 
 def whole_params(overrides: list[str]) -> int:
@@ -49,20 +48,19 @@ def main() -> None:
     params = whole_params(overrides)
     with tempfile.TemporaryDirectory(prefix="tpctl-ckpt-bench-") as tmp:
         run = Path(tmp) / "run"
-        common = [sys.executable, "-m", "tpctl.cli", "train", *overrides, "checkpoint.every=1", "checkpoint.keep=0",
-                  f"hydra.run.dir={run}"]
-        subprocess.run([*common, f"train.steps={args.steps}"], check=True, capture_output=True, text=True)
+        common = [*overrides, "checkpoint.every=1", "checkpoint.keep=0"]
+        train_subprocess([*common, f"train.steps={args.steps}"], run).check_returncode()
         log = (run / "logs" / "rank0.log").read_text()
         saves = [float(s) for s in re.findall(r"checkpoint \S+ written in ([0-9.]+)s", log)]
-        step_times = [json.loads(line)["step_time_s"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        step_times = [m["step_time_s"] for m in read_metrics(run)]
         last = run / "checkpoints" / f"step_{args.steps}"
         files = [p for p in last.iterdir() if p.is_file()]
         on_disk = sum(p.stat().st_size for p in files)
         distcp = sum(p.stat().st_size for p in files if p.suffix == ".distcp")
         # Resume once more in the same layout, one more step, to time loading.
         started = time.perf_counter()
-        subprocess.run([*common, f"train.steps={args.steps + 1}", f"train.resume={last}", "checkpoint.at_end=false",
-                        "checkpoint.every=0"], check=True, capture_output=True, text=True)
+        train_subprocess([*common, f"train.steps={args.steps + 1}", f"train.resume={last}", "checkpoint.at_end=false",
+                          "checkpoint.every=0"], run).check_returncode()
         resume_run_s = time.perf_counter() - started
         loads = re.findall(r"checkpoint \S+ loaded in ([0-9.]+)s", (run / "logs" / "rank0.log").read_text())
     state = params * 4 * 3

@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tpctl.geometry import geometry  # noqa: E402
-from tpctl.plan import Split, load_hardware, model_shape, plan_split, predict  # noqa: E402
+from tpctl.parallel.geometry import geometry  # noqa: E402
+from tpctl.cost.planner import Split, load_hardware, model_shape, plan_split, predict  # noqa: E402
 from tpctl.schema import ModelConfig  # noqa: E402
 
 SPLITS = {"1d": Split("1d", 64), "2d": Split("2d", 64), "2.5d": Split("2.5d", 64, depth=4), "3d": Split("3d", 64)}

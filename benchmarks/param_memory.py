@@ -1,5 +1,5 @@
 """Parameter memory per rank of a model in every mode, against the layout's
-theory (DESIGN.md: 1/P in 1d, 1/q^2 in 2d and 2.5d, 1/q^3 in 3d).
+theory (docs/DESIGN.md: 1/P in 1d, 1/q^2 in 2d and 2.5d, 1/q^3 in 3d).
 
     python benchmarks/param_memory.py                # gpt-small (GPT-2 124M)
     python benchmarks/param_memory.py --n-layer 24 --n-embd 1024 --n-head 16
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from tpctl.testing import DistPool  # noqa: E402
+from tpctl.launch.pool import DistPool  # noqa: E402
 
 WORLD = 8
 # (mode, size, depth, dp, theory divisor)

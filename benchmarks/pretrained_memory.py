@@ -23,13 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from tpctl.testing import DistPool  # noqa: E402
+from tpctl.launch.pool import DistPool  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _rss() -> int:
-    from tpctl.train import peak_rss_bytes
+    from tpctl.training.loop import peak_rss_bytes
 
     return peak_rss_bytes()
 

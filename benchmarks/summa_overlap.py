@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from tpctl.testing import DistPool  # noqa: E402
+from tpctl.launch.pool import DistPool  # noqa: E402
 
 
 def time_linear(tokens: int, hidden: int, repeats: int, threads: int) -> dict[bool, list[float]]:

@@ -25,7 +25,11 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     (run_dir / f"fake_worker_rank{rank}.pid").write_text(str(os.getpid()))
     if os.environ.get("FAKE_WORKER_FAIL_RANK") == str(rank):
-        time.sleep(0.5)  # let the other ranks start, so there is something to stop
+        # Fail only once every rank of this node is running, so there is
+        # something to stop however fast or slow the machine starts them.
+        world, deadline = int(os.environ["LOCAL_WORLD_SIZE"]), time.monotonic() + 60
+        while len(list(run_dir.glob("fake_worker_rank*.pid"))) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
         raise RuntimeError(f"fake failure on rank {rank}")
     time.sleep(float(os.environ.get("FAKE_WORKER_SLEEP", "0")))
     if rank == 0:  # the run dir's summary, as tpctl.worker writes it (made-up numbers)

@@ -12,14 +12,13 @@ import pytest
 import torch
 from cli_support import tpctl  # noqa: F401  (fixture)
 
-from tpctl.checkpoint import shard_boxes
+from tpctl.training.checkpoint import shard_boxes
 from tpctl.parallel.shard import ShardSpec
-from tpctl.testing import DistPool
+from conftest import LAYOUTS as SHARED_LAYOUTS
 
-WORLD = 8
-# (mode, size, depth, dp) on the 8-rank pool.
-LAYOUTS = {"2d": ("2d", 4, 1, 2), "3d": ("3d", 8, 1, 1), "2.5d": ("2.5d", 8, 2, 1), "1d": ("1d", 2, 1, 4),
-           "none": ("none", 1, 1, 8)}
+# mode -> (mode, size, depth, dp) on the 8-rank pool.
+LAYOUTS = {mode: SHARED_LAYOUTS[key][:4] for mode, key in
+           (("2d", "2d-4-dp2"), ("3d", "3d-8"), ("2.5d", "2.5d-8-d2"), ("1d", "1d-2-dp4"), ("none", "none-dp8"))}
 
 
 def test_boxes_clip_padding_and_split_fused_ranges():
@@ -44,7 +43,7 @@ def _model(layout, n_layer=1):
     import tpctl
     from tpctl.models import build_model
     from tpctl.schema import ModelConfig, OptimConfig
-    from tpctl.train import build_optimizer
+    from tpctl.training.loop import build_optimizer
 
     mode, size, depth, dp = layout
     tp = tpctl.init_parallel(mode, size, depth, dp)
@@ -58,7 +57,7 @@ def _save_then_load(tmp: str, src, dst) -> dict:
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
-    from tpctl import checkpoint
+    from tpctl.training import checkpoint
     from tpctl.parallel.shard import spec_of
     from tpctl.config import default_config
 
@@ -90,13 +89,6 @@ def _save_then_load(tmp: str, src, dst) -> dict:
     return {"checked": checked, "bytes": sum(f["bytes"] for n, f in manifest["files"].items() if n.endswith(".distcp"))}
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = DistPool(WORLD, timeout_s=180)
-    yield p
-    p.close()
-
-
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("src,dst", [("3d", "2.5d")])
 def test_save_in_one_layout_load_in_another(pool, tmp_path, src, dst):
@@ -113,7 +105,7 @@ def test_save_in_one_layout_load_in_another(pool, tmp_path, src, dst):
     numbers = sum(p.numel() for p in whole.parameters()) * 3 * 4
     assert numbers <= results[0]["bytes"]
     # Export: whole tensors under the plain model's names (tied once).
-    from tpctl.export import full_weights
+    from tpctl.commands.export import full_weights
 
     _, weights = full_weights(tmp_path / "ckpt" / "step_7")
     assert list(weights) == [name for name, _ in whole.named_parameters()]
@@ -144,10 +136,10 @@ def _train_cfg(layout, steps: int, every: int, dropout: float = 0.0):
 def _fit(layout, run_dir: str, steps: int = 8, every: int = 4, resume: str | None = None,
          dropout: float = 0.0) -> list[tuple[int, float]]:
     import tpctl
-    from tpctl import checkpoint
-    from tpctl.data import TokenData, prepare_data
+    from tpctl.training import checkpoint
+    from tpctl.training.data import TokenData, prepare_data
     from tpctl.models import build_model
-    from tpctl.train import Trainer
+    from tpctl.training.loop import Trainer
 
     cfg = _train_cfg(layout, steps, every, dropout)
     Path(run_dir).mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 A bad config must exit 2 with one line on stderr naming the key, the value
 and what would be valid, before any run dir exists or any worker starts
-(DESIGN.md, section 3).
+(docs/DESIGN.md, section 3).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ BAD_CONFIGS = [
     (["launcher.master_port=99999"], "launcher.master_port", "99999", "expected a TCP port 1..65535"),
     (["launcher.max_restarts=-1"], "launcher.max_restarts", "-1", ">= 0"),
     (["launcher.monitor_interval_s=0"], "launcher.monitor_interval_s", "0.0", "positive"),
-    (["data.path=."], "data.path", "'.'", "a directory: expected a UTF-8 text file"),
+    (["data.path=."], "data.path", "'.'", "a directory without index.json: expected a UTF-8 text file"),
     (["data.cache_dir=/proc/tpctl-cache"], "data.cache_dir", "'/proc/tpctl-cache'", "cannot create a directory in /proc"),
     (["checkpoint.every=-1"], "checkpoint.every", "-1", ">= 0"),
     (["train.resume=/nonexistent"], "train.resume", "'/nonexistent'", "not a valid checkpoint: no such directory"),
@@ -111,7 +111,7 @@ def test_help(tpctl):
     assert hydra_help.stdout.startswith("tpctl train: train a model with tensor parallelism")
     unknown = tpctl.run(["trian"])
     assert unknown.returncode == 2 and unknown.stderr.strip().splitlines() == [
-        "tpctl: error: unknown command 'trian'; expected one of: " + ", ".join(["train", *COMMANDS]) + " (see tpctl --help)"
+        "tpctl: error: unknown command 'trian'; expected one of: " + ", ".join(COMMANDS) + " (see tpctl --help)"
     ]
 
 
@@ -175,8 +175,8 @@ def test_sweep_skips_invalid_combinations_and_writes_a_comparison(tpctl):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(importlib.util.find_spec("tpctl.worker") is None or importlib.util.find_spec("tpctl.data") is None,
-                    reason="tpctl.worker / tpctl.data not written yet")
+@pytest.mark.skipif(importlib.util.find_spec("tpctl.launch.worker") is None or importlib.util.find_spec("tpctl.training.data") is None,
+                    reason="tpctl.launch.worker / tpctl.training.data not written yet")
 def test_train_end_to_end_writes_the_run_dir_contract(tpctl):
     run_dir = tpctl.cwd / "run"
     result = tpctl.run(["train", "mode=1d", "size=2", "data=synthetic", "train.steps=4", "train.log_every=2",

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from tpctl import data
-from tpctl.data import DataInfo, TokenData, decode, encode, prepare_data
+from tpctl.training import data
+from tpctl.training.data import DataInfo, TokenData, decode, encode, prepare_data
 from tpctl.errors import ConfigError
 from tpctl.config import default_config
 

@@ -7,28 +7,17 @@ on 2 cores, so there are few of them and they are tiny (gpt-tiny, 20 steps).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from tpctl.commands.run_dir import layout_overrides, read_metrics, train_subprocess
 
 pytestmark = pytest.mark.slow
 
 COMMON = ["model=gpt-tiny", "train.steps=20", "train.log_every=1", "train.eval_every=0", "seed=0"]
-RUNS = {
-    "none": ["mode=none"],
-    "none-dp2": ["mode=none", "dp=2"],
-    "1d-2": ["mode=1d", "size=2"],
-    "1d-4": ["mode=1d", "size=4"],
-    "1d-2-sp": ["mode=1d", "size=2", "seq_parallel=true"],
-    "2d-4": ["mode=2d", "size=4"],
-    "2.5d-8": ["mode=2.5d", "size=8", "depth=2"],
-    "3d-8": ["mode=3d", "size=8"],
-    "2d-4-dp2": ["mode=2d", "size=4", "dp=2"],
-}
+RUNS = {name: layout_overrides(name) for name in
+        ("none", "none-dp2", "1d-2", "1d-4", "1d-2-sp", "2d-4", "2.5d-8", "3d-8", "2d-4-dp2")}
 REL_TOL = 1e-4
 
 
@@ -40,12 +29,9 @@ def run_curve(tmp_path_factory):
         if name not in cache:
             run_dir = tmp_path_factory.mktemp("e2e") / name
             env = dict(os.environ, OMP_NUM_THREADS="1")
-            proc = subprocess.run(
-                [sys.executable, "-m", "tpctl.cli", "train", *RUNS[name], *COMMON, f"hydra.run.dir={run_dir}"],
-                capture_output=True, text=True, timeout=400, env=env,
-            )
+            proc = train_subprocess([*RUNS[name], *COMMON], run_dir, timeout=400, env=env)
             assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-            cache[name] = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+            cache[name] = read_metrics(run_dir)
         return cache[name]
 
     return run

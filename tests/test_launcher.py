@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from cli_support import REPO, tpctl  # noqa: F401  (fixture)
 from tpctl.config import compose_jobs
-from tpctl.launcher import launch
+from tpctl.launch.local import launch
 
 
 def fake_run_args(run_dir: Path, *overrides: str) -> list[str]:
@@ -40,20 +40,19 @@ def test_launch_runs_size_times_dp_workers(tmp_path, monkeypatch):
     assert [p.name for p in pid_files(tmp_path)] == [f"fake_worker_rank{r}.pid" for r in range(4)]
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_failing_rank_is_named_and_the_others_are_stopped(tpctl):
     # Rank 1 raises; the others would sleep a minute if nobody stopped them.
-    tpctl.extra_env.update(TPCTL_WORKER_MODULE="tests.fake_worker", FAKE_WORKER_FAIL_RANK="1", FAKE_WORKER_SLEEP="60")
+    # Rank 1 raises once every rank runs (however fast or slow they start);
+    # the others would sleep far longer than the test may take.
+    tpctl.extra_env.update(TPCTL_WORKER_MODULE="tests.fake_worker", FAKE_WORKER_FAIL_RANK="1", FAKE_WORKER_SLEEP="600")
     run_dir = tpctl.cwd / "run"
-    start = time.monotonic()
-    result = tpctl.run(fake_run_args(run_dir, "mode=1d", "size=2", "dp=2"), timeout=80)
-    elapsed = time.monotonic() - start
+    result = tpctl.run(fake_run_args(run_dir, "mode=1d", "size=2", "dp=2"), timeout=150)
 
     assert result.returncode == 1, result.stderr
-    assert "tpctl: error: rank 1 failed with exit code 1: RuntimeError: fake failure on rank 1" in result.stderr
+    assert "tpctl: error: rank 1: RuntimeError: fake failure on rank 1" in result.stderr
     assert "tpctl: stopped the other ranks: 0, 2, 3" in result.stderr
     assert f"tpctl: error: training failed in {run_dir}" in result.stderr
-    assert elapsed < 40, "the other ranks were waited for, not stopped"
     assert len(pid_files(run_dir)) == 4
     assert_dead([int(p.read_text()) for p in pid_files(run_dir)])
     assert tpctl.leftover_pids() == []
@@ -87,7 +86,7 @@ def test_a_failed_job_of_a_multirun_does_not_stop_the_others(tpctl):
     sweep = tpctl.cwd / "sweep"
     result = tpctl.run(["train", "-m", "mode=1d", "size=2,1", "data=synthetic", f"hydra.sweep.dir={sweep}"], timeout=100)
     assert result.returncode == 1, result.stderr
-    assert "rank 1 failed" in result.stderr
+    assert "tpctl: error: rank 1: RuntimeError: fake failure on rank 1" in result.stderr
     assert f"tpctl: error: training failed in {sweep / '0'}" in result.stderr
     assert len(pid_files(sweep / "0")) == 2 and len(pid_files(sweep / "1")) == 1
     assert tpctl.leftover_pids() == []

@@ -13,19 +13,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tpctl.testing import DistPool, mode_of
+from conftest import WORLD, layouts
+from tpctl.launch.pool import mode_of
 
-WORLD = 8
-# id: (mode, size, depth, dp, seq_parallel)
-MESHES = {
-    "none-dp8": ("none", 1, 1, 8, False),
-    "1d-2-dp4": ("1d", 2, 1, 4, False),
-    "1d-4-sp-dp2": ("1d", 4, 1, 2, True),
-    "1d-4-dp2": ("1d", 4, 1, 2, False),
-    "2d-4-dp2": ("2d", 4, 1, 2, False),
-    "2.5d-8-d2": ("2.5d", 8, 2, 1, False),
-    "3d-8": ("3d", 8, 1, 1, False),
-}
+MESHES = layouts("none-dp8", "1d-2-dp4", "1d-4-sp-dp2", "1d-4-dp2", "2d-4-dp2", "2.5d-8-d2", "3d-8")
 TOL = dict(rtol=1e-5, atol=1e-5)
 BATCH, SEQ, HIDDEN, HEADS = 8, 8, 16, 4
 
@@ -185,13 +176,6 @@ def _dropout_masks(key: str) -> list[bool]:
 # --------------------------------------------------------------------------
 # The tests.
 
-@pytest.fixture(scope="module")
-def pool():
-    p = DistPool(WORLD, timeout_s=120)
-    yield p
-    p.close()
-
-
 CASES = ["mlp", "mlp-nobias", "norm", "norm-nobias", "attention", "block", "embedding",
          "head-tied", "head-untied-bias", "token-mlp", "gpt"]
 
@@ -220,7 +204,7 @@ def test_dropout_rng_rule(pool, key, same):
 
 def _mlp_comm(key: str) -> tuple[dict, dict]:
     """Collectives of one MLP forward + backward (no gradient sync)."""
-    from tpctl import comm
+    from tpctl.parallel import comm
     from tpctl.models.gpt import MLP
     from tpctl.parallel.base import parallelize
 
@@ -234,7 +218,7 @@ def _mlp_comm(key: str) -> tuple[dict, dict]:
 
 
 def _expected_mlp_comm(key: str) -> tuple[dict, dict]:
-    """The same from the layout math (DESIGN.md): payload = the full tensor
+    """The same from the layout math (docs/DESIGN.md): payload = the full tensor
     of each collective, fp32. fc: HIDDEN -> 4*HIDDEN, proj: back."""
     mode, size, depth, dp, sp = MESHES[key]
     f = 4  # bytes per fp32 element

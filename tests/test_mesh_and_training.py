@@ -9,17 +9,16 @@ import math
 import pytest
 import torch
 
-from tpctl.testing import DistPool
+from conftest import layouts
 
-WORLD = 8
 # (mode, size, depth, dp)
-MESHES = [("none", 1, 1, 8), ("1d", 4, 1, 2), ("2d", 4, 1, 2), ("2.5d", 8, 2, 1), ("3d", 8, 1, 1)]
+MESHES = [v[:4] for v in layouts("none-dp8", "1d-4-dp2", "2d-4-dp2", "2.5d-8-d2", "3d-8").values()]
 
 
 def _check_groups(mode: str, size: int, depth: int, dp: int) -> dict:
     import torch.distributed as dist
 
-    from tpctl.mesh import AXES, GROUPS, init_mesh
+    from tpctl.parallel.mesh import AXES, GROUPS, init_mesh
 
     mesh = init_mesh(mode, size, depth, dp)
     axes = AXES[mode]
@@ -64,12 +63,12 @@ def _cfg(**overrides):
 
 
 def _train(overrides: dict, steps: int = 5):
-    from tpctl.data import TokenData, prepare_data
-    from tpctl.mesh import init_mesh
+    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.parallel.mesh import init_mesh
     from tpctl.models import build_model
     from tpctl.parallel import get_mode
     from tpctl.parallel.base import parallelize
-    from tpctl.train import Trainer
+    from tpctl.training.loop import Trainer
 
     cfg = _cfg(**overrides, **{"train.steps": steps})
     mode = get_mode(init_mesh(cfg.mode, cfg.size, cfg.depth, cfg.dp, cfg.seed), cfg.seq_parallel)
@@ -102,7 +101,7 @@ def _grad_accum_curves() -> tuple[list, list]:
 
 
 def _param_bytes(mode: str, size: int, depth: int, dp: int) -> tuple[int, int]:
-    from tpctl.mesh import init_mesh
+    from tpctl.parallel.mesh import init_mesh
     from tpctl.models import GPT
     from tpctl.parallel import get_mode
     from tpctl.parallel.base import parallelize
@@ -114,13 +113,6 @@ def _param_bytes(mode: str, size: int, depth: int, dp: int) -> tuple[int, int]:
         total = sum(p.numel() for p in full.parameters()) * 4
         model = parallelize(full, get_mode(init_mesh(mode, size, depth, dp)))
     return total, sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = DistPool(WORLD, timeout_s=180)
-    yield p
-    p.close()
 
 
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"{m[0]}-{m[1]}")
@@ -147,7 +139,7 @@ def test_grad_accumulation_does_not_change_the_curve(pool):
     assert two == pytest.approx(one, rel=1e-5)
 
 
-# Parameters per rank in theory (DESIGN.md's table): 1/P in 1d, 1/q^2 in
+# Parameters per rank in theory (docs/DESIGN.md's table): 1/P in 1d, 1/q^2 in
 # 2d and 2.5d (weights replicated over depth), 1/q^3 in 3d. Norms, biases and
 # the position table are split only along the hidden dim, hence "a few %".
 @pytest.mark.parametrize("mesh,factor", [

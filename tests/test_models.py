@@ -16,19 +16,12 @@ import copy
 import pytest
 import torch
 
-from tpctl.testing import DistPool, mode_of
+from conftest import layouts
+from tpctl.launch.pool import mode_of
 
 pytest.importorskip("transformers")
 
-WORLD = 8
-MESHES = {  # id: (mode, size, depth, dp, seq_parallel)
-    "none-dp8": ("none", 1, 1, 8, False),
-    "1d-4-dp2": ("1d", 4, 1, 2, False),
-    "1d-2-sp-dp4": ("1d", 2, 1, 4, True),
-    "2d-4-dp2": ("2d", 4, 1, 2, False),
-    "2.5d-8-d2": ("2.5d", 8, 2, 1, False),
-    "3d-8": ("3d", 8, 1, 1, False),
-}
+MESHES = layouts("none-dp8", "1d-4-dp2", "1d-2-sp-dp4", "2d-4-dp2", "2.5d-8-d2", "3d-8")
 TOL = dict(rtol=1e-5, atol=1e-5)
 BATCH, SEQ, VOCAB = 8, 8, 37
 MODELS = ("gpt2", "llama", "custom")
@@ -131,10 +124,10 @@ def _curve(key: str, name: str, steps: int = 10) -> list[float]:
     from omegaconf import OmegaConf
 
     from tpctl.config import default_config
-    from tpctl.data import TokenData, prepare_data
+    from tpctl.training.data import TokenData, prepare_data
     from tpctl.models import build_model
     from tpctl.parallel.base import parallelize
-    from tpctl.train import Trainer
+    from tpctl.training.loop import Trainer
 
     mode = _mode(key)
     m, size, depth, dp, sp = MESHES[key]
@@ -147,13 +140,6 @@ def _curve(key: str, name: str, steps: int = 10) -> list[float]:
         OmegaConf.update(cfg, k, v)
     model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode)
     return [r["loss"] for r in Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg))).fit()]
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = DistPool(WORLD, timeout_s=180)
-    yield p
-    p.close()
 
 
 @pytest.mark.parametrize("key", list(MESHES))
@@ -223,7 +209,7 @@ def test_pretrained_loads_slices_in_2d_and_3d(pool, tmp_path, name):
 def test_traced_roles_of_the_built_in_gpt_equal_its_hand_written_plan():
     from tpctl.config import default_config
     from tpctl.models import build_model
-    from tpctl.models.roles import infer_plan, resolve_plan
+    from tpctl.parallel.roles import infer_plan, resolve_plan
 
     model = build_model(default_config().model, seed=0, lazy=True)
     traced, written = infer_plan(model), resolve_plan(model)
@@ -236,7 +222,7 @@ def test_traced_roles_of_the_built_in_gpt_equal_its_hand_written_plan():
 
 def test_a_given_plan_wins_over_the_trace():
     from tests.custom_model import build
-    from tpctl.models.roles import resolve_plan
+    from tpctl.parallel.roles import resolve_plan
 
     model = build(VOCAB, 16, 4, 2, 16)
     plan = resolve_plan(model, {"tokens": "embedding", "stack.*.ff.0": "mlp_in", "stack.*.ff.2": "mlp_out"})
@@ -250,8 +236,8 @@ def test_a_given_plan_wins_over_the_trace():
 def test_what_fits_no_role_is_reported_not_guessed():
     import torch.nn as nn
 
-    from tpctl.geometry import geometry
-    from tpctl.models.roles import infer_plan
+    from tpctl.parallel.geometry import geometry
+    from tpctl.parallel.roles import infer_plan
     from tpctl.parallel.base import check_plan
 
     class ThreeLinearMLP(nn.Module):

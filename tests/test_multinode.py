@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from cli_support import tpctl  # noqa: F401  (fixture)
 from tpctl.config import compose_jobs
-from tpctl.launcher import free_port, node_layout
+from tpctl.launch.local import free_port, node_layout
 
 COMMON = ["data=synthetic", "train.log_every=1", "train.eval_every=0", "train.progress=false", "seed=0"]
 
@@ -116,7 +116,7 @@ def test_one_nodes_death_ends_the_other_with_exit_1(tpctl, dying):
     lines = [line for line in err.splitlines() if line.startswith("tpctl:")]
     # Either its workers lose their peer first, or (when node 0, the
     # rendezvous host, died) its agent loses the rendezvous first.
-    lost_peer = any(line.startswith("tpctl: error: rank ") and "failed with exit code 1" in line for line in lines)
+    lost_peer = any(line.startswith("tpctl: error: rank ") for line in lines)
     if lost_peer:
         assert "tpctl: a rank lost its connection to a peer: another rank, or another node's tpctl, died first (see its logs)" in lines
     else:

@@ -9,18 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpctl.testing import DistPool
+from conftest import LAYOUTS, layouts
 
-WORLD = 8
 # id: (mode, size, depth, dp, seq_parallel, grad_accum)
-MESHES = {
-    "none-dp8": ("none", 1, 1, 8, False, 1),
-    "1d-2-dp4": ("1d", 2, 1, 4, False, 1),
-    "1d-4-sp-dp2": ("1d", 4, 1, 2, True, 1),
-    "2d-4-dp2-accum2": ("2d", 4, 1, 2, False, 2),
-    "2.5d-8-d2": ("2.5d", 8, 2, 1, False, 1),
-    "3d-8": ("3d", 8, 1, 1, False, 1),
-}
+MESHES = {**{k: (*v, 1) for k, v in layouts("none-dp8", "1d-2-dp4", "1d-4-sp-dp2").items()},
+          "2d-4-dp2-accum2": (*LAYOUTS["2d-4-dp2"], 2),
+          **{k: (*v, 1) for k, v in layouts("2.5d-8-d2", "3d-8").items()}}
 BATCH, SEQ = 16, 8
 
 
@@ -37,8 +31,8 @@ _modes: dict = {}
 
 def _train_step(key: str, tied: bool):
     """Counted collectives of one train step on this rank."""
-    from tpctl import comm
-    from tpctl.mesh import init_mesh
+    from tpctl.parallel import comm
+    from tpctl.parallel.mesh import init_mesh
     from tpctl.models import build_model
     from tpctl.parallel import get_mode
     from tpctl.parallel.base import parallelize
@@ -67,20 +61,13 @@ def _train_step(key: str, tied: bool):
 
 
 def _planned(key: str, tied: bool):
-    from tpctl.geometry import geometry
-    from tpctl.plan import Split, model_shape, plan_split
+    from tpctl.parallel.geometry import geometry
+    from tpctl.cost.planner import Split, model_shape, plan_split
 
     mode_name, size, depth, dp, sp, accum = MESHES[key]
     split = Split(mode_name, size, depth, dp, sp)
     plan = plan_split(model_shape(_model_cfg(tied)), split, geometry(mode_name, size, depth), BATCH, SEQ, accum)
     return plan.by_kind(), plan.param_bytes
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = DistPool(WORLD, timeout_s=120)
-    yield p
-    p.close()
 
 
 @pytest.mark.timeout(180)
@@ -101,7 +88,7 @@ def test_counted_equals_planned(pool, key, tied):
 
 
 def _plan_cli(args, capsys):
-    from tpctl import plan
+    from tpctl.commands import plan
 
     status = plan.main(args)
     out = capsys.readouterr()
@@ -145,10 +132,10 @@ def test_plan_bad_input_exits_2_with_one_line(capsys, args, key):
 def test_bench_runs_every_mode_on_the_same_model():
     """none, our 1d and PyTorch's TP train the same model on the same batch
     (equal step-1 losses), and our counted bytes per step are the plan's."""
-    from tpctl.bench import bench, predicted_ms
+    from tpctl.cost.measure import bench, predicted_ms
     from tpctl.config import compose_jobs
-    from tpctl.geometry import geometry
-    from tpctl.plan import Split, model_shape, plan_split
+    from tpctl.parallel.geometry import geometry
+    from tpctl.cost.planner import Split, model_shape, plan_split
 
     cfg = compose_jobs(["model=gpt-tiny", "model.n_layer=1", "train.batch_size=4", "train.seq_len=16"])[0]
     results = bench(cfg, ["none", "1d", "dtensor"], size=2, steps=1, rounds=1, warmup=0, timeout_s=240)

@@ -13,9 +13,9 @@ import textwrap
 import pytest
 
 from cli_support import tpctl  # noqa: F401  (fixture)
-from tpctl.check_recipes import plan
+from tpctl.commands.check_recipes import recipe_runs
 from tpctl.config import RECIPE_DIR, validate
-from tpctl.recipes import compose_recipe, recipe_names
+from tpctl.commands.recipes import compose_recipe, recipe_names
 
 # A one-process, three-step recipe on synthetic tokens: seconds to run.
 TINY = """\
@@ -51,7 +51,7 @@ def test_every_recipe_composes_and_validates_in_both_forms():
             "gpt-small-1d", "gpt-small-2d", "gpt-tiny-2d-dp2"} <= set(names)
     assert sorted(p.stem for p in RECIPE_DIR.glob("*.yaml")) == names
     for fast in (False, True):
-        planned = plan(names, fast, None)  # raises RecipeError on anything invalid
+        planned = recipe_runs(names, fast, None)  # raises RecipeError on anything invalid
         assert set(planned) == set(names)
     # The equality family differs from its reference only in the layout.
     reference = compose_recipe("gpt-tiny-none")

@@ -31,7 +31,7 @@ def _fake_run(path, config: dict, losses: list[float], summary: bool = True, val
 
 def test_report_writes_pngs_labelled_by_mode(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from tpctl import report
+    from tpctl.commands import report
 
     a = _fake_run(tmp_path / "a", {"mode": "2d", "size": 4, "dp": 1, "precision": "bf16"}, [3.0, 2.5, 2.0], val_at=3)
     b = _fake_run(tmp_path / "b", {"mode": "2.5d", "size": 8, "depth": 2, "dp": 2,
@@ -46,7 +46,7 @@ def test_report_writes_pngs_labelled_by_mode(tmp_path, capsys):
 
 
 def test_report_same_labels_get_the_run_dir_name(tmp_path):
-    from tpctl import report
+    from tpctl.commands import report
 
     runs = [report.load_run(_fake_run(tmp_path / name, {"mode": "1d", "size": 2}, [1.0])) for name in ("x", "y")]
     report._unique_labels(runs)
@@ -60,7 +60,7 @@ def test_report_same_labels_get_the_run_dir_name(tmp_path):
     (lambda p: ((p / "metrics.jsonl").write_text("{oops\n"), p)[1], "metrics.jsonl:1: not JSON"),
 ])
 def test_report_bad_run_dir_exits_2_with_one_line(tmp_path, capsys, make, message):
-    from tpctl import report
+    from tpctl.commands import report
 
     assert report.main([str(make(tmp_path))]) == 2
     err = capsys.readouterr().err
@@ -68,7 +68,7 @@ def test_report_bad_run_dir_exits_2_with_one_line(tmp_path, capsys, make, messag
 
 
 def test_report_without_matplotlib_says_what_to_install(tmp_path, capsys, monkeypatch):
-    from tpctl import report
+    from tpctl.commands import report
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
     assert report.main([str(tmp_path)]) == 2

@@ -12,8 +12,8 @@ import pytest
 
 from cli_support import REPO, tpctl  # noqa: F401  (fixture)
 from tpctl.config import compose_jobs, load_worker_config
-from tpctl.launcher import free_port
-from tpctl.slurm import dry_run, executor_parameters, node_settings
+from tpctl.launch.local import free_port
+from tpctl.launch.slurm import dry_run, executor_parameters, node_settings
 
 HAVE_SUBMITIT = importlib.util.find_spec("submitit") is not None
 SLURM = ["launcher=slurm", "launcher.nnodes=2", "launcher.partition=gpu", "launcher.gpus_per_node=4",
@@ -34,7 +34,7 @@ def test_dry_run_prints_the_submission_and_submits_nothing(tpctl):
     out = result.stdout
     assert out.startswith(f"tpctl: dry run: would submit to Slurm (nothing submitted); the job reads {run_dir}/config.yaml")
     assert '"nodes": 2' in out and '"gpus_per_node": 4' in out
-    assert f"each of the 2 tasks calls: tpctl.slurm.run_node('{run_dir}/config.yaml') -> 4 workers" in out
+    assert f"each of the 2 tasks calls: tpctl.launch.slurm.run_node('{run_dir}/config.yaml') -> 4 workers" in out
     if HAVE_SUBMITIT:
         for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
                      "#SBATCH --partition=gpu", "#SBATCH --time=90", "module load cuda"):

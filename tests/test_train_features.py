@@ -16,18 +16,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tpctl.testing import DistPool
+from conftest import layouts, tiny_config
 
-WORLD = 8
-# (mode, size, depth, dp, seq_parallel)
-MESHES = {
-    "none-dp8": ("none", 1, 1, 8, False),
-    "1d-4-dp2": ("1d", 4, 1, 2, False),
-    "1d-4-sp-dp2": ("1d", 4, 1, 2, True),
-    "2d-4-dp2": ("2d", 4, 1, 2, False),
-    "2.5d-8-d2": ("2.5d", 8, 2, 1, False),
-    "3d-8": ("3d", 8, 1, 1, False),
-}
+MESHES = layouts("none-dp8", "1d-4-dp2", "1d-4-sp-dp2", "2d-4-dp2", "2.5d-8-d2", "3d-8")
 STEPS = 5
 # The largest per-step relative deviation of a bf16 loss curve from fp32
 # mode=none that benchmarks/bf16_band.py measured on gpt-tiny (50 steps, the
@@ -42,29 +33,17 @@ BF16_MODE_TOL = 1e-3
 
 
 def _cfg(**overrides):
-    from omegaconf import OmegaConf
-
-    from tpctl.config import default_config
-
-    cfg = default_config()
-    base = {"model.n_embd": 16, "model.n_head": 4, "model.block_size": 16, "model.vocab_size": 256,
-            "data.name": "text", "data.max_bytes": 200_000,
-            "train.batch_size": 8, "train.seq_len": 16, "train.eval_every": 0, "train.log_every": 1,
-            "train.progress": False, "optim.lr": 1e-2, "optim.warmup_steps": 2, "train.steps": STEPS}
-    base.update(overrides)
-    for key, value in base.items():
-        OmegaConf.update(cfg, key, value)
-    return cfg
+    return tiny_config(STEPS, **overrides)
 
 
 def _train(key: str, **overrides) -> dict:
     """Train on mesh `key`; the losses, comm bytes and dtypes seen."""
-    from tpctl.data import TokenData, prepare_data
-    from tpctl.mesh import init_mesh
+    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.parallel.mesh import init_mesh
     from tpctl.models import build_model
     from tpctl.parallel import get_mode
     from tpctl.parallel.base import parallelize
-    from tpctl.train import Trainer
+    from tpctl.training.loop import Trainer
 
     mode_name, size, depth, dp, sp = MESHES[key]
     cfg = _cfg(mode=mode_name, size=size, depth=depth, dp=dp, seq_parallel=sp, **overrides)
@@ -81,13 +60,6 @@ def _train(key: str, **overrides) -> dict:
 
 def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = DistPool(WORLD, timeout_s=120)
-    yield p
-    p.close()
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +108,7 @@ def test_activation_checkpointing_bf16(pool, key):
 
 def test_repeated_blocks_found_generically():
     from tpctl.models.gpt import GPT
-    from tpctl.recompute import apply_activation_checkpointing, repeated_blocks
+    from tpctl.training.recompute import apply_activation_checkpointing, repeated_blocks
     from tpctl.schema import ModelConfig
 
     gpt = GPT(ModelConfig(n_layer=3, n_embd=16, n_head=2))

@@ -22,14 +22,20 @@ __version__ = "0.1.0"
 def init_parallel(mode: str = "none", size: int = 1, depth: int = 1, dp: int = 1, seed: int = 0,
                   seq_parallel: bool = False, device: str = "cpu"):
     """The mesh of an initialised process group, and the mode acting on it."""
-    from .mesh import init_mesh
-    from .parallel import get_mode
+    from .parallel import init_parallel as _init_parallel
 
-    return get_mode(init_mesh(mode, size, depth, dp, seed, device), seq_parallel=seq_parallel)
+    return _init_parallel(mode, size, depth, dp, seed, seq_parallel, device)
 
 
-def parallelize(model, tp, plan=None):
-    """Rewrite `model`'s layers in place for the mode `tp` (see init_parallel)."""
+def parallelize(model, tp, plan=None, verify: bool = False):
+    """Rewrite `model`'s layers in place for the mode `tp` (see init_parallel).
+    verify=True: prove the rewrite against the original first, module by
+    module and block by block, as `tpctl train` does (parallel/verify.py);
+    raises parallel.verify.RewriteRefused if it differs. Every rank must call it."""
+    if verify:
+        from .parallel.verify import parallelize_verified
+
+        return parallelize_verified(model, tp, plan)[0]
     from .parallel.base import parallelize as _parallelize
 
     return _parallelize(model, tp, plan)

@@ -1,6 +1,6 @@
 """Config: the typed schema in Hydra's ConfigStore, composition of the jobs a
 command line asks for, and validation — every error found before any worker
-starts and reported as one `ConfigError` line (DESIGN.md, sections 2 and 3).
+starts and reported as one `ConfigError` line (docs/DESIGN.md, sections 2 and 3).
 
 Three entry points:
   * `compose_jobs(overrides, multirun)` composes every job of a command line
@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from .errors import ConfigError
-from .schema import ModelConfig, TrainConfig
+from .schema import ARCHS, ModelConfig, TrainConfig
 
 # configs/ lives at the repository root, next to the package (the install is
 # editable, see the Makefile).
@@ -33,11 +33,12 @@ CONFIG_NAME = "train"
 # each file as an option of the `recipe` group (`tpctl train recipe=NAME`).
 RECIPE_DIR = CONFIG_DIR.parent / "recipes"
 
-ARCHS = ("gpt", "mlp", "gpt2", "llama", "custom")
 DATASETS = ("synthetic", "text")
 DEVICES = ("cpu", "cuda")
 PRECISIONS = ("fp32", "bf16")
 LOGGERS = ("jsonl", "tensorboard")
+LAUNCHERS = ("local", "slurm")
+NONFINITE_POLICIES = ("stop", "skip")
 
 
 
@@ -109,10 +110,14 @@ def validate(cfg: Any, model_check: bool = True) -> None:
     """Raise ConfigError for the first invalid value in a composed config.
     model_check=False skips building the model (tpctl inspect shows what a
     mode cannot shard instead of refusing it)."""
-    from .geometry import validate_parallel
+    from tpctl.parallel.geometry import validate_parallel
 
     _check_resolvable(cfg)
     _check_known_keys(cfg, OmegaConf.structured(TrainConfig), "")
+    _check_finite(cfg, "")
+    if not 0 <= cfg.seed < 2**63:
+        raise ConfigError("seed", cfg.seed, f"expected an integer in [0, 2**63) = [0, {2**63 - 1}]")
+    _check_choice("train.on_nonfinite", cfg.train.on_nonfinite, NONFINITE_POLICIES)
     _check_choice("model.arch", cfg.model.arch, ARCHS)
     cfg.model = typed_model(cfg.model)
     _check_choice("data.name", cfg.data.name, DATASETS)
@@ -125,17 +130,9 @@ def validate(cfg: Any, model_check: bool = True) -> None:
         if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError("logger", cfg.logger, "needs the tensorboard package: pip install 'tpctl[tensorboard]' (or pip install tensorboard), or use logger=jsonl")
     validate_parallel(cfg)
-    from .launcher import validate_nodes
-
-    validate_nodes(cfg)
-    if cfg.device == "cuda" and cfg.launcher.name == "local":  # Slurm's nodes are checked by gpus_per_node
-        # torch is imported only here: a CPU config check stays fast.
-        import torch
-
-        world = cfg.size * cfg.dp // cfg.launcher.nnodes  # this node's share
-        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if have < world:
-            raise ConfigError("device", "cuda", f"size*dp/nnodes={world} ranks need {world} CUDA devices, this machine has {have}: use device=cpu")
+    _check_nodes(cfg)
+    _check_backend(cfg)
+    _check_compile(cfg)
 
     t, m, o = cfg.train, cfg.model, cfg.optim
     _check_at_least("train.steps", t.steps, 1)
@@ -143,9 +140,13 @@ def validate(cfg: Any, model_check: bool = True) -> None:
     _check_at_least("train.eval_every", t.eval_every, 0)
     _check_at_least("train.eval_batches", t.eval_batches, 1)
     _check_at_least("train.seq_len", t.seq_len, 1)
+    _check_at_least("train.sample_every", t.sample_every, 0)
+    _check_at_least("train.sample_tokens", t.sample_tokens, 1)
     sized = m.arch != "custom" and not m.get("pretrained")  # sizes known from the config
     if sized and t.seq_len > m.block_size:
         raise ConfigError("train.seq_len", t.seq_len, f"expected at most model.block_size={m.block_size}")
+    if sized and t.sample_every and t.sample_tokens >= m.block_size:
+        raise ConfigError("train.sample_tokens", t.sample_tokens, f"the prompt needs a position too: expected less than model.block_size={m.block_size}")
     if not 0.0 <= t.label_smoothing < 1.0:
         raise ConfigError("train.label_smoothing", t.label_smoothing, "expected a value in [0, 1)")
     if not o.lr > 0:
@@ -156,8 +157,9 @@ def validate(cfg: Any, model_check: bool = True) -> None:
     _check_at_least("optim.grad_clip", o.grad_clip, 0)
     if cfg.data.path is not None and not Path(cfg.data.path).exists():
         raise ConfigError("data.path", cfg.data.path, "no such file")
-    if cfg.data.path is not None and Path(cfg.data.path).is_dir():
-        raise ConfigError("data.path", cfg.data.path, "a directory: expected a UTF-8 text file or a .bin file of token ids")
+    if cfg.data.path is not None and Path(cfg.data.path).is_dir() and not (Path(cfg.data.path) / "index.json").is_file():
+        raise ConfigError("data.path", cfg.data.path, "a directory without index.json: expected a UTF-8 text file, a .bin "
+                          "file of token ids, or a directory written by `tpctl prepare-data SRC... out=DIR`")
     if cfg.data.cache_dir is not None:
         check_writable_dir("data.cache_dir", cfg.data.cache_dir)
     _check_launcher(cfg.launcher)
@@ -169,12 +171,118 @@ def validate(cfg: Any, model_check: bool = True) -> None:
         raise ConfigError("data.vocab_size", cfg.data.vocab_size, f"the data has more token ids than the model: expected at most model.vocab_size={m.vocab_size}")
     if cfg.data.tokenizer is not None and not Path(cfg.data.tokenizer).is_dir():
         raise ConfigError("data.tokenizer", cfg.data.tokenizer, "expected a local Hugging Face tokenizer directory (save_pretrained)")
+    if cfg.data.tokenizer is not None:
+        _check_tokenizer(cfg.data.tokenizer)
     if m.get("pretrained") is not None and not (Path(m.pretrained) / "config.json").is_file():
         raise ConfigError("model.pretrained", m.pretrained, "expected a local save_pretrained directory holding config.json and safetensors")
     if model_check:
         from .models import check_model  # imports torch: after every cheap check
 
         check_model(cfg)
+
+
+def _check_finite(node: Any, prefix: str) -> None:
+    """Every number of the config is finite: no setting means NaN or
+    infinity, and one would only show as a diverged or silent run."""
+    import math
+
+    for key in node.keys():
+        value = node._get_node(key)
+        if OmegaConf.is_missing(node, key):
+            continue
+        if isinstance(value, DictConfig):
+            _check_finite(value, f"{prefix}{key}.")
+            continue
+        raw = node[key]
+        values = list(raw) if OmegaConf.is_list(raw) else [raw]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise ConfigError(f"{prefix}{key}", values if OmegaConf.is_list(raw) else raw, "expected a finite number")
+
+
+def _check_tokenizer(path: str) -> None:
+    """The tokenizer directory loads (else every worker would fail on it)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ConfigError("data.tokenizer", path, "needs transformers: pip install 'tpctl[hf]'") from None
+    try:
+        AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError("data.tokenizer", path, "not a Hugging Face tokenizer directory (save_pretrained writes one): "
+                          f"{type(e).__name__}: {first}") from None
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+def _check_backend(cfg: Any) -> None:
+    """launcher.backend against the device, and the CUDA devices it needs:
+    nccl one GPU per rank, gloo at least one GPU (ranks may share it)."""
+    backend = cfg.launcher.get("backend", "auto")
+    _check_choice("launcher.backend", backend, BACKENDS)
+    if backend == "nccl" and cfg.device != "cuda":
+        raise ConfigError("launcher.backend", backend, f"NCCL runs on CUDA devices only: with device={cfg.device} use launcher.backend=gloo (or auto)")
+    if cfg.device != "cuda" or cfg.launcher.name != "local":  # Slurm's nodes are checked by gpus_per_node
+        return
+    # torch is imported only here: a CPU config check stays fast.
+    import torch
+
+    world = cfg.size * cfg.dp // cfg.launcher.nnodes  # this node's share
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have == 0:
+        raise ConfigError("device", "cuda", "this machine has no CUDA device (torch.cuda.is_available() is False"
+                          f"{'; torch ' + torch.__version__ + ' is a CPU build' if torch.version.cuda is None else ''}): use device=cpu")
+    if backend != "gloo" and have < world:
+        raise ConfigError("device", "cuda", f"size*dp/nnodes={world} ranks need {world} CUDA devices with NCCL, this machine has {have}: "
+                          "use launcher.backend=gloo to let ranks share a GPU (for testing), or device=cpu")
+
+
+def _check_compile(cfg: Any) -> None:
+    from tpctl.training.compile import COMPILE_SETTINGS, compile_setting, compiler_problem
+
+    setting = compile_setting(cfg)
+    _check_choice("train.compile", setting, COMPILE_SETTINGS)
+    if setting == "true":
+
+        problem = compiler_problem(cfg.device)
+        if problem:
+            raise ConfigError("train.compile", "true", f"{problem}: use train.compile=false, or auto to fall back to eager")
+
+
+def _check_nodes(cfg: Any) -> None:
+    """ConfigError for a launcher or multi-node setting that cannot work."""
+    lc, world = cfg.launcher, cfg.size * cfg.dp
+    if lc.name not in LAUNCHERS:
+        raise ConfigError("launcher.name", lc.name, f"expected one of {', '.join(LAUNCHERS)} (launcher=local or launcher=slurm)")
+    if lc.nnodes < 1:
+        raise ConfigError("launcher.nnodes", lc.nnodes, "expected a positive number of nodes")
+    if world % lc.nnodes:
+        raise ConfigError("launcher.nnodes", lc.nnodes,
+                          f"every node runs the same number of workers: size*dp={world} must divide by nnodes")
+    if not 0 <= lc.node_rank < lc.nnodes:
+        raise ConfigError("launcher.node_rank", lc.node_rank, f"expected 0 <= node_rank < launcher.nnodes={lc.nnodes}")
+    if lc.name == "slurm":
+        if cfg.device == "cuda" and lc.gpus_per_node != world // lc.nnodes:
+            raise ConfigError("launcher.gpus_per_node", lc.gpus_per_node,
+                              f"device=cuda runs one worker per GPU: expected size*dp/nnodes={world // lc.nnodes}")
+        if lc.time_min < 1:
+            raise ConfigError("launcher.time_min", lc.time_min, "expected a positive number of minutes")
+        return  # Slurm tells each node its rank and the rendezvous host
+    if lc.nnodes > 1 and not lc.rdzv_endpoint:
+        raise ConfigError("launcher.rdzv_endpoint", lc.rdzv_endpoint,
+                          "several nodes meet at node 0: expected HOST:PORT, reachable from every node")
+    if lc.rdzv_endpoint:
+        host, _, port = lc.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError("launcher.rdzv_endpoint", lc.rdzv_endpoint, "expected HOST:PORT, e.g. node0.cluster:29500")
+        import socket
+
+        try:
+            socket.getaddrinfo(host, int(port))
+        except (OSError, UnicodeError) as e:
+            raise ConfigError("launcher.rdzv_endpoint", lc.rdzv_endpoint,
+                              f"the host {host!r} does not resolve here ({getattr(e, 'strerror', None) or e})") from None
+    if lc.rdzv_timeout_s < 1:
+        raise ConfigError("launcher.rdzv_timeout_s", lc.rdzv_timeout_s, "expected a value >= 1")
 
 
 def _check_launcher(launcher: Any) -> None:
@@ -226,7 +334,7 @@ def _check_resume_path(cfg: Any) -> None:
     resume = cfg.train.resume
     if resume in (None, "auto"):
         return
-    from .checkpoint import CheckpointError, resolve_resume
+    from tpctl.training.checkpoint import CheckpointError, resolve_resume
 
     try:
         resolve_resume(cfg, Path("."))
@@ -321,7 +429,60 @@ def compose_jobs(overrides: list[str], multirun: bool = False, config_name: str 
                 composed.append(compose(config_name, overrides=extra + job))
             except (HydraException, OmegaConfBaseException) as e:
                 raise _explain(e, OverridesParser.create().parse_overrides(job), config_name) from None
+            except Exception as e:  # a file that is not YAML, a defaults list that includes itself
+                raise _file_error(e, job, config_dir) from None
     return composed
+
+
+def _config_file(text: str) -> str:
+    """A config file's path as a user names it (recipes/x.yaml, configs/model/y.yaml)."""
+    path = Path(text)
+    for root in (RECIPE_DIR, CONFIG_DIR):
+        try:
+            return f"{root.name}/{path.resolve().relative_to(root.resolve())}"
+        except ValueError:
+            continue
+    return text
+
+
+def _file_error(error: Exception, job: list[str], config_dir: str | None) -> ConfigError:
+    """A ConfigError naming the config file at fault when YAML cannot parse
+    one, or when a defaults list includes itself (Hydra recurses forever)."""
+    import yaml
+
+    if isinstance(error, yaml.YAMLError):
+        mark = getattr(error, "problem_mark", None)
+        name = _config_file(mark.name) if mark is not None else "a config file"
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or _one_line(str(error))
+        return ConfigError("config file", name, f"not valid YAML{where}: {problem}")
+    if isinstance(error, RecursionError):
+        for override in job:
+            group, _, option = override.partition("=")
+            for root in ([Path(config_dir)] if config_dir else []) + [CONFIG_DIR]:
+                path = root / group.lstrip("+~/") / f"{option}.yaml"
+                if option and path.is_file() and _includes_itself(path, group.lstrip("+~/"), option):
+                    return ConfigError("config file", _config_file(str(path)),
+                                       f"its defaults list includes itself ({group}/{option}): remove that entry")
+        return ConfigError("overrides", " ".join(job), "the defaults lists of the chosen configs include each other in a cycle")
+    return ConfigError("overrides", " ".join(job), f"{type(error).__name__}: {_one_line(str(error))}")
+
+
+def _includes_itself(path: Path, group: str, option: str) -> bool:
+    import yaml
+
+    try:
+        defaults = (yaml.safe_load(path.read_text()) or {}).get("defaults") or []
+    except (OSError, yaml.YAMLError, AttributeError):
+        return False
+    names = {option, f"/{group}/{option}", f"{group}/{option}"}
+    for entry in defaults:
+        if isinstance(entry, str) and entry.removeprefix("override ").strip() in names:
+            return True
+        if isinstance(entry, dict) and any(str(k).removeprefix("override ").strip().strip("/") == group and v == option
+                                           for k, v in entry.items()):
+            return True
+    return False
 
 
 def run_dir_setting(overrides: list[str], multirun: bool = False, config_name: str = CONFIG_NAME,

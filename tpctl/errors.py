@@ -1,5 +1,5 @@
 """Errors with a contract: a bad config exits 2 with one line naming the key,
-the value and what would be valid (see DESIGN.md, section 3)."""
+the value and what would be valid (see docs/DESIGN.md, section 3)."""
 
 from __future__ import annotations
 

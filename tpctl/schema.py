@@ -13,6 +13,10 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING
 
 MODES = ("none", "1d", "2d", "2.5d", "3d")
+# Model architectures: tpctl's own, Hugging Face families built from size keys, any importable builder.
+BUILTIN_ARCHS = ("gpt", "mlp")
+HF_ARCHS = ("gpt2", "llama")
+ARCHS = (*BUILTIN_ARCHS, *HF_ARCHS, "custom")
 
 
 @dataclass
@@ -48,7 +52,8 @@ class DataConfig:
     # "synthetic" (seeded random tokens) or "text" (byte-level corpus / .bin).
     name: str = "text"
     # None: the default corpus (Python standard library sources). Otherwise a
-    # UTF-8 text file or a pre-tokenised nanoGPT .bin (uint16).
+    # UTF-8 text file, a pre-tokenised nanoGPT .bin (uint16), or a directory
+    # written by `tpctl prepare-data` (uint16/uint32 shards + index.json).
     path: Optional[str] = None
     # Where tokenised corpora are cached; None: ~/.cache/tpctl.
     cache_dir: Optional[str] = None
@@ -92,12 +97,32 @@ class TrainLoopConfig:
     # Recompute each block's forward in the backward instead of keeping its
     # activations (torch.utils.checkpoint, non-reentrant).
     activation_checkpointing: bool = False
+    # A step whose loss or gradient norm is NaN or infinite: "stop" (the run
+    # fails naming the step; its weights and checkpoints are kept) or "skip"
+    # (no update for that step; a warning, and null in metrics.jsonl).
+    on_nonfinite: str = "stop"
+    # torch.compile the model's forward: false | true | auto (compile where
+    # the compiler works, else run eager and say so).
+    compile: Any = False
+    # Before step 1, check the rewritten model against the original, module
+    # by module and block by block (parallel/verify.py): refuse to train if
+    # they differ beyond fp32 round-off.
+    verify_rewrite: bool = True
+    # Every N steps (0: never) all ranks decode a short greedy sample of
+    # sample_prompt (sample_tokens new tokens, the run's tokenizer); rank 0
+    # writes it into the log and as `sample` on that step's metrics record.
+    sample_every: int = 0
+    sample_prompt: str = "\n"
+    sample_tokens: int = 32
 
 
 @dataclass
 class LauncherConfig:
     # Seconds a collective may wait before the run fails (a hung rank).
     collective_timeout_s: int = 300
+    # Process-group backend: auto (nccl for device=cuda, gloo for cpu),
+    # nccl, or gloo (with device=cuda: ranks may share a GPU; for testing).
+    backend: str = "auto"
     # Rendezvous host for single-node runs.
     master_addr: str = "127.0.0.1"
     # 0 picks a free port.

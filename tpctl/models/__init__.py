@@ -1,5 +1,5 @@
 """Models: the built-in ones, Hugging Face's, and a user's own, all
-parallelised from the outside by role (see roles.py for how roles are found
+parallelised from the outside by role (see parallel/roles.py for how roles are found
 when a model has no plan)."""
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ from typing import Any
 
 import torch
 
+from tpctl.parallel.roles import RolePlan, logits_of, resolve_plan
+from tpctl.schema import ARCHS, HF_ARCHS
+
 from .gpt import GPT
 from .init import ParamInit
 from .mlp import TokenMLP
-from .roles import Plan, logits_of, resolve_plan
 
-__all__ = ["ARCHS", "BUILTIN_ARCHS", "GPT", "TokenMLP", "ParamInit", "Plan", "build_model", "logits_of",
+__all__ = ["ARCHS", "BUILTIN_MODELS", "GPT", "TokenMLP", "ParamInit", "RolePlan", "build_model", "logits_of",
            "resolve_plan", "vocab_size_of"]
 
-BUILTIN_ARCHS = {"gpt": GPT, "mlp": TokenMLP}
-HF_ARCHS = ("gpt2", "llama")
-ARCHS = (*BUILTIN_ARCHS, *HF_ARCHS, "custom")
+BUILTIN_MODELS = {"gpt": GPT, "mlp": TokenMLP}  # one class per schema.BUILTIN_ARCHS name
 # Keys of the model config that are tpctl's, not a custom model's arguments.
 CUSTOM_RESERVED = ("arch", "_target_", "plan", "pretrained")
 
@@ -38,9 +38,9 @@ def build_model(cfg: Any, seed: int, lazy: bool = False) -> torch.nn.Module:
     A custom model (`arch=custom`, `_target_` a callable) is built by its own
     code under `torch.manual_seed(seed)`, whole, with its own initialisation.
     """
-    if cfg.arch in BUILTIN_ARCHS:
+    if cfg.arch in BUILTIN_MODELS:
         with torch.device("meta"):
-            model = BUILTIN_ARCHS[cfg.arch](cfg)
+            model = BUILTIN_MODELS[cfg.arch](cfg)
         model.tpctl_init = ParamInit(model, seed)
         if not lazy:
             model.tpctl_init.materialize(model)
@@ -79,7 +79,7 @@ def build_custom(cfg: Any, seed: int) -> torch.nn.Module:
     return model
 
 
-def vocab_size_of(cfg: Any, plan: Plan, model: torch.nn.Module) -> int:
+def vocab_size_of(cfg: Any, plan: RolePlan, model: torch.nn.Module) -> int:
     """The real vocabulary size: the LM head's width (the config's for a
     model without one)."""
     head = next((name for name, role in plan.roles.items() if role == "lm_head"), None)
@@ -90,23 +90,35 @@ def vocab_size_of(cfg: Any, plan: Plan, model: torch.nn.Module) -> int:
     return cfg.vocab_size
 
 
-def check_model(cfg: Any) -> Plan:
+def build_checked(m: Any, seed: int) -> torch.nn.Module:
+    """build_model(m, seed, lazy=True), or a ConfigError (one line) for a
+    model that cannot be built: whatever a user's builder raises is about
+    the config that named it."""
+    from tpctl.errors import ConfigError
+
+    what = m.get("_target_") or m.get("pretrained") or m.arch
+    try:
+        return build_model(m, seed, lazy=True)
+    except ImportError as e:
+        raise ConfigError("model._target_" if m.arch == "custom" else "model.arch", what, f"cannot import: {e}") from None
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError("model._target_" if m.arch == "custom" else "model", what,
+                          f"building the model failed: {type(e).__name__}: {first}") from None
+
+
+def check_model(cfg: Any) -> RolePlan:
     """Build `cfg.model` as the workers will (on the meta device where it
     can be), find its roles and check that `cfg.mode` can shard every one:
     ConfigError naming the module and the reason, before any worker starts.
     Returns the plan."""
-    from ..errors import ConfigError
-    from ..geometry import geometry
-    from ..parallel.base import check_plan
+    from tpctl.errors import ConfigError
+    from tpctl.parallel.geometry import geometry
+    from tpctl.parallel.base import check_plan
 
     m = cfg.model
     what = m.get("_target_") or m.get("pretrained") or m.arch
-    try:
-        model = build_model(m, cfg.seed, lazy=True)
-    except ImportError as e:
-        raise ConfigError("model._target_" if m.arch == "custom" else "model.arch", what, f"cannot import: {e}") from None
-    except (TypeError, ValueError, OSError, KeyError) as e:
-        raise ConfigError("model", what, f"building the model failed: {type(e).__name__}: {e}") from None
+    model = build_checked(m, cfg.seed)
     try:
         plan = resolve_plan(model, m.get("plan"))
     except (ValueError, TypeError, RuntimeError) as e:

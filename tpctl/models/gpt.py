@@ -6,6 +6,11 @@ may hold only some heads), and the model returns logits, leaving the loss to
 the caller (a parallel cross entropy never sees full logits).
 `tp_plan` maps module names to roles; each parallel mode maps roles to layers.
 Initial values come from `models.init` (see `build_model`).
+
+Generation passes a `KVCache` to `forward`: each attention layer appends
+this step's keys and values (of the heads and rows this rank holds, whatever
+the mode) and attends over everything cached, and positions continue from
+the cached length.
 """
 
 from __future__ import annotations
@@ -16,7 +21,28 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..schema import ModelConfig
+from tpctl.schema import ModelConfig
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, one (k, v) per layer,
+    each [batch, heads, tokens, head_dim] as the attention computed them."""
+
+    def __init__(self, n_layer: int):
+        self.layers: list = [None] * n_layer
+
+    def length(self, layer: int = 0) -> int:
+        """Tokens cached in `layer` (layer 0 before a forward: the position
+        of the next token)."""
+        return 0 if self.layers[layer] is None else self.layers[layer][0].shape[2]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this step's k, v to layer `layer`; return all of them."""
+        if self.layers[layer] is not None:
+            k = torch.cat([self.layers[layer][0], k], dim=2)
+            v = torch.cat([self.layers[layer][1], v], dim=2)
+        self.layers[layer] = (k, v)
+        return k, v
 
 
 class CausalSelfAttention(nn.Module):
@@ -28,11 +54,20 @@ class CausalSelfAttention(nn.Module):
         self.attn_drop = nn.Dropout(cfg.dropout)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         qkv = self.qkv(x)
         batch, seq, _ = qkv.shape
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
-        if self.training and self.attn_drop.p > 0:
+        past = 0
+        if cache is not None:
+            past = cache.length(layer)
+            k, v = cache.update(layer, k, v)
+        if past > 0:
+            # New query t sees every cached key and the new ones up to itself
+            # (one new token: all of them).
+            mask = None if seq == 1 else torch.ones(seq, past + seq, dtype=torch.bool, device=x.device).tril(past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif self.training and self.attn_drop.p > 0:
             att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
             causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
             att = self.attn_drop(att.masked_fill(~causal, float("-inf")).softmax(dim=-1))
@@ -62,8 +97,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -102,9 +137,10 @@ class GPT(nn.Module):
         projections into the residual stream (used by models.init)."""
         return 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("proj.weight") else 0.02
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        start = cache.length() if cache is not None else 0
+        pos = torch.arange(start, start + idx.shape[1], device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.blocks:
-            x = block(x)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, cache, layer) if cache is not None else block(x)
         return self.lm_head(self.ln_f(x))

@@ -23,9 +23,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from tpctl.parallel.layers import linearize
+from tpctl.schema import HF_ARCHS
+
 from .init import ParamInit, params_on_meta
 
-HF_ARCHS = ("gpt2", "llama")
 
 
 def _require_transformers():
@@ -95,26 +97,6 @@ def _init_std(config) -> callable:
     return lambda name: std
 
 
-def linearize(model: nn.Module) -> nn.Module:
-    """Replace every GPT-2 style `Conv1D` (y = x W + b, W stored in x out)
-    by the equivalent `nn.Linear` (W stored out x in), in place; records the
-    transposed parameter names in `model.tpctl_transposed`."""
-    transposed = set(getattr(model, "tpctl_transposed", ()))
-    for name, module in list(model.named_modules()):
-        if type(module).__name__ != "Conv1D" or not hasattr(module, "nf"):
-            continue
-        weight = module.weight
-        linear = nn.Linear(module.nx, module.nf, bias=module.bias is not None, device=weight.device, dtype=weight.dtype)
-        with torch.no_grad():
-            if not weight.is_meta:
-                linear.weight.copy_(weight.t())
-                if module.bias is not None:
-                    linear.bias.copy_(module.bias)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, linear)
-        transposed.add(f"{name}.weight")
-    model.tpctl_transposed = transposed
-    return model
 
 
 def save_hf(cfg: Any, tensors: dict[str, torch.Tensor], out_dir: Path) -> Path:

@@ -9,7 +9,7 @@ its whole value. Two sources exist:
     by (seed, parameter name), so the whole model's initial values are fixed
     by the seed alone -- whatever the mode -- while a rank that needs only a
     shard makes that one parameter whole, slices it and lets it go: peak
-    memory is the largest parameter, not the model (DESIGN.md: "build the
+    memory is the largest parameter, not the model (docs/DESIGN.md, section 2: "build the
     model without materialising it whole where it is large").
   * `pretrained.SafetensorsSource`: the slices read straight from a
     checkpoint's safetensors files.
@@ -23,9 +23,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from ..parallel.shard import ShardSpec
-from ..seeding import derive_seed
-from ..parallel.layers import is_norm
+from tpctl.parallel.shard import ShardSpec
+from tpctl.seeding import derive_seed
+from tpctl.parallel.layers import is_norm
 
 
 class ParamSource:

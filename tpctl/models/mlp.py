@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..schema import ModelConfig
+from tpctl.schema import ModelConfig
 from .gpt import MLP
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..parallel.shard import ShardSpec
+from tpctl.parallel.shard import ShardSpec
 from .init import ParamSource
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -21,3 +21,11 @@ def get_mode(mesh, seq_parallel: bool = False):
         from .three_d import ThreeD
         return ThreeD(mesh)
     raise ValueError(f"unknown mode {mesh.mode!r}")
+
+
+def init_parallel(mode: str = "none", size: int = 1, depth: int = 1, dp: int = 1, seed: int = 0,
+                  seq_parallel: bool = False, device: str = "cpu"):
+    """The mesh of an initialised process group, and the mode acting on it."""
+    from .mesh import init_mesh
+
+    return get_mode(init_mesh(mode, size, depth, dp, seed, device), seq_parallel=seq_parallel)

@@ -11,6 +11,7 @@ A mode answers three questions:
 
 from __future__ import annotations
 
+import copy
 from typing import Callable, Optional
 
 import torch
@@ -18,16 +19,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .. import comm
-from ..mesh import Mesh
-from ..geometry import padded_vocab
+from . import comm
+from .mesh import Mesh
+from .geometry import padded_vocab
+from .layers import embedding_semantics, norm_offset
 from .loss import vocab_parallel_cross_entropy
+from .roles import RolePlan, resolve_plan
 from .shard import ShardSpec, make_param, spec_of
 
-ROLES = (
-    "embedding", "pos_embedding", "qkv", "attn_in", "attn_out", "mlp_in", "mlp_out",
-    "norm", "lm_head", "dropout", "attn_dropout",
-)
 
 
 class RewriteContext:
@@ -67,6 +66,8 @@ class ParallelMode:
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
         self.geo = mesh.geo
+        # Fused Linear name -> its FusedLayout (parallel/fused.py), from the plan.
+        self.layouts: dict = {}
 
     # ---- data ---------------------------------------------------------
     def read_block(self) -> tuple[int, int]:
@@ -131,9 +132,14 @@ class ParallelMode:
         """The mean over the whole global batch of a per-row quantity, from
         each rank's sum over its rows (each row lives on `loss_replicas`
         ranks of its group, and every data-parallel replica has other rows)."""
+        return self.global_mean_tensor(local_sum, count).item()
+
+    def global_mean_tensor(self, local_sum: torch.Tensor, count: int) -> torch.Tensor:
+        """`global_mean` as a 0-dim float64 tensor on the device: no host sync
+        (a training loop fetches it with the step's other numbers, once)."""
         total = local_sum.detach().double().reshape(1).clone()
         comm.all_reduce(total, dist.group.WORLD)
-        return total.item() / (self.loss_replicas * count)
+        return total[0] / (self.loss_replicas * count)
 
     # ---- gradients ------------------------------------------------------
     def sync_grads(self, model: nn.Module) -> None:
@@ -141,12 +147,18 @@ class ParallelMode:
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float:
         """Clip to `max_norm` on the true global norm; returns that norm."""
-        norm = grad_norm(model, self.mesh).item()
-        coef = max_norm / (norm + 1e-6)
-        if max_norm > 0 and coef < 1.0:
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        return self.clip_grads(model, max_norm).item()
+
+    def clip_grads(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """`clip_grad_norm_` without a host sync: returns the global norm as
+        a 0-dim tensor on the device, and scales the gradients by
+        min(1, max_norm / (norm + 1e-6)) on the device (a factor of exactly
+        1 leaves them bit for bit, as torch.nn.utils.clip_grad_norm_ does)."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = grad_norm(model, self.mesh)
+        if max_norm > 0 and grads:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            _scale_(grads, coef)
         return norm
 
     # ---- layers -------------------------------------------------------
@@ -155,6 +167,35 @@ class ParallelMode:
         if converter is None:
             raise ValueError(f"mode {self.name} has no layer for role {role!r}")
         return converter(module, ctx)
+
+    def head_block(self) -> int:
+        """Index of this rank's block of attention heads (of geo.head_split)."""
+        return 0
+
+    def attention_row_block(self) -> int:
+        """Which chunk of the rows the model's input holds the attention of
+        this rank sees (3d splits rows again inside attention)."""
+        return 0
+
+    def fused_layout(self, role: str, module: nn.Module, ctx: RewriteContext):
+        """The layout of the output features of the Linear being converted:
+        the measured one of a fused projection; for a `qkv` Linear of a
+        given plan (tp_plan: the role declares it), three equal parts
+        [q | k | v]; else None (split in plain blocks)."""
+        layout = self.layouts.get(ctx.name)
+        if layout is None and role == "qkv":
+            from .fused import FusedLayout
+
+            layout = FusedLayout.equal(module.out_features, ("q", "k", "v"))
+        return layout
+
+    def convert_head_norm(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """A norm over each head of q or k runs as written on this rank's
+        whole heads; its weight sees only those heads (and rows), so its
+        gradient is a partial sum over the tensor-parallel group."""
+        for param in module.parameters():
+            self.replicated(param, "tp", partial=self.name != "none")
+        return module
 
     def padded_vocab(self, vocab_size: int) -> int:
         return padded_vocab(vocab_size, self.geo.vocab_multiple)
@@ -183,28 +224,25 @@ class ParallelMode:
 def module_roles(model: nn.Module, plan: Optional[dict[str, str]] = None) -> dict[str, str]:
     """{module name: role} for every module the rewrite replaces, in
     definition order: from `plan` (module-name patterns -> roles), the
-    model's `tp_plan`, or traced from its forward (models.roles)."""
-    from ..models.roles import resolve_plan
-
+    model's `tp_plan`, or traced from its forward (parallel.roles)."""
     return resolve_plan(model, plan).roles
 
 
 def parallelize(model: nn.Module, mode: ParallelMode, plan=None) -> nn.Module:
     """Replace the model's layers, by role, with `mode`'s parallel layers.
 
-    `plan`: a models.roles.Plan, or module-name patterns (fnmatch) -> roles;
+    `plan`: a parallel.roles.RolePlan, or module-name patterns (fnmatch) -> roles;
     by default the model's own `tp_plan`, else roles traced from its forward.
     The model's code is untouched: only submodules are swapped, each new layer
     holds just this rank's shard of the weights, and attention modules that
     store a head count get this rank's.
     """
-    from ..models.hf import linearize
-    from ..models.roles import Plan, resolve_plan
+    from .layers import linearize
 
     if getattr(model, "tpctl_mode", None) is not None:
         raise ValueError(f"{type(model).__name__} is already parallelized ({model.tpctl_mode.name})")
     linearize(model)  # GPT-2's Conv1D: a Linear with a transposed weight
-    if not isinstance(plan, Plan):
+    if not isinstance(plan, RolePlan):
         plan = resolve_plan(model, plan)
     problems = check_plan(plan, model, mode.geo)
     if problems:
@@ -215,6 +253,7 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None) -> nn.Module:
         model.tpctl_vocab_size = model.get_submodule(head).out_features
     init = getattr(model, "tpctl_init", None)
     ctx = RewriteContext(mode.mesh, init)
+    mode.layouts = dict(getattr(plan, "layouts", {}))
     mode.prepare(model, plan)
     for name, role in plan.roles.items():
         module = model.get_submodule(name)
@@ -224,8 +263,12 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None) -> nn.Module:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
     for owner, heads in plan.heads.items():
+        module = model.get_submodule(owner)
         for attr, full in heads.attrs.items():
-            setattr(model.get_submodule(owner), attr, full // mode.geo.head_split)
+            setattr(module, attr, full // mode.geo.head_split)
+        per_rank_counts(module, heads, mode.geo.head_split)
+        if heads.per_head_args and mode.geo.head_split > 1:
+            module.register_forward_pre_hook(PerHeadSlice(heads, mode), with_kwargs=True)
     if init is not None:
         init.materialize(model)  # what no layer sharded: norms, replicated tables, ...
     for name, param in model.named_parameters():
@@ -241,6 +284,54 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None) -> nn.Module:
     return model
 
 
+# Head counts a model's config may hold, which an attention module reads at
+# run time (Phi-3: config.num_attention_heads * head_dim).
+CONFIG_COUNTS = ("num_attention_heads", "num_key_value_heads", "num_heads", "n_head", "n_heads", "num_kv_heads",
+                 "n_kv_head", "n_kv_heads", "multi_query_group_num")
+
+
+def per_rank_counts(module: nn.Module, heads, split: int) -> None:
+    """Give an attention module that reads head counts from its `config`
+    its own copy of that config with this rank's counts. The model's config
+    (what export and save_pretrained write) is left as it was."""
+    config = getattr(module, "config", None)
+    if config is None or split == 1:
+        return
+    counts = {a: getattr(config, a) for a in CONFIG_COUNTS
+              if isinstance(getattr(config, a, None), int) and getattr(config, a) in (heads.heads, heads.kv_heads)}
+    if counts:
+        local = copy.copy(config)
+        for attr, full in counts.items():  # (aliases of one count, e.g. n_head, get the same value)
+            setattr(local, attr, full // split)
+        module.config = local
+
+
+class PerHeadSlice:
+    """Pre-hook of an attention module: arguments holding one slice per
+    (row, head) keep this rank's heads (and, where the mode splits rows
+    again inside attention, its rows)."""
+
+    def __init__(self, heads, mode: "ParallelMode"):
+        self.heads, self.names = heads.heads, heads.per_head_args
+        self.block, self.blocks = mode.head_block(), mode.geo.head_split
+        self.row_block = mode.attention_row_block()
+
+    def _slice(self, t: torch.Tensor, rows: int) -> torch.Tensor:
+        per = t.reshape(-1, self.heads, *t.shape[1:])
+        local = per.shape[1] // self.blocks
+        per = per[:, self.block * local:(self.block + 1) * local]
+        if per.shape[0] != rows:  # rows split again inside attention (3d): this rank's chunk
+            per = per[self.row_block * rows:(self.row_block + 1) * rows]
+        return per.reshape(-1, *t.shape[1:])
+
+    def __call__(self, module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        rows = hidden.shape[0]
+        args = tuple(self._slice(a, rows) if i in self.names else a for i, a in enumerate(args))
+        kwargs = {k: self._slice(a, rows) if k in self.names else a for k, a in kwargs.items()}
+        return args, kwargs
+
+
 def check_plan(plan, model: nn.Module, geo) -> dict[str, str]:
     """{module name: why mode `geo` cannot shard it}: what the role tracer
     could not place (fatal unless nothing is split), and head counts or
@@ -251,7 +342,14 @@ def check_plan(plan, model: nn.Module, geo) -> dict[str, str]:
     for owner, heads in plan.heads.items():
         for what, count in (("query heads", heads.heads), ("key/value heads", heads.kv_heads)):
             if count % geo.head_split:
-                problems.setdefault(owner, f"{count} {what} do not split {geo.head_split} ways (mode {geo.mode}, size {geo.size})")
+                why = f"{count} {what} do not split {geo.head_split} ways (mode {geo.mode}, size {geo.size})"
+                if count < geo.head_split and what.startswith("key"):
+                    why += "; tpctl splits key/value heads between ranks, it does not replicate them (multi-query attention)"
+                problems.setdefault(owner, why)
+    for name, layout in getattr(plan, "layouts", {}).items():
+        reason = layout.split_problem(geo.head_split)
+        if reason:
+            problems.setdefault(name, f"{reason} (mode {geo.mode}, size {geo.size})")
     split = geo.hidden_split
     for name, role in plan.roles.items():
         module = model.get_submodule(name)
@@ -264,13 +362,27 @@ def check_plan(plan, model: nn.Module, geo) -> dict[str, str]:
                     problems.setdefault(name, f"{size} {which} features do not split {split} ways (mode {geo.mode}, size {geo.size})")
         elif role in ("embedding", "pos_embedding") and geo.mode != "1d" and module.embedding_dim % geo.q:
             problems.setdefault(name, f"{module.embedding_dim} embedding features do not split {geo.q} ways")
+        elif role == "embedding" and (reason := _refused(embedding_semantics, module)):
+            problems.setdefault(name, reason)
         elif role == "lm_head" and geo.mode != "1d" and module.in_features % split:
             problems.setdefault(name, f"{module.in_features} in features do not split {split} ways (mode {geo.mode}, size {geo.size})")
         elif role == "norm" and geo.mode != "1d":
             weight = getattr(module, "weight", None)
             if weight is not None and weight.shape[-1] % geo.q:
                 problems.setdefault(name, f"{weight.shape[-1]} features do not split {geo.q} ways")
+            elif reason := _refused(norm_offset, module):
+                problems.setdefault(name, reason)
     return problems
+
+
+def _refused(measure, module: nn.Module) -> Optional[str]:
+    """The reason `measure` (a probe of what a module's forward computes)
+    refuses `module`, or None."""
+    try:
+        measure(module)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 # ---- gradients ----------------------------------------------------------
@@ -300,11 +412,27 @@ def sync_grads(model: nn.Module, mesh: Mesh) -> None:
 
 def grad_norm(model: nn.Module, mesh: Mesh) -> torch.Tensor:
     """The L2 norm of the whole model's gradient, as one process would
-    compute it: each shard counted once however many ranks replicate it."""
-    total = torch.zeros((), dtype=torch.float64, device=mesh.device)
+    compute it: each shard counted once however many ranks replicate it.
+    Per-tensor norms in one foreach call (no copy of any gradient), their
+    squares summed in float64 and over the group."""
+    grads = []
     for p in model.parameters():
         spec = spec_of(p)
         if p.grad is not None and (spec is None or spec.is_canonical):
-            total += p.grad.detach().double().pow(2).sum()
+            grads.append(p.grad)
+    if grads:
+        norms = torch._foreach_norm(grads) if hasattr(torch, "_foreach_norm") else [g.norm() for g in grads]
+        total = torch.stack(norms).double().pow(2).sum()
+    else:
+        total = torch.zeros((), dtype=torch.float64, device=mesh.device)
     comm.all_reduce(total, mesh.tp_group)
     return total.sqrt()
+
+
+def _scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """grads *= coef (a 0-dim device tensor), grouped by dtype as foreach needs."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, group in by_dtype.items():
+        torch._foreach_mul_(group, coef.to(dtype))

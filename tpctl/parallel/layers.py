@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Optional
+
 import torch
 import torch.nn as nn
 
@@ -76,13 +79,14 @@ class SplitNorm(nn.Module):
     autocast runs nn.LayerNorm, so the residual stream's precision matches
     mode=none."""
 
-    def __init__(self, weight, bias, hidden: int, eps: float, group, rms: bool = False):
+    def __init__(self, weight, bias, hidden: int, eps: float, group, rms: bool = False, offset: float = 0.0):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.hidden, self.eps, self.group, self.rms = hidden, eps, group, rms
+        self.offset = offset  # the weight enters as (offset + weight): Gemma's RMSNorm has 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..comm import sum_shared
+        from .comm import sum_shared
 
         x = upcast(x)
         if self.rms:
@@ -94,7 +98,7 @@ class SplitNorm(nn.Module):
             var = sums[1] / self.hidden - mean * mean
             y = (x - mean.unsqueeze(-1)) * torch.rsqrt(var + self.eps).unsqueeze(-1)
         if self.weight is not None:
-            y = y * self.weight
+            y = y * (self.weight + self.offset if self.offset else self.weight)
         return y if self.bias is None else y + self.bias
 
     @classmethod
@@ -103,8 +107,87 @@ class SplitNorm(nn.Module):
         parameters sharded by `shard(param)`."""
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
         hidden = weight.shape[-1] if weight is not None else module.normalized_shape[-1]
+        offset = norm_offset(module)
         return cls(None if weight is None else shard(weight), None if bias is None else shard(bias),
-                   hidden, norm_eps(module), group, rms=is_rms_norm(module))
+                   hidden, norm_eps(module), group, rms=is_rms_norm(module), offset=offset)
+
+
+def on_cpu(probe):
+    """Run `probe` (a measurement of what a module's forward computes) with
+    the CPU as the default device: a model built under `with
+    torch.device("meta")` must not turn the probe's own tensors into shapes
+    without values."""
+    @functools.wraps(probe)
+    def run(*args, **kwargs):
+        with torch.device("cpu"):
+            return probe(*args, **kwargs)
+    return run
+
+
+def _probe_copy(module: nn.Module, fill) -> nn.Module:
+    """A copy of the leaf `module` with real parameters `fill(name, shape)`.
+    Shallow: its own parameters are new, so the module's real weights (a
+    vocabulary-sized table) are never copied."""
+    import copy
+
+    clone = copy.copy(module)
+    clone._parameters = {name: nn.Parameter(fill(name, tuple(p.shape)), requires_grad=False)
+                         for name, p in module._parameters.items() if p is not None}
+    return clone
+
+
+@on_cpu
+def norm_offset(module: nn.Module) -> float:
+    """How the norm's weight enters its own forward, measured: 0 for
+    x_hat * w (+ b), 1 for x_hat * (1 + w) (Gemma). The split norm then
+    checks its arithmetic against the module's on random weights; anything
+    else is refused, naming the module's class."""
+    weight = getattr(module, "weight", None)
+    if weight is None:
+        return 0.0
+    hidden = weight.shape[-1]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, hidden, generator=gen)
+    w, b = torch.randn(hidden, generator=gen), torch.randn(hidden, generator=gen)
+    eps = norm_eps(module)
+    if is_rms_norm(module):
+        x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    else:
+        x_hat = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
+    with torch.no_grad():
+        got = _probe_copy(module, lambda name, shape: w if name == "weight" else b)(x).float()
+    bias = b if getattr(module, "bias", None) is not None else 0.0
+    for offset in (0.0, 1.0):
+        if torch.allclose(got, x_hat * (w + offset) + bias, rtol=1e-4, atol=1e-5):
+            return offset
+    raise ValueError(f"the norm {type(module).__name__} computes neither x_hat * w nor x_hat * (1 + w) "
+                     f"(largest difference {(got - x_hat * w - bias).abs().max().item():.2e}): tpctl cannot split it")
+
+
+@on_cpu
+def embedding_semantics(module: nn.Module) -> tuple[float, Optional[int]]:
+    """(scale, padding_idx) of an embedding's own forward, measured: its
+    output must be scale * weight[ids] (Gemma scales by sqrt(hidden) inside
+    the embedding); padding_idx (whose row gets no gradient) is the module's."""
+    weight = module.weight
+    n = min(weight.shape[0], 16)
+    gen = torch.Generator().manual_seed(0)
+    # Only the rows probed: a table of the whole vocabulary would cost its
+    # full size on every rank at start-up.
+    w = torch.randn((n, weight.shape[1]), generator=gen)
+    ids = torch.arange(n).reshape(1, n)
+    probe = _probe_copy(module, lambda name, shape: w)
+    if getattr(probe, "padding_idx", None) is not None:
+        probe.padding_idx = None  # it may lie beyond the probe's n rows; it is read from the module below
+    with torch.no_grad():
+        got = probe(ids).float()
+    plain = torch.nn.functional.embedding(ids, w)
+    scale = (got * plain).sum().item() / (plain * plain).sum().item()
+    if not torch.allclose(got, plain * scale, rtol=1e-5, atol=1e-6):
+        raise ValueError(f"the embedding {type(module).__name__} does not compute scale * weight[ids]: "
+                         "tpctl cannot split it")
+    pad = getattr(module, "padding_idx", None)
+    return (1.0 if abs(scale - 1.0) < 1e-7 else scale), (pad if isinstance(pad, int) else None)
 
 
 class Lookup(nn.Module):
@@ -118,11 +201,37 @@ class Lookup(nn.Module):
         return torch.nn.functional.embedding(ids, self.weight)
 
 
-def vocab_block_lookup(ids: torch.Tensor, table: torch.Tensor, vocab_start: int) -> torch.Tensor:
+def vocab_block_lookup(ids: torch.Tensor, table: torch.Tensor, vocab_start: int,
+                       padding_idx: Optional[int] = None) -> torch.Tensor:
     """Embeddings of `ids` from a table holding rows [vocab_start,
     vocab_start + len(table)) of the vocabulary; ids outside it give zeros,
-    so summing over the ranks holding the other blocks completes the lookup."""
+    so summing over the ranks holding the other blocks completes the lookup.
+    The row `padding_idx` (of the whole vocabulary) gets no gradient."""
     local = ids - vocab_start
     outside = (local < 0) | (local >= table.shape[0])
-    out = torch.nn.functional.embedding(local.masked_fill(outside, 0), table)
+    pad = None if padding_idx is None or not 0 <= padding_idx - vocab_start < table.shape[0] \
+        else padding_idx - vocab_start
+    out = torch.nn.functional.embedding(local.masked_fill(outside, 0), table, padding_idx=pad)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def linearize(model: nn.Module) -> nn.Module:
+    """Replace every GPT-2 style `Conv1D` (y = x W + b, W stored in x out)
+    by the equivalent `nn.Linear` (W stored out x in), in place; records the
+    transposed parameter names in `model.tpctl_transposed`."""
+    transposed = set(getattr(model, "tpctl_transposed", ()))
+    for name, module in list(model.named_modules()):
+        if type(module).__name__ != "Conv1D" or not hasattr(module, "nf"):
+            continue
+        weight = module.weight
+        linear = nn.Linear(module.nx, module.nf, bias=module.bias is not None, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            if not weight.is_meta:
+                linear.weight.copy_(weight.t())
+                if module.bias is not None:
+                    linear.bias.copy_(module.bias)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, linear)
+        transposed.add(f"{name}.weight")
+    model.tpctl_transposed = transposed
+    return model

@@ -14,10 +14,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import comm
+from . import comm
 from .base import ParallelMode, RewriteContext
-from .layers import ParallelDropout, to_compute, vocab_block_lookup
-from .shard import ShardSpec, block, fused_block
+from .layers import ParallelDropout, embedding_semantics, to_compute, vocab_block_lookup
+from .shard import ShardSpec, block
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
 
@@ -64,13 +64,16 @@ class VocabEmbedding(nn.Module):
     """Each rank holds a block of the vocabulary's rows: look up the ids
     that fall in it, zero the rest, and sum over ranks."""
 
-    def __init__(self, weight, vocab_start: int, group, seq_parallel: bool):
+    def __init__(self, weight, vocab_start: int, group, seq_parallel: bool, scale: float = 1.0, padding_idx=None):
         super().__init__()
         self.weight, self.vocab_start = weight, vocab_start
         self.group, self.seq_parallel = group, seq_parallel
+        self.scale, self.padding_idx = scale, padding_idx  # the original embedding's (layers.embedding_semantics)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = vocab_block_lookup(ids, self.weight, self.vocab_start)
+        out = vocab_block_lookup(ids, self.weight, self.vocab_start, self.padding_idx)
+        if self.scale != 1.0:
+            out = out * torch.tensor(self.scale, dtype=out.dtype)
         if self.seq_parallel:
             return comm.reduce_scatter_along(out, self.group, SEQ_DIM)
         return comm.reduce_to_replicated(out, self.group)
@@ -116,6 +119,13 @@ class OneD(ParallelMode):
             # their input (Llama's view(*input_shape, -1, d)): they get the
             # whole sequence, gathered once on entry for all their Linears.
             for owner, members in plan.units.items():
+                inner = [o for o in plan.units if o != owner and (not owner or o.startswith(owner + "."))]
+                if inner:
+                    # OPT's fc1/fc2 sit in the decoder layer itself, which
+                    # also holds the attention (and flattens the rows).
+                    raise ValueError(f"{', '.join(members)} have no module of their own "
+                                     f"({owner or 'the model'} also holds {', '.join(inner)}): "
+                                     "sequence parallelism cannot gather their input once; use seq_parallel=false")
                 model.get_submodule(owner).register_forward_pre_hook(self._gather_on_entry, with_kwargs=True)
                 self.gathered.update(members)
 
@@ -159,27 +169,32 @@ class OneD(ParallelMode):
     def vocab_block(self) -> int:
         return self.p
 
-    def _split(self, tensor, dim: int, n: int, parts: int = 1) -> ShardSpec:
-        ranges = fused_block(n, parts, self.world, self.world, self.p) if parts > 1 else block(n, self.world, self.p)
+    def head_block(self) -> int:
+        return self.p
+
+    def _split(self, tensor, dim: int, n: int, layout=None) -> ShardSpec:
+        ranges = layout.ranges(self.world, self.world, self.p) if layout else block(n, self.world, self.p)
         return self.split_spec(tensor, dim, ranges)
 
-    def _column(self, linear: nn.Linear, ctx: RewriteContext, parts: int = 1, rows: int | None = None) -> ColumnLinear:
+    def _column(self, linear: nn.Linear, ctx: RewriteContext, role: str, rows: int | None = None) -> ColumnLinear:
         n = rows if rows is not None else linear.out_features
-        weight = ctx.shard(linear.weight, self._split(linear.weight, 0, n, parts))
-        bias = None if linear.bias is None else ctx.shard(linear.bias, self._split(linear.bias, 0, n, parts))
+        layout = self.fused_layout(role, linear, ctx)
+        weight = ctx.shard(linear.weight, self._split(linear.weight, 0, n, layout))
+        bias = None if linear.bias is None else ctx.shard(linear.bias, self._split(linear.bias, 0, n, layout))
         entry = "gathered" if ctx.name in self.gathered else "seq_shards" if self._shards_sequence(ctx) else "replicated"
         return ColumnLinear(weight, bias, self.group, entry)
 
     def convert_qkv(self, module: nn.Linear, ctx):
-        return self._column(module, ctx, parts=3)
+        return self._column(module, ctx, "qkv")
 
     def convert_mlp_in(self, module: nn.Linear, ctx):
-        return self._column(module, ctx)
+        return self._column(module, ctx, "mlp_in")
 
-    convert_attn_in = convert_mlp_in
+    def convert_attn_in(self, module: nn.Linear, ctx):
+        return self._column(module, ctx, "attn_in")
 
     def convert_lm_head(self, module: nn.Linear, ctx):
-        return self._column(module, ctx, rows=self.padded_vocab(module.out_features))
+        return self._column(module, ctx, "lm_head", rows=self.padded_vocab(module.out_features))
 
     def _row(self, linear: nn.Linear, ctx) -> RowLinear:
         weight = ctx.shard(linear.weight, self._split(linear.weight, 1, linear.in_features))
@@ -193,7 +208,8 @@ class OneD(ParallelMode):
     def convert_embedding(self, module: nn.Embedding, ctx):
         rows = self.padded_vocab(module.num_embeddings)
         weight = ctx.shard(module.weight, self._split(module.weight, 0, rows))
-        return VocabEmbedding(weight, self.p * (rows // self.world), self.group, self._shards_sequence(ctx))
+        return VocabEmbedding(weight, self.p * (rows // self.world), self.group, self._shards_sequence(ctx),
+                              *embedding_semantics(module))
 
     def convert_pos_embedding(self, module: nn.Embedding, ctx):
         shards = self._shards_sequence(ctx)

@@ -24,10 +24,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import comm
+from . import comm
 from .base import ParallelMode, RewriteContext
-from .layers import Lookup, ParallelDropout, SplitNorm, to_compute, vocab_block_lookup
-from .shard import ShardSpec, block, fused_block
+from .layers import ParallelDropout, SplitNorm, embedding_semantics, to_compute, vocab_block_lookup
+from .shard import ShardSpec, block
 
 
 @dataclass(frozen=True)
@@ -73,14 +73,18 @@ class Embedding3D(nn.Module):
     block over i, look up the ids of rows block i that fall in it, then sum
     over the vocabulary blocks while scattering the rows."""
 
-    def __init__(self, weight, layout: Layout3D, vocab_block: int, groups: dict):
+    def __init__(self, weight, layout: Layout3D, vocab_block: int, groups: dict, scale: float = 1.0,
+                 padding_idx=None):
         super().__init__()
         self.weight, self.layout, self.vocab_block = weight, layout, vocab_block
         self.weight_group, self.rows_group = groups["i"], groups[layout.rows]
+        self.scale, self.padding_idx = scale, padding_idx  # the original embedding's (layers.embedding_semantics)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         table = comm.gather_along(self.weight, self.weight_group, 0)
-        out = vocab_block_lookup(ids, table, self.vocab_block * table.shape[0])
+        out = vocab_block_lookup(ids, table, self.vocab_block * table.shape[0], self.padding_idx)
+        if self.scale != 1.0:
+            out = out * torch.tensor(self.scale, dtype=out.dtype)
         return comm.reduce_scatter_along(out, self.rows_group, 0)
 
 
@@ -115,12 +119,19 @@ class ThreeD(ParallelMode):
     def vocab_block(self) -> int:
         return self.c[LAYOUT_B.hidden]
 
+    def head_block(self) -> int:
+        return self.c[LAYOUT_B.hidden]  # q, k and v are in layout B
+
+    def attention_row_block(self) -> int:
+        return self.c[LAYOUT_B.rows]
+
     # ---- parameter layouts -------------------------------------------------
-    def _weight_ranges(self, n: int, layout: Layout3D, parts: int = 1):
-        """Block (r, i) of q*q blocks of an output dim fed `layout`."""
+    def _weight_ranges(self, n: int, layout: Layout3D, fused=None):
+        """Block (r, i) of q*q blocks of an output dim fed `layout` (of the
+        features in `fused`'s order: a FusedLayout)."""
         index = self.c[layout.rows] * self.q + self.c["i"]
-        if parts > 1:
-            return fused_block(n, parts, self.q, self.q * self.q, index)
+        if fused is not None:
+            return fused.ranges(self.q, self.q * self.q, index)
         return block(n, self.q * self.q, index)
 
     def _hidden_spec(self, full: torch.Tensor, layout: Layout3D, dim: int = 0, ranges=None) -> ShardSpec:
@@ -129,24 +140,24 @@ class ThreeD(ParallelMode):
             ranges = block(full.shape[dim], self.q, self.c[layout.hidden])
         return self.split_spec(full, dim, ranges, replicas=layout.replica_plane)
 
-    def _linear(self, linear: nn.Linear, ctx: RewriteContext, role: str, parts: int = 1,
-                out: int | None = None) -> Linear3D:
+    def _linear(self, linear: nn.Linear, ctx: RewriteContext, role: str, out: int | None = None) -> Linear3D:
         layout = ROLE_LAYOUT[role]
+        fused = self.fused_layout(role, linear, ctx)
         n = out if out is not None else linear.out_features
         in_ranges = block(linear.in_features, self.q, self.c[layout.hidden])
-        spec = ShardSpec(tuple(linear.weight.shape), (self._weight_ranges(n, layout, parts), in_ranges))
+        spec = ShardSpec(tuple(linear.weight.shape), (self._weight_ranges(n, layout, fused), in_ranges))
         weight = ctx.shard(linear.weight, spec)
         bias = None
         if linear.bias is not None:
             out_layout = layout.flip()
-            ranges = (fused_block(n, parts, self.q, self.q, self.c[out_layout.hidden]) if parts > 1
+            ranges = (fused.ranges(self.q, self.q, self.c[out_layout.hidden]) if fused is not None
                       else block(n, self.q, self.c[out_layout.hidden]))
             bias = ctx.shard(linear.bias, self._hidden_spec(linear.bias, out_layout, ranges=ranges))
         return Linear3D(weight, bias, layout, self.mesh.groups)
 
     # ---- roles ----------------------------------------------------------------
     def convert_qkv(self, module, ctx):
-        return self._linear(module, ctx, "qkv", parts=3)
+        return self._linear(module, ctx, "qkv")
 
     def convert_attn_in(self, module, ctx):
         return self._linear(module, ctx, "attn_in")
@@ -167,10 +178,13 @@ class ThreeD(ParallelMode):
         rows = self.padded_vocab(module.num_embeddings)
         in_ranges = block(module.embedding_dim, self.q, self.c[LAYOUT_A.hidden])
         spec = ShardSpec(tuple(module.weight.shape), (self._weight_ranges(rows, LAYOUT_A), in_ranges))
-        return Embedding3D(ctx.shard(module.weight, spec), LAYOUT_A, self.c[LAYOUT_A.rows], self.mesh.groups)
+        return Embedding3D(ctx.shard(module.weight, spec), LAYOUT_A, self.c[LAYOUT_A.rows], self.mesh.groups,
+                           *embedding_semantics(module))
 
     def convert_pos_embedding(self, module: nn.Embedding, ctx):
-        return Lookup(ctx.shard(module.weight, self._hidden_spec(module.weight, LAYOUT_A, dim=1)))
+        # The module's own forward on this rank's hidden block of the table.
+        module.weight = ctx.shard(module.weight, self._hidden_spec(module.weight, LAYOUT_A, dim=1))
+        return module
 
     def convert_norm(self, module: nn.Module, ctx):
         shard = lambda p: ctx.shard(p, self._hidden_spec(p, LAYOUT_A))  # noqa: E731

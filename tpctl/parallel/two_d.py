@@ -22,10 +22,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import comm
+from . import comm
 from .base import ParallelMode, RewriteContext
-from .layers import Lookup, ParallelDropout, SplitNorm, to_compute
-from .shard import ShardSpec, block, fused_block
+from .layers import ParallelDropout, SplitNorm, embedding_semantics, to_compute
+from .shard import ShardSpec, block
 
 
 @dataclass
@@ -132,12 +132,14 @@ class Embedding2D(nn.Module):
     step has fewer tokens than the vocabulary has entries; the cost model
     can choose between them."""
 
-    def __init__(self, weight, col_group):
+    def __init__(self, weight, col_group, scale: float = 1.0, padding_idx=None):
         super().__init__()
         self.weight, self.col_group = weight, col_group
+        self.scale, self.padding_idx = scale, padding_idx  # the original embedding's (layers.embedding_semantics)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, comm.gather_along(self.weight, self.col_group, 0))
+        out = F.embedding(ids, comm.gather_along(self.weight, self.col_group, 0), padding_idx=self.padding_idx)
+        return out * torch.tensor(self.scale, dtype=out.dtype) if self.scale != 1.0 else out
 
 
 class TwoD(ParallelMode):
@@ -169,6 +171,9 @@ class TwoD(ParallelMode):
     def vocab_block(self) -> int:
         return self.grid.j
 
+    def head_block(self) -> int:
+        return self.grid.j  # the output block j of q, k and v
+
     # ---- parameter layouts -----------------------------------------------
     def _weight_spec(self, full: torch.Tensor, out_ranges, in_dim: int) -> ShardSpec:
         """Block (i, j) of a weight in (out, in) layout."""
@@ -179,9 +184,10 @@ class TwoD(ParallelMode):
         ranks with other rows (whose gradients are partial)."""
         return self.split_spec(full, dim, ranges, replicas=self.hidden_replica)
 
-    def _linear(self, linear: nn.Linear, ctx: RewriteContext, parts: int = 1, out: int | None = None) -> Linear2D:
+    def _linear(self, linear: nn.Linear, ctx: RewriteContext, role: str, out: int | None = None) -> Linear2D:
         q, n = self.grid.q, out if out is not None else linear.out_features
-        out_ranges = lambda b: fused_block(n, parts, q, q, b) if parts > 1 else block(n, q, b)  # noqa: E731
+        layout = self.fused_layout(role, linear, ctx)
+        out_ranges = lambda b: layout.ranges(q, q, b) if layout else block(n, q, b)  # noqa: E731
         weight = ctx.shard(linear.weight, self._weight_spec(linear.weight, out_ranges(self.grid.i), linear.in_features))
         bias = None
         if linear.bias is not None:
@@ -190,24 +196,33 @@ class TwoD(ParallelMode):
 
     # ---- roles -------------------------------------------------------------
     def convert_qkv(self, module, ctx):
-        return self._linear(module, ctx, parts=3)
+        return self._linear(module, ctx, "qkv")
+
+    def convert_attn_in(self, module, ctx):
+        return self._linear(module, ctx, "attn_in")
+
+    def convert_mlp_in(self, module, ctx):
+        return self._linear(module, ctx, "mlp_in")
 
     def convert_attn_out(self, module, ctx):
-        return self._linear(module, ctx)
+        return self._linear(module, ctx, "attn_out")
 
-    convert_attn_in = convert_mlp_in = convert_mlp_out = convert_attn_out
+    convert_mlp_out = convert_attn_out
 
     def convert_lm_head(self, module, ctx):
-        return self._linear(module, ctx, out=self.padded_vocab(module.out_features))
+        return self._linear(module, ctx, "lm_head", out=self.padded_vocab(module.out_features))
 
     def convert_embedding(self, module: nn.Embedding, ctx):
         rows = self.padded_vocab(module.num_embeddings)
         spec = self._weight_spec(module.weight, block(rows, self.grid.q, self.grid.i), module.embedding_dim)
-        return Embedding2D(ctx.shard(module.weight, spec), self.grid.col_group)
+        return Embedding2D(ctx.shard(module.weight, spec), self.grid.col_group, *embedding_semantics(module))
 
     def convert_pos_embedding(self, module: nn.Embedding, ctx):
+        # The module's own forward (OPT's takes position_ids and adds an
+        # offset) on this rank's hidden block of the table.
         spec = self._hidden_spec(module.weight, block(module.embedding_dim, self.grid.q, self.grid.j), dim=1)
-        return Lookup(ctx.shard(module.weight, spec))
+        module.weight = ctx.shard(module.weight, spec)
+        return module
 
     def convert_norm(self, module: nn.Module, ctx):
         hidden = module.weight.shape[-1] if getattr(module, "weight", None) is not None else module.normalized_shape[-1]

@@ -1,0 +1,64 @@
+"""Scaffolding shared by the test modules: the table of layouts the 8-rank
+pool runs, and the pool itself (spawned once per test module: spawning
+processes and importing torch costs seconds per rank)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpctl.launch.pool import DistPool
+
+WORLD = 8
+# Every layout of the 8-rank pool: id -> (mode, size, depth, dp, seq_parallel).
+LAYOUTS = {
+    "none-dp8": ("none", 1, 1, 8, False),
+    "1d-2-dp4": ("1d", 2, 1, 4, False),
+    "1d-4-dp2": ("1d", 4, 1, 2, False),
+    "1d-2-sp-dp4": ("1d", 2, 1, 4, True),
+    "1d-4-sp-dp2": ("1d", 4, 1, 2, True),
+    "2d-4-dp2": ("2d", 4, 1, 2, False),
+    "2.5d-8-d2": ("2.5d", 8, 2, 1, False),
+    "3d-8": ("3d", 8, 1, 1, False),
+}
+
+
+def layouts(*ids: str) -> dict[str, tuple]:
+    """The rows `ids` of LAYOUTS, in that order."""
+    return {i: LAYOUTS[i] for i in ids}
+
+
+@pytest.fixture(autouse=True)
+def own_cache_dir(tmp_path_factory, monkeypatch):
+    """Every test its own data cache (tpctl honours TPCTL_CACHE_DIR; the
+    subprocesses and workers a test starts inherit it): never the user's
+    ~/.cache/tpctl, which a test running beside it (pytest -n) may be
+    building at that moment."""
+    path = tmp_path_factory.mktemp("tpctl-cache")
+    monkeypatch.setenv("TPCTL_CACHE_DIR", str(path))
+    return path
+
+
+def tiny_config(steps: int, **overrides):
+    """The default config on a tiny GPT and the built-in text, for a few
+    training steps on the pool; `overrides` are dotted keys (top-level ones
+    such as mode= can be passed as keywords)."""
+    from omegaconf import OmegaConf
+
+    from tpctl.config import default_config
+
+    cfg = default_config()
+    base = {"model.n_embd": 16, "model.n_head": 4, "model.block_size": 16, "model.vocab_size": 256,
+            "data.name": "text", "data.max_bytes": 200_000,
+            "train.batch_size": 8, "train.seq_len": 16, "train.eval_every": 0, "train.log_every": 1,
+            "train.progress": False, "optim.lr": 1e-2, "optim.warmup_steps": 2, "train.steps": steps}
+    base.update(overrides)
+    for key, value in base.items():
+        OmegaConf.update(cfg, key, value)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = DistPool(WORLD, timeout_s=180)
+    yield p
+    p.close()

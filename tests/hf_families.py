@@ -1,0 +1,59 @@
+"""Hugging Face causal LMs of the families users train, as `model=custom`
+targets: tiny configs, random weights from their own initialisation,
+nothing downloaded.
+
+    tpctl train model=custom model._target_=tests.hf_families.build model.family=gpt_neox
+
+Each family is built as `transformers` writes it, with its own fused
+projections, norms, embeddings and position schemes; tpctl must shard it from
+the outside or refuse it with the reason (tests/test_families.py).
+"""
+
+from __future__ import annotations
+
+# family -> (config class, its size keys). Every family has 4 query heads
+# of 8 features; the key/value head counts are the family's own pattern.
+FAMILIES = {
+    "gpt_neox": ("GPTNeoXConfig", dict(num_attention_heads=4, intermediate_size=64, rotary_pct=0.5)),
+    "bloom": ("BloomConfig", dict(n_head=4)),
+    "gpt_bigcode": ("GPTBigCodeConfig", dict(n_head=4, n_inner=64, multi_query=True)),
+    "gpt_bigcode_mha": ("GPTBigCodeConfig", dict(n_head=4, n_inner=64, multi_query=False)),
+    "falcon": ("FalconConfig", dict(num_attention_heads=4, multi_query=True, new_decoder_architecture=False)),
+    "falcon_gqa": ("FalconConfig", dict(num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True)),
+    "phi3": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)),
+    "gemma": ("GemmaConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64)),
+    "opt": ("OPTConfig", dict(num_attention_heads=4, ffn_dim=64, word_embed_proj_dim=32)),
+    "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64)),
+}
+WIDTH_KEYS = ("hidden_size", "n_embd")
+DEPTH_KEYS = ("num_hidden_layers", "n_layer")
+POSITION_KEYS = ("max_position_embeddings", "n_positions")
+
+
+def config(family: str, vocab_size: int = 256, width: int = 32, depth: int = 2, max_len: int = 64):
+    import transformers
+
+    name, sizes = FAMILIES[family]
+    cls = getattr(transformers, name)
+    keys = set(cls().to_dict())
+    kwargs = dict(sizes, vocab_size=vocab_size, use_cache=False)
+    for group, value in ((WIDTH_KEYS, width), (DEPTH_KEYS, depth), (POSITION_KEYS, max_len)):
+        key = next((k for k in group if k in keys), None)
+        if key is not None:  # BLOOM has no position table (alibi)
+            kwargs[key] = value
+    defaults = cls()
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # a default id outside a byte vocabulary
+        if isinstance(getattr(defaults, key, None), int) and getattr(defaults, key) >= vocab_size:
+            kwargs[key] = None
+    for key in ("hidden_dropout", "attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout"):
+        if key in keys:
+            kwargs[key] = 0.0
+    cfg = cls(**kwargs)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def build(family: str, vocab_size: int = 256, width: int = 32, depth: int = 2, max_len: int = 64):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config(family, vocab_size, width, depth, max_len))

@@ -1,0 +1,96 @@
+"""train.compile: the compiled model trains to the losses of eager, in every
+mode (collectives stay eager: a graph break at each), on one pool of 8 gloo
+ranks; and the settings' checks (true refused without a compiler, auto falls
+back to eager, bad values one line).
+
+Most modes compile with the aot_eager backend (dynamo's capture, graph
+breaks and AOT autograd, without inductor's C++ build: eight ranks building
+C++ on a 2-core CI machine take minutes); inductor itself, the default,
+compiles mode=none and 1d (marked slow: measured ~1-2 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from conftest import layouts, tiny_config
+
+MESHES = layouts("none-dp8", "1d-2-dp4", "1d-4-sp-dp2", "2d-4-dp2", "2.5d-8-d2", "3d-8")
+STEPS = 3
+# The fp32 band of the suite (test_mesh_and_training: modes against none):
+# compiled kernels may fuse and reorder fp32 sums.
+TOL = 1e-5
+
+
+def _cfg(**overrides):
+    return tiny_config(STEPS, **overrides)
+
+
+def _train(key: str, compile: str, backend: str = "aot_eager", **overrides) -> dict:
+    import torch
+
+    from tpctl.models import build_model
+    from tpctl.parallel import comm, get_mode
+    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.mesh import init_mesh
+    from tpctl.training.compile import BACKEND_ENV
+    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.training.loop import Trainer
+
+    os.environ[BACKEND_ENV] = backend
+    torch._dynamo.reset() if compile != "false" else None
+    mode_name, size, depth, dp, sp = MESHES[key] if key in MESHES else ("none", 1, 1, 1, False)
+    cfg = _cfg(mode=mode_name, size=size, depth=depth, dp=dp, seq_parallel=sp, **{"train.compile": compile}, **overrides)
+    mode = get_mode(init_mesh(cfg.mode, cfg.size, cfg.depth, cfg.dp, cfg.seed), cfg.seq_parallel)
+    model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode)
+    trainer = Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg)))
+    comm.STATS.reset()
+    losses = [r["loss"] for r in trainer.fit()]
+    return {"losses": losses, "compiled": trainer.compiled, "comm_bytes": trainer.comm_train_bytes,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _close(compiled: list[dict], eager: list[dict]) -> None:
+    for e, c in zip(eager, compiled):
+        assert c["compiled"] and not e["compiled"]
+        for a, b in zip(c["losses"], e["losses"]):
+            assert abs(a - b) <= TOL * abs(b), (c["losses"], e["losses"])
+        assert c["comm_bytes"] == e["comm_bytes"]  # every collective ran, and was counted, as in eager
+        for name, p in c["params"].items():
+            assert (p - e["params"][name]).abs().max() <= 1e-4, name
+
+
+@pytest.fixture(scope="module")
+def pool8():
+    """8 ranks, with more time per call than the shared pool: each rank traces
+    and compiles its graphs (about a minute per mode on 2 busy cores)."""
+    from tpctl.launch.pool import DistPool
+
+    p = DistPool(8, timeout_s=900)
+    yield p
+    p.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("key", list(MESHES))
+def test_compiled_equals_eager(pool8, key):
+    _close(pool8.run(_train, key, "true"), pool8.run(_train, key, "false"))
+
+
+@pytest.fixture(scope="module")
+def pool1():
+    from tpctl.launch.pool import DistPool
+
+    p = DistPool(1, timeout_s=600)
+    yield p
+    p.close()
+
+
+@pytest.mark.slow  # inductor builds C++ with the machine's gcc
+@pytest.mark.timeout(600)
+def test_inductor_equals_eager(pool1):
+    """The default backend, end to end on CPU: mode=none on one rank."""
+    _close(pool1.run(_train, "none-1", "true", backend="inductor"), pool1.run(_train, "none-1", "false"))

@@ -1,0 +1,249 @@
+"""The Hugging Face families users train (tests/hf_families.py), built with
+`transformers` (tiny configs, random weights) and trained through
+`model=custom` in none, 1d, 2d and 3d: 10 steps at lr 1e-2 with no warm-up,
+so that a wrong gradient shows. Every step's loss must be within 1e-4
+relative of mode=none's and the gradient norm within 1e-4 -- or the run is
+refused before training, for the reason the table below states.
+
+One pool of 8 gloo ranks serves every case: each case is a few in-process
+training steps, not a CLI run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cli_support import tpctl  # noqa: F401  (fixture)
+from conftest import layouts
+from tpctl.launch.pool import mode_of
+
+pytest.importorskip("transformers")
+
+MESHES = layouts("none-dp8", "1d-2-dp4", "2d-4-dp2", "3d-8")
+STEPS, BATCH, SEQ = 10, 8, 8
+FAMILIES = ("gpt_neox", "bloom", "gpt_bigcode", "gpt_bigcode_mha", "falcon", "falcon_gqa", "phi3", "gemma",
+            "opt", "qwen3")
+# (family, mode) -> a phrase the refusal must contain. Multi-query attention
+# has one key/value head, which tpctl does not replicate across the ranks
+# that split the query heads.
+REFUSED = {(f, m): "1 key/value heads do not split 2 ways" for f in ("gpt_bigcode", "falcon")
+           for m in ("1d", "2d", "3d")}
+
+
+def _cfg(key: str, family: str):
+    from omegaconf import OmegaConf
+
+    from tpctl.config import default_config
+
+    m, size, depth, dp, sp = MESHES[key]
+    cfg = default_config()
+    cfg.model = OmegaConf.create({"arch": "custom", "_target_": "tests.hf_families.build", "family": family,
+                                  "vocab_size": 256, "width": 32, "depth": 2, "max_len": 64})
+    for k, v in {"mode": m, "size": size, "depth": depth, "dp": dp, "seq_parallel": sp, "data.name": "text",
+                 "data.max_bytes": 200_000, "train.batch_size": BATCH, "train.seq_len": SEQ,
+                 "train.steps": STEPS, "train.eval_every": 0, "train.log_every": 1, "train.progress": False,
+                 "optim.lr": 1e-2, "optim.warmup_steps": 0}.items():
+        OmegaConf.update(cfg, k, v)
+    return cfg
+
+
+def _curve(key: str, family: str):
+    """[(loss, grad norm)] of every step, or ("refused", reason)."""
+    from tpctl.models import build_model
+    from tpctl.parallel.base import parallelize
+    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.training.loop import Trainer
+
+    cfg = _cfg(key, family)
+    mode = mode_of(*MESHES[key])
+    try:
+        model = parallelize(build_model(cfg.model, cfg.seed), mode)
+    except ValueError as e:
+        return ("refused", str(e))
+    counts = {k: v for k, v in vars(model.config).items() if "head" in k and isinstance(v, int)}
+    assert counts == {k: v for k, v in vars(build_model(cfg.model, cfg.seed).config).items() if k in counts}, \
+        "the model's config (what export writes) must keep the whole model's head counts"
+    records = Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg))).fit()
+    return [(r["loss"], r["grad_norm"]) for r in records]
+
+
+def deviation(want, got) -> tuple[float, float]:
+    """Largest relative difference of the losses and of the gradient norms."""
+    loss = max(abs(g[0] - w[0]) / abs(w[0]) for w, g in zip(want, got))
+    norm = max(abs(g[1] - w[1]) / abs(w[1]) for w, g in zip(want, got))
+    return loss, norm
+
+
+@pytest.fixture(scope="module")
+def reference(pool):
+    return {}
+
+
+@pytest.mark.parametrize("key", [k for k in MESHES if k != "none-dp8"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_trains_like_mode_none_or_is_refused(pool, reference, family, key):
+    if family not in reference:
+        reference[family] = pool.run(_curve, "none-dp8", family)[0]
+    want = reference[family]
+    assert want[-1][0] < want[0][0], f"{family}: the reference did not learn"
+    got = pool.run(_curve, key, family)[0]
+    refusal = REFUSED.get((family, MESHES[key][0]))
+    if refusal is not None:
+        assert got[0] == "refused" and refusal in got[1], got
+        return
+    assert got[0] != "refused", got[1]
+    loss, norm = deviation(want, got)
+    assert len(got) == STEPS and loss < 1e-4 and norm < 1e-4, (loss, norm)
+
+
+# ---- layouts and semantics, measured in one process ---------------------------
+
+def _plan(family: str):
+    import torch
+
+    from tests.hf_families import build
+    from tpctl.parallel.roles import infer_plan
+
+    torch.manual_seed(0)
+    model = build(family)
+    return model, infer_plan(model)
+
+
+def _layout(plan, suffix: str):
+    return next(v for k, v in plan.layouts.items() if k.endswith(suffix))
+
+
+@pytest.mark.parametrize("family, fused, described", [
+    ("gpt_neox", "layers.0.attention.query_key_value", "[q|k|v] 4+4+4 units, interleaved"),
+    ("bloom", "h.0.self_attention.query_key_value", "[q|k|v] 4+4+4 units, interleaved"),
+    ("gpt_bigcode", "h.0.attn.c_attn", "[q|k|v] 4+1+1 units, contiguous"),
+    ("falcon_gqa", "h.0.self_attention.query_key_value", "[q|k|v] 4+2+2 units, interleaved"),
+    ("phi3", "layers.0.self_attn.qkv_proj", "[q|k|v] 4+2+2 units, contiguous"),
+    ("phi3", "layers.0.mlp.gate_up_proj", "[gate|up] 64+64 units, contiguous"),
+])
+def test_the_layout_of_a_fused_projection_is_measured_from_its_forward(family, fused, described):
+    _, plan = _plan(family)
+    assert _layout(plan, fused).describe() == described
+    assert not plan.problems
+
+
+def test_a_rank_holds_whole_heads_of_every_part_in_their_original_order():
+    _, plan = _plan("gpt_neox")  # q0 k0 v0 q1 k1 v1 ..., 8 features a head
+    neox = _layout(plan, "layers.0.attention.query_key_value")
+    assert neox.ranges(2, 2, 0) == ((0, 48),) and neox.ranges(2, 2, 1) == ((48, 96),)
+    assert neox.ranges(2, 4, 1) == ((24, 48),)  # 3d: a shard stored in q sub-blocks
+    _, plan = _plan("phi3")  # [q (4 heads) | k (2) | v (2)]
+    phi = _layout(plan, "layers.0.self_attn.qkv_proj")
+    assert phi.ranges(2, 2, 1) == ((16, 32), (40, 48), (56, 64))
+    gate_up = _layout(plan, "layers.0.mlp.gate_up_proj")
+    assert gate_up.ranges(2, 2, 0) == ((0, 32), (64, 96))
+    _, plan = _plan("falcon_gqa")  # per key/value group: q q k v
+    assert _layout(plan, "h.0.self_attention.query_key_value").ranges(2, 2, 1) == ((32, 64),)
+
+
+def test_a_fused_projection_that_is_no_set_of_heads_is_refused_with_what_was_seen():
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from tpctl.parallel.geometry import geometry
+    from tpctl.parallel.base import check_plan
+    from tpctl.parallel.roles import infer_plan
+
+    class Mixed(nn.Module):  # every feature of the fused output feeds every head
+        def __init__(self):
+            super().__init__()
+            self.emb, self.qkv, self.out, self.head = (nn.Embedding(37, 16), nn.Linear(16, 48),
+                                                       nn.Linear(16, 16), nn.Linear(16, 37))
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            y = self.qkv(h)
+            y = y + y.flip(-1)
+            q, k, v = (t.view(*ids.shape, 4, 4).transpose(1, 2) for t in y.split(16, -1))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.head(h + self.out(a.transpose(1, 2).reshape(*ids.shape, 16)))
+
+    model = Mixed()
+    plan = infer_plan(model)
+    assert "qkv" in plan.problems and "feeds both" in plan.problems["qkv"], plan.problems
+    assert "qkv" in check_plan(plan, model, geometry("1d", 2))
+
+
+def test_qwen3_q_k_norms_are_per_head_norms_not_a_refusal():
+    _, plan = _plan("qwen3")
+    assert plan.roles["model.layers.0.self_attn.q_norm"] == "head_norm"
+    assert plan.roles["model.layers.0.self_attn.k_proj"] == "attn_in"
+    assert not plan.problems
+
+
+def test_norm_offsets_and_embedding_scales_are_measured_not_assumed():
+    import torch
+    import torch.nn as nn
+
+    from tpctl.parallel.layers import embedding_semantics, norm_offset
+
+    gemma, _ = _plan("gemma")
+    assert norm_offset(gemma.model.norm) == 1.0  # x_hat * (1 + w)
+    assert norm_offset(nn.LayerNorm(8)) == 0.0 and norm_offset(nn.RMSNorm(8)) == 0.0
+    scale, pad = embedding_semantics(gemma.model.embed_tokens)
+    assert scale == pytest.approx(32 ** 0.5) and pad == gemma.config.pad_token_id
+    opt, _ = _plan("opt")
+    assert embedding_semantics(opt.model.decoder.embed_tokens) == (1.0, 1)
+
+    class Doubled(nn.RMSNorm):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    with pytest.raises(ValueError, match="computes neither"):
+        norm_offset(Doubled(8))
+
+    class Shifted(nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) + 1.0
+
+    with pytest.raises(ValueError, match="does not compute scale"):
+        embedding_semantics(Shifted(10, 4))
+
+    from tpctl.parallel.base import check_plan
+    from tpctl.parallel.geometry import geometry
+    from tpctl.parallel.roles import infer_plan
+
+    gemma.model.norm.__class__ = type("DoubledGemmaRMSNorm", (type(gemma.model.norm),),
+                                      {"forward": lambda self, x: super(type(self), self).forward(x) * 2})
+    problems = check_plan(infer_plan(gemma), gemma, geometry("2d", 4))
+    assert "computes neither" in problems["model.norm"], problems  # refused before training, named
+    assert torch.is_tensor(gemma.model.norm.weight)
+
+
+# ---- through the command line -----------------------------------------------
+
+FAMILY = ["model=custom", "model._target_=tests.hf_families.build", "+model.vocab_size=256", "+model.width=32",
+          "+model.max_len=64", "train.seq_len=8", "train.batch_size=8", "data.max_bytes=200000"]
+
+
+@pytest.mark.timeout(120)
+def test_multi_query_attention_is_refused_before_any_worker_starts(tpctl):
+    result = tpctl.run(["train", *FAMILY, "+model.family=gpt_bigcode", "mode=1d", "size=2"])
+    assert result.returncode == 2, result.stdout + result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("tpctl: error: invalid config: ") and "cannot shard module transformer.h.0.attn" in line
+    assert "1 key/value heads do not split 2 ways" in line and "multi-query" in line, line
+    assert not (tpctl.cwd / "outputs").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_family_trains_from_the_command_line_like_mode_none(tpctl):
+    import json
+    from pathlib import Path
+
+    def losses(mode: list[str], name: str) -> list[float]:
+        result = tpctl.run(["train", *FAMILY, "+model.family=gemma", *mode, "train.steps=5", "train.log_every=1",
+                            "train.eval_every=0", "optim.lr=1e-2", "optim.warmup_steps=0",
+                            f"hydra.run.dir={tpctl.cwd / name}"], timeout=400)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return [json.loads(line)["loss"] for line in Path(tpctl.cwd, name, "metrics.jsonl").read_text().splitlines()]
+
+    want = losses(["mode=none"], "none")
+    assert losses(["mode=2d", "size=4"], "2d") == pytest.approx(want, rel=1e-4)

@@ -1,0 +1,110 @@
+"""The package's shape (docs/ARCHITECTURE.md): every import inside tpctl/,
+lazy ones in functions included, goes to the importing module's own layer or
+a lower one, and no two modules of one layer import each other in a circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "tpctl"
+
+# Lowest first. A module's layer is its subpackage, or its own name at the top level.
+LAYERS = [
+    {"errors", "seeding", "schema"},
+    {"parallel"},
+    {"models"},
+    {"training"},
+    {"config"},
+    {"launch"},
+    {"cost"},
+    {"commands"},
+    {"cli", "__init__"},
+]
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")[1:] or ["__init__"]
+    return next(i for i, names in enumerate(LAYERS) if parts[0] in names)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """The tpctl modules `path` imports (a name imported from a package that
+    is itself a module counts as that module)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target == "tpctl" or target.startswith("tpctl."):
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    is_module = (PACKAGE.parent / sub.replace(".", "/")).with_suffix(".py").exists() or \
+                        (PACKAGE.parent / sub.replace(".", "/")).is_dir()
+                    found.add(sub if is_module else target)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name == "tpctl" or a.name.startswith("tpctl.")}
+    found.discard(name)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    return {module_name(p): imports_of(p) for p in PACKAGE.rglob("*.py")}
+
+
+def climbs(g: dict[str, set[str]]) -> list[str]:
+    return [f"{m} (layer {layer_of(m)}) imports {d} (layer {layer_of(d)})"
+            for m, deps in g.items() for d in deps if layer_of(d) > layer_of(m)]
+
+
+def find_circle(g: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of `g` (module -> modules it imports), or None."""
+    state: dict[str, int] = {}  # 1: on the path being walked, 2: done
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        state[m] = 1
+        for d in sorted(g.get(m, ())):
+            if state.get(d) == 1:
+                return path[path.index(d):] + [d]
+            if state.get(d) is None and (found := visit(d, path + [d])):
+                return found
+        state[m] = 2
+        return None
+
+    return next((c for m in sorted(g) if state.get(m) is None and (c := visit(m, [m]))), None)
+
+
+def test_every_module_has_a_layer_and_every_import_exists():
+    g = graph()
+    for name, deps in g.items():
+        layer_of(name)  # StopIteration for a module outside the map
+        assert deps <= set(g), f"{name} imports {sorted(deps - set(g))}, which do not exist"
+
+
+def test_no_import_climbs_to_a_higher_layer():
+    assert not climbs(graph()), "\n".join(climbs(graph()))
+
+
+def test_no_import_circle():
+    circle = find_circle(graph())
+    assert circle is None, "import circle: " + " -> ".join(circle)
+
+
+def test_the_checks_see_what_they_look_for():
+    assert climbs({"tpctl.parallel.mesh": {"tpctl.training.loop"}})
+    assert not climbs({"tpctl.training.loop": {"tpctl.parallel.mesh"}})
+    assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_circle({"a": {"b"}, "b": set()}) is None

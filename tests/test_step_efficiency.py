@@ -1,0 +1,126 @@
+"""A training step wastes nothing a plain PyTorch loop would not:
+
+  * host syncs: the loop reads the device at most once per logged step (the
+    loss, the gradient norm, a validation loss and the step-1 loss fetched
+    together), in every kind of layout (tensor-parallel, data-parallel);
+    counted with a TorchDispatchMode (every .item(), float(), bool() of a
+    tensor reaches aten._local_scalar_dense) and a patched Tensor.tolist;
+  * the gradient norm makes no copy of any gradient (foreach norms).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpctl.launch.pool import DistPool
+
+# A pool of 4 ranks: tensor parallelism, data parallelism and both.
+LAYOUTS = {"none-dp4": ("none", 1, 4), "1d-2-dp2": ("1d", 2, 2), "2d-4": ("2d", 4, 1)}
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    p = DistPool(4, timeout_s=180)
+    yield p
+    p.close()
+
+
+def _cfg(**overrides):
+    from omegaconf import OmegaConf
+
+    from tpctl.config import default_config
+
+    cfg = default_config()
+    base = {"model.n_embd": 16, "model.n_head": 4, "model.block_size": 16, "model.vocab_size": 256,
+            "data.name": "text", "data.max_bytes": 200_000, "train.batch_size": 8, "train.seq_len": 16,
+            "train.progress": False, "optim.warmup_steps": 2}
+    base.update(overrides)
+    for key, value in base.items():
+        OmegaConf.update(cfg, key, value)
+    return cfg
+
+
+class SyncCounter:
+    """Counts reads of a tensor's value by the host while active. The
+    optimizer's own reads are left out: AdamW keeps its step counters on the
+    host on every device (a plain loop makes the same reads, and they wait
+    for nothing)."""
+
+    def __init__(self, optimizer):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.count, self.in_optimizer = 0, False
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default and not counter.in_optimizer:
+                    counter.count += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        step = optimizer.step
+
+        def wrapped(*a, **k):
+            self.in_optimizer = True
+            try:
+                return step(*a, **k)
+            finally:
+                self.in_optimizer = False
+
+        optimizer.step = wrapped
+        self._tolist = torch.Tensor.tolist
+
+    def __enter__(self):
+        counter, tolist = self, self._tolist
+
+        def counting_tolist(t):
+            counter.count += 1
+            return tolist(t)
+
+        torch.Tensor.tolist = counting_tolist
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        torch.Tensor.tolist = self._tolist
+
+
+def _count_syncs(key: str, steps: int, log_every: int, eval_every: int) -> tuple[int, int]:
+    from tpctl.models import build_model
+    from tpctl.parallel import get_mode
+    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.mesh import init_mesh
+    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.training.loop import Trainer
+
+    mode_name, size, dp = LAYOUTS[key]
+    cfg = _cfg(mode=mode_name, size=size, dp=dp, **{"train.steps": steps, "train.log_every": log_every,
+                                                    "train.eval_every": eval_every, "train.eval_batches": 2})
+    mode = get_mode(init_mesh(cfg.mode, cfg.size, cfg.depth, cfg.dp, cfg.seed), cfg.seq_parallel)
+    model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode)
+    trainer = Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg)))
+    # The batches are read from host memory (token offsets drawn on the host
+    # generator): made beforehand, so that only the step's own reads count.
+    batches = {(split, k): list(trainer._micro_batches(split, k))
+               for split, n in (("train", steps), ("val", cfg.train.eval_batches)) for k in range(n)}
+    trainer._micro_batches = lambda split, k: iter(batches[(split, k)])
+    with SyncCounter(trainer.optimizer) as counter:
+        records = trainer.fit()
+    assert all(isinstance(r["loss"], float) and isinstance(r["grad_norm"], float) for r in records)
+    assert isinstance(trainer.first_loss, float)
+    return counter.count, len(records)
+
+
+@pytest.mark.parametrize("key", list(LAYOUTS))
+def test_one_host_sync_per_logged_step(pool4, key):
+    for count, logged in pool4.run(_count_syncs, key, 6, 3, 0):
+        assert logged == 2
+        assert count <= logged, f"{count} host syncs for {logged} logged steps"
+
+
+def test_evaluation_adds_no_sync(pool4):
+    for count, logged in pool4.run(_count_syncs, "2d-4", 4, 2, 2):
+        assert count <= logged == 2

@@ -1,0 +1,169 @@
+"""The start-up verification (parallel/verify.py): every mode passes it on
+tpctl's GPT and on Hugging Face Llama and GPT-2; a replacement whose
+arithmetic is broken on purpose, and a fused projection sliced in the wrong
+layout, are refused, naming the module or block. One pool of 8 gloo ranks
+serves every case; one slow CLI run checks the exit-2 line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cli_support import tpctl  # noqa: F401  (fixture)
+from conftest import layouts
+from tpctl.launch.pool import mode_of
+
+MESHES = layouts("none-dp8", "1d-2-dp4", "1d-2-sp-dp4", "2d-4-dp2", "2.5d-8-d2", "3d-8")
+VOCAB = 37
+
+
+def _model(name: str) -> torch.nn.Module:
+    """The model lazily built from its config, as a worker builds it."""
+    from omegaconf import OmegaConf
+
+    from tpctl.config import typed_model
+    from tpctl.models import build_model
+
+    if name in ("interleaved", "width_scaled"):
+        from tests import verify_models
+
+        torch.manual_seed(0)
+        return getattr(verify_models, name)(VOCAB, 16, 4, 2)
+    if name == "neox":
+        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+        torch.manual_seed(0)
+        return GPTNeoXForCausalLM(GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32,
+            max_position_embeddings=32, use_cache=False, bos_token_id=None, eos_token_id=None, pad_token_id=None))
+    sizes = {"gpt": {"n_head": 4, "n_embd": 16, "bias": True},
+             "llama": {"n_head": 8, "n_kv_head": 4, "n_embd": 32, "intermediate_size": 48, "tie_embeddings": False},
+             "gpt2": {"n_head": 4, "n_embd": 16, "tie_embeddings": True}}[name]
+    cfg = typed_model(OmegaConf.create({"arch": name, "vocab_size": VOCAB, "n_layer": 2, "block_size": 16,
+                                        "bias": False, **sizes}))
+    return build_model(cfg, seed=0, lazy=True)
+
+
+def _verify(key: str, name: str, plan=None, break_role: str = "", how: str = "") -> dict:
+    """Rewrite and verify model `name` in layout `key` on this rank; with
+    `break_role`, the mode's layer for that role broken on purpose (`how`)."""
+    from tpctl.parallel.verify import RewriteRefused, TOLERANCE, parallelize_verified
+
+    mode = mode_of(*MESHES[key])
+    model = _model(name)
+    if break_role:
+        convert = getattr(mode, f"convert_{break_role}")
+
+        def broken(module, ctx):
+            new = convert(module, ctx)
+            forward = new.forward
+            if how == "drop a scale":
+                new.forward = lambda *a, **k: forward(*a, **k) * 0.5
+            elif how == "skip the bias":
+                new.forward = lambda *a, **k: forward(*a, **k) - new.bias
+            return new
+
+        setattr(mode, f"convert_{break_role}", broken)  # on this instance; removed below
+    try:
+        model, report = parallelize_verified(model, mode, plan)
+        refusal = None
+    except RewriteRefused as e:
+        refusal, report = str(e), e.report
+    finally:
+        mode.__dict__.pop(f"convert_{break_role}", None)
+    checks = [] if report is None else report.checks
+    return {"refusal": refusal, "tolerance": TOLERANCE, "seconds": None if report is None else report.seconds,
+            "checks": {c.name: (c.kind, c.cls, c.diff, c.note, len(c.instances)) for c in checks}}
+
+
+@pytest.mark.parametrize("key", list(MESHES))
+@pytest.mark.parametrize("name", ["gpt", "llama", "gpt2"])
+def test_every_mode_passes_verification(pool, name, key):
+    results = pool.run(_verify, key, name)
+    for r in results:
+        assert r["refusal"] is None, r["refusal"]
+        if key.startswith("none"):  # nothing replaced, nothing to check
+            assert r["checks"] == {}
+            continue
+        checked = {n: c for n, c in r["checks"].items() if not c[3]}
+        blocks = [c for c in checked.values() if c[0] == "block"]
+        modules = [c for c in checked.values() if c[0] == "module"]
+        # Both decoder layers are one distinct block: checked once.
+        assert len(blocks) == 1 and blocks[0][4] == 2, r["checks"]
+        assert len(modules) >= 4, r["checks"]
+        assert {n for n, c in checked.items() if c[0] == "stage"} == {"embedding", "head"}
+        assert all(0 <= c[2] <= r["tolerance"] for c in checked.values()), checked
+    assert results[0]["checks"] == results[-1]["checks"], "ranks must agree on every difference"
+
+
+@pytest.mark.parametrize("key,role,how,module", [
+    ("2d-4-dp2", "embedding", "drop a scale", "wte"),
+    ("3d-8", "embedding", "drop a scale", "wte"),
+    ("1d-2-dp4", "embedding", "drop a scale", "wte"),
+    ("2d-4-dp2", "norm", "skip the bias", "blocks.0.ln_1"),
+    ("3d-8", "mlp_out", "skip the bias", "blocks.0.mlp.proj"),
+])
+def test_broken_replacement_is_refused_naming_the_module(pool, key, role, how, module):
+    for r in pool.run(_verify, key, "gpt", break_role=role, how=how):
+        assert r["refusal"] is not None, f"{how} in the {role} layer was not refused"
+        assert f"module {module} (" in r["refusal"], r["refusal"]
+        assert r["checks"][module][2] > 1e-2
+
+
+@pytest.mark.parametrize("key", ["1d-2-dp4", "2d-4-dp2", "2.5d-8-d2", "3d-8"])
+def test_fused_projection_in_the_wrong_layout_is_refused_at_the_block(pool, key):
+    """qkv sliced [q|k|v] while the forward reads it interleaved per head:
+    every module, qkv included, computes its own rows right; the block's
+    output is wrong."""
+    for r in pool.run(_verify, key, "interleaved"):
+        assert r["refusal"] is not None
+        assert "block blocks.0 (Layer)" in r["refusal"], r["refusal"]
+        kind, _, diff, _, _ = r["checks"]["blocks.0.attn.qkv"]
+        assert kind == "module" and diff <= r["tolerance"], "the module check alone cannot see a wrong layout"
+        assert r["checks"]["blocks.0"][2] > 1e-2
+
+
+@pytest.mark.parametrize("key", ["2d-4-dp2", "3d-8"])
+def test_wrong_arithmetic_around_the_modules_is_refused_at_the_embedding_stage(pool, key):
+    """The model's forward scales by the width of the table it finds: right
+    in every module and block, wrong only in the stage around them."""
+    for r in pool.run(_verify, key, "width_scaled"):
+        assert r["refusal"] is not None
+        assert "stage embedding (Interleaved)" in r["refusal"], r["refusal"]
+        assert all(c[2] <= r["tolerance"] for n, c in r["checks"].items() if c[0] != "stage"), r["checks"]
+
+
+# GPT-NeoX's query_key_value is interleaved per head; given as a plain "qkv"
+# role it is sliced [q|k|v], which the block check must refuse.
+NEOX_PLAN = {"*embed_in": "embedding", "*layernorm": "norm", "*layer_norm": "norm", "*query_key_value": "qkv",
+             "*attention.dense": "attn_out", "*dense_h_to_4h": "mlp_in", "*dense_4h_to_h": "mlp_out",
+             "lm_head": "lm_head", "embed_out": "lm_head"}
+
+
+@pytest.mark.parametrize("key", ["1d-2-dp4", "2d-4-dp2"])
+def test_gpt_neox_sliced_as_q_k_v_is_refused(pool, key):
+    pytest.importorskip("transformers")
+    for r in pool.run(_verify, key, "neox", NEOX_PLAN):
+        assert r["refusal"] is not None
+        assert "block gpt_neox.layers.0 (GPTNeoXLayer)" in r["refusal"], r["refusal"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cli_refuses_a_wrong_rewrite_with_one_line(tpctl, tmp_path):
+    result = tpctl.run(["train", "model=custom", "model._target_=tests.verify_models.interleaved", "+model.width=32",
+                        "mode=1d", "size=2", "train.steps=2", "train.seq_len=16", "train.progress=false",
+                        f"hydra.run.dir={tmp_path / 'run'}"], timeout=240)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1, result.stderr
+    line = errors[0]
+    assert line.startswith("tpctl: error: the rewrite for mode=1d size=2 is not the original model: block blocks.0 (Layer)")
+    assert "differs by" in line and "train.verify_rewrite=false" in line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists(), "refused before step 1"
+    # tpctl inspect runs the same check: a verified column, a row per block, exit 2.
+    shown = tpctl.run(["inspect", "model=custom", "model._target_=tests.verify_models.interleaved", "mode=1d", "size=2"],
+                      timeout=240)
+    assert shown.returncode == 2, shown.stdout[-2000:] + shown.stderr[-2000:]
+    assert "verified" in shown.stdout and "blocks.1 " in shown.stdout and "> tolerance" in shown.stdout
+    assert shown.stderr.strip().splitlines() == [line]

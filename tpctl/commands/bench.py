@@ -1,0 +1,140 @@
+"""`tpctl bench`: modes side by side on one model, batch and world.
+
+    tpctl bench model=gpt-tiny size=4 modes=[none,plain,1d,dtensor,2d] [steps=5] [rounds=3] [compile=true]
+                [device=cuda hardware=h100] [train.batch_size=16 ...]
+
+One pool of `size` gloo ranks runs every mode (and `dtensor`: PyTorch's own
+tensor parallelism, torch.distributed.tensor.parallel's ColwiseParallel /
+RowwiseParallel with loss_parallel on the same GPT, the same batch). Rounds
+alternate the modes, `steps` timed steps each, so that every mode sees the
+same load on a shared machine; the table gives the median step. `none` runs
+on rank 0 alone (the single-process reference the ratios are taken to), and
+so does `plain`: the same model trained by a plain PyTorch loop (the model
+as written, F.cross_entropy, torch.nn.utils.clip_grad_norm_, AdamW), what
+tpctl's mode=none must be as fast as ("x plain").
+
+device=cuda puts the ranks on the machine's GPUs (shared over gloo when
+there are fewer GPUs than ranks) and adds an MFU column: model FLOPs per
+token x tokens/s / the hardware profile's peak (bf16 peak at precision=bf16)
+over the ranks. compile=true compiles every mode's model (torch.compile).
+
+A step is a whole optimizer step: forward, parallel loss, backward, gradient
+sync, clipping, AdamW. Per rank: parameter + gradient + AdamW bytes measured
+from the tensors, communication bytes per step from comm.STATS, and the
+step time `tpctl plan` predicts with the `cpu` hardware profile beside the
+measured one.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tpctl.commands.options import integer, name_list, parse_options, refused, text
+from tpctl.cost.measure import BASELINE, DEFAULT_MODES, PLAIN, bench, check, mfu, predicted_ms
+from tpctl.errors import ConfigError
+
+
+def boolean(key: str, value: str) -> bool:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ConfigError(key, value, "expected true or false")
+
+
+def _parse(args: list[str]):
+    positive = integer(1, "expected a positive integer")
+    one_group = refused("tpctl bench takes modes=[...] and size=N (one tensor-parallel group, dp=1)")
+    opts, overrides = parse_options(args, {
+        "size": (None, positive), "modes": (None, name_list), "steps": (5, positive), "rounds": (3, positive),
+        "warmup": (2, integer(0, "expected a positive integer")), "depth": (None, positive), "hardware": ("cpu", text),
+        "mode": (None, one_group), "dp": (None, one_group), "compile": (False, boolean)}, flags=("--json",))
+    if opts["size"] is None:
+        raise ConfigError("size", "(missing)", "expected size=N, the number of ranks every mode runs on")
+    return opts, overrides
+
+
+def main(args: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__, end="")
+        return 0
+    try:
+        opts, overrides = _parse(args)
+        from tpctl.config import compose_jobs
+
+        cfg = compose_jobs(overrides)[0]
+        modes = opts["modes"] or DEFAULT_MODES
+        check(cfg, modes, opts["size"], opts["depth"])
+        from tpctl.cost.planner import load_hardware
+
+        load_hardware(opts["hardware"])
+        from tpctl.config import _check_backend
+
+        _check_backend(cfg)  # device=cuda needs a CUDA device (the ranks share it)
+        if opts["compile"]:
+            from tpctl.training.compile import preflight
+
+            problem = preflight("true", cfg.device)
+            if problem:
+                raise ConfigError("compile", "true", f"{problem}: run without compile=true")
+    except ConfigError as e:
+        print(f"tpctl: error: {e}", file=sys.stderr)
+        return 2
+    size = opts["size"]
+    results = bench(cfg, modes, size, opts["steps"], opts["rounds"], opts["warmup"], opts["depth"], compile=opts["compile"])
+    predicted = predicted_ms(cfg, [m for m in modes], size, opts["depth"], opts["hardware"])
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    if opts["json"]:
+        import json
+
+        from tpctl.cost.planner import load_hardware
+
+        hw = load_hardware(opts["hardware"])
+        print(json.dumps({m: {**r, "predicted_ms": predicted.get(m), "tokens_per_s": tokens / r["median_s"],
+                              "mfu": mfu(cfg, hw, r["median_s"], 1 if m in ("none", PLAIN) else size)}
+                          for m, r in results.items()}, indent=1))
+        return 0
+    print_table(results, predicted, cfg, size, opts)
+    return 0
+
+
+def print_table(results: dict, predicted: dict, cfg, size: int, opts: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from tpctl.cost.planner import load_hardware
+
+    m, t = cfg.model, cfg.train
+    tokens = t.batch_size * t.seq_len
+    ref, plain = results.get("none"), results.get(PLAIN)
+    cuda = cfg.device == "cuda"
+    hw = load_hardware(opts["hardware"])
+    title = (f"tpctl bench: {m.arch} {m.n_layer}x{m.n_embd} (vocab {m.vocab_size}), batch {t.batch_size} x seq {t.seq_len}, "
+             f"{size} ranks on {cfg.device}, {cfg.precision}{', compiled' if opts['compile'] else ''}, "
+             f"median of {opts['rounds']}x{opts['steps']} steps")
+    table = Table(title=title)
+    columns = ["mode", "ranks", "ms/step", "best ms", "tokens/s", "x none", "x plain", "comm MiB/step",
+               "params+grads+AdamW MiB/rank", "x none ", "step-1 loss", f"plan ms ({opts['hardware']})"]
+    if cuda:
+        columns.append(f"MFU ({opts['hardware']})")
+    for c in columns:
+        table.add_column(c, justify="left" if c == "mode" else "right")
+    for name, r in results.items():
+        mem = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
+        label = name + (" (torch TP)" if name == BASELINE else "")
+        speed = f"{ref['median_s'] / r['median_s']:.2f}" if ref else "-"
+        vs_plain = f"{plain['median_s'] / r['median_s']:.2f}" if plain else "-"
+        mem_ratio = f"{mem / (ref['param_bytes'] + ref['grad_bytes'] + ref['optim_bytes']):.2f}" if ref else "-"
+        comm_mib = "not counted" if name == BASELINE else f"{r['comm_bytes'] / 2**20:,.2f}"
+        ranks = 1 if name in ("none", PLAIN) else size
+        row = [label, str(ranks), f"{r['median_s'] * 1e3:,.1f}", f"{r['best_s'] * 1e3:,.1f}",
+               f"{tokens / r['median_s']:,.0f}", speed, vs_plain, comm_mib, f"{mem / 2**20:,.2f}", mem_ratio,
+               f"{r['first_loss']:.6f}", f"{predicted[name]:,.1f}" if predicted.get(name) is not None else "-"]
+        if cuda:
+            value = mfu(cfg, hw, r["median_s"], ranks)
+            row.append(f"{value:.3f}" if value is not None else "-")
+        table.add_row(*row)
+    console = Console(width=220)
+    console.print(table)
+    console.print("x none / x plain: speed-up (tokens/s) relative to mode=none on one rank and to a plain PyTorch loop "
+                  "(F.cross_entropy, clip_grad_norm_) on one rank; memory relative to none; comm: payload bytes "
+                  "handed to collectives by rank 0 (comm.py); plan ms: `tpctl plan`'s prediction"
+                  + ("; MFU: model FLOPs per token x tokens/s / (peak x ranks)." if cuda else "."))

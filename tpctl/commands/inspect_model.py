@@ -1,0 +1,178 @@
+"""`tpctl inspect [overrides]`: what the rewrite would do to a model, with no
+training and no workers.
+
+The model is built on the meta device, its roles resolved (a plan, its
+tp_plan, or traced from the forward) and every layer converted for rank 0 of
+the chosen mode without a process group, keeping only shapes. One table row
+per module with parameters or a role: the role and where it came from, the
+layer it becomes, this rank's shard shapes and bytes, and anything it cannot
+handle. Exit 2 (with the usual one-line error) when the mode cannot shard the
+model, as `tpctl train` would refuse it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tpctl.errors import ConfigError
+
+EXIT_OK, EXIT_USAGE = 0, 2
+
+
+def main(args: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in args):
+        print("usage: tpctl inspect [Hydra overrides]   e.g. tpctl inspect model=hf model.arch=llama mode=3d size=8\n"
+              "Shows each module's role, the layer it becomes, its shard shape and bytes per rank, and (unless\n"
+              "train.verify_rewrite=false) runs the start-up verification on `size` CPU ranks: the largest\n"
+              "difference of each distinct replaced module and block from the original; exit 2 if one differs.")
+        return EXIT_OK
+    from tpctl.config import compose_jobs, validate
+
+    try:
+        cfg = compose_jobs(args)[0]
+        validate(cfg, model_check=False)
+        rows, summary, problems = inspect_model(cfg)
+    except ConfigError as e:
+        print(f"tpctl: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    refusal, checks = None, None
+    if not problems and cfg.train.verify_rewrite and cfg.mode != "none":
+        refusal, checks = verify_in_pool(cfg)
+    _print(cfg, *_with_checks(rows, checks), summary)
+    if problems:
+        name, reason = next(iter(problems.items()))
+        what = cfg.model.get("_target_") or cfg.model.get("pretrained") or cfg.model.arch
+        print(f"tpctl: error: invalid config: model={what!r}: mode={cfg.mode} size={cfg.size} cannot shard module {name}: {reason}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if refusal is not None:
+        print(f"tpctl: error: {refusal}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_OK
+
+
+def verify_in_pool(cfg) -> tuple:
+    """(refusal line or None, the checks) of the start-up verification
+    (parallel/verify.py), run as training runs it: `size` ranks on CPU
+    (gloo), one tensor-parallel group."""
+    from tpctl.launch.pool import DistPool
+
+    pool = DistPool(cfg.size, timeout_s=max(600.0, cfg.launcher.collective_timeout_s))
+    try:
+        return pool.run(_verify_rank, cfg)[0]
+    finally:
+        pool.close()
+
+
+def _verify_rank(cfg) -> tuple:
+    from tpctl.launch.pool import mode_of
+    from tpctl.models import build_model
+    from tpctl.parallel.verify import RewriteRefused, parallelize_verified
+
+    mode = mode_of(cfg.mode, cfg.size, cfg.depth, 1, cfg.seq_parallel)
+    try:
+        _, report = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), mode, cfg.model.get("plan"))
+        return None, report.checks
+    except RewriteRefused as e:
+        return str(e), e.report.checks if e.report is not None else []
+
+
+def _with_checks(rows: list, checks) -> tuple[list, dict]:
+    """The table's rows with one row per block checked (before its first
+    module), and {module or block: the verification's verdict}."""
+    if checks is None:
+        return rows, {}
+    verdicts = {}
+    for c in checks:
+        text = c.note if c.note and c.diff == 0 else f"{c.diff:.1e}" + (f" ({c.note})" if c.note else "")
+        if c.failed:
+            text = f"[red]{text} > tolerance[/red]"
+        for name in c.instances:
+            verdicts[name] = text
+    out = list(rows)
+    for c in checks:
+        if c.kind == "stage":  # the model's own forward before the first block, after the last
+            row = (c.instances[0], c.cls, "stage", f"({c.name}: the model's forward)", "", 0, "")
+            out.insert(0 if c.name == "embedding" else len(out), row)
+        if c.kind != "block":
+            continue
+        for name in c.instances:
+            at = next((i for i, r in enumerate(out) if r[0].startswith(name + ".")), len(out))
+            out.insert(at, (name, c.cls, "block", "(its layers rewritten)", "", 0, ""))
+    return out, verdicts
+
+
+def inspect_model(cfg):
+    """(rows, summary, problems) for cfg.model in cfg's mode, seen from rank 0."""
+    import math
+
+    from tpctl.parallel.mesh import layout_mesh
+    from tpctl.models import build_checked, resolve_plan
+    from tpctl.parallel import get_mode
+    from tpctl.parallel.base import RewriteContext, check_plan
+
+    model = build_checked(cfg.model, cfg.seed)
+    from tpctl.parallel.layers import linearize
+
+    linearize(model)
+    plan = resolve_plan(model, cfg.model.get("plan"))
+    mode = get_mode(layout_mesh(cfg.mode, cfg.size, cfg.depth, cfg.dp), seq_parallel=cfg.seq_parallel)
+    problems = check_plan(plan, model, mode.geo)
+    ctx = RewriteContext(mode.mesh, shapes_only=True)
+    mode.layouts = dict(plan.layouts)  # measured layouts of fused projections (parallel/fused.py)
+    mode.prepare(model, plan)
+    rows, seen, whole, local = [], set(), 0, 0
+    for name, module in model.named_modules():
+        own = list(module.named_parameters(recurse=False))
+        role = plan.roles.get(name)
+        if not name or (role is None and not own and name not in problems):
+            continue
+        new, note = module, problems.get(name, "")
+        if role is not None and name not in problems:
+            ctx.name = name
+            new = mode.convert(role, module, ctx)
+        shapes, nbytes = [], 0
+        # (a module kept with its own forward may hold a shard now: OPT's position table)
+        for (attr, original), (_, p) in zip(own, new.named_parameters(recurse=False)):
+            first = id(original) not in seen
+            seen.add(id(original))
+            shapes.append(f"{attr} {tuple(p.shape)}" + ("" if first else " (tied)"))
+            if first:
+                nbytes += p.numel() * p.element_size()
+                whole += math.prod(original.shape) * original.element_size()
+        local += nbytes
+        if role is None and own and not note:
+            note = "kept whole (replicated)" if mode.name in ("none", "1d") else "no role"
+        if name in plan.layouts and not note:
+            note = f"fused: {plan.layouts[name].describe()}"
+        rows.append((name, type(module).__name__, role or "", type(new).__name__ if new is not module else "(unchanged)",
+                     ", ".join(shapes), nbytes, note))
+    summary = {"roles from": {"inferred": "traced forward", "tp_plan": "the model's tp_plan", "plan": "model.plan"}[plan.source],
+               "whole model": whole, "per rank": local, "heads": {k: (h.heads, h.kv_heads, h.head_dim) for k, h in plan.heads.items()}}
+    return rows, summary, problems
+
+
+def _print(cfg, rows, verdicts: dict, summary) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    what = cfg.model.get("_target_") or cfg.model.get("pretrained") or cfg.model.arch
+    mib = lambda n: f"{n / 2**20:,.2f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"  # noqa: E731
+    title = (f"{what}: mode={cfg.mode} size={cfg.size}" + (f" depth={cfg.depth}" if cfg.mode == "2.5d" else "")
+             + (" seq_parallel" if cfg.seq_parallel else "") + f" -- rank 0, roles from {summary['roles from']}")
+    table = Table(title=title, caption=f"parameters: {mib(summary['whole model'])} whole, {mib(summary['per rank'])} on rank 0 "
+                  f"({summary['whole model'] / max(summary['per rank'], 1):.2f}x less)")
+    columns = ["module", "type", "role", "becomes", "shard shape on rank 0", "bytes", "note"]
+    if verdicts:  # the start-up verification's largest difference, relative to the tensor's scale
+        columns.insert(6, "verified")
+    for column in columns:
+        table.add_column(column, overflow="fold", justify="right" if column == "bytes" else "left")
+    for name, kind, role, becomes, shapes, nbytes, note in rows:
+        note = escape(note)  # a fused layout's "[q|k|v]" is not markup
+        cells = [name, kind, role, becomes, shapes, mib(nbytes) if nbytes else "",
+                 f"[red]{note}[/red]" if note and note != "kept whole (replicated)" and not note.startswith("fused:") else note]
+        if verdicts:
+            cells.insert(6, verdicts.get(name, ""))
+        table.add_row(*cells)
+    Console(width=max(160, Console().width)).print(table)

@@ -1,0 +1,114 @@
+"""`tpctl plan --calibrate`: fit the CPU hardware profile from a short probe.
+
+Two measurements on this machine, with the ranks tpctl would run (gloo, one
+thread per rank):
+Both take the best of 10 repetitions: the machine's speed when the load it
+shares (other sessions, other jobs) lets it run; `tpctl bench` shows the
+best step beside the median for the comparison.
+  * compute: the best step of `mode=none` on one rank for the configured
+    model and batch; peak_flops = the plan's FLOPs of that step / its time
+    (so everything that scales with the model -- norms, softmax, AdamW -- is
+    folded into one effective rate);
+  * communication: all-reduces of 4 B .. 4 MiB over `world` ranks (default 4);
+    a least-squares line through (wire bytes, time) gives the bandwidth
+    (slope) and the latency per ring step (intercept / ring steps).
+The fitted numbers are written to configs/hardware/<hardware>.yaml.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import time
+
+
+
+def _probe(cfg_dict: dict, sizes: list[int], reps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from . import measure
+
+    out = {}
+    if dist.get_rank() == 0:  # one rank alone, as a mode=none run
+        measure.setup("none", cfg_dict, 1, None)
+        st = measure.rank_state["none"]
+        times = []
+        for k in range(reps + 2):
+            t0 = time.perf_counter()
+            measure.loss_and_step(st, "none")
+            if k >= 2:
+                times.append(time.perf_counter() - t0)
+        measure.rank_state.pop("none")
+        out["none_s"] = min(times)
+    dist.barrier()
+    world = dist.get_world_size()
+    out["all_reduce"] = []
+    for n in sizes:
+        buf = torch.ones(n)
+        times = []
+        for _ in range(reps + 2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            times.append(time.perf_counter() - t0)
+        times = times[2:]
+        out["all_reduce"].append((n * 4, min(times), world))
+    return out
+
+
+def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
+    """Probe `world` gloo ranks with the config of `overrides`; write the profile."""
+    import yaml
+
+    from tpctl.config import compose_jobs
+    from tpctl.parallel.geometry import geometry
+    from .planner import HARDWARE_DIR, WIRE_FACTOR, Split, model_shape, plan_split
+    from tpctl.launch.pool import DistPool
+
+    from omegaconf import OmegaConf
+
+    cfg = compose_jobs(overrides)[0]
+    sizes = [1, 1024, 16384, 262144, 1048576]
+    pool = DistPool(world, timeout_s=300)
+    try:
+        result = pool.run(_probe, OmegaConf.to_container(cfg, resolve=True), sizes, 10)[0]
+    finally:
+        pool.close()
+    shape = model_shape(cfg.model, cfg.seed)
+    flops = plan_split(shape, Split("none", 1), geometry("none", 1), cfg.train.batch_size, cfg.train.seq_len).flops
+    peak = flops / result["none_s"]
+    xs = [WIRE_FACTOR["all_reduce"](p) * b for b, _, p in result["all_reduce"]]
+    ys = [t for _, t, _ in result["all_reduce"]]
+    # A least-squares line through (wire bytes, time): gloo on loopback is
+    # not one latency plus one bandwidth (small messages switch algorithms),
+    # so the line fits the KB..MB messages a model sends, not the 4 B one.
+    steps = 2 * (world - 1)
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    intercept = max(my - slope * mx, ys[0])
+    latency, bw = intercept / steps, 1.0 / slope
+    fit = [intercept + x * slope for x in xs]
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    m = cfg.model
+    profile = {
+        "peak_flops": float(f"{peak:.4g}"), "efficiency": 1.0, "ranks_per_node": 1024,
+        "cores": os.cpu_count() or 1,
+        "intra_bw": float(f"{bw:.4g}"), "intra_latency": float(f"{latency:.4g}"),
+        "inter_bw": float(f"{bw:.4g}"), "inter_latency": float(f"{latency:.4g}"),
+        "note": (f"calibrated {when} by tpctl plan --calibrate: mode=none step of {m.arch} {m.n_layer}x{m.n_embd} "
+                 f"batch {cfg.train.batch_size}x{cfg.train.seq_len} took {result['none_s'] * 1e3:.1f} ms; "
+                 f"gloo all-reduce over {world} ranks, {sizes[0] * 4} B..{sizes[-1] * 4 // 2**20} MiB"),
+    }
+    path = HARDWARE_DIR / f"{hardware}.yaml"
+    header = ("# This machine: CPU ranks over gloo (TCP on loopback), one thread per rank, one node.\n"
+              "# Written by `tpctl plan --calibrate` (see its note); compute slows by world/cores when\n"
+              "# more ranks than cores share the machine.\n")
+    path.write_text(header + yaml.safe_dump(profile, sort_keys=False))
+    print(f"compute: {flops / 1e9:.3f} GFLOP per mode=none step in {result['none_s'] * 1e3:.1f} ms -> {peak / 1e9:.2f} GFLOP/s per rank")
+    for (b, t, p), f in zip(result["all_reduce"], fit):
+        print(f"all_reduce {b:>9,} B over {p} ranks: {t * 1e6:9.1f} us  (fit: {f * 1e6:9.1f} us)")
+    print(f"fit: bandwidth {bw / 1e9:.3f} GB/s per rank, latency {latency * 1e6:.1f} us per ring step")
+    print(f"wrote {path}")
+    return 0

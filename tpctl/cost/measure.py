@@ -1,0 +1,360 @@
+"""The measuring engine behind `tpctl bench` (tpctl/commands/bench.py):
+one pool of gloo ranks runs every mode on the same model and batch, rounds
+alternating the modes so that every mode sees the same load. `setup`,
+`loss_and_step` and friends run on the ranks (state kept per process: the
+pool's processes live through the run); `bench` drives them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Optional
+
+from tpctl.errors import ConfigError
+
+BASELINE = "dtensor"
+# The same model trained by a plain PyTorch loop: no tpctl layer, F.cross_entropy,
+# torch.nn.utils.clip_grad_norm_ (the loop tpctl must be as fast as).
+PLAIN = "plain"
+DEFAULT_MODES = ["none", PLAIN, "1d", BASELINE, "2d"]
+
+
+def _split_for(mode: str, size: int, depth: Optional[int]):
+    """(tpctl mode, size, depth, seq_parallel) of a bench mode name."""
+    from tpctl.parallel.geometry import exact_root
+
+    if mode in ("none", PLAIN):
+        return "none", 1, 1, False
+    if mode in ("1d", BASELINE):
+        return "1d", size, 1, False
+    if mode in ("1d+sp", "1d-sp"):
+        return "1d", size, 1, True
+    if mode == "2.5d":
+        if depth is None:  # the smallest depth > 1 that leaves a square
+            depth = next((d for d in range(2, size) if size % d == 0 and exact_root(size // d, 2)), 1)
+        return "2.5d", size, depth, False
+    return mode, size, 1, False
+
+
+def check(cfg, modes: list[str], size: int, depth: Optional[int]) -> None:
+    from omegaconf import OmegaConf
+
+    from tpctl.parallel.geometry import validate_parallel
+
+    valid = ["none", PLAIN, "1d", "1d+sp", BASELINE, "2d", "2.5d", "3d"]
+    for m in modes:
+        if m not in valid:
+            raise ConfigError("modes", m, f"expected a list of {', '.join(valid)}")
+        mode, msize, mdepth, sp = _split_for(m, size, depth)
+        probe = OmegaConf.to_container(cfg, resolve=True)
+        probe.update(mode=mode, size=msize, depth=mdepth, dp=1, seq_parallel=sp)
+        validate_parallel(OmegaConf.create(probe))
+    if cfg.model.arch != "gpt" and BASELINE in modes:
+        raise ConfigError("modes", BASELINE, f"the DTensor baseline is written for model.arch=gpt, not {cfg.model.arch}")
+
+
+# --------------------------------------------------------------------------
+# On the ranks (state kept per process: the pool's processes live through the run)
+
+rank_state: dict[str, dict] = {}
+
+
+def _device(cfg):
+    """This rank's device: the CPU, or with device=cuda a GPU (ranks share
+    the machine's GPUs over gloo, as launcher.backend=gloo does)."""
+    import torch
+    import torch.distributed as dist
+
+    if cfg.device != "cuda":
+        return torch.device("cpu")
+    gpu = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(gpu)
+    return gpu
+
+
+def _none_mesh(device=None):
+    """A one-rank mesh for mode=none on rank 0 of a bigger world."""
+    import torch
+
+    from tpctl.parallel.geometry import geometry
+    from tpctl.parallel.mesh import Mesh
+
+    mesh = Mesh(geo=geometry("none", 1), rank=0, world_size=1, dp_size=1, dp_rank=0, tp_rank=0,
+                coords={"p": 0}, device=device or torch.device("cpu"))
+    mesh.groups, mesh.group_ranks = {"tp": None, "dp": None}, {"tp": [0], "dp": [0]}
+    mesh.rng_shared = torch.Generator(device=mesh.device).manual_seed(0)
+    mesh.rng_local = torch.Generator(device=mesh.device).manual_seed(1)
+    return mesh
+
+
+def setup(name: str, cfg_dict: dict, size: int, depth: Optional[int], compile: bool = False) -> dict:
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from tpctl.models import build_model
+    from tpctl.training.loop import build_optimizer
+
+    cfg = OmegaConf.create(cfg_dict)
+    mode, msize, mdepth, sp = _split_for(name, size, depth)
+    rank = dist.get_rank()
+    device = _device(cfg)
+    if name == BASELINE:
+        st = _setup_dtensor(cfg, size)
+    elif name in ("none", PLAIN):
+        if rank != 0:
+            rank_state[name] = {"idle": True}
+            return {}
+        if name == PLAIN:  # the model as written: no rewrite, no tpctl layer
+            st = {"model": build_model(cfg.model, cfg.seed).to(device)}
+        else:
+            from tpctl.parallel.base import parallelize
+            from tpctl.parallel.none import NoParallel
+
+            tp = NoParallel(_none_mesh(device))
+            st = {"tp": tp, "model": parallelize(build_model(cfg.model, cfg.seed, lazy=True), tp).to(device)}
+    else:
+        from tpctl.parallel import init_parallel
+        from tpctl.parallel.base import parallelize
+
+        tp = init_parallel(mode=mode, size=msize, depth=mdepth, dp=1, seed=cfg.seed, seq_parallel=sp, device=device)
+        st = {"tp": tp, "model": parallelize(build_model(cfg.model, cfg.seed, lazy=True), tp).to(device)}
+    if compile:
+        from tpctl.parallel import comm
+        from tpctl.training.compile import backend
+
+        comm.keep_collectives_eager()
+        st["model"].compile(backend=backend())
+    st["opt"] = build_optimizer(st["model"], cfg.optim)
+    st["cfg"], st["device"] = cfg, device
+    g = torch.Generator().manual_seed(cfg.seed)
+    st["ids"] = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1), generator=g).to(device)
+    st["times"], st["comm"] = [], []
+    rank_state[name] = st
+    return {"param_bytes": sum(p.numel() * p.element_size() for p in st["model"].parameters())}
+
+
+def _setup_dtensor(cfg, size: int) -> dict:
+    """PyTorch's TP on the same GPT: qkv and fc column-parallel, the
+    projections row-parallel, the embedding vocab-parallel (Rowwise on
+    nn.Embedding), the LM head column-parallel with sharded logits for
+    loss_parallel. The fused qkv rows are reordered first (as tpctl's
+    fused_block does), so each rank's contiguous block is [q_p | k_p | v_p]:
+    whole heads, the same math as the model."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from tpctl.models import build_model
+    from tpctl.parallel.shard import fused_block
+
+    model = build_model(cfg.model, cfg.seed)
+    mesh = init_device_mesh("cpu", (size,))
+    n = 3 * cfg.model.n_embd
+    order = torch.cat([torch.arange(a, b) for p in range(size) for a, b in fused_block(n, 3, size, size, p)])
+    plan = {"wte": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    for i, block in enumerate(model.blocks):
+        with torch.no_grad():
+            block.attn.qkv.weight.copy_(block.attn.qkv.weight[order])
+            if block.attn.qkv.bias is not None:
+                block.attn.qkv.bias.copy_(block.attn.qkv.bias[order])
+        plan.update({f"blocks.{i}.attn.qkv": ColwiseParallel(), f"blocks.{i}.attn.proj": RowwiseParallel(),
+                     f"blocks.{i}.mlp.fc": ColwiseParallel(), f"blocks.{i}.mlp.proj": RowwiseParallel()})
+    tied = cfg.model.tie_embeddings
+    parallelize_module(model, mesh, plan)
+    if tied:  # parallelize_module made two parameters of the tied one
+        model.lm_head.weight = model.wte.weight
+    return {"model": model, "mesh": mesh}
+
+
+def loss_and_step(st: dict, name: str) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    cfg, model, opt = st["cfg"], st["model"], st["opt"]
+    x, y = st["ids"][:, :-1], st["ids"][:, 1:]
+    opt.zero_grad(set_to_none=True)
+    if name == PLAIN:
+        with _autocast(cfg, st["device"]):
+            logits = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        st["loss"] = loss.item()  # the number a plain loop logs: one sync, as below
+    elif name == BASELINE:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        logits = model(x)
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            loss.backward()
+        st["loss"] = loss.full_tensor().item()
+        # the global norm: each shard once, replicated tensors once
+        sharded = torch.zeros((), dtype=torch.float64)
+        replicated = torch.zeros((), dtype=torch.float64)
+        for p in model.parameters():
+            if isinstance(p.grad, DTensor):
+                sharded += p.grad.to_local().double().pow(2).sum()
+            elif p.grad is not None:
+                replicated += p.grad.double().pow(2).sum()
+        torch.distributed.all_reduce(sharded, group=st["mesh"].get_group())
+        norm = (sharded + replicated).sqrt().item()
+        coef = cfg.optim.grad_clip / (norm + 1e-6)
+        if cfg.optim.grad_clip > 0 and coef < 1:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    else:
+        tp = st["tp"]
+        with _autocast(cfg, st["device"]):
+            logits = model(tp.shard_batch(x))
+            loss_sum = tp.cross_entropy(logits, tp.shard_targets(y), cfg.model.vocab_size).sum()
+        (loss_sum / y.numel()).backward()
+        tp.sync_grads(model)
+        tp.clip_grads(model, cfg.optim.grad_clip)  # on the device: no sync
+        # the number a trainer logs (a one-rank none run has no world to reduce over)
+        st["loss"] = (loss_sum.item() / y.numel() if name == "none" else tp.global_mean(loss_sum, y.numel()))
+    opt.step()
+
+
+def _autocast(cfg, device):
+    from tpctl.training.loop import autocast
+
+    return autocast(device, cfg.precision)
+
+
+def _run(name: str, steps: int, record: bool) -> None:
+    import torch.distributed as dist
+
+    from tpctl.parallel import comm
+
+    st = rank_state[name]
+    for _ in range(steps):
+        dist.barrier()  # every mode's step starts with all ranks ready
+        comm.STATS.reset()
+        t0 = time.perf_counter()
+        if not st.get("idle"):
+            loss_and_step(st, name)
+            if st["device"].type == "cuda":
+                import torch
+
+                torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        if not st.get("idle"):
+            st.setdefault("first_loss", st["loss"])
+        if record and not st.get("idle"):
+            st["times"].append(elapsed)
+            st["comm"].append(comm.STATS.total_bytes())
+    dist.barrier()
+
+
+def _collect(name: str) -> dict:
+    import torch
+
+    st = rank_state.pop(name)
+    if st.get("idle"):
+        return {}
+    model, opt = st["model"], st["opt"]
+
+    def nbytes(t):
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        return t.numel() * t.element_size()
+
+    params = sum(nbytes(p) for p in model.parameters())
+    state = sum(nbytes(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    return {"times": st["times"], "first_loss": st.get("first_loss"), "comm_bytes": st["comm"][-1] if st["comm"] else 0,
+            "param_bytes": params, "grad_bytes": params, "optim_bytes": state}
+
+
+# --------------------------------------------------------------------------
+# The measurement
+
+
+def bench(cfg, modes: list[str], size: int, steps: int, rounds: int, warmup: int,
+          depth: Optional[int] = None, timeout_s: float = 600, compile: bool = False) -> dict[str, dict]:
+    from omegaconf import OmegaConf
+
+    from tpctl.launch.pool import DistPool
+
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    pool = DistPool(size, timeout_s=timeout_s)
+    try:
+        for m in modes:
+            pool.run(setup, m, cfg_dict, size, depth, compile)
+            pool.run(_run, m, warmup, False)
+        for _ in range(rounds):  # alternate: every mode sees the same load
+            for m in modes:
+                pool.run(_run, m, steps, True)
+        results = {}
+        for m in modes:
+            per_rank = pool.run(_collect, m)
+            r = per_rank[0]
+            # a step ends when its slowest rank is done: the max over ranks
+            times = [max(rr["times"][k] for rr in per_rank if rr) for k in range(len(r["times"]))]
+            r["times"] = times
+            r["median_s"] = statistics.median(times)
+            r["best_s"] = min(times)
+            results[m] = r
+        return results
+    finally:
+        pool.close()
+
+
+def flops_per_token(cfg) -> float:
+    """Model FLOPs per trained token (forward and backward): 6 per weight
+    of the matmuls (every parameter but the position table), plus attention's
+    scores and mix, 12 * layers * width * sequence (as PaLM's MFU counts)."""
+    from .planner import model_shape
+
+    import math
+
+    shape = model_shape(cfg.model, cfg.seed)
+    weights = sum(math.prod(p.shape) for p in shape.params if p.role != "pos_embedding")
+    return 6.0 * weights + 12.0 * shape.attention_layers * shape.n_embd * cfg.train.seq_len
+
+
+def mfu(cfg, hw, median_s: float, ranks: int) -> Optional[float]:
+    """Model FLOPs utilisation of `ranks` devices of profile `hw` at the
+    measured step time (the bf16 peak at precision=bf16, where known)."""
+    peak = hw.peak_flops_bf16 if cfg.precision == "bf16" and hw.peak_flops_bf16 else hw.peak_flops
+    if not peak:
+        return None
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    return flops_per_token(cfg) * tokens / median_s / (peak * ranks)
+
+
+def predicted_ms(cfg, modes, size, depth, hardware: str) -> dict[str, Optional[float]]:
+    """`tpctl plan`'s predicted step time of each mode on `hardware`."""
+    from tpctl.parallel.geometry import geometry
+    from .planner import Split, load_hardware, model_shape, plan_split, predict
+
+    hw = load_hardware(hardware)
+    shape = model_shape(cfg.model, cfg.seed)
+    out = {}
+    for m in modes:
+        mode, msize, mdepth, sp = _split_for(m, size, depth)
+        geo = geometry(mode, msize, mdepth)
+        p = plan_split(shape, Split(mode, msize, mdepth, 1, sp), geo, cfg.train.batch_size, cfg.train.seq_len)
+        out[m] = predict(p, geo, hw).step_time_s * 1e3
+    return out
+
+
+def peak_allocated_bytes(fn) -> int:
+    """Peak of live bytes torch allocated (and had not yet freed) while `fn`
+    ran, from the profiler's allocation events (CPU and CUDA alike, which
+    RSS cannot tell)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = top = 0
+    for _, nbytes in events:
+        live += nbytes
+        top = max(top, live)
+    return top

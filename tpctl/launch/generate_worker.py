@@ -1,0 +1,85 @@
+"""One rank of `tpctl generate`; started by the launcher (launch/local.py)
+as `python -u -m tpctl.launch.generate_worker <dir>/config.yaml`, like a
+training worker. It reads the resolved config and, beside it, generate.json
+(the prompt's ids and the sampling settings the command checked); builds and
+rewrites the model as training does, loads the checkpoint into this layout
+(or reads the pretrained shards), and decodes (training/generation.py).
+Rank 0 streams the text to stdout as tokens come and writes generated.json."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from .worker import die_with_parent, init_distributed, setup_logging
+
+OPTIONS = "generate.json"
+RESULT = "generated.json"
+
+
+@record
+def run(argv: list[str] | None = None) -> None:
+    from tpctl.config import load_worker_config
+    from tpctl.models import build_model
+    from tpctl.parallel import init_parallel
+    from tpctl.parallel.base import parallelize
+    from tpctl.training import checkpoint
+    from tpctl.training.generation import TextStream, Tokenizer, generate, stop_ids
+    from tpctl.training.loop import autocast
+
+    config_path = Path((argv if argv is not None else sys.argv[1:])[0])
+    run_dir = config_path.parent
+    cfg = load_worker_config(config_path)
+    opts = json.loads((run_dir / OPTIONS).read_text())
+    device = init_distributed(cfg.device, cfg.launcher.collective_timeout_s)
+    setup_logging(run_dir, dist.get_rank())
+    mode = init_parallel(cfg.mode, cfg.size, cfg.depth, cfg.dp, cfg.seed, False, device)
+    mesh = mode.mesh
+    model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode, cfg.model.get("plan")).to(device)
+    if opts.get("checkpoint"):
+        path = Path(opts["checkpoint"])
+        # The command has verified the checksums once; the ranks read.
+        checkpoint.load(path, model, None, mesh, checkpoint.verify(path, checksums=False), cfg.seed)
+    tokenizer = Tokenizer(cfg.data.tokenizer)
+    stream = TextStream(tokenizer)
+    quiet = opts.get("quiet", False)
+    show = mesh.rank == 0 and not quiet
+
+    def on_token(token: int) -> None:
+        if show:
+            print(stream.push(token), end="", flush=True)
+
+    if show:
+        print(opts["prompt"], end="", flush=True)
+    started = time.perf_counter()
+    with autocast(device, cfg.precision):
+        new = generate(model, mode, opts["prompt_ids"], opts["max_new_tokens"], opts["temperature"], opts["top_k"],
+                       opts["seed"], vocab_limit=tokenizer.vocab_size, stop=sorted(stop_ids(model, tokenizer)),
+                       on_token=on_token)
+    elapsed = time.perf_counter() - started
+    if mesh.rank == 0:
+        if show:
+            print(stream.flush(), flush=True)
+        result = {"prompt": opts["prompt"], "prompt_ids": opts["prompt_ids"], "ids": new,
+                  "text": tokenizer.decode(new), "tokens": len(new), "time_s": elapsed,
+                  "tokens_per_s": len(new) / elapsed if elapsed > 0 else None,
+                  "mode": cfg.mode, "size": cfg.size}
+        (run_dir / RESULT).write_text(json.dumps(result) + "\n")
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    die_with_parent()
+    try:
+        run(argv)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

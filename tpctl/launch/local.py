@@ -1,0 +1,279 @@
+"""Start `size × dp` workers on this node through torchrun's Python API, wait,
+and report which rank failed and why (docs/DESIGN.md, section 2).
+
+Each worker runs `python -u -m tpctl.launch.worker <run dir>/config.yaml`: it reads the
+resolved config (`tpctl.config.load_worker_config`) and never runs Hydra; its
+run dir is the folder holding that file. torchrun's environment (RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) tells it who it is.
+
+Test hook: the environment variable TPCTL_WORKER_MODULE (or launch's
+`worker_module` argument) names another module to run instead of tpctl.launch.worker,
+e.g. `tests.fake_worker`, so the launcher can be tested on its own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+WORKER_MODULE = "tpctl.launch.worker"
+WORKER_MODULE_ENV = "TPCTL_WORKER_MODULE"
+# Seconds the workers get to exit after SIGINT/SIGTERM before SIGKILL.
+SHUTDOWN_TIMEOUT_S = 10
+
+
+def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = None) -> int:
+    """Run the workers of one training run; return the exit status for tpctl:
+    0 when every rank finished, 1 when a rank failed, 128+signal (130 for
+    Ctrl-C) when the launcher was interrupted. Workers never outlive it."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    run_dir = Path(run_dir)
+    module = worker_module or os.environ.get(WORKER_MODULE_ENV) or WORKER_MODULE
+    if not _module_exists(module):  # else every rank would fail with the same ImportError
+        print(f"tpctl: error: worker module {module!r} not found (check {WORKER_MODULE_ENV})", file=sys.stderr)
+        return 1
+    lc = cfg.launcher
+    nproc = cfg.size * cfg.dp // lc.nnodes
+    if lc.nnodes > 1 or lc.rdzv_endpoint:
+        endpoint = lc.rdzv_endpoint
+        # Every node must name the same job; the endpoint is the same on all.
+        run_id = lc.rdzv_id or f"tpctl-{endpoint.replace(':', '-')}"
+    else:
+        addr = lc.master_addr
+        endpoint = f"{addr}:{lc.master_port or free_port(addr)}"
+        run_id = lc.rdzv_id or f"tpctl-{uuid.uuid4().hex[:12]}"
+    if lc.nnodes > 1:
+        print(f"tpctl: {node_layout(cfg)}", file=sys.stderr, flush=True)
+    if lc.node_rank > 0:
+        problem = wait_for_rendezvous_host(endpoint, lc.rdzv_timeout_s)
+        if problem:
+            print(f"tpctl: error: node {lc.node_rank} of {lc.nnodes}: {problem}", file=sys.stderr)
+            return 1
+    if cfg.device == "cuda" and lc.get("backend", "auto") == "gloo":
+        print(f"tpctl: launcher.backend=gloo with device=cuda: {nproc} ranks share this machine's GPU(s); "
+              "for testing every mode on few GPUs, not for speed", file=sys.stderr, flush=True)
+
+    # torchrun's CLI sets this; its Python API does not. Without it every
+    # worker starts one thread per core and they fight over the cores.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if cfg.launcher.max_restarts > 0:
+        # By default the agent's rendezvous store is shared with the workers
+        # and outlives a restart, so a restarted rank can read the address
+        # a dead rank of the previous attempt published and fail to connect
+        # (gloo: "Connection refused"). Opting out gives each attempt a fresh
+        # store hosted by its rank 0.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # The agent logs every step of its life, and each failure in its own
+    # format; tpctl reports failures itself, one line per rank (below).
+    # torch sets a level on each of its loggers, so the parent's is not enough.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+    agent_dir = tempfile.mkdtemp(prefix="tpctl-agent-")
+    config = launch_config(LaunchConfig, DefaultLogsSpecs, cfg, agent_dir, nproc, endpoint, run_id)
+    # torch installs its own SIGINT/SIGTERM handlers while workers run
+    # (they raise SignalException and stop the workers); put ours back after.
+    saved_handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        elastic_launch(config, sys.executable)("-u", "-m", module, str(run_dir / "config.yaml"))
+        return 0
+    except ChildFailedError as e:
+        refusal = refused(e.failures)
+        if refusal is not None:  # the workers refused to train (e.g. an unproven rewrite): as a bad config
+            print(f"tpctl: error: {refusal}", file=sys.stderr)
+            return 2
+        report_failures(e.failures, run_dir)
+        return 1
+    except RendezvousError as e:
+        # Another node never came (timeout) or the rendezvous host (node 0)
+        # went away mid-run; the agent has stopped this node's workers.
+        if isinstance(e, RendezvousTimeoutError):
+            who = "the other nodes" if lc.node_rank == 0 else "node 0 is running, but not every node"
+            what = (f"no job with all {lc.nnodes} nodes formed at {endpoint}: {who} joined within "
+                    f"launcher.rdzv_timeout_s={lc.rdzv_timeout_s} (start every node with the same launcher settings)")
+        else:
+            what = (f"lost the rendezvous at {endpoint}" + (" (did node 0 stop?)" if lc.node_rank > 0 else ""))
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"tpctl: error: node {lc.node_rank} of {lc.nnodes}: {what}: {type(e).__name__}: {reason}", file=sys.stderr)
+        return 1
+    except SignalException as e:
+        print(f"tpctl: interrupted by {signal.Signals(e.sigval).name}; workers stopped", file=sys.stderr)
+        return 128 + int(e.sigval)
+    except KeyboardInterrupt:  # before the workers started: nothing to stop
+        print("tpctl: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except Exception as e:  # the agent itself failed (e.g. node 0 cannot listen at the endpoint): one line
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"tpctl: error: node {lc.node_rank} of {lc.nnodes}: starting the workers failed at {endpoint}: "
+              f"{type(e).__name__}: {reason}", file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(agent_dir, ignore_errors=True)
+        for sig, handler in saved_handlers.items():
+            signal.signal(sig, handler)
+
+
+def launch_config(LaunchConfig, DefaultLogsSpecs, cfg: Any, agent_dir: str, nproc: int, endpoint: str, run_id: str):
+    """torchrun's LaunchConfig for this node. Only keywords every supported
+    torch has are passed as such; newer ones go through `accepted`."""
+    lc = cfg.launcher
+    # torch >= 2.12: how long stopped workers get before SIGKILL (older
+    # agents have their own fixed grace period).
+    optional = accepted(LaunchConfig, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    return LaunchConfig(
+        min_nodes=lc.nnodes,
+        max_nodes=lc.nnodes,
+        nproc_per_node=nproc,
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        # Node 0 hosts the rendezvous store; the others only connect (on one
+        # machine, two "nodes" would otherwise both try to host it).
+        rdzv_configs={"is_host": lc.node_rank == 0, "join_timeout": lc.rdzv_timeout_s},
+        run_id=run_id,
+        max_restarts=cfg.launcher.max_restarts,
+        monitor_interval=cfg.launcher.monitor_interval_s,
+        start_method="spawn",
+        # The agent's own files (error.json of a failed rank, which the
+        # failure lines are read from) go to `agent_dir`, a temp dir the
+        # launcher removes, not the run dir: its disk may be what is full.
+        # Worker stdout/stderr are not redirected: rank 0 draws its progress
+        # bar on this terminal.
+        logs_specs=DefaultLogsSpecs(log_dir=agent_dir),
+        **optional,
+    )
+
+
+def accepted(callable_: Any, **kwargs: Any) -> dict:
+    """The keyword arguments `callable_` (a class or function) accepts: a
+    keyword newer than the installed torch is left out, not an error."""
+    import inspect
+
+    params = inspect.signature(callable_).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(kwargs)
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def node_layout(cfg: Any) -> str:
+    """Where the tensor-parallel groups land. torchrun gives each node a run
+    of consecutive global ranks, and the mesh puts a tensor-parallel group on
+    consecutive ranks (rank = dp_rank*size + tp_rank), so a group stays
+    inside one node exactly when the node's worker count divides by size."""
+    lc = cfg.launcher
+    per_node = cfg.size * cfg.dp // lc.nnodes
+    head = f"node {lc.node_rank} of {lc.nnodes}: {per_node} workers"
+    if per_node % cfg.size == 0:
+        return f"{head}, {per_node // cfg.size} whole tensor-parallel group(s) of {cfg.size}; only data-parallel traffic crosses nodes"
+    if cfg.size % per_node == 0:
+        return (f"{head}: a tensor-parallel group (size={cfg.size}) spans {cfg.size // per_node} nodes, "
+                "so its collectives cross the network; use fewer nodes or more workers per node where you can")
+    return (f"{head}: {per_node} does not divide by size={cfg.size}, so some tensor-parallel groups span two nodes "
+            "and their collectives cross the network")
+
+
+def report_failures(failures: dict[int, Any], run_dir: Path | None = None) -> None:
+    """One line per rank that failed on its own, `rank R: <Type>: <message>`
+    (ranks that failed with the same message share it); one line for the
+    ranks the agent then stopped with SIGTERM (torch lists those as failures
+    too). The tracebacks stay in logs/rank<r>.log."""
+    stopped = [r for r, f in failures.items() if f.exitcode == -signal.SIGTERM]
+    failed = [r for r in failures if r not in stopped] or stopped
+    by_reason: dict[str, list[int]] = {}
+    for rank in sorted(failed):
+        by_reason.setdefault(failure_reason(failures[rank]), []).append(rank)
+    for reason, ranks in by_reason.items():
+        also = f" (ranks {', '.join(map(str, ranks[1:]))} too)" if len(ranks) > 1 else ""
+        print(f"tpctl: error: rank {ranks[0]}: {reason}{also}", file=sys.stderr)
+    if stopped and failed != stopped:
+        print(f"tpctl: stopped the other ranks: {', '.join(map(str, sorted(stopped)))}", file=sys.stderr)
+    if any(_LOST_PEER in reason for reason in by_reason for _LOST_PEER in LOST_PEER_MESSAGES):
+        print("tpctl: a rank lost its connection to a peer: another rank, or another node's tpctl, died first "
+              "(see its logs)", file=sys.stderr)
+    elif run_dir is not None:
+        print(f"tpctl: the tracebacks are in {run_dir / 'logs'}/rank<r>.log", file=sys.stderr)
+
+
+# What gloo says when the rank at the other end of a connection is gone.
+LOST_PEER_MESSAGES = ("Connection closed by peer", "Connection reset by peer")
+
+
+def refused(failures: dict[int, Any]) -> str | None:
+    """The reason, when the workers refused to train (exit 2, e.g. a
+    rewrite that is not the original model) and no rank failed otherwise
+    (the agent stops the rest with SIGTERM): one line for all ranks."""
+    from .worker import EXIT_REFUSED
+
+    codes = {f.exitcode for f in failures.values()}
+    if EXIT_REFUSED not in codes or not codes <= {EXIT_REFUSED, -signal.SIGTERM}:
+        return None
+    rank = min(r for r, f in failures.items() if f.exitcode == EXIT_REFUSED)
+    return failure_reason(failures[rank]).removeprefix("RewriteRefused: ")
+
+
+def failure_reason(failure: Any) -> str:
+    """One line on why a rank died: `<ExceptionType>: <message>` of what its
+    @record'ed main raised, or the signal that killed it."""
+    if failure.exitcode < 0:
+        return f"killed by {failure.signal_name()}"
+    message = failure.message
+    if isinstance(message, dict):  # the error file of @record: {"message": "...", "extraInfo": {...}}
+        message = message.get("message", "")
+    if not message or message.startswith("To enable traceback"):
+        # It exited without raising (sys.exit, or killed before Python could).
+        return f"exited with code {failure.exitcode} before reporting an exception (see its log and output)"
+    # "<Type>: <message>"; keep the first line of a message that spans several.
+    return str(message).strip().splitlines()[0]
+
+
+def wait_for_rendezvous_host(endpoint: str, timeout_s: float) -> str | None:
+    """None once something listens at `endpoint` (node 0's rendezvous
+    store), trying until `timeout_s` has passed; else one line on why not:
+    the host does not resolve, is unreachable, or refuses the port (node 0
+    not started). torch's own client would retry for its store timeout and
+    then fail with a C++ stack."""
+    host, _, port = endpoint.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    why = "nothing answered"
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                return None
+        except socket.gaierror as e:
+            return f"the rendezvous host {host!r} of launcher.rdzv_endpoint={endpoint} does not resolve ({e.strerror})"
+        except ConnectionRefusedError:
+            why = f"connection refused: is node 0 (launcher.node_rank=0) running with launcher.rdzv_endpoint={endpoint}?"
+        except OSError as e:  # a timeout, or no route to the host
+            why = f"{host} is unreachable ({e.strerror or 'timed out'}): check the address and the network"
+        if time.monotonic() >= deadline:
+            return f"cannot reach the rendezvous at {endpoint} within launcher.rdzv_timeout_s={timeout_s}: {why}"
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a parent package is missing
+        return False
+
+
+def free_port(addr: str) -> int:
+    """A port that is free now on `addr` (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]

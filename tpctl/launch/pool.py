@@ -1,0 +1,107 @@
+"""A pool of ranks with an initialised gloo process group, for tests.
+
+Spawning processes and importing torch costs seconds per rank, so a test
+module starts one pool and runs many functions on it. Every call has a hard
+timeout: a deadlocked collective fails the call (and closes the pool) instead
+of hanging the suite; an exception on any rank is re-raised naming the rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+from .local import free_port
+
+
+def _serve(rank: int, world: int, port: int, tasks, results, timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # report everything; the pool decides
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class DistPool:
+    def __init__(self, world_size: int, timeout_s: float = 120.0):
+        self.world_size, self.timeout_s = world_size, timeout_s
+        ctx = mp.get_context("spawn")
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        port = free_port("127.0.0.1")
+        self._procs = [
+            ctx.Process(target=_serve, args=(r, world_size, port, self._tasks[r], self._results, timeout_s), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        """Run fn(*args, **kwargs) on every rank; return the results by rank."""
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        out: dict[int, Any] = {}
+        failures = []
+        while len(out) + len(failures) < self.world_size:
+            remaining = deadline - time.monotonic()
+            try:
+                rank, ok, value = self._results.get(timeout=max(remaining, 0.01))
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - set(out) - {r for r, _ in failures})
+                self.close()
+                raise TimeoutError(f"{fn.__name__}: ranks {missing} did not finish within {timeout_s or self.timeout_s}s") from None
+            if ok:
+                out[rank] = value
+            else:
+                failures.append((rank, value))
+                # The others may now wait forever in a collective.
+                deadline = min(deadline, time.monotonic() + 10)
+        if failures:
+            rank, tb = sorted(failures)[0]
+            raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{tb}")
+        return [out[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for q in self._tasks:
+            try:
+                q.put(None)
+            except Exception:
+                pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+_modes: dict = {}  # per rank process: the process groups of a mesh are built once
+
+
+def mode_of(mode: str, size: int, depth: int = 1, dp: int = 1, seq_parallel: bool = False):
+    """The ParallelMode of this mesh on a pool rank, built on first use."""
+    key = (mode, size, depth, dp, seq_parallel)
+    if key not in _modes:
+        from tpctl.parallel.mesh import init_mesh
+        from tpctl.parallel import get_mode
+
+        _modes[key] = get_mode(init_mesh(mode, size, depth, dp, seed=0), seq_parallel=seq_parallel)
+    return _modes[key]

@@ -1,0 +1,112 @@
+"""train.compile: torch.compile the model's forward (false | true | auto).
+
+The model is compiled in place (`nn.Module.compile`): its parameters, names
+and checkpoints stay what they are. Collectives are not traced: every one of
+them goes through tpctl.parallel.comm, whose entry points dynamo leaves to
+eager (a graph break at each), so the bytes they count stay true; the
+compiled pieces are the local math between them.
+
+  * true: refused before any worker starts when the compiler is missing
+    (`compiler_problem`) or cannot build a tiny function on the device
+    (`probe`, run once by the launcher);
+  * auto: each worker probes; where compiling fails it trains eagerly and
+    rank 0 says so in one line.
+
+Test hook: TPCTL_COMPILE_BACKEND names another torch.compile backend (e.g.
+aot_eager: dynamo and AOT autograd without inductor's code generation).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Callable, Optional
+
+BACKEND_ENV = "TPCTL_COMPILE_BACKEND"
+COMPILE_SETTINGS = ("false", "true", "auto")
+
+
+def compile_setting(cfg) -> str:
+    """train.compile as one of COMPILE_SETTINGS (Hydra reads false/true as booleans)."""
+    value = cfg.train.get("compile", False)
+    return str(value).lower() if isinstance(value, (bool, str)) else repr(value)
+
+
+def backend() -> str:
+    return os.environ.get(BACKEND_ENV, "inductor")
+
+
+def compiler_problem(device: str) -> Optional[str]:
+    """Why torch.compile cannot work here (None: nothing known against it),
+    without compiling anything: dynamo's Python support, and the tool
+    inductor generates code with (a C++ compiler for CPU, Triton for CUDA)."""
+    import torch
+
+    if not hasattr(torch, "compile"):
+        return f"torch {torch.__version__} has no torch.compile"
+    try:
+        import torch._dynamo
+
+        if not torch._dynamo.is_dynamo_supported():
+            return f"torch.compile does not support this Python ({'.'.join(map(str, __import__('sys').version_info[:3]))})"
+    except Exception as e:  # is_dynamo_supported raises on some versions
+        return f"torch.compile is not supported here: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    if backend() != "inductor":
+        return None
+    if device == "cpu":
+        cxx = os.environ.get("CXX")
+        candidates = [cxx] if cxx else ["g++", "c++", "clang++"]
+        if not any(shutil.which(c) for c in candidates):
+            return (f"inductor builds CPU code with a C++ compiler, and none is on PATH "
+                    f"({'CXX=' + cxx if cxx else 'g++, c++, clang++'})")
+    elif device == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            return "inductor builds CUDA kernels with Triton, which is not installed (pip install triton)"
+    return None
+
+
+def probe(device: str) -> Optional[str]:
+    """Compile and run a tiny forward and backward on `device`; None when it
+    works, else the first line of the failure."""
+    import torch
+
+    def tiny(x, w):
+        return torch.nn.functional.gelu(x @ w).sum()
+
+    try:
+        compiled = torch.compile(tiny, backend=backend())
+        dev = torch.device(device)
+        x = torch.randn(4, 8, device=dev)
+        w = torch.randn(8, 8, device=dev, requires_grad=True)
+        compiled(x, w).backward()
+        torch._dynamo.reset()
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return f"torch.compile ({backend()}) failed on a tiny function: {type(e).__name__}: {first}"[:400]
+    return None
+
+
+def preflight(setting: str, device: str) -> Optional[str]:
+    """train.compile=true: the reason it cannot work (the launcher refuses
+    the run), or None."""
+    if setting != "true":
+        return None
+    return compiler_problem(device) or probe(device)
+
+
+def compile_model(model, setting: str, device: str, say: Callable[[str], None]) -> bool:
+    """Compile `model` in place per train.compile `setting`; True if it is."""
+    if setting == "false":
+        return False
+    if setting == "auto":
+        problem = compiler_problem(device) or probe(device)
+        if problem:
+            say(f"tpctl: train.compile=auto: {problem}; training eagerly")
+            return False
+    from tpctl.parallel import comm
+
+    comm.keep_collectives_eager()
+    model.compile(backend=backend())
+    return True

@@ -1,0 +1,479 @@
+"""Data: a byte-level tokenizer, token streams and the global batch of each step.
+
+docs/DESIGN.md, section 2: "the global batch of each step is the same whatever the
+mode; a rank reads only the rows it holds". Both halves live in
+``TokenData.batch``: the window offsets of *all* rows of a step come from a
+generator seeded by (seed, split, step) alone, so every rank agrees on them
+without communicating, and a rank then reads only the windows of its rows.
+
+Token sources (``cfg.data``):
+
+* ``name=text``, ``path=None``: the default corpus, the Python standard
+  library's own ``*.py`` sources -- text every machine has, so nothing is
+  downloaded. Tokenised once into ``<cache_dir>/stdlib-<hash>.bin``.
+* ``name=text``, ``path=foo.txt``: a UTF-8 text file, tokenised and cached
+  the same way (``<cache_dir>/foo-<hash>.bin``).
+* ``name=text``, ``path=foo.bin``: pre-tokenised ids (nanoGPT layout: flat
+  little-endian uint16), memory-mapped in place, never copied.
+* ``name=text``, ``path=DIR``: a corpus written by ``tpctl prepare-data``
+  (tpctl/training/corpus.py): its train and val shards (uint16 or uint32),
+  memory-mapped end to end as one stream; the split is the prepared one.
+* ``name=synthetic``: ``data.synthetic_tokens`` seeded random ids in
+  ``[0, data.vocab_size)``, generated in memory (cheap, identical on every rank).
+
+With ``data.tokenizer``, the token files are uint16 up to 65,536 ids and
+uint32 above (``corpus.token_dtype``).
+
+``prepare_data`` runs in the launcher before workers start (it builds caches
+and finds config errors) and again in every worker, where it is a cache hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import sysconfig
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+
+from tpctl.errors import ConfigError
+
+from . import corpus
+
+log = logging.getLogger(__name__)
+
+# Part of every cache key: bump it when encode() or the corpus layout changes
+# so that no stale cache is ever read.
+TOKENIZER_VERSION = 1
+BIN_DTYPE = np.dtype("<u2")  # nanoGPT .bin layout and byte-level ids: little-endian uint16
+SPLITS = ("train", "val")
+_CHUNK = 1 << 24  # bytes / tokens per streamed chunk (16 Mi)
+
+
+# --------------------------------------------------------------------------
+# Byte-level tokenizer: token id = byte value of the UTF-8 encoding.
+
+
+def encode(text: str) -> np.ndarray:
+    """UTF-8 bytes of ``text`` as uint16 token ids (each in 0..255)."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(BIN_DTYPE)
+
+
+def decode(ids: Iterable[int]) -> str:
+    """Inverse of ``encode``; invalid UTF-8 (a window cut mid-character) is
+    replaced rather than raised, so any slice of a token stream decodes."""
+    arr = np.asarray(ids if isinstance(ids, (np.ndarray, torch.Tensor)) else list(ids), dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > 255):
+        raise ValueError(f"byte-level ids must be in 0..255, got {arr.min()}..{arr.max()}")
+    return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+# --------------------------------------------------------------------------
+# prepare_data: find / build the token stream and check it against the config.
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    path: Optional[str]  # token file or prepared directory; None for synthetic data
+    n_tokens: int
+    vocab_size: int  # max token id + 1 (a prepared directory: its tokenizer's size)
+    description: str  # one human line for the log
+    dtype: str = "<u2"  # of the token file(s)
+    n_val: Optional[int] = None  # a prepared directory's val tokens (its split); None: by val_fraction
+
+
+def cache_dir(cfg) -> Path:
+    """``data.cache_dir``, else ``$TPCTL_CACHE_DIR`` (tests isolate with it),
+    else ``~/.cache/tpctl``."""
+    d = cfg.data.cache_dir or os.environ.get("TPCTL_CACHE_DIR") or "~/.cache/tpctl"
+    return Path(d).expanduser()
+
+
+def prepare_data(cfg) -> DataInfo:
+    """Build (or find) the token stream of ``cfg.data`` and validate it.
+
+    Raises ConfigError for anything that would otherwise fail inside a worker:
+    a missing file, ids the model's vocabulary cannot embed, splits too short
+    for one window of ``train.seq_len + 1`` tokens.
+    """
+    d = cfg.data
+    if d.name == "synthetic":
+        info = _synthetic_info(cfg)
+    elif d.name == "text":
+        if not 0.0 < d.val_fraction < 1.0:
+            raise ConfigError("data.val_fraction", d.val_fraction, "must be in (0, 1)")
+        if d.path is None:
+            info = _stdlib_corpus(cfg)
+        elif Path(d.path).expanduser().is_dir():
+            info = _prepared_dir(cfg, d.path)
+        else:
+            info = _user_file(cfg, d.path)
+        if _model_vocab(cfg) is not None and info.vocab_size > _model_vocab(cfg) and info.n_val is not None:
+            raise ConfigError(
+                "model.vocab_size", cfg.model.vocab_size,
+                f"must be >= {info.vocab_size}, the vocabulary data.path={d.path!r} was prepared with "
+                f"({info.description}): the embedding must hold every id of the tokenizer")
+        if _model_vocab(cfg) is not None and info.vocab_size > _model_vocab(cfg):
+            raise ConfigError(
+                "model.vocab_size", cfg.model.vocab_size,
+                f"must be > {info.vocab_size - 1}, the largest token id in "
+                f"data.path={d.path!r} ({info.description})")
+    else:
+        raise ConfigError("data.name", d.name, "one of: text, synthetic")
+    _check_splits(cfg, info)
+    return info
+
+
+def _model_vocab(cfg) -> Optional[int]:
+    """The model's vocabulary size where the config alone tells it (not for
+    a custom or pretrained model: models.check_model checks those, built)."""
+    m = cfg.model
+    if m.get("arch") == "custom" or m.get("pretrained"):
+        return None
+    return m.vocab_size
+
+
+def _synthetic_info(cfg) -> DataInfo:
+    d = cfg.data
+    if d.synthetic_tokens < 1:
+        raise ConfigError("data.synthetic_tokens", d.synthetic_tokens, "must be >= 1")
+    if not 1 <= d.vocab_size <= (_model_vocab(cfg) or d.vocab_size):
+        raise ConfigError("data.vocab_size", d.vocab_size,
+                          f"must be in 1..model.vocab_size={cfg.model.vocab_size}")
+    return DataInfo(None, d.synthetic_tokens, d.vocab_size,
+                    f"synthetic, {d.synthetic_tokens} tokens, vocab {d.vocab_size}, seed {cfg.seed}")
+
+
+def split_bounds(n_tokens: int, val_fraction: float, n_val: Optional[int] = None) -> dict:
+    """``{split: (start, stop)}``: the last ``val_fraction`` of the stream is
+    val, or its last ``n_val`` tokens (a prepared directory: train shards,
+    then val shards)."""
+    if n_val is None:
+        n_val = int(n_tokens * val_fraction)
+    return {"train": (0, n_tokens - n_val), "val": (n_tokens - n_val, n_tokens)}
+
+
+def _check_splits(cfg, info: DataInfo) -> None:
+    # A window is seq_len + 1 tokens (x and y shifted by one); ask for at least
+    # two distinct window offsets per split, so batches are not all alike.
+    need = cfg.train.seq_len + 1
+    bounds = split_bounds(info.n_tokens, cfg.data.val_fraction, info.n_val)
+    shortest = min(stop - start for start, stop in bounds.values())
+    if shortest <= need:
+        key, value = ("data.path", cfg.data.path) if cfg.data.path else ("train.seq_len", cfg.train.seq_len)
+        raise ConfigError(
+            key, value,
+            f"each split must hold more than train.seq_len+1={need} tokens, but the "
+            f"shorter split of {info.description} ("
+            + ("val_fraction of prepare-data" if info.n_val is not None else f"data.val_fraction={cfg.data.val_fraction}")
+            + f") holds {shortest}")
+
+
+# -- caches -----------------------------------------------------------------
+
+
+def _key(**parts) -> str:
+    """Short content key: everything that determines a cache file's bytes."""
+    blob = json.dumps({"tokenizer": TOKENIZER_VERSION, **parts}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _atomic_write(dest: Path, chunks: Iterable[bytes]) -> None:
+    """Write via a temp file in the same directory + fsync + os.replace: a
+    reader (another worker, a later run after a kill) sees either no file or
+    the whole file, never a torn one."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _stats(tokens: Path, meta: Path, dtype: np.dtype = BIN_DTYPE) -> dict:
+    """``{"n_tokens", "max_id"}`` of a token file. Kept in a JSON sidecar so a
+    worker's prepare_data does not rescan a large .bin; the sidecar's name
+    carries the same key as the data it describes, so it cannot be stale."""
+    try:
+        return json.loads(meta.read_text())
+    except (OSError, ValueError):
+        pass
+    mm = np.memmap(tokens, dtype=dtype, mode="r") if tokens.stat().st_size else np.zeros(0, dtype)
+    max_id = max((int(mm[i:i + _CHUNK].max()) for i in range(0, len(mm), _CHUNK)), default=-1)
+    stats = {"n_tokens": int(len(mm)), "max_id": max_id, "dtype": dtype.str}
+    _atomic_write(meta, [json.dumps(stats).encode()])
+    return stats
+
+
+def _info(tokens: Path, meta: Path, what: str, text: bool = True) -> DataInfo:
+    s = _stats(tokens, meta)
+    n = s["n_tokens"]
+    # Byte-level: one token per byte of text, so the text size is n bytes.
+    desc = f"{what}, {n / 1e6:.1f} MB, {n} tokens" if text else f"{what}, {n} tokens, max id {s['max_id']}"
+    return DataInfo(str(tokens), n, s["max_id"] + 1, desc, s.get("dtype", BIN_DTYPE.str))
+
+
+def _build(dest: Path, byte_chunks: Iterator[bytes], total: int, what: str, tokenizer_dir: Optional[str] = None) -> None:
+    """Tokenise a stream of byte chunks into ``dest`` (uint16, or uint32 for
+    a vocabulary above 65,536), byte-level or with a Hugging Face tokenizer,
+    showing progress: building is a one-off, every later run is a cache hit.
+    The dtype goes into the stats sidecar, written after the tokens."""
+    log.info("building %s cache %s (%.1f MB of text)", what, dest, total / 1e6)
+    t0 = time.perf_counter()
+    encode_chunk, dtype = _hf_encoder(tokenizer_dir) if tokenizer_dir else \
+        ((lambda chunk: np.frombuffer(chunk, dtype=np.uint8).astype(BIN_DTYPE)), BIN_DTYPE)
+
+    def tokens() -> Iterator[bytes]:
+        with _progress(total, f"tokenising {what}") as advance:
+            for chunk in corpus.whole_lines(byte_chunks) if tokenizer_dir else byte_chunks:
+                advance(len(chunk))
+                yield encode_chunk(chunk).tobytes()
+
+    _atomic_write(dest, tokens())
+    dest.with_suffix(".json").unlink(missing_ok=True)
+    _stats(dest, dest.with_suffix(".json"), dtype)
+    log.info("built %s in %.2fs", dest.name, time.perf_counter() - t0)
+
+
+def _hf_encoder(tokenizer_dir: str):
+    """(bytes -> ids, their dtype) with the Hugging Face tokenizer saved in
+    `tokenizer_dir` (a local directory: nothing is downloaded); uint32 ids
+    for a vocabulary above 65,536."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    dtype = corpus.token_dtype(len(tokenizer))
+
+    def encode_chunk(chunk: bytes) -> np.ndarray:
+        ids = tokenizer(chunk.decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
+        return np.asarray(ids, dtype=dtype)
+    return encode_chunk, dtype
+
+
+def _tokenizer_key(cfg) -> Optional[list]:
+    """What identifies the tokenizer in a cache key: its files' names, sizes
+    and modification times (None: the byte tokenizer)."""
+    tokenizer = cfg.data.get("tokenizer")
+    if not tokenizer:
+        return None
+    root = Path(tokenizer).resolve()
+    return [str(root)] + sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in root.iterdir() if p.is_file())
+
+
+@contextmanager
+def _progress(total: int, desc: str):
+    """A rich progress bar on an interactive terminal; silent otherwise (the
+    log lines around the build say what happened)."""
+    if not sys.stderr.isatty() or total < 8 * _CHUNK:
+        yield lambda n: None
+        return
+    from rich.progress import Progress  # only imported when a bar is drawn
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task(desc, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+# -- the default corpus: the standard library's sources ----------------------
+
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+
+
+def stdlib_files(max_bytes: int) -> list[Path]:
+    """The stdlib ``*.py`` files, in a deterministic (sorted) walk, up to the
+    first one that brings the total to ``max_bytes``. Tests and third-party
+    packages are skipped: the first are odd text, the second differ by machine."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files, total = [], 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(n for n in dirnames if n not in _SKIP_DIRS)
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                path = Path(dirpath, name)
+                files.append(path)
+                total += path.stat().st_size
+                if total >= max_bytes:
+                    return files
+    return files
+
+
+def stdlib_corpus_bytes(files: Sequence[Path], max_bytes: int) -> Iterator[bytes]:
+    """The corpus text: the files' bytes concatenated, cut at ``max_bytes``."""
+    left = max_bytes
+    for path in files:
+        if left <= 0:
+            return
+        data = path.read_bytes()[:left]
+        left -= len(data)
+        yield data
+
+
+def _stdlib_corpus(cfg) -> DataInfo:
+    max_bytes = cfg.data.max_bytes
+    if max_bytes < 1:
+        raise ConfigError("data.max_bytes", max_bytes, "must be >= 1")
+    files = stdlib_files(max_bytes)
+    if not files:
+        raise ConfigError("data.path", None, f"no *.py files found in {sysconfig.get_paths()['stdlib']} "
+                          "for the default corpus; pass data.path=<text file or .bin>")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    # Key on each file's name, size and mtime: an upgraded Python or edited
+    # file gives a new cache file instead of a stale one.
+    key = _key(kind="stdlib", max_bytes=max_bytes, root=root, tokenizer=_tokenizer_key(cfg), files=[
+        (str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in files])
+    dest = cache_dir(cfg) / f"stdlib-{key}.bin"
+    if not (dest.exists() and dest.with_suffix(".json").exists()):
+        total = min(max_bytes, sum(p.stat().st_size for p in files))
+        _build(dest, stdlib_corpus_bytes(files, max_bytes), total, "stdlib corpus", cfg.data.get("tokenizer"))
+    return _info(dest, dest.with_suffix(".json"), "stdlib corpus", text=not cfg.data.get("tokenizer"))
+
+
+# -- a user's file: text (tokenised + cached) or .bin (used in place) ---------
+
+
+def _user_file(cfg, path_str: str) -> DataInfo:
+    path = Path(path_str).expanduser()
+    if not path.is_file():
+        raise ConfigError("data.path", path_str, "no such file")
+    st = path.stat()
+    key = _key(path=str(path.resolve()), size=st.st_size, mtime_ns=st.st_mtime_ns, tokenizer=_tokenizer_key(cfg))
+    if path.suffix == ".bin":
+        if (path.parent / corpus.INDEX).is_file():
+            raise ConfigError("data.path", path_str, f"a shard of the prepared corpus {path.parent}: "
+                              f"pass data.path={path.parent} (its dtype and split are in its index)")
+        if st.st_size % BIN_DTYPE.itemsize:
+            raise ConfigError("data.path", path_str,
+                              f"a .bin holds uint16 token ids, so its size must be even (it is {st.st_size} bytes)")
+        return _info(path, cache_dir(cfg) / f"{path.stem}-{key}.json", f"token file {path.name}", text=False)
+    dest = cache_dir(cfg) / f"{path.stem}-{key}.bin"
+    if not (dest.exists() and dest.with_suffix(".json").exists()):
+        _build(dest, _read_chunks(path), st.st_size, f"text file {path.name}", cfg.data.get("tokenizer"))
+    return _info(dest, dest.with_suffix(".json"), f"text file {path.name}", text=not cfg.data.get("tokenizer"))
+
+
+def _prepared_dir(cfg, path_str: str) -> DataInfo:
+    """A directory written by ``tpctl prepare-data``: checked (index, shard
+    sizes, tokenizer), never read here."""
+    path = Path(path_str).expanduser()
+    try:
+        index = corpus.read_index(path)
+        corpus.check_shards(path, index)
+    except corpus.DataError as e:
+        raise ConfigError("data.path", path_str, str(e)) from None
+    tokenizer = cfg.data.get("tokenizer")
+    if tokenizer and Path(tokenizer).is_dir() and corpus.tokenizer_hash(tokenizer) != index["tokenizer"]["hash"]:
+        raise ConfigError("data.tokenizer", tokenizer, f"is not the tokenizer data.path={path_str} was prepared with "
+                          f"({index['tokenizer']['name']}): leave data.tokenizer unset or pass that one")
+    n_train, n_val = index["tokens"]["train"], index["tokens"]["val"]
+    desc = (f"prepared corpus {path.name} ({len(index['sources'])} sources, tokenizer {index['tokenizer']['name']}, "
+            f"vocabulary {index['vocab_size']}, {index['dtype']})")
+    return DataInfo(str(path), n_train + n_val, int(index["vocab_size"]), desc,
+                    np.dtype(index["dtype"]).newbyteorder("<").str, n_val)
+
+
+def _read_chunks(path: Path) -> Iterator[bytes]:
+    # Streamed: byte tokenisation needs no context, so a large file never has
+    # to fit in memory.
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            yield chunk
+
+
+# --------------------------------------------------------------------------
+# TokenData: the batches.
+
+
+def _step_seed(seed: int, split: str, step: int) -> int:
+    """A generator seed that depends on (seed, split, step) only -- not on the
+    rank, mode, tensor-parallel size or dp -- so all ranks draw the same
+    offsets. Hashed so nearby steps/seeds give unrelated streams."""
+    h = hashlib.blake2b(f"tpctl.data/{seed}/{split}/{step}".encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+
+def _open_tokens(info: DataInfo):
+    """The token stream of ``info``: one memmap, or a prepared directory's
+    train shards then val shards end to end (``corpus.ShardedTokens``)."""
+    if not Path(info.path).is_dir():
+        return np.memmap(info.path, dtype=np.dtype(info.dtype), mode="r")
+    index = corpus.read_index(info.path)
+    paths = corpus.shard_paths(info.path, index, "train") + corpus.shard_paths(info.path, index, "val")
+    return corpus.ShardedTokens(paths, np.dtype(info.dtype))
+
+
+class TokenData:
+    """The train / val token streams of a run and the batch of each step."""
+
+    def __init__(self, cfg, info: DataInfo):
+        self.seq_len = int(cfg.train.seq_len)
+        self.batch_size = int(cfg.train.batch_size)
+        self.seed = int(cfg.seed)
+        self.info = info
+        if info.path is None:
+            # Synthetic: the same generator and seed on every rank give the
+            # same stream; it is small enough to hold in memory.
+            g = torch.Generator().manual_seed(self.seed)
+            ids = torch.randint(0, info.vocab_size, (info.n_tokens,), generator=g)
+            self.tokens = ids.numpy().astype(np.uint16 if info.vocab_size <= 1 << 16 else np.int32)
+        else:
+            # Memory-mapped: each rank pages in only the windows it reads.
+            self.tokens = _open_tokens(info)
+            if len(self.tokens) != info.n_tokens:
+                raise RuntimeError(f"{info.path} holds {len(self.tokens)} tokens, "
+                                   f"prepare_data saw {info.n_tokens}: did it change during the run?")
+        self.bounds = split_bounds(info.n_tokens, cfg.data.val_fraction, info.n_val)
+
+    def __len__(self) -> int:
+        return self.info.n_tokens
+
+    def split_len(self, split: str) -> int:
+        start, stop = self.bounds[split]
+        return stop - start
+
+    def offsets(self, split: str, step: int) -> torch.Tensor:
+        """Start offsets (within ``split``) of all ``batch_size`` rows of ``step``."""
+        if split not in self.bounds:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        g = torch.Generator().manual_seed(_step_seed(self.seed, split, step))
+        # A window starting at o reads tokens o .. o+seq_len inclusive.
+        return torch.randint(0, self.split_len(split) - self.seq_len, (self.batch_size,), generator=g)
+
+    def batch(self, split: str, step: int, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``rows`` of the global batch of ``step``: ``x, y`` int64 of shape
+        ``[len(rows), seq_len]`` with ``y`` = ``x`` shifted left by one token.
+        The offsets of all rows are drawn (cheap), only the requested windows
+        are read."""
+        offsets = self.offsets(split, step).tolist()
+        rows = list(rows)
+        if any(not 0 <= r < self.batch_size for r in rows):
+            raise IndexError(f"rows {rows} outside the global batch range(0, {self.batch_size})")
+        base = self.bounds[split][0]
+        windows = np.empty((len(rows), self.seq_len + 1), dtype=np.int64)
+        for i, r in enumerate(rows):
+            o = base + offsets[r]
+            windows[i] = self.tokens[o:o + self.seq_len + 1]
+        w = torch.from_numpy(windows)
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+    def describe(self) -> str:
+        return (f"{self.info.description}; train {self.split_len('train')} / "
+                f"val {self.split_len('val')} tokens")
+
+    def __repr__(self) -> str:
+        return f"TokenData({self.describe()})"

@@ -131,8 +131,10 @@ def _probe_copy(module: nn.Module, fill) -> nn.Module:
     import copy
 
     clone = copy.copy(module)
-    clone._parameters = {name: nn.Parameter(fill(name, tuple(p.shape)), requires_grad=False)
-                         for name, p in module._parameters.items() if p is not None}
+    # A parameter registered as None (LayerNorm(bias=False)) stays None: the
+    # forward reads it as an attribute.
+    clone._parameters = {name: None if p is None else nn.Parameter(fill(name, tuple(p.shape)), requires_grad=False)
+                         for name, p in module._parameters.items()}
     return clone
 
 

@@ -756,15 +756,19 @@ def _check_stage(model, mode, stage: _Stage, calls: dict, local_ids: torch.Tenso
 # ---- agreeing over ranks ---------------------------------------------------------------------
 
 def _agree(units: list, mode) -> None:
-    """Every rank takes the worst difference of each unit over all ranks
-    (one all-reduce), so all ranks refuse or train alike."""
+    """Every rank takes, for each unit, the worst difference over all ranks
+    and the name of the tensor it was in on the first rank that saw it, so
+    all ranks refuse or train alike and print one and the same line."""
     if not units or not dist.is_initialized():
         return
     diffs = torch.tensor([u.check.diff for u in units], dtype=torch.float64, device=mode.mesh.device)
     diffs = torch.nan_to_num(diffs, nan=math.inf, posinf=math.inf)
-    local = diffs.clone()
-    comm.all_reduce(diffs, dist.group.WORLD, op=dist.ReduceOp.MAX)
-    for unit, mine, agreed in zip(units, local.tolist(), diffs.tolist()):
-        if agreed != mine and not unit.check.note:
-            unit.check.what = f"{unit.check.what} on another rank" if unit.check.what else "on another rank"
-        unit.check.diff = agreed
+    by_rank = comm.all_gather(diffs.unsqueeze(0), dist.group.WORLD).cpu()  # (world, units)
+    # Start-up only: the names are short strings, one object gather.
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, [u.check.what for u in units])
+    worst, owner = by_rank.max(dim=0)  # max picks the first rank among equals
+    for i, unit in enumerate(units):
+        if not unit.check.note:
+            unit.check.what = names[int(owner[i])][i]
+        unit.check.diff = float(worst[i])

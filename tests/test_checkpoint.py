@@ -256,24 +256,6 @@ def test_invalid_checkpoints_are_skipped_by_auto_and_refused_by_path(tpctl):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_checkpoint_of_2d_resumes_in_1d_with_dp(tpctl):
-    two_d = tpctl.cwd / "2d"
-    base = ["train", *TINY, "train.steps=20", "checkpoint.every=10"]
-    result = tpctl.run([*base, "mode=2d", "size=4", f"hydra.run.dir={two_d}"], timeout=300)
-    assert result.returncode == 0, result.stderr
-    one_d = tpctl.cwd / "1d"
-    result = tpctl.run([*base, "mode=1d", "size=2", "dp=2", f"train.resume={two_d / 'checkpoints' / 'step_10'}",
-                        f"hydra.run.dir={one_d}"], timeout=300)
-    assert result.returncode == 0, result.stderr
-    want, got = _metrics(two_d)[10:], _metrics(one_d)
-    assert [r["step"] for r in got] == list(range(11, 21))
-    for a, b in zip(want, got):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
-    assert tpctl.leftover_pids() == []
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
 def test_a_killed_worker_is_restarted_and_resumes(tpctl):
     base = ["train", *TINY, "mode=1d", "size=2", "train.steps=12", "checkpoint.every=4"]
     calm = tpctl.cwd / "calm"

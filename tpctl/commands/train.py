@@ -14,6 +14,7 @@ worker starts, and is printed as one line: `tpctl: error: <message>`.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from tpctl.config import (CONFIG_DIR, CONFIG_NAME, check_writable_dir, compose_jobs, load_worker_config, register_configs,
@@ -42,13 +43,13 @@ def main(args: list[str]) -> int:
     owner = None
     if not informational:
         config_name = flags.config_name or CONFIG_NAME
-        status = _check_jobs(flags.overrides, flags.multirun, config_name, flags.config_dir,
-                             validate_values=not flags.cfg, dry_run=run.dry_run)
-        if status != EXIT_OK:
-            return status
+        checked = _check_jobs(flags.overrides, flags.multirun, config_name, flags.config_dir,
+                              validate_values=not flags.cfg, dry_run=run.dry_run)
+        if checked.status != EXIT_OK:
+            return checked.status
         if not flags.cfg:
             try:
-                owner, args = _own_run_dir(args, flags.overrides, flags.multirun, config_name, flags.config_dir)
+                owner, args = _own_run_dir(args, flags.overrides, checked.run_dir, checked.node_rank)
             except RunDirBusy as e:
                 return _usage_error(str(e))
 
@@ -72,27 +73,32 @@ def main(args: list[str]) -> int:
     return EXIT_OK
 
 
-def _own_run_dir(args: list[str], overrides: list[str], multirun: bool, config_name: str, config_dir: str | None):
+def _own_run_dir(args: list[str], overrides: list[str], setting: tuple[str, str], node_rank: int):
     """(the lock of the dir Hydra will write into, the args that pin Hydra to
     it). One command owns a run dir (a sweep dir for -m) from before its
     first file until it exits (launch/run_lock.py). The default dir holds
-    the time (${now:...}): pinned as composed here, so the dir Hydra
-    creates is the one locked."""
-    key, run_dir = run_dir_setting(overrides, multirun, config_name, config_dir)
-    lock = RunDirLock(run_dir, _node_rank(overrides, multirun, config_name, config_dir))
+    the time (${now:...}): pinned as composed by `_check_jobs`, so the dir
+    Hydra creates is the one checked and locked."""
+    key, run_dir = setting
+    lock = RunDirLock(run_dir, node_rank)
     if not any(o.lstrip("+~").split("=", 1)[0] == key for o in overrides):
         quoted = run_dir.replace("\\", "\\\\").replace("'", "\\'")
         args = [*args, f"{key}='{quoted}'"]
     return lock, args
 
 
-def _node_rank(overrides: list[str], multirun: bool, config_name: str, config_dir: str | None) -> int:
-    jobs = compose_jobs(overrides, multirun, config_name, config_dir)
-    return int(jobs[0].launcher.node_rank) if jobs[0].launcher.nnodes > 1 else 0
+@dataclass
+class _Checked:
+    """What `_check_jobs` found: the exit status (EXIT_OK: go on), and for a
+    run that goes on, where Hydra will write ((key, path)) and this node's rank."""
+
+    status: int
+    run_dir: tuple[str, str] | None = None
+    node_rank: int = 0
 
 
 def _check_jobs(overrides: list[str], multirun: bool, config_name: str, config_dir: str | None, validate_values: bool,
-                dry_run: bool = False) -> int:
+                dry_run: bool = False) -> _Checked:
     """Compose and validate every job before Hydra creates any run dir.
     `--cfg` only prints a config, so it needs composition, not valid values.
 
@@ -104,16 +110,17 @@ def _check_jobs(overrides: list[str], multirun: bool, config_name: str, config_d
     try:
         jobs = compose_jobs(overrides, multirun, config_name, config_dir)
         if validate_values:  # else Hydra fails with a traceback creating it
-            check_writable_dir(*run_dir_setting(overrides, multirun, config_name, config_dir))
+            run_dir = run_dir_setting(overrides, multirun, config_name, config_dir)
+            check_writable_dir(*run_dir)
     except ConfigError as e:
-        return _config_error(e)
+        return _Checked(_config_error(e))
     if not validate_values:
-        return EXIT_OK
+        return _Checked(EXIT_OK)
+    node_rank = int(jobs[0].launcher.node_rank) if jobs[0].launcher.nnodes > 1 else 0
     try:  # refused at once (before the slow checks) when another run owns the dir
-        probe(run_dir_setting(overrides, multirun, config_name, config_dir)[1],
-              jobs[0].launcher.node_rank if jobs[0].launcher.nnodes > 1 else 0)
+        probe(run_dir[1], node_rank)
     except RunDirBusy as e:
-        return _usage_error(str(e))
+        return _Checked(_usage_error(str(e)))
     errors = []
     for cfg in jobs:
         try:
@@ -128,13 +135,13 @@ def _check_jobs(overrides: list[str], multirun: bool, config_name: str, config_d
             errors.append(e)
         except Exception as e:  # e.g. the data cache cannot be written (ENOSPC): not the config's fault
             print(f"tpctl: error: preparing the data failed: {one_line(e)}", file=sys.stderr)
-            return EXIT_FAILED
+            return _Checked(EXIT_FAILED)
     if all(errors):  # nothing would run: the first reason, as for one job
-        return _config_error(errors[0])
+        return _Checked(_config_error(errors[0]))
     for job, (cfg, error) in enumerate(zip(jobs, errors)):
         if error is not None:
             print(f"tpctl: skipping job {job} ({_layout(cfg)}): {error}", file=sys.stderr)
-    return EXIT_OK
+    return _Checked(EXIT_OK, run_dir, node_rank)
 
 
 def check_run_inputs(cfg, dry_run: bool) -> None:

@@ -43,6 +43,7 @@ def _serve(rank: int, world: int, port: int, tasks, results, timeout_s: float) -
 class DistPool:
     def __init__(self, world_size: int, timeout_s: float = 120.0):
         self.world_size, self.timeout_s = world_size, timeout_s
+        self._closed = False
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
@@ -67,7 +68,10 @@ class DistPool:
                 rank, ok, value = self._results.get(timeout=max(remaining, 0.01))
             except queue.Empty:
                 missing = sorted(set(range(self.world_size)) - set(out) - {r for r, _ in failures})
+                # Ranks stuck in a collective would answer a later call.
                 self.close()
+                if failures:
+                    break
                 raise TimeoutError(f"{fn.__name__}: ranks {missing} did not finish within {timeout_s or self.timeout_s}s") from None
             if ok:
                 out[rank] = value
@@ -80,7 +84,12 @@ class DistPool:
             raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{tb}")
         return [out[r] for r in range(self.world_size)]
 
+    def alive(self) -> bool:
+        """Every rank still serves (close() was not called, none died)."""
+        return not self._closed and all(p.is_alive() for p in self._procs)
+
     def close(self) -> None:
+        self._closed = True
         for q in self._tasks:
             try:
                 q.put(None)

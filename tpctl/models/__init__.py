@@ -15,7 +15,7 @@ from tpctl.parallel.roles import RolePlan, logits_of, resolve_plan
 from tpctl.schema import ARCHS, HF_ARCHS
 
 from .gpt import GPT
-from .init import ParamInit
+from .init import ParamInit, on_meta
 from .mlp import TokenMLP
 
 __all__ = ["ARCHS", "BUILTIN_MODELS", "GPT", "TokenMLP", "ParamInit", "RolePlan", "build_model", "logits_of",
@@ -39,7 +39,7 @@ def build_model(cfg: Any, seed: int, lazy: bool = False) -> torch.nn.Module:
     code under `torch.manual_seed(seed)`, whole, with its own initialisation.
     """
     if cfg.arch in BUILTIN_MODELS:
-        with torch.device("meta"):
+        with on_meta():
             model = BUILTIN_MODELS[cfg.arch](cfg)
         model.tpctl_init = ParamInit(model, seed)
         if not lazy:

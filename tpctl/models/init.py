@@ -95,6 +95,32 @@ class ParamInit(ParamSource):
         raise ValueError(f"no initial value rule for {name} ({type(module).__name__}.{attr})")
 
 
+# In-place random fills: on a meta tensor they have nothing to fill, and
+# PyTorch routes some (normal_) through a decomposition that imports the
+# compiler (about a second, in every `tpctl train` before a worker starts).
+_RANDOM_FILLS = frozenset({"normal_", "uniform_", "exponential_", "log_normal_", "cauchy_", "geometric_",
+                           "random_", "bernoulli_"})
+
+
+class _NoFillsOnMeta(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _RANDOM_FILLS:
+            # Tensor.normal_(...) passes the tensor first, nn.init.normal_ as tensor=.
+            target = args[0] if args else kwargs.get("tensor")
+            if getattr(target, "is_meta", False):
+                return target
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def on_meta():
+    """Build on the meta device (shapes only), skipping the random
+    initialisation a constructor does: a ParamSource gives every value."""
+    with torch.device("meta"), _NoFillsOnMeta():
+        yield
+
+
 @contextmanager
 def params_on_meta():
     """Build a model whose parameters land on the meta device while its
@@ -106,16 +132,17 @@ def params_on_meta():
     # gives every value later.
     resets = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
 
-    def on_meta(self, name, param):
+    def register_on_meta(self, name, param):
         if param is not None and not param.is_meta:
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register(self, name, param)
 
-    nn.Module.register_parameter = on_meta
+    nn.Module.register_parameter = register_on_meta
     for cls in resets:
         cls.reset_parameters = lambda self: None
     try:
-        yield
+        with _NoFillsOnMeta():
+            yield
     finally:
         nn.Module.register_parameter = register
         for cls, reset in resets.items():

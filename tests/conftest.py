@@ -60,17 +60,19 @@ def tiny_config(steps: int, **overrides):
 _shared: list[DistPool] = []
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def pool():
     """The 8-rank pool, one for the whole session: spawning 8 ranks and
     importing torch, transformers and the test modules in each costs about
     10 s on 2 cores, once instead of once per module. A call that timed out
-    or lost a rank closes the pool; the next test then gets a new one."""
+    or lost a rank closes the pool; the next module then gets a new one."""
     if not _shared or not _shared[0].alive():
         if _shared:
             _shared.pop().close()
         _shared.append(DistPool(WORLD, timeout_s=180))
-    return _shared[0]
+    yield _shared[0]
+    if _shared[0].alive():
+        _shared[0].release_groups()
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -84,6 +84,11 @@ class DistPool:
             raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{tb}")
         return [out[r] for r in range(self.world_size)]
 
+    def release_groups(self) -> None:
+        """Destroy every process group the calls made but the world's: a pool
+        that serves many test modules would gather thousands."""
+        self.run(_release_groups)
+
     def alive(self) -> bool:
         """Every rank still serves (close() was not called, none died)."""
         return not self._closed and all(p.is_alive() for p in self._procs)
@@ -103,6 +108,22 @@ class DistPool:
 
 
 _modes: dict = {}  # per rank process: the process groups of a mesh are built once
+
+
+def _release_groups() -> None:
+    """Destroy every process group but the world's (each holds a gloo
+    thread polling its sockets: hundreds of them load a small machine), and
+    forget the meshes built on them."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    _modes.clear()
+    for group in list(distributed_c10d._world.pg_map):
+        if group is not dist.group.WORLD and group is not distributed_c10d.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+    gc.collect()
 
 
 def mode_of(mode: str, size: int, depth: int = 1, dp: int = 1, seq_parallel: bool = False):

@@ -17,8 +17,11 @@ import pytest
 
 from conftest import layouts, tiny_config
 
-# Every mode once (1d with sequence parallelism, its harder case).
-MESHES = layouts("none-dp8", "1d-4-sp-dp2", "2d-4-dp2", "2.5d-8-d2", "3d-8")
+# Every mode once (1d with sequence parallelism, its harder case). Every rank
+# traces and compiles: the modes that fit in 4 ranks run on 4, without the
+# data-parallel replicas (their gradient all-reduce is outside the model).
+MESHES = {"none-dp4": ("none", 1, 1, 4, False), "1d-4-sp": ("1d", 4, 1, 1, True), "2d-4": ("2d", 4, 1, 1, False),
+          **layouts("2.5d-8-d2", "3d-8")}
 STEPS = 3
 # The fp32 band of the suite (test_mesh_and_training: modes against none):
 # compiled kernels may fuse and reorder fp32 sums.
@@ -66,21 +69,25 @@ def _close(compiled: list[dict], eager: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def pool8():
-    """8 ranks, with more time per call than the shared pool: each rank traces
-    and compiles its graphs (about a minute per mode on 2 busy cores)."""
+def pools():
+    """Pools of 4 and 8 ranks (by world size), with more time per call than
+    the shared pool: each rank traces and compiles its graphs (up to a
+    minute per mode on 2 busy cores)."""
     from tpctl.launch.pool import DistPool
 
-    p = DistPool(8, timeout_s=900)
-    yield p
-    p.close()
+    by_world = {world: DistPool(world, timeout_s=900) for world in (4, 8)}
+    yield by_world
+    for p in by_world.values():
+        p.close()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("key", list(MESHES))
-def test_compiled_equals_eager(pool8, key):
-    _close(pool8.run(_train, key, "true"), pool8.run(_train, key, "false"))
+def test_compiled_equals_eager(pools, key):
+    _, size, _, dp, _ = MESHES[key]
+    pool = pools[size * dp]
+    _close(pool.run(_train, key, "true"), pool.run(_train, key, "false"))
 
 
 @pytest.fixture(scope="module")

@@ -100,8 +100,12 @@ class DistPool:
                 q.put(None)
             except Exception:
                 pass
+        # One grace period for all ranks (a rank that compiled may take long
+        # to tear down its process group), then kill what is left.
+        deadline = time.monotonic() + 5
         for p in self._procs:
-            p.join(timeout=5)
+            p.join(timeout=max(deadline - time.monotonic(), 0))
+        for p in self._procs:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)

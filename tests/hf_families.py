@@ -24,6 +24,8 @@ FAMILIES = {
     "gemma": ("GemmaConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64)),
     "opt": ("OPTConfig", dict(num_attention_heads=4, ffn_dim=64, word_embed_proj_dim=32)),
     "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64)),
+    # LayerNorms without weight or bias.
+    "olmo": ("OlmoConfig", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)),
 }
 WIDTH_KEYS = ("hidden_size", "n_embd")
 DEPTH_KEYS = ("num_hidden_layers", "n_layer")

@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 MESHES = layouts("none-dp8", "1d-2-dp4", "2d-4-dp2", "3d-8")
 STEPS, BATCH, SEQ = 10, 8, 8
 FAMILIES = ("gpt_neox", "bloom", "gpt_bigcode", "gpt_bigcode_mha", "falcon", "falcon_gqa", "phi3", "gemma",
-            "opt", "qwen3")
+            "opt", "qwen3", "olmo")
 # (family, mode) -> a phrase the refusal must contain. Multi-query attention
 # has one key/value head, which tpctl does not replicate across the ranks
 # that split the query heads.

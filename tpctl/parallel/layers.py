@@ -55,8 +55,13 @@ def is_norm(module: nn.Module) -> bool:
     if isinstance(module, (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))):
         return True
     name = type(module).__name__
+    if not name.endswith(("RMSNorm", "LayerNorm")):
+        return False
     weight = getattr(module, "weight", None)
-    return name.endswith(("RMSNorm", "LayerNorm")) and isinstance(weight, torch.Tensor) and weight.dim() == 1
+    if weight is None:  # a norm without parameters (OLMo's LayerNorm): its width is its normalized_shape
+        shape = getattr(module, "normalized_shape", None)
+        return isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1
+    return isinstance(weight, torch.Tensor) and weight.dim() == 1
 
 
 def is_rms_norm(module: nn.Module) -> bool:

@@ -125,7 +125,7 @@ def _release_groups() -> None:
 
     _modes.clear()
     for group in list(distributed_c10d._world.pg_map):
-        if group is not dist.group.WORLD and group is not distributed_c10d.GroupMember.WORLD:
+        if group is not dist.group.WORLD:
             dist.destroy_process_group(group)
     gc.collect()
 

@@ -6,7 +6,7 @@ Three entry points:
   * `compose_jobs(overrides, multirun)` composes every job of a command line
     with Hydra's Compose API and turns Hydra's errors into ConfigErrors;
   * `validate(cfg)` checks values (the mode-specific rules live in
-    `tpctl.parallel.geometry.validate_parallel`);
+    `tpctl.parallel.layout.Layout.validate`);
   * `load_worker_config(path)` reads a run dir's resolved config.yaml, typed,
     for the workers, which never run Hydra.
 """
@@ -110,7 +110,7 @@ def validate(cfg: Any, model_check: bool = True) -> None:
     """Raise ConfigError for the first invalid value in a composed config.
     model_check=False skips building the model (tpctl inspect shows what a
     mode cannot shard instead of refusing it)."""
-    from tpctl.parallel.geometry import validate_parallel
+    from tpctl.parallel.layout import Layout
 
     _check_resolvable(cfg)
     _check_known_keys(cfg, OmegaConf.structured(TrainConfig), "")
@@ -129,7 +129,7 @@ def validate(cfg: Any, model_check: bool = True) -> None:
 
         if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError("logger", cfg.logger, "needs the tensorboard package: pip install 'tpctl[tensorboard]' (or pip install tensorboard), or use logger=jsonl")
-    validate_parallel(cfg)
+    Layout.from_config(cfg).validate(cfg)
     _check_nodes(cfg)
     _check_backend(cfg)
     _check_compile(cfg)

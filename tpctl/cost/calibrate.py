@@ -32,15 +32,15 @@ def _probe(cfg_dict: dict, sizes: list[int], reps: int) -> dict:
 
     out = {}
     if dist.get_rank() == 0:  # one rank alone, as a mode=none run
-        measure.setup("none", cfg_dict, 1, None)
-        st = measure.rank_state["none"]
+        measure.setup(measure.REFERENCE, cfg_dict, 1, None)
+        st = measure.rank_state[measure.REFERENCE]
         times = []
         for k in range(reps + 2):
             t0 = time.perf_counter()
-            measure.loss_and_step(st, "none")
+            measure.loss_and_step(st, measure.REFERENCE)
             if k >= 2:
                 times.append(time.perf_counter() - t0)
-        measure.rank_state.pop("none")
+        measure.rank_state.pop(measure.REFERENCE)
         out["none_s"] = min(times)
     dist.barrier()
     world = dist.get_world_size()
@@ -63,8 +63,8 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
     import yaml
 
     from tpctl.config import compose_jobs
-    from tpctl.parallel.geometry import geometry
-    from .planner import HARDWARE_DIR, WIRE_FACTOR, Split, model_shape, plan_split
+    from tpctl.parallel.layout import Layout
+    from .planner import HARDWARE_DIR, WIRE_FACTOR, model_shape, plan_split
     from tpctl.launch.pool import DistPool
 
     from omegaconf import OmegaConf
@@ -77,7 +77,7 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
     finally:
         pool.close()
     shape = model_shape(cfg.model, cfg.seed)
-    flops = plan_split(shape, Split("none", 1), geometry("none", 1), cfg.train.batch_size, cfg.train.seq_len).flops
+    flops = plan_split(shape, Layout(), cfg.train.batch_size, cfg.train.seq_len).flops  # one process
     peak = flops / result["none_s"]
     xs = [WIRE_FACTOR["all_reduce"](p) * b for b, _, p in result["all_reduce"]]
     ys = [t for _, t, _ in result["all_reduce"]]

@@ -28,6 +28,8 @@ def _probe(cfg_dict: dict, sizes: list[int], reps: int) -> dict:
     import torch
     import torch.distributed as dist
 
+    from tpctl.parallel import comm
+
     from . import measure
 
     out = {}
@@ -42,16 +44,16 @@ def _probe(cfg_dict: dict, sizes: list[int], reps: int) -> dict:
                 times.append(time.perf_counter() - t0)
         measure.rank_state.pop(measure.REFERENCE)
         out["none_s"] = min(times)
-    dist.barrier()
+    comm.barrier()
     world = dist.get_world_size()
     out["all_reduce"] = []
     for n in sizes:
         buf = torch.ones(n)
         times = []
         for _ in range(reps + 2):
-            dist.barrier()
+            comm.barrier()
             t0 = time.perf_counter()
-            dist.all_reduce(buf)
+            comm.all_reduce(buf, dist.group.WORLD)
             times.append(time.perf_counter() - t0)
         times = times[2:]
         out["all_reduce"].append((n * 4, min(times), world))

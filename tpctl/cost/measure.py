@@ -206,13 +206,11 @@ def _autocast(cfg, device):
 
 
 def _run(name: str, steps: int, record: bool) -> None:
-    import torch.distributed as dist
-
     from tpctl.parallel import comm
 
     st = rank_state[name]
     for _ in range(steps):
-        dist.barrier()  # every mode's step starts with all ranks ready
+        comm.barrier()  # every mode's step starts with all ranks ready
         comm.STATS.reset()
         t0 = time.perf_counter()
         if not st.get("idle"):
@@ -227,7 +225,7 @@ def _run(name: str, steps: int, record: bool) -> None:
         if record and not st.get("idle"):
             st["times"].append(elapsed)
             st["comm"].append(comm.STATS.total_bytes())
-    dist.barrier()
+    comm.barrier()
 
 
 def _collect(name: str) -> dict:

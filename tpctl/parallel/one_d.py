@@ -19,11 +19,10 @@ from .base import ParallelMode, RewriteContext
 from .geometry import Geometry
 from .layers import ParallelDropout, embedding_semantics, to_compute, vocab_block_lookup
 from .registry import register
+from .roles import COLUMN_ROLES
 from .shard import ShardSpec, block
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
-# Roles whose Linear splits its output features (the rest split their input).
-COLUMN_ROLES = ("qkv", "attn_in", "mlp_in", "lm_head")
 
 
 class ColumnLinear(nn.Module):

@@ -27,6 +27,11 @@ def register(cls: type) -> type:
     return cls
 
 
+def unregister(name: str) -> None:
+    """Forget mode `name` (a test's own mode, when the test ends)."""
+    _MODES.pop(name, None)
+
+
 def _load() -> None:
     global _loaded
     if not _loaded:

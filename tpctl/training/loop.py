@@ -233,5 +233,5 @@ def _max_over_ranks(values: dict, keys: tuple[str, ...]) -> dict:
         return {f"{k}_max_rank": values[k] for k in keys}
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     local = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    comm.all_reduce(local, dist.group.WORLD, op=dist.ReduceOp.MAX)
     return {f"{k}_max_rank": int(v) for k, v in zip(keys, local.tolist())}

@@ -226,13 +226,15 @@ def _check_backend(cfg: Any) -> None:
     # torch is imported only here: a CPU config check stays fast.
     import torch
 
-    world = cfg.size * cfg.dp // cfg.launcher.nnodes  # this node's share
+    from tpctl.parallel.layout import Layout
+
+    world = Layout.from_config(cfg).world // cfg.launcher.nnodes  # this node's share
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have == 0:
         raise ConfigError("device", "cuda", "this machine has no CUDA device (torch.cuda.is_available() is False"
                           f"{'; torch ' + torch.__version__ + ' is a CPU build' if torch.version.cuda is None else ''}): use device=cpu")
     if backend != "gloo" and have < world:
-        raise ConfigError("device", "cuda", f"size*dp/nnodes={world} ranks need {world} CUDA devices with NCCL, this machine has {have}: "
+        raise ConfigError("device", "cuda", f"size*pp*dp/nnodes={world} ranks need {world} CUDA devices with NCCL, this machine has {have}: "
                           "use launcher.backend=gloo to let ranks share a GPU (for testing), or device=cpu")
 
 
@@ -250,20 +252,22 @@ def _check_compile(cfg: Any) -> None:
 
 def _check_nodes(cfg: Any) -> None:
     """ConfigError for a launcher or multi-node setting that cannot work."""
-    lc, world = cfg.launcher, cfg.size * cfg.dp
+    from tpctl.parallel.layout import Layout
+
+    lc, world = cfg.launcher, Layout.from_config(cfg).world
     if lc.name not in LAUNCHERS:
         raise ConfigError("launcher.name", lc.name, f"expected one of {', '.join(LAUNCHERS)} (launcher=local or launcher=slurm)")
     if lc.nnodes < 1:
         raise ConfigError("launcher.nnodes", lc.nnodes, "expected a positive number of nodes")
     if world % lc.nnodes:
         raise ConfigError("launcher.nnodes", lc.nnodes,
-                          f"every node runs the same number of workers: size*dp={world} must divide by nnodes")
+                          f"every node runs the same number of workers: size*pp*dp={world} must divide by nnodes")
     if not 0 <= lc.node_rank < lc.nnodes:
         raise ConfigError("launcher.node_rank", lc.node_rank, f"expected 0 <= node_rank < launcher.nnodes={lc.nnodes}")
     if lc.name == "slurm":
         if cfg.device == "cuda" and lc.gpus_per_node != world // lc.nnodes:
             raise ConfigError("launcher.gpus_per_node", lc.gpus_per_node,
-                              f"device=cuda runs one worker per GPU: expected size*dp/nnodes={world // lc.nnodes}")
+                              f"device=cuda runs one worker per GPU: expected size*pp*dp/nnodes={world // lc.nnodes}")
         if lc.time_min < 1:
             raise ConfigError("launcher.time_min", lc.time_min, "expected a positive number of minutes")
         return  # Slurm tells each node its rank and the rendezvous host

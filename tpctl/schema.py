@@ -189,6 +189,23 @@ class RecipeConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """How a run with pp > 1 pipelines its stages (parallel/stages.py)."""
+
+    # gpipe (every forward, then every backward), 1f1b (one forward, one
+    # backward in the steady state: at most pp micro-batches in flight) or
+    # interleaved (1f1b over virtual_stages chunks per rank: a smaller bubble).
+    schedule: str = "1f1b"
+    virtual_stages: int = 2  # chunks per rank with schedule=interleaved
+    # Micro-batches per step; null: the fewest that keep the planned bubble
+    # at or below 25% (and divide the batch).
+    microbatches: Optional[int] = None
+    # Blocks per stage (per chunk with interleaved), first stage first;
+    # null: balanced by parameters.
+    split: Optional[List[int]] = None
+
+
+@dataclass
 class TrainConfig:
     # The layout (parallel/layout.py): the tensor-parallel mode (a name in
     # parallel/registry.py), its grid, and the replicas.
@@ -196,7 +213,7 @@ class TrainConfig:
     size: int = 1  # tensor-parallel ranks
     depth: int = 1  # 2.5d depth
     dp: int = 1  # data-parallel replicas; world = size * pp * dp
-    pp: int = 1  # pipeline stages (not built yet: only 1 is valid)
+    pp: int = 1  # pipeline stages (cut at the model's repeated blocks)
     zero: int = 0  # ZeRO stage over the dp replicas (not built yet: only 0 is valid)
     seed: int = 0
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (nccl)
@@ -209,6 +226,7 @@ class TrainConfig:
     # untyped here so that a custom model's arguments can be added.
     model: Any = MISSING
     data: DataConfig = field(default_factory=DataConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)

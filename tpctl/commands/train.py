@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpctl.parallel.layout import Layout
+
 from tpctl.config import (CONFIG_DIR, CONFIG_NAME, check_writable_dir, compose_jobs, load_worker_config, register_configs,
                           run_dir_setting, validate)
 from tpctl.errors import ConfigError
@@ -167,7 +169,7 @@ def one_line(error: BaseException) -> str:
 
 
 def _layout(cfg) -> str:
-    return f"mode={cfg.mode} size={cfg.size}" + (f" depth={cfg.depth}" if cfg.depth != 1 else "") + (f" dp={cfg.dp}" if cfg.dp != 1 else "")
+    return f"mode={cfg.mode} size={cfg.size}" + "".join(f" {k}={cfg[k]}" for k in ("depth", "pp", "dp") if cfg.get(k, 1) != 1)
 
 
 def _check_resume(cfg, run_dir: Path) -> None:
@@ -282,7 +284,7 @@ class TrainRun:
             status = slurm.submit(run_cfg, run_dir)
         elif self.dry_run:
             lc = run_cfg.launcher
-            print(f"tpctl: dry run: would start {run_cfg.size * run_cfg.dp // lc.nnodes} workers here "
+            print(f"tpctl: dry run: would start {Layout.from_config(run_cfg).world // lc.nnodes} workers here "
                   f"(node {lc.node_rank} of {lc.nnodes}) reading {run_dir / 'config.yaml'}; nothing started")
             return
         else:

@@ -26,6 +26,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from tpctl.parallel.layout import Layout
+
 WORKER_MODULE = "tpctl.launch.worker"
 WORKER_MODULE_ENV = "TPCTL_WORKER_MODULE"
 # Seconds the workers get to exit after SIGINT/SIGTERM before SIGKILL.
@@ -48,7 +50,7 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
         print(f"tpctl: error: worker module {module!r} not found (check {WORKER_MODULE_ENV})", file=sys.stderr)
         return 1
     lc = cfg.launcher
-    nproc = cfg.size * cfg.dp // lc.nnodes
+    nproc = Layout.from_config(cfg).world // lc.nnodes
     if lc.nnodes > 1 or lc.rdzv_endpoint:
         endpoint = lc.rdzv_endpoint
         # Every node must name the same job; the endpoint is the same on all.
@@ -173,13 +175,14 @@ def accepted(callable_: Any, **kwargs: Any) -> dict:
 def node_layout(cfg: Any) -> str:
     """Where the tensor-parallel groups land. torchrun gives each node a run
     of consecutive global ranks, and the mesh puts a tensor-parallel group on
-    consecutive ranks (rank = dp_rank*size + tp_rank), so a group stays
-    inside one node exactly when the node's worker count divides by size."""
+    consecutive ranks (rank = (dp_rank*pp + pp_rank)*size + tp_rank), so a
+    group stays inside one node exactly when the node's worker count
+    divides by size; pipeline stages and replicas are what cross nodes."""
     lc = cfg.launcher
-    per_node = cfg.size * cfg.dp // lc.nnodes
+    per_node = Layout.from_config(cfg).world // lc.nnodes
     head = f"node {lc.node_rank} of {lc.nnodes}: {per_node} workers"
     if per_node % cfg.size == 0:
-        return f"{head}, {per_node // cfg.size} whole tensor-parallel group(s) of {cfg.size}; only data-parallel traffic crosses nodes"
+        return f"{head}, {per_node // cfg.size} whole tensor-parallel group(s) of {cfg.size}; only pipeline and data-parallel traffic crosses nodes"
     if cfg.size % per_node == 0:
         return (f"{head}: a tensor-parallel group (size={cfg.size}) spans {cfg.size // per_node} nodes, "
                 "so its collectives cross the network; use fewer nodes or more workers per node where you can")

@@ -130,11 +130,21 @@ def _release_groups() -> None:
     gc.collect()
 
 
-def parallelism_of(layout):
+def parallelism_of(layout, pipeline=None):
     """The Parallelism of `layout` (a parallel.layout.Layout) on a pool
-    rank, built on first use: its process groups are made once per process."""
+    rank, built on first use: its process groups are made once per process.
+    `pipeline` (a stages.PipelineSpec, with pp > 1): a fresh pipeline of
+    that schedule on the same process groups (a pipeline holds one model's
+    stage)."""
     if layout not in _modes:
         from tpctl.parallel.parallelism import parallelism
 
-        _modes[layout] = parallelism(layout, seed=0)
-    return _modes[layout]
+        _modes[layout] = parallelism(layout, seed=0, pipeline=pipeline)
+    par = _modes[layout]
+    if layout.pp > 1:
+        from dataclasses import replace
+
+        from tpctl.parallel.pipeline import Pipeline
+
+        par = replace(par, pipeline=Pipeline(par.mesh, pipeline or par.pipeline.spec))
+    return par

@@ -300,15 +300,22 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
     refused, `model.tpctl_rewritten` lists every module's `Rewritten` record
     and `model.tpctl_problems` what the mode cannot shard (check_plan). `tpctl inspect` shows them; the planner reads every parameter's
     local shape and replicas from the ShardSpecs it leaves.
+
+    With a Parallelism whose layout has pp > 1, the model is first cut to
+    this rank's pipeline stage (parallel/pipeline.py) and only that is
+    rewritten (a dry run rewrites the whole model, for its shapes).
     """
     from .layers import linearize
 
+    pipeline = None if dry_run else getattr(mode, "pipeline", None)
     mode = as_mode(mode)
     if getattr(model, "tpctl_mode", None) is not None:
         raise ValueError(f"{type(model).__name__} is already parallelized ({model.tpctl_mode.name})")
     linearize(model)  # GPT-2's Conv1D: a Linear with a transposed weight
     if not isinstance(plan, RolePlan):
         plan = resolve_plan(model, plan)
+    if pipeline is not None:
+        plan = pipeline.cut(model, plan)
     problems = check_plan(plan, model, mode.geo)
     if problems and not dry_run:
         name, reason = next(iter(problems.items()))
@@ -351,9 +358,29 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
                 raise ValueError(f"parameter {name!r} has no role in the plan; mode {mode.name} cannot leave it whole")
     model.tpctl_mode = mode  # marks the model as rewritten (and by which mode)
     model.tpctl_plan = plan
+    if pipeline is not None:
+        pipeline.install(model)
+    if not dry_run:
+        key_dropout_streams(model, mode.mesh)
     if dry_run:  # (a real rewrite keeps no reference to the originals: their memory goes)
         model.tpctl_rewritten, model.tpctl_problems = rewritten, problems
     return model
+
+
+def key_dropout_streams(model: nn.Module, mesh: Mesh) -> None:
+    """Seed the dropout generators afresh as the model's forward starts and
+    as each block of its stack starts (Mesh.reseed_dropout), when it has
+    dropout at all: what a block draws then depends on the block, the step
+    and the micro-batch, not on what ran before it on this rank."""
+    from .layers import ParallelDropout
+    from .roles import repeated_blocks
+
+    if not any(isinstance(m, ParallelDropout) and m.p > 0 for m in model.modules()):
+        return
+    model.register_forward_pre_hook(lambda module, args: mesh.reseed_dropout(-1))
+    stack = repeated_blocks(model)
+    for key, block in (stack._modules.items() if stack is not None else ()):
+        block.register_forward_pre_hook(lambda module, args, index=int(key): mesh.reseed_dropout(index))
 
 
 # Head counts a model's config may hold, which an attention module reads at

@@ -117,6 +117,25 @@ def reduce(tensor: torch.Tensor, dst: int, group: Group, async_op: bool = False)
     return dist.reduce(tensor, dst=dst, group=group, async_op=async_op)
 
 
+def count_send(tensor: torch.Tensor) -> None:
+    """Count a point-to-point send that another library issues (torch's
+    pipeline schedules batch their own); receives are the sender's count."""
+    STATS.add("send", tensor, 2)
+
+
+def send(tensor: torch.Tensor, dst: int, group: Group) -> None:
+    """Send to global rank `dst` of `group` and wait (bounded by the
+    group's timeout, as every collective)."""
+    count_send(tensor)
+    dist.isend(tensor.contiguous(), dst=dst, group=group).wait()
+
+
+def recv(tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
+    """Receive into `tensor` from global rank `src` of `group`."""
+    dist.irecv(tensor, src=src, group=group).wait()
+    return tensor
+
+
 # ---- the control plane: Python objects and barriers between steps (not
 # counted: no training step sends them). `group` None is the whole world here,
 # as in torch.distributed: these are never issued over a layer's group.

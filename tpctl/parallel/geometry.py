@@ -52,4 +52,6 @@ WIRE_FACTOR = {
     "reduce_scatter": lambda p: (p - 1) / p,
     "broadcast": lambda p: (p - 1) / p,
     "reduce": lambda p: (p - 1) / p,
+    # Point to point (pipeline stages): what is sent is what crosses the wire.
+    "send": lambda p: 1.0,
 }

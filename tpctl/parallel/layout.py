@@ -25,6 +25,7 @@ from typing import Any
 from tpctl.errors import ConfigError
 
 from .geometry import Geometry
+from .stages import PipelineSpec
 
 # Stages of ZeRO (docs/DESIGN.md, "Data parallelism"): 0 none, 1 optimizer
 # state, 2 + gradients, 3 + parameters sharded over the dp group.
@@ -157,9 +158,7 @@ class Layout:
                 raise ConfigError(key, getattr(self, key), f"expected a positive number of {what}")
         if self.zero not in ZERO_STAGES:
             raise ConfigError("zero", self.zero, "expected 0, 1, 2 or 3 (the ZeRO stage)")
-        # The layout has room for these; the training step does not yet.
-        if self.pp != 1:
-            raise ConfigError("pp", self.pp, "pipeline parallelism is not built yet: expected pp=1")
+        # The layout has room for it; the training step does not yet.
         if self.zero != 0:
             raise ConfigError("zero", self.zero, "ZeRO is not built yet: expected zero=0")
         if cfg is not None:
@@ -173,6 +172,9 @@ class Layout:
         t = cfg.train
         if t.grad_accum < 1:
             raise ConfigError("train.grad_accum", t.grad_accum, "expected a positive number of micro-batches")
+        if self.pp > 1:
+            self.pipeline(cfg)  # the pipeline's own split of the batch
+            return geo
         split = t.grad_accum * self.dp * geo.batch_split
         if t.batch_size < 1 or t.batch_size % split:
             raise ConfigError(
@@ -181,6 +183,24 @@ class Layout:
                 f"(mode={self.mode}): expected a positive multiple of {split}",
             )
         return geo
+
+    def pipeline(self, cfg: Any) -> PipelineSpec:
+        """The pipeline of run config `cfg` in this layout (ConfigError naming
+        the first bad key); pp=1: one stage."""
+        if self.pp > 1 and self.seq_parallel:
+            raise ConfigError("seq_parallel", True, "the stream a pipeline stage sends is not sequence-sharded yet: "
+                              "expected seq_parallel=false with pp > 1")
+        spec = PipelineSpec.from_config(cfg, self.pp, self.dp * self.geo.batch_split)
+        m = cfg.model
+        blocks = m.get("n_layer") if m.get("arch") not in ("custom", None) and not m.get("pretrained") else None
+        if blocks is not None and spec.chunks > blocks:
+            key, value = ("pp", self.pp) if spec.virtual == 1 else ("pipeline.virtual_stages", spec.virtual)
+            raise ConfigError(key, value, f"{spec.describe_chunks()}, more than the model's {blocks} blocks "
+                              f"(model.n_layer): expected at most {blocks} stages")
+        if blocks is not None and spec.split is not None and sum(spec.split) != blocks:
+            raise ConfigError("pipeline.split", list(spec.split), f"expected {spec.chunks} numbers of blocks summing to "
+                              f"the model's {blocks} (model.n_layer)")
+        return spec
 
     def _check_model(self, cfg: Any, geo: Geometry) -> None:
         """Head and hidden sizes the config states (a built-in or size-keyed
@@ -248,10 +268,14 @@ class Layout:
 
     def group_members(self, name: str) -> list[list[int]]:
         """The member ranks of every group named `name`."""
+        if name == "pp_ends":  # the first and the last stage at each grid position of each replica
+            return [sorted({g[0], g[-1]}) for g in self.groups_over(("pp",))]
         return self.groups_over(self.group_axes(name))
 
     def group_of(self, name: str, rank: int) -> list[int]:
         """The members of the group `name` that holds `rank`."""
+        if name == "pp_ends":
+            return next((g for g in self.group_members(name) if rank in g and len(g) > 1), [rank])
         coords, varying, extent = self.coords(rank), self.group_axes(name), dict(self.axes)
         return [self.rank_of({**coords, **dict(zip(varying, var))})
                 for var in itertools.product(*(range(extent[n]) for n in varying))]

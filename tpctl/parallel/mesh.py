@@ -47,6 +47,11 @@ class Mesh:
     # every rank (for sharded activations). See docs/DESIGN.md, "Dropout".
     rng_shared: Optional[torch.Generator] = None
     rng_local: Optional[torch.Generator] = None
+    seed: int = 0
+    # Which draws the dropout layers make now: the step and micro-batch the
+    # forward runs (set by the training step and the pipeline's stages).
+    draw_step: int = 0
+    draw_micro: int = 0
 
     @property
     def geo(self) -> Geometry:
@@ -76,6 +81,17 @@ class Mesh:
     def tp_group(self) -> Optional[dist.ProcessGroup]:
         return self.groups["tp"]
 
+    def reseed_dropout(self, block: int) -> None:
+        """Start the dropout generators of block `block` (-1: before the
+        blocks) of the micro-batch running now: seeded by (replica, grid
+        position, step, micro-batch, block), never by what ran before on
+        this rank, so a pipeline stage draws the masks one process draws
+        whichever blocks it holds, and a resumed run draws what the
+        uninterrupted one did."""
+        key = (self.draw_step, self.draw_micro, block)
+        self.rng_shared.manual_seed(derive_seed(self.seed, "dropout-shared", self.dp_rank, *key))
+        self.rng_local.manual_seed(derive_seed(self.seed, "dropout-local", self.dp_rank, self.tp_rank, *key))
+
 
 def build_mesh(layout: Layout, rank: Optional[int] = None, device: str | torch.device = "cpu", seed: int = 0,
                groups: bool = True) -> Mesh:
@@ -94,9 +110,10 @@ def build_mesh(layout: Layout, rank: Optional[int] = None, device: str | torch.d
     coords = layout.coords(rank)
     grid = dict(layout.grid_axes)
     mesh = Mesh(layout=layout, rank=rank, device=torch.device(device),
-                coords={a: c for a, c in coords.items() if a in grid}, dp_rank=coords["dp"], pp_rank=coords["pp"])
+                coords={a: c for a, c in coords.items() if a in grid}, dp_rank=coords["dp"], pp_rank=coords["pp"],
+                seed=seed)
     made: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {}
-    for name in (*GROUP_AXES, *layout.mode_class.grid_groups):
+    for name in (*GROUP_AXES, *layout.mode_class.grid_groups, "pp_ends"):
         members = layout.group_of(name, rank)
         mesh.group_ranks[name] = members
         mesh.groups[name] = _process_group(layout, name, made) if groups else None

@@ -1,12 +1,14 @@
 """A run's parallel machinery on one rank, composed: the mesh, the tensor-
-parallel mode acting on its grid and the data-parallel component across
-replicas. What a training step (training/step.py) or a custom loop
-(`tpctl.init_parallel`) works with; each part knows only its own axis.
+parallel mode acting on its grid, the pipeline along the stages (pp > 1)
+and the data-parallel component across replicas. What a training step
+(training/step.py) or a custom loop (`tpctl.init_parallel`) works with;
+each part knows only its own axis.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -17,13 +19,17 @@ from .data_parallel import DataParallel
 from .geometry import Geometry
 from .layout import Layout
 from .mesh import Mesh, build_mesh
+from .pipeline import Pipeline
 from .shard import spec_of
+from .stages import PipelineSpec
 
 
 @dataclass
 class Parallelism:
     mode: ParallelMode
     dp: DataParallel = field(default=None)  # type: ignore[assignment]
+    # pp > 1: this rank's stage of the pipeline; None without one.
+    pipeline: Optional[Pipeline] = None
 
     def __post_init__(self):
         if self.dp is None:
@@ -88,8 +94,7 @@ class Parallelism:
         (ShardSpec.is_canonical), summed over the `grad_norm` group.
         Per-tensor norms in one foreach call (no copy of any gradient),
         their squares summed in float64."""
-        grads = [p.grad for p in model.parameters()
-                 if p.grad is not None and (spec_of(p) is None or spec_of(p).is_canonical)]
+        grads = [p.grad for p in model.parameters() if p.grad is not None and counted_once(p)]
         if grads:
             norms = torch._foreach_norm(grads) if hasattr(torch, "_foreach_norm") else [g.norm() for g in grads]
             total = torch.stack(norms).double().pow(2).sum()
@@ -124,9 +129,22 @@ def _scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
         torch._foreach_mul_(group, coef.to(dtype))
 
 
+def counted_once(param: torch.Tensor) -> bool:
+    """Whether this rank's copy of `param` is the one that counts (in the
+    gradient norm, in a checkpoint): the first of its tensor-parallel
+    replicas, and not the last pipeline stage's copy of a tied weight."""
+    spec = spec_of(param)
+    return (spec is None or spec.is_canonical) and not getattr(param, "tpctl_stage_copy", False)
+
+
 def parallelism(layout: Layout, seed: int = 0, device: str | torch.device = "cpu", groups: bool = True,
-                rank: int | None = None) -> Parallelism:
+                rank: int | None = None, pipeline: Optional[PipelineSpec] = None) -> Parallelism:
     """The parallel machinery of `layout` on this rank (groups=False: the
-    process-group-free version, for tools that only look at layouts)."""
+    process-group-free version, for tools that only look at layouts).
+    `pipeline`: the schedule of a layout with pp > 1 (default: 1F1B over
+    pp micro-batches)."""
     mesh = build_mesh(layout, rank, device, seed, groups)
-    return Parallelism(layout.mode_class(mesh))
+    stages = None
+    if layout.pp > 1:
+        stages = Pipeline(mesh, pipeline or PipelineSpec(layout.pp, "1f1b", 1, layout.pp))
+    return Parallelism(layout.mode_class(mesh), pipeline=stages)

@@ -505,10 +505,13 @@ def _common_parent(names: list[str]) -> str:
 
 def repeated_blocks(model: nn.Module) -> Optional[nn.ModuleList]:
     """The model's stack of blocks: the nn.ModuleList with the most children,
-    all of one class (ties: the first in definition order). None if the
+    all of one class (ties: the first in definition order); a pipeline
+    stage's stack (pipeline.StageStack), whatever its length. None if the
     model has no such list."""
     best = None
     for module in model.modules():
+        if getattr(module, "tpctl_stage_stack", False):
+            return module
         if isinstance(module, nn.ModuleList) and len(module) > 0:
             if len({type(child) for child in module}) == 1 and (best is None or len(module) > len(best)):
                 best = module

@@ -69,6 +69,9 @@ from .shard import ShardSpec, spec_of
 TOLERANCE = 1e-4
 SEED = 1234  # of the random inputs, the same on every rank
 SKIPPED_ROLES = ("dropout", "attn_dropout")  # identity in eval: nothing to compare
+# A unit no instance of which this rank's pipeline stage holds: another
+# stage checks it (the ranks agree on every unit's verdict).
+ELSEWHERE = "held by another pipeline stage"
 
 
 class RewriteRefused(Exception):
@@ -140,16 +143,22 @@ def parallelize_verified(model: nn.Module, mode, plan=None, verify: bool = True)
     report; RewriteRefused (on every rank alike) when they differ."""
     from .base import as_mode, parallelize
 
-    mode = as_mode(mode)
+    par, mode = mode, as_mode(mode)
     if not verify or not mode.rewrites:  # mode none replaces nothing
-        return parallelize(model, mode, plan).to(mode.mesh.device), None
+        return parallelize(model, par, plan).to(mode.mesh.device), None
     linearize(model)
     if not isinstance(plan, RolePlan):
         plan = resolve_plan(model, plan)
     start = time.perf_counter()
-    originals = capture_originals(model, plan, mode)
+    # With pp > 1 each rank checks what its stage holds (an instance of
+    # each distinct unit there, and the embedding or the head on the end
+    # stages), and the verdicts are agreed over every rank.
+    pipeline = getattr(par, "pipeline", None)
+    if pipeline is not None:
+        pipeline.assign(model, plan)
+    originals = capture_originals(model, plan, mode, pipeline.holds if pipeline is not None else None)
     setup = time.perf_counter() - start
-    model = parallelize(model, mode, plan).to(mode.mesh.device)
+    model = parallelize(model, par, plan).to(mode.mesh.device)
     report = verify_rewrite(model, mode, originals)
     report.seconds += setup
     if report.failure is not None:
@@ -197,10 +206,13 @@ def batch_shape(geo) -> tuple[int, int]:
     return size, size * max(1, math.ceil(4 / size))
 
 
-def capture_originals(model: nn.Module, plan: RolePlan, mode) -> Originals:
+def capture_originals(model: nn.Module, plan: RolePlan, mode, holds: Optional[Callable[[str], bool]] = None) -> Originals:
     """Before the rewrite: the distinct modules and blocks to check, a copy
     of one instance of each, and their real call arguments (one forward of
-    the original with stand-in parameters)."""
+    the original with stand-in parameters). `holds(name)`: whether this
+    rank's pipeline stage holds a module (the instance copied is one it
+    holds; a unit it holds none of is left to another stage)."""
+    holds = holds or (lambda name: True)
     names = [n for n, role in plan.roles.items() if role not in SKIPPED_ROLES]
     blocks = _block_names(model)
     targets = {n: model.get_submodule(n) for n in dict.fromkeys(names + blocks)}
@@ -215,17 +227,22 @@ def capture_originals(model: nn.Module, plan: RolePlan, mode) -> Originals:
             skipped.append(Check(kind, name, type(module).__name__, role, [name], note="never called in the forward"))
             continue
         key = (kind, role, type(module).__qualname__, repr(module), _fingerprint(calls[name]))
-        if key in by_key:
-            by_key[key].check.instances.append(name)
-            continue
-        own = dict(module.named_parameters(remove_duplicate=False))
-        clone = copy.deepcopy(module)
-        origin = {id(p): own[n] for n, p in clone.named_parameters(remove_duplicate=False)}
-        unit = _Unit(Check(kind, name, type(module).__name__, role, [name]), clone, origin, calls[name])
-        by_key[key] = unit
-        units.append(unit)
+        unit = by_key.get(key)
+        if unit is None:
+            unit = by_key[key] = _Unit(Check(kind, name, type(module).__name__, role, [], note=ELSEWHERE), None, {}, ())
+            units.append(unit)
+        unit.check.instances.append(name)
+        if unit.original is None and holds(name):  # the first instance this rank holds: the one it checks
+            own = dict(module.named_parameters(remove_duplicate=False))
+            clone = copy.deepcopy(module)
+            unit.origin = {id(p): own[n] for n, p in clone.named_parameters(remove_duplicate=False)}
+            unit.original, unit.full_call = clone, calls[name]
+            unit.check.name, unit.check.note = name, ""
     source = getattr(model, "tpctl_init", None)
     stages = _capture_stages(model, mode, plan, blocks, calls, source) if blocks else []
+    for stage, block in zip(stages, (blocks[:1], blocks[-1:])):
+        if not holds(block[0]):  # the embedding on the first stage, the head on the last
+            stage.check.note = ELSEWHERE
     stack = tuple(b + "." for b in blocks)
     stage_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith(stack)) if stages else 0
     return Originals(units, _check_ids(model, mode), source, skipped, stages, stage_bytes)
@@ -289,11 +306,16 @@ def verify_rewrite(model: nn.Module, mode, originals: Originals) -> Report:
     """Check every unit of `originals` against the rewritten `model` on this
     rank; every rank of the world must call it (collectives)."""
     start = time.perf_counter()
-    units = originals.units
+    units = [u for u in originals.units if u.check.note != ELSEWHERE]
     local_ids = _local_rows(mode, originals.ids).to(mode.mesh.device)
+    pipeline = getattr(model, "tpctl_stage", None)
+    stream = None
+    if pipeline is not None:  # the stream a stage receives in the check's forward (its values do not matter)
+        rows, seq = originals.ids.shape[0] // mode.read_block()[1], originals.ids.shape[1]
+        stream = torch.zeros(pipeline.stream_shape(rows, seq, mode), device=mode.mesh.device)
     try:
         calls = _capture_calls({u.check.name: model.get_submodule(u.check.name) for u in units},
-                               lambda: _eval_forward(model, local_ids))
+                               lambda: _eval_forward(model, local_ids, pipeline, stream))
     except (RuntimeError, ValueError, TypeError, IndexError) as e:  # alike on every rank: a shape error
         where = f"mode={mode.name} size={mode.geo.size}"
         raise RewriteRefused(f"the rewrite for {where} cannot run the model: its forward fails with "
@@ -325,13 +347,15 @@ def verify_rewrite(model: nn.Module, mode, originals: Originals) -> Report:
                     p.grad = None
                 reference = None  # one whole unit at a time: let it go before the next is made
         for stage in originals.stages:
+            if stage.check.note == ELSEWHERE:
+                continue
             try:
-                stage.check.diff, stage.check.what = _check_stage(model, mode, stage, calls, local_ids)
+                stage.check.diff, stage.check.what = _check_stage(model, mode, stage, calls, local_ids, pipeline, stream)
             except _CannotVerify as e:
                 stage.check.diff, stage.check.note = math.inf, f"cannot verify: {e}"
     finally:
         model.train(was_training)
-    _agree(units + originals.stages, mode)
+    _agree(originals.units + originals.stages, mode)
     checks = [s.check for s in originals.stages[:1]] + [u.check for u in units] + \
         [s.check for s in originals.stages[1:]] + originals.skipped
     return Report(checks, time.perf_counter() - start, max(peak, originals.stage_bytes))
@@ -345,7 +369,7 @@ def _block_names(model: nn.Module) -> list[str]:
     if stack is None:
         return []
     prefix = next(name for name, m in model.named_modules() if m is stack)
-    return [f"{prefix}.{i}" if prefix else str(i) for i in range(len(stack))]
+    return [f"{prefix}.{i}" if prefix else str(i) for i in stack._modules]  # (a pipeline stage keeps whole-model indices)
 
 
 def _freeze(value):
@@ -387,12 +411,17 @@ def _trace_forward(model: nn.Module, mode) -> None:
     trace(model, ids=ids)
 
 
-def _eval_forward(model: nn.Module, ids: torch.Tensor) -> None:
+def _eval_forward(model: nn.Module, ids: torch.Tensor, pipeline=None, stream=None) -> None:
+    """The rewritten model's forward (a pipeline stage: each of its chunks,
+    fed `stream` where a previous stage would send one)."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            model(ids)
+            if pipeline is None:
+                model(ids)
+            for chunk in pipeline.chunks if pipeline is not None else ():
+                pipeline.forward_chunk(chunk, None if chunk.first else stream, ids)
     finally:
         model.train(was_training)
 
@@ -727,7 +756,8 @@ def _linear_outputs(reference: nn.Linear, rewritten: nn.Module, mode, check: Che
     return ShardSpec((reference.out_features,), ((spec.index[0] if spec is not None else None),))
 
 
-def _check_stage(model, mode, stage: _Stage, calls: dict, local_ids: torch.Tensor) -> tuple[float, str]:
+def _check_stage(model, mode, stage: _Stage, calls: dict, local_ids: torch.Tensor, pipeline=None,
+                 stream=None) -> tuple[float, str]:
     """Forward only (their modules' gradients are checked module by module):
     the rewritten model's input to its first block against the original's
     (this rank's piece of the residual stream); and its logits, fed this
@@ -744,7 +774,11 @@ def _check_stage(model, mode, stage: _Stage, calls: dict, local_ids: torch.Tenso
     hook = model.get_submodule(stage.block).register_forward_hook(lambda m, a, out: _with_first(out, piece), prepend=True)
     try:
         with torch.no_grad():
-            got = logits_of(model(local_ids))
+            if pipeline is None:
+                got = logits_of(model(local_ids))
+            else:  # the last chunk (the rank holds it: the head is checked where it is)
+                last = next(c for c in pipeline.chunks if c.last)
+                got = pipeline.forward_chunk(last, None if last.first else stream, local_ids)
     finally:
         hook.remove()
     index, count = mode.read_block()
@@ -767,9 +801,13 @@ def _agree(units: list, mode) -> None:
     by_rank = comm.all_gather(diffs.unsqueeze(0), dist.group.WORLD).cpu()  # (world, units)
     # Start-up only: the names are short strings, one object gather.
     names: list = [None] * dist.get_world_size()
-    dist.all_gather_object(names, [u.check.what for u in units])
+    dist.all_gather_object(names, [(u.check.what, u.check.note) for u in units])
     worst, owner = by_rank.max(dim=0)  # max picks the first rank among equals
     for i, unit in enumerate(units):
-        if not unit.check.note:
-            unit.check.what = names[int(owner[i])][i]
+        if unit.check.note == ELSEWHERE:  # another stage checked it: take that rank's verdict
+            checked = [r for r in range(len(names)) if names[r][i][1] != ELSEWHERE] or [int(owner[i])]
+            first = int(owner[i]) if int(owner[i]) in checked else checked[0]
+            unit.check.what, unit.check.note = names[first][i]
+        elif not unit.check.note:
+            unit.check.what = names[int(owner[i])][i][0]
         unit.check.diff = float(worst[i])

@@ -91,8 +91,9 @@ class Trainer:
     # ---- one global batch ------------------------------------------------
     def _micro_batches(self, split: str, step: int):
         t = self.cfg.train
-        for micro in range(t.grad_accum):
-            x, y = self.data.batch(split, step, self.par.rows(t.batch_size, t.grad_accum, micro))
+        micros = self.step.micro_count
+        for micro in range(micros):
+            x, y = self.data.batch(split, step, self.par.rows(t.batch_size, micros, micro))
             yield (self.par.mode.split_input(x).to(self.mesh.device),
                    self.par.mode.split_target(y).to(self.mesh.device))
 
@@ -108,8 +109,7 @@ class Trainer:
         self.model.eval()
         local_sum = torch.zeros((), device=self.mesh.device)
         for k in range(self.cfg.train.eval_batches):
-            for x, y in self._micro_batches("val", k):
-                local_sum += self.step.loss_sum(x, y)
+            local_sum += self.step.eval_loss_sum(self._micro_batches("val", k))
         return self.par.global_mean_tensor(local_sum, self.tokens_per_step * self.cfg.train.eval_batches)
 
     def _fetch(self, out: dict) -> dict:

@@ -82,7 +82,7 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     blocks = repeated_blocks(model)
     if blocks is None:
         raise ValueError(f"{type(model).__name__} has no nn.ModuleList of repeated blocks to checkpoint")
-    for block in blocks:
+    for block in blocks.children():  # (a pipeline stage's stack iterates one chunk; children() are all its blocks)
         if getattr(block, "tpctl_checkpointed", False):
             continue
         # The class's forward, bound: wrapping the instance attribute leaves
@@ -90,4 +90,4 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
         original = block.forward
         block.forward = functools.partial(_checkpointed_forward, original, _generators(block))
         block.tpctl_checkpointed = True
-    return len(blocks)
+    return len(list(blocks.children()))

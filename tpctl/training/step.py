@@ -5,9 +5,10 @@
                                                     non-finite policy, lr, optimizer
 
 The trainer, `tpctl bench` (cost/measure.py) and the planner's test call
-this one step. It holds `model_parts` (one part today: the whole model;
-a pipeline stage's parts later) and works against `Parallelism`, so it is
-the same for every layout.
+this one step. It holds `model_parts` (one part: the whole model, or with
+pp > 1 this rank's pipeline stage, whose chunks are views of it) and works
+against `Parallelism`, so it is the same for every layout; with pp > 1 the
+pipeline's schedule (parallel/pipeline.py) is the forward and backward.
 """
 
 from __future__ import annotations
@@ -115,6 +116,13 @@ class TrainStep:
         self.device = par.mesh.device
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
         self.nonfinite = NonFinitePolicy(cfg.train.get("on_nonfinite", "stop"), say_warning=par.mesh.rank == 0)
+        self.pipeline = par.pipeline
+        # Micro-batches a step's batch is cut into: the pipeline's, or train.grad_accum.
+        self.micro_count = self.pipeline.spec.microbatches if self.pipeline is not None else cfg.train.grad_accum
+        if self.pipeline is not None:
+            self.pipeline.autocast = lambda: autocast(self.device, cfg.precision)
+            rows = len(par.rows(cfg.train.batch_size, self.micro_count))
+            self.stream = self.pipeline.stream_shape(rows, cfg.train.seq_len, par.mode)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -130,18 +138,35 @@ class TrainStep:
         norms and the cross entropy compute in fp32. The backward runs
         outside autocast, as torch recommends: it follows the forward's dtypes."""
         with autocast(self.device, self.cfg.precision):
-            logits = logits_of(self.model(x))
-            # The real vocabulary (the LM head's width before any padding).
-            vocab = getattr(self.model, "tpctl_vocab_size", None) or self.cfg.model.vocab_size
-            return self.par.cross_entropy(logits, y, vocab, self.cfg.train.label_smoothing).sum()
+            return self.criterion(logits_of(self.model(x)), y)
+
+    def criterion(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The summed cross entropy of this rank's rows of one micro-batch."""
+        # The real vocabulary (the LM head's width before any padding).
+        vocab = getattr(self.model, "tpctl_vocab_size", None) or self.cfg.model.vocab_size
+        return self.par.cross_entropy(logits, y, vocab, self.cfg.train.label_smoothing).sum()
+
+    def eval_loss_sum(self, micro_batches) -> torch.Tensor:
+        """Forward only: the summed loss of this rank's rows of a batch."""
+        if self.pipeline is not None:
+            return self.pipeline.loss_sums(list(micro_batches), self.criterion, self.stream)
+        total = torch.zeros((), device=self.device)
+        for x, y in micro_batches:
+            total = total + self.loss_sum(x, y)
+        return total
 
     def forward_backward(self, micro_batches) -> torch.Tensor:
         """Forward and backward of every micro-batch; the summed loss of this
         rank's rows (detached, on the device). Each micro-batch's *sum* is
         divided by the global batch's token count, so the accumulated
-        gradients are those of the global mean, whatever the split."""
+        gradients are those of the global mean, whatever the split. With
+        pp > 1 the pipeline's schedule runs them (the same division), and
+        every stage returns the last stage's sum."""
+        if self.pipeline is not None:
+            return self.pipeline.forward_backward(list(micro_batches), self.criterion, self.tokens_per_step, self.stream)
         total = None
-        for x, y in micro_batches:
+        for micro, (x, y) in enumerate(micro_batches):
+            self.par.mesh.draw_micro = micro
             loss_sum = self.loss_sum(x, y)
             (loss_sum / self.tokens_per_step).backward()
             total = loss_sum.detach() if total is None else total + loss_sum.detach()
@@ -167,6 +192,7 @@ class TrainStep:
         for part in self.model_parts:
             part.train()
         self.optimizer.zero_grad(set_to_none=True)
+        self.par.mesh.draw_step = step
         return self.finish(self.forward_backward(micro_batches), step)
 
     def _whole(self) -> torch.nn.Module:

@@ -1,8 +1,9 @@
 """The planner against reality: a whole GPT through one full train step
 (forward, vocab-parallel loss, backward, sync_grads, clip_grad_norm_, the
-logged global mean) in every mode, with data parallelism, on real gloo
-ranks. The bytes and calls comm.STATS counts per collective kind, and the
-parameter bytes each rank holds, must equal `tpctl plan`'s exactly."""
+logged global mean) in every mode, with data parallelism and pipeline
+stages, on real gloo ranks. The bytes and calls comm.STATS counts per
+collective kind, and the parameter bytes each rank holds, must equal
+`tpctl plan`'s exactly (with pp > 1: the plan of the rank's stage)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import pytest
 import torch
 
 from conftest import LAYOUTS, layouts
+from tpctl.parallel.layout import Layout
 
 # id: (layout, grad_accum)
 MESHES = {**{k: (v, 1) for k, v in layouts("none-dp8", "1d-2-dp4", "1d-4-sp-dp2").items()},
           "2d-4-dp2-accum2": (LAYOUTS["2d-4-dp2"], 2),
-          **{k: (v, 1) for k, v in layouts("2.5d-8-d2", "3d-8").items()}}
+          **{k: (v, 1) for k, v in layouts("2.5d-8-d2", "3d-8").items()},
+          # pp > 1: 1F1B over pp micro-batches (the pool's default pipeline)
+          **{k: (Layout.parse(k), 2) for k in ("none-pp2-dp4", "1d-2-pp2-dp2", "2d-4-pp2")}}
 BATCH, SEQ = 16, 8
 
 
@@ -54,20 +58,22 @@ def _train_step(key: str, tied: bool):
     return kinds, sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _planned(key: str, tied: bool):
+def _planned(key: str, tied: bool) -> list:
+    """(kinds, parameter bytes) the plan gives each pipeline stage."""
     from tpctl.cost.planner import model_shape, plan_split
 
     layout, accum = MESHES[key]
     plan = plan_split(model_shape(_model_cfg(tied)), layout, BATCH, SEQ, accum)
-    return plan.by_kind(), plan.param_bytes
+    return [(p.by_kind(), p.param_bytes) for p in plan.stages or [plan]]
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("key", list(MESHES))
 def test_counted_equals_planned(pool, key, tied):
-    want_kinds, want_params = _planned(key, tied)
+    planned = _planned(key, tied)
     for rank, (kinds, param_bytes) in enumerate(pool.run(_train_step, key, tied)):
+        want_kinds, want_params = planned[MESHES[key][0].coords(rank)["pp"]]
         assert param_bytes == want_params, f"rank {rank}"
         assert {k: (v["calls"], v["bytes"]) for k, v in kinds.items()} == \
             {k: (v["calls"], v["bytes"]) for k, v in want_kinds.items()}, f"rank {rank}"

@@ -25,6 +25,7 @@ from typing import Any, Optional
 from tpctl.errors import ConfigError
 from tpctl.parallel.geometry import WIRE_FACTOR, padded_vocab
 from tpctl.parallel.layout import Layout, layouts_of
+from tpctl.parallel.stages import PipelineSpec
 
 from tpctl.config import CONFIG_DIR
 
@@ -34,7 +35,8 @@ F64 = 8  # the gradient norm and the global loss mean are reduced in float64
 
 # Latency steps of a ring (or pipelined chain) collective over p ranks.
 LATENCY_STEPS = {"all_reduce": lambda p: 2 * (p - 1)}
-KIND_ABBREV = {"all_reduce": "ar", "all_gather": "ag", "reduce_scatter": "rs", "broadcast": "bc", "reduce": "re"}
+KIND_ABBREV = {"all_reduce": "ar", "all_gather": "ag", "reduce_scatter": "rs", "broadcast": "bc", "reduce": "re",
+               "send": "p2p"}
 LINEAR_ROLES = ("qkv", "attn_in", "attn_out", "mlp_in", "mlp_out", "lm_head")
 
 
@@ -71,10 +73,18 @@ class ModelShape:
 
     def rewritten(self, par):
         """The model rewritten for `par` (a Parallelism), shapes only."""
-        from tpctl.models import build_model
         from tpctl.parallel.base import parallelize
 
-        return parallelize(build_model(self.model_cfg, self.seed, lazy=True), par, self.plan, dry_run=True)
+        return parallelize(self.original(), par, self.plan, dry_run=True)
+
+    def original(self):
+        """The model on the meta device, as the rewrite sees it."""
+        from tpctl.models import build_model
+        from tpctl.parallel.layers import linearize
+
+        model = build_model(self.model_cfg, self.seed, lazy=True)
+        linearize(model)
+        return model
 
 
 def model_shape(model_cfg, seed: int = 0) -> ModelShape:
@@ -153,6 +163,10 @@ class SplitPlan:
     compute_s: Optional[float] = None
     comm_s: Optional[float] = None
     fits: Optional[bool] = None  # memory_bytes within the hardware's memory per rank
+    # pp > 1: the plan of every pipeline rank (this plan is the one holding
+    # the most memory), and the schedule's planned bubble.
+    stages: list["SplitPlan"] = dataclasses.field(default_factory=list)
+    bubble: Optional[float] = None
 
     @property
     def label(self) -> str:
@@ -184,7 +198,7 @@ class SplitPlan:
                  optim_bytes=self.optim_bytes, activation_bytes=self.activation_bytes,
                  memory_bytes=self.memory_bytes, flops=self.flops, comm_bytes=self.comm_bytes,
                  wire_bytes=self.wire_bytes, step_time_s=self.step_time_s, compute_s=self.compute_s,
-                 comm_s=self.comm_s, fits=self.fits, by_kind=self.by_kind(),
+                 comm_s=self.comm_s, fits=self.fits, by_kind=self.by_kind(), bubble=self.bubble,
                  comm=[{"kind": k, "group": g, **dataclasses.asdict(c)} for (k, g), c in sorted(self.comm.items())])
         return d
 
@@ -193,14 +207,14 @@ class _Counter:
     """Accumulates collectives over named mesh groups; a group of one is
     free (as in comm.py)."""
 
-    def __init__(self, layout: Layout):
-        self.layout = layout
+    def __init__(self, layout: Layout, rank: int = 0):
+        self.layout, self.rank = layout, rank
         self.sizes: dict[str, int] = {}
         self.comm: dict[tuple[str, str], Comm] = {}
 
     def size(self, group: str) -> int:
         if group not in self.sizes:
-            self.sizes[group] = len(self.layout.group_of(group, 0))
+            self.sizes[group] = len(self.layout.group_of(group, self.rank))
         return self.sizes[group]
 
     def add(self, kind: str, group: str, numel: int, times: int = 1, elem: int = F32) -> None:
@@ -220,47 +234,74 @@ class _Counter:
             total.wire_bytes += times * c.wire_bytes
 
 
-def _replica_group(layout: Layout, spec) -> Optional[str]:
-    """The mesh group whose members are exactly `spec`'s replicas (rank 0's view)."""
+def _replica_group(layout: Layout, spec, rank: int = 0) -> Optional[str]:
+    """The mesh group whose members are exactly `spec`'s replicas (`rank`'s view)."""
     members = sorted(spec.replica_ranks)
     names = (*layout.mode_class.grid_groups, "tp")
-    return next((name for name in names if sorted(layout.group_of(name, 0)) == members), None)
+    return next((name for name in names if sorted(layout.group_of(name, rank)) == members), None)
 
 
-def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int, grad_accum: int = 1) -> SplitPlan:
-    """Memory, FLOPs and communication of one optimizer step on rank 0 of `layout`."""
+def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int, grad_accum: int = 1,
+               pipeline: Optional[PipelineSpec] = None, stage: Optional[int] = None) -> SplitPlan:
+    """Memory, FLOPs and communication of one optimizer step on rank 0 of
+    `layout`. With pp > 1 (schedule `pipeline`, default 1F1B over pp
+    micro-batches): on the first rank of pipeline stage `stage`; None:
+    every stage's plan (`.stages`), the one holding the most memory returned."""
     from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.shard import spec_of
 
-    par = parallelism(layout, groups=False, rank=0)
-    mode = par.mode
+    if layout.pp > 1 and pipeline is None:
+        pipeline = PipelineSpec(layout.pp, "1f1b", 1, layout.pp)
+    if layout.pp > 1 and stage is None:
+        stages = [plan_split(shape, layout, batch_size, seq_len, grad_accum, pipeline, s) for s in range(layout.pp)]
+        worst = max(stages, key=lambda p: p.memory_bytes)
+        return dataclasses.replace(worst, stages=stages)
+    rank = layout.rank_of({"pp": stage or 0})
+    par = parallelism(layout, groups=False, rank=rank, pipeline=pipeline)
+    mode, pipe = par.mode, par.pipeline
+    holds: Any = lambda name: True  # noqa: E731
+    if pipe is not None:  # what the stage holds, from the whole model (its blocks, its ends)
+        pipe.assign(shape.original(), shape.plan)
+        holds, grad_accum = pipe.holds, pipe.spec.microbatches
     vp = padded_vocab(shape.vocab_size, layout.geo.vocab_multiple)
     tokens = batch_size // (grad_accum * layout.dp) * seq_len  # token rows of a micro-batch per replica
 
     # ---- parameters: this rank's shard of each (ShardSpec), and the
     # replica buckets sync_replicas all-reduces (one coalesced call per group).
-    param_numel = 0
+    param_numel = tied_numel = 0
     buckets: dict[str, int] = defaultdict(int)
-    for name, p in shape.rewritten(par).named_parameters():  # tied parameters once
+    seen: set[int] = set()
+    named = list(shape.rewritten(par).named_parameters(remove_duplicate=False))
+    owners: dict[int, set] = defaultdict(set)  # a parameter's modules' pipeline stages
+    for name, p in named:
+        owners[id(p)].add(pipe.stage_of(name.rpartition(".")[0]) if pipe is not None else None)
+    for name, p in named:
+        if id(p) in seen or not holds(name.rpartition(".")[0]):  # tied parameters once; the stage's only
+            continue
+        seen.add(id(p))
+        if len(owners[id(p)]) > 1:  # tied across stages (an embedding and the LM head): both ends hold it
+            tied_numel += math.prod(spec_of(p).local_shape())
         spec = spec_of(p)
         numel = math.prod(spec.local_shape())
         param_numel += numel
         if spec.partial_grad and len(spec.replica_ranks) > 1:
-            group = _replica_group(layout, spec)
+            group = _replica_group(layout, spec, rank)
             if group is None:
                 raise ValueError(f"parameter {name!r}: its replicas {spec.replica_ranks} are no group of the mesh")
             buckets[group] += numel
 
     # ---- forward and backward of one micro-batch, layer by layer (the mode's own counts)
-    counter, micro = _Counter(layout), _Counter(layout)
+    counter, micro = _Counter(layout, rank), _Counter(layout, rank)
     flops, act = 0.0, 0
     for name, (_, dim) in shape.embeddings.items():
-        if shape.roles[name] == "embedding":
+        if shape.roles[name] == "embedding" and holds(name):
             mode.cost_embedding(micro.add, tokens, vp, dim)
-    for _ in shape.norms:
-        act += mode.cost_norm(micro.add, tokens, shape.n_embd)
+    for name in shape.norms:
+        if holds(name):
+            act += mode.cost_norm(micro.add, tokens, shape.n_embd)
     rows = mode.cost_rows(tokens)
-    for _, role, out_f, in_f, _ in shape.linears:
+    linears = [lin for lin in shape.linears if holds(lin[0])]
+    for _, role, out_f, in_f, _ in linears:
         n = vp if role == "lm_head" else out_f
         flops += 2 * tokens * n * in_f / layout.size
         act += mode.cost_linear(micro.add, role, tokens, n, in_f)
@@ -268,11 +309,15 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
             act += 2 * rows * mode.cost_vocab(vp)  # logits and the loss's saved probabilities
     # attention: scores and weighted sum over the rank's heads and rows
     heads_width = shape.n_embd // layout.geo.head_split
-    flops += shape.attention_layers * 2 * 2 * rows * seq_len * heads_width
-    act += shape.attention_layers * 4 * rows * heads_width
-    mode.cost_loss(micro.add, tokens)
+    attention_layers = sum(1 for lin in linears if lin[1] == "attn_out")
+    flops += attention_layers * 2 * 2 * rows * seq_len * heads_width
+    act += attention_layers * 4 * rows * heads_width
+    if any(lin[1] == "lm_head" for lin in linears) or not shape.linears:
+        mode.cost_loss(micro.add, tokens)
     counter.merge(micro, grad_accum)
     flops *= 3 * grad_accum  # backward = two products per forward product
+    if pipe is not None:  # micro-batches in flight: their activations are held at once
+        act = int(act * pipe.spec.in_flight(stage))
 
     # ---- after backward (training/step.py's finish): the grid's replica
     # sums, the data-parallel reduction, the global norm, the logged loss
@@ -281,9 +326,28 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     counter.add("all_reduce", "dp", param_numel)
     counter.add("all_reduce", "grad_norm", 1, elem=F64)
     counter.add("all_reduce", "batch", 1, elem=F64)
-    n_tensors = len(shape.params)
+    n_tensors = len(seen)
+    bubble = None
+    if pipe is not None:
+        _plan_pipeline(counter, pipe, par, batch_size, seq_len, tied_numel)
+        bubble = pipe.spec.bubble()
     return SplitPlan(layout, param_numel * F32, param_numel * F32, 2 * param_numel * F32 + n_tensors * F32,
-                     act * F32, flops, counter.comm)
+                     act * F32, flops, counter.comm, bubble=bubble)
+
+
+def _plan_pipeline(counter: _Counter, pipe, par, batch_size: int, seq_len: int, tied_numel: int) -> None:
+    """What the pipeline (parallel/pipeline.py) sends in a step on this
+    rank: each chunk's stream to the next stage and its gradient back, once
+    per micro-batch; the tied weight's gradient summed between the end
+    stages; the last stage's loss to every stage."""
+    m = pipe.spec.microbatches
+    stream = math.prod(pipe.stream_shape(len(par.rows(batch_size, m)), seq_len, par.mode))
+    for chunk in pipe.chunks:
+        sends = (not chunk.last) + (not chunk.first)  # forward to the next, backward to the previous
+        counter.add("send", "pp", stream, times=m * sends)
+    if tied_numel:
+        counter.add("all_reduce", "pp_ends", tied_numel)
+    counter.add("all_reduce", "pp", 1)
 
 
 # --------------------------------------------------------------------------

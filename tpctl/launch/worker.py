@@ -105,7 +105,8 @@ def start_worker(config_path: Path, adjust=None):
     device = init_distributed(cfg.device, cfg.launcher.collective_timeout_s, cfg.launcher.get("backend", "auto"))
     setup_logging(config_path.parent, dist.get_rank())
     layout = Layout.from_config(cfg)
-    par = parallelism(adjust(layout) if adjust else layout, cfg.seed, device)
+    layout = adjust(layout) if adjust else layout
+    par = parallelism(layout, cfg.seed, device, pipeline=layout.pipeline(cfg) if layout.pp > 1 else None)
     # torch seeds its global generator at random in each process; from
     # (seed, rank) instead, so that two runs of one config write the same
     # checkpoints, byte for byte (tpctl's own draws use their own generators).
@@ -136,9 +137,10 @@ def run(argv: list[str] | None = None) -> None:
             print(f"tpctl: {verified.line(par.mode)}", flush=True)
     data = TokenData(cfg, prepare_data(cfg))
     log.info("data: %s", data.describe())
+    whole = whole_parameters(model, par)
     if mesh.rank == 0:
-        whole = sum(math.prod(p.tpctl_spec.full_shape) for p in model.parameters())
-        print(f"tpctl: mode={cfg.mode} size={cfg.size} dp={cfg.dp} ({mesh.world_size} ranks), "
+        stages = f", {par.pipeline.spec.label()}" if par.pipeline is not None else ""
+        print(f"tpctl: {par.layout.label()} ({mesh.world_size} ranks{stages}), "
               f"{cfg.model.get('_target_') or cfg.model.arch} with {whole / 1e6:.2f}M parameters, {data.describe()}", flush=True)
     trainer = Trainer(cfg, model, par, data, run_dir)
     found = find_resume(cfg, run_dir, mesh.rank)
@@ -150,8 +152,9 @@ def run(argv: list[str] | None = None) -> None:
             m, saved = found[1], manifest_layout(found[1])
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             after = f" after restart {restart} of {cfg.launcher.max_restarts}" if restart else ""
+            pp = f" pp={saved.pp}" if saved.pp > 1 else ""
             print(f"tpctl: resumed from {found[0]}{after} (step {m['step']}, written in mode={saved.mode} "
-                  f"size={saved.size} dp={saved.dp})", flush=True)
+                  f"size={saved.size}{pp} dp={saved.dp})", flush=True)
     if trainer.start_step >= cfg.train.steps:
         if mesh.rank == 0:
             print(f"tpctl: nothing to train: the checkpoint is at step {trainer.start_step}, train.steps={cfg.train.steps}")
@@ -166,6 +169,20 @@ def run(argv: list[str] | None = None) -> None:
         (run_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1) + "\n")
         print_summary(summary, run_dir)
     dist.destroy_process_group()
+
+
+def whole_parameters(model, par) -> int:
+    """The whole model's parameter count (with pp > 1: summed over the
+    stages, each tied weight once)."""
+    from tpctl.parallel import comm
+
+    mine = sum(math.prod(p.tpctl_spec.full_shape) for p in model.parameters()
+               if not getattr(p, "tpctl_stage_copy", False))
+    if par.pipeline is None:
+        return mine
+    total = torch.tensor([float(mine)], dtype=torch.float64, device=par.mesh.device)
+    comm.all_reduce(total, par.mesh.groups["pp"])
+    return int(total.item())
 
 
 def find_resume(cfg, run_dir: Path, rank: int):

@@ -60,18 +60,19 @@ class PipelineSpec:
         p = self.stages
         return (p - 1) / (self.virtual * self.microbatches + p - 1)
 
-    def in_flight(self) -> float:
-        """Micro-batches whose activations the first stage holds at once at
-        most: all M in GPipe, P in 1F1B (its warm-up); interleaved, the
-        chunk forwards of torch's warm-up ((v - 1) rounds of P, plus 2 per
-        hop to the last rank) and the first steady one, each 1/v of a stage."""
+    def in_flight(self, rank: int = 0) -> float:
+        """Micro-batches whose activations pipeline rank `rank` holds at
+        once at most: all M in GPipe, P - rank in 1F1B (its warm-up);
+        interleaved, the chunk forwards of torch's warm-up ((v - 1) rounds
+        of P, plus 2 per hop to the last rank) and the first steady one,
+        each 1/v of the rank's blocks."""
         m, p, v = self.microbatches, self.stages, self.virtual
         if self.schedule == "gpipe":
             return m
         if self.schedule == "1f1b":
-            return min(m, p)
+            return min(m, p - rank)
         per_round = m // max(1, m // p)
-        return min(m * v, (v - 1) * per_round + 2 * (p - 1) + 1) / v
+        return min(m * v, (v - 1) * per_round + 2 * (p - 1 - rank) + 1) / v
 
     def label(self) -> str:
         v = f" v={self.virtual}" if self.schedule == "interleaved" else ""

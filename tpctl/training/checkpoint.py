@@ -304,7 +304,8 @@ def state_entries(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimi
         spec = spec_of(p)
         boxes = shard_boxes(spec, tuple(p.shape))
         full = tuple(spec.full_shape) if spec is not None else tuple(p.shape)
-        write = par.dp.writes(spec)
+        # (The last pipeline stage's copy of a tied weight: the first stage writes it.)
+        write = par.dp.writes(spec) and not getattr(p, "tpctl_stage_copy", False)
         entries[f"model.{name}"] = Entry(p.data, full, boxes, write)
         if optimizer is None:
             continue
@@ -360,7 +361,7 @@ def _plain(cfg) -> dict:
 
 # Settings a resumed run may change without changing what it computes
 # (the layout, where and how often it saves, the launcher).
-_LAYOUT_KEYS = ("mode", "size", "depth", "dp", "device", "seq_parallel", "launcher.", "checkpoint.", "train.resume",
+_LAYOUT_KEYS = ("mode", "size", "depth", "dp", "pp", "pipeline.", "device", "seq_parallel", "launcher.", "checkpoint.", "train.resume",
                 "train.progress", "train.log_every", "train.eval_every", "train.eval_batches", "data.cache_dir",
                 "train.on_nonfinite")
 

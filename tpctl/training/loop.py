@@ -205,6 +205,15 @@ class Trainer:
         }
         if self.mesh.device.type == "cuda":
             out["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
+        pipeline = self.par.pipeline
+        if pipeline is not None:
+            # Measured: each stage's idle share of its steps' wall time
+            # (parallel/pipeline.py), averaged over the ranks; beside it the
+            # plan's (p-1)/(v*m+p-1).
+            out.update(pp=pipeline.size, pipeline_schedule=pipeline.spec.schedule,
+                       pipeline_microbatches=pipeline.spec.microbatches,
+                       pipeline_bubble=_mean_over_ranks(pipeline.bubble() or 0.0, self.mesh.device),
+                       pipeline_bubble_planned=pipeline.spec.bubble())
         out.update(_max_over_ranks(out, ("param_bytes", "peak_rss_bytes", "peak_cuda_bytes")))
         return out
 
@@ -220,6 +229,17 @@ def _test_kill_hook(rank: int, done: int) -> None:
         kill_rank, kill_step = map(int, spec.split(":"))
         if (rank, done) == (kill_rank, kill_step):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _mean_over_ranks(value: float, device: torch.device) -> float:
+    """The mean of `value` over every rank (every rank must call this)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value
+    total = torch.tensor([value], dtype=torch.float64, device=device)
+    comm.all_reduce(total, dist.group.WORLD)
+    return total.item() / dist.get_world_size()
 
 
 def _max_over_ranks(values: dict, keys: tuple[str, ...]) -> dict:

@@ -16,25 +16,36 @@ from tpctl.parallel.stages import PipelineSpec
 REL = 1e-4  # the issue's bound; fp32 round-off measured here is ~1e-6
 
 
-def _run(name: str, steps: int, spec: PipelineSpec | None = None, verify: bool = True, **overrides):
+def _run(name: str, steps: int, spec: PipelineSpec | None = None, verify: bool = True, run_dir: str | None = None,
+         resume: str | None = None, **overrides):
     """Train the tiny GPT (or `overrides`' model) in layout `name` on a pool
     rank as a worker does (lazy build, verified rewrite, Trainer); returns
-    this rank's (loss, grad_norm) per step and its parameter bytes."""
+    this rank's (loss, grad_norm) per step, its parameter bytes and the
+    run's summary. `run_dir`: checkpoints every 2 steps; `resume`: a
+    checkpoint to continue from."""
+    from pathlib import Path
+
     from tpctl.launch.pool import parallelism_of
     from tpctl.models import build_model
     from tpctl.parallel.verify import parallelize_verified
+    from tpctl.training import checkpoint
     from tpctl.training.data import TokenData, prepare_data
     from tpctl.training.loop import Trainer, param_bytes
 
     layout = Layout.parse(name)
-    cfg = layout.write_to(tiny_config(steps, **{"model.n_layer": 4, "model.dropout": 0.0, **overrides}))
+    saving = {"checkpoint.every": 2, "checkpoint.keep": 0} if run_dir else {}
+    cfg = layout.write_to(tiny_config(steps, **{"model.n_layer": 4, "model.dropout": 0.0, **saving, **overrides}))
     if spec is not None:
         cfg.pipeline.schedule, cfg.pipeline.microbatches = spec.schedule, spec.microbatches
         cfg.pipeline.virtual_stages = max(spec.virtual, 2)
     layout.validate(cfg)
+    if run_dir:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
     par = parallelism_of(layout, layout.pipeline(cfg) if layout.pp > 1 else None)
     model, _ = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), par, cfg.model.get("plan"), verify)
-    trainer = Trainer(cfg, model, par, TokenData(cfg, prepare_data(cfg)))
+    trainer = Trainer(cfg, model, par, TokenData(cfg, prepare_data(cfg)), Path(run_dir) if run_dir else None)
+    if resume is not None:
+        trainer.resume(Path(resume), checkpoint.verify(Path(resume)))
     records = trainer.fit()
     return [(r["loss"], r["grad_norm"]) for r in records], param_bytes(model), trainer.summary(records)
 
@@ -48,19 +59,112 @@ def _assert_same_curve(got_by_rank, want):
         assert norm == pytest.approx(want_norm, rel=REL), f"step {step}: gradient norm"
 
 
-@pytest.fixture(scope="module")
-def reference(pool):
-    return pool.run(_run, "none-dp8", 4)[0][0]
+_references: dict = {}
 
 
-@pytest.mark.parametrize("name, schedule, m", [
-    ("none-pp2-dp4", "1f1b", 2),
-    ("none-pp4-dp2", "gpipe", 4),
-    ("none-pp2-dp4", "interleaved", 2),
-    ("1d-2-pp2-dp2", "1f1b", 2),
-    ("2d-4-pp2", "1f1b", 2),
+def _reference(pool, arch: str) -> list:
+    """mode=none's curve of the model (8 data-parallel replicas: the same
+    global batch), once per module."""
+    if arch not in _references:
+        _references[arch] = pool.run(_run, "none-dp8", 4, **_arch(arch))[0][0]
+    return _references[arch]
+
+
+def _arch(arch: str) -> dict:
+    return {"gpt": {}, "llama": {"model.arch": "llama", "model.n_kv_head": 2}, "gpt2": {"model.arch": "gpt2"}}[arch]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name, schedule, m, arch", [
+    ("none-pp2-dp4", "1f1b", 2, "gpt"),
+    ("none-pp4-dp2", "gpipe", 4, "gpt"),
+    ("none-pp2-dp4", "interleaved", 2, "gpt"),
+    ("1d-2-pp2-dp2", "1f1b", 2, "gpt"),
+    ("2d-4-pp2", "1f1b", 2, "gpt"),
+    ("1d-2-pp2-dp2", "1f1b", 2, "llama"),  # Hugging Face Llama: rotary tables and masks on every stage
+    ("1d-2-pp2-dp2", "gpipe", 2, "gpt2"),  # Hugging Face GPT-2: the head tied to the first stage's embedding
 ])
-def test_pipeline_trains_like_one_process(pool, reference, name, schedule, m):
+def test_pipeline_trains_like_one_process(pool, name, schedule, m, arch):
     spec = PipelineSpec(Layout.parse(name).pp, schedule, 2 if schedule == "interleaved" else 1, m)
-    results = pool.run(_run, name, 4, spec)
-    _assert_same_curve([r[0] for r in results], reference)
+    results = pool.run(_run, name, 4, spec, **_arch(arch))
+    _assert_same_curve([r[0] for r in results], _reference(pool, arch))
+
+
+@pytest.mark.timeout(900)
+def test_a_2d_pp2_checkpoint_resumes_as_3d_and_as_1d_pp2_dp2(pool, tmp_path):
+    """The checkpoint of a pipeline (each stage writes its parameters under
+    the whole model's names) loads into a layout without stages and into
+    other stages: the resumed runs continue the uninterrupted curve."""
+    whole = pool.run(_run, "2d-4-pp2", 4, None, True, str(tmp_path / "2d-pp2"))[0][0]
+    step_2 = str(tmp_path / "2d-pp2" / "checkpoints" / "step_2")
+    for name in ("3d-8", "1d-2-pp2-dp2"):
+        resumed = pool.run(_run, name, 4, None, True, str(tmp_path / name), step_2)
+        got = resumed[0][0]
+        assert len(got) == 2 and all(r[0] == got for r in resumed)
+        for (loss, norm), (want_loss, want_norm) in zip(got, whole[2:]):
+            assert loss == pytest.approx(want_loss, rel=REL) and norm == pytest.approx(want_norm, rel=REL), name
+
+
+# ---- one process: a stage computes what its blocks compute in the whole model
+
+def _whole_and_stages(dropout: float, schedule: str = "1f1b", pp: int = 2, **model):
+    """The tiny GPT whole (mode none, one process) and each pipeline rank's
+    stage of it, built as workers build them (meta, lazy, rewritten)."""
+    from tpctl.models import build_model
+    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.parallelism import parallelism
+
+    cfg = tiny_config(1, **{"model.n_layer": 4, "model.dropout": dropout, **model})
+    whole = parallelize(build_model(cfg.model, cfg.seed, lazy=True), parallelism(Layout("none"), groups=False))
+    layout = Layout("none", pp=pp)
+    spec = PipelineSpec(pp, schedule, 2 if schedule == "interleaved" else 1, pp)
+    stages = []
+    for rank in range(pp):
+        par = parallelism(layout, groups=False, rank=rank, pipeline=spec)
+        stages.append((par, parallelize(build_model(cfg.model, cfg.seed, lazy=True), par)))
+    return cfg, whole, stages
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_each_stage_draws_the_dropout_masks_of_one_process(schedule):
+    """Dropout on: fed the stream the whole model's blocks received, each
+    chunk of each stage puts out exactly what those blocks put out (the
+    logits on the last): the same weights, the same masks (dropout streams
+    are keyed by step, micro-batch and block, not by what ran before)."""
+    cfg, whole, stages = _whole_and_stages(0.3, schedule)
+    whole.train()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    seen: dict[str, tuple] = {}
+    for key, block in whole.blocks._modules.items():
+        block.register_forward_hook(lambda m, a, out, key=key: seen.__setitem__(key, (a[0].detach(), out.detach())))
+    whole.tpctl_mode.mesh.draw_step, whole.tpctl_mode.mesh.draw_micro = 5, 1
+    logits = whole(ids).detach()
+    checked = 0
+    for par, stage in stages:
+        stage.train()
+        par.mesh.draw_step, par.mesh.draw_micro = 5, 1
+        for chunk in par.pipeline.chunks:
+            received = None if chunk.first else seen[str(chunk.blocks[0])][0]
+            out = par.pipeline.forward_chunk(chunk, received, ids)
+            want = logits if chunk.last else seen[str(chunk.blocks[-1])][1]
+            assert torch.equal(out, want), f"stage {chunk.index}"
+            checked += 1
+    assert checked == len(stages) * (2 if schedule == "interleaved" else 1)
+    # Dropout acts: another micro-batch draws other masks.
+    whole.tpctl_mode.mesh.draw_micro = 2
+    assert not torch.equal(whole(ids).detach(), logits)
+
+
+def test_a_stage_keeps_the_whole_models_names_and_only_its_share():
+    cfg, whole, stages = _whole_and_stages(0.0)
+    names = dict(whole.named_parameters())
+    held = [dict(stage.named_parameters()) for _, stage in stages]
+    assert set(held[0]) | set(held[1]) == set(names), "every parameter on some stage, under its own name"
+    assert [k for k in held[0] if k.startswith("blocks.")] == [k for k in names if k.startswith(("blocks.0.", "blocks.1."))]
+    assert "wte.weight" in held[1] and held[1]["wte.weight"] is stages[1][1].lm_head.weight, "tied: one parameter"
+    assert getattr(held[1]["wte.weight"], "tpctl_stage_copy", False) and not getattr(held[0]["wte.weight"], "tpctl_stage_copy", False)
+    for part in held:
+        for name, p in part.items():
+            assert torch.equal(p, names[name]), name
+    whole_bytes = sum(p.numel() * 4 for p in names.values())
+    assert max(sum(p.numel() * 4 for p in part.values()) for part in held) <= 0.65 * whole_bytes

@@ -168,3 +168,63 @@ def test_a_stage_keeps_the_whole_models_names_and_only_its_share():
             assert torch.equal(p, names[name]), name
     whole_bytes = sum(p.numel() * 4 for p in names.values())
     assert max(sum(p.numel() * 4 for p in part.values()) for part in held) <= 0.65 * whole_bytes
+
+
+# ---- what cannot be pipelined is refused before any worker starts, in one line
+
+def flat_lm(vocab_size: int = 32, width: int = 16):
+    """A language model without a stack of repeated blocks."""
+    return torch.nn.Sequential(torch.nn.Embedding(vocab_size, width), torch.nn.Linear(width, width),
+                               torch.nn.Linear(width, vocab_size))
+
+
+def stacked_lm(vocab_size: int = 32, width: int = 16, depth: int = 2):
+    """A user's own model: a ModuleList of `depth` blocks between an embedding and a head."""
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(vocab_size, width)
+            self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, width))
+                                              for _ in range(depth))
+            self.head = torch.nn.Linear(width, vocab_size)
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            for block in self.blocks:
+                x = x + block(x)
+            return self.head(x)
+    return LM()
+
+
+@pytest.mark.parametrize("overrides, key, phrase", [
+    (["pp=3"], "pp", "pp=3 makes 3 stages, more than the model's 2 blocks"),
+    (["pp=2", "pipeline.schedule=interleaved"], "pipeline.virtual_stages", "makes 4 stages, more than the model's 2 blocks"),
+    (["pp=2", "pipeline.microbatches=4", "train.batch_size=6"], "train.batch_size", "pipeline.microbatches(4) x 1 row blocks"),
+    (["pp=2", "pipeline.microbatches=1"], "pipeline.microbatches", "expected at least pp=2"),
+    (["pp=2", "train.grad_accum=2"], "train.grad_accum", "the pipeline's micro-batches split the batch"),
+    (["pp=2", "mode=1d", "size=2", "seq_parallel=true"], "seq_parallel", "not sequence-sharded"),
+    (["pp=2", "pipeline.schedule=zb"], "pipeline.schedule", "expected one of gpipe, 1f1b, interleaved"),
+    (["pp=2", "pipeline.split=[1,2]"], "pipeline.split", "summing to the model's 2"),
+    (["pp=2", "dp=2", "train.batch_size=4"], "pipeline.microbatches", "none does; set pipeline.microbatches"),
+    (["pp=2", "model=custom", "+model._target_=tests.test_pipeline.flat_lm"], "model", "has none (an nn.ModuleList"),
+    (["pp=4", "model=custom", "+model._target_=tests.test_pipeline.stacked_lm"], "pp", "more than the 2 blocks of LM"),
+])
+def test_what_cannot_be_pipelined_is_refused_in_one_line(overrides, key, phrase):
+    from tpctl.config import compose_jobs, validate
+    from tpctl.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        validate(compose_jobs(overrides)[0])
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith(f"invalid config: {key}=") and phrase in line, line
+
+
+def test_the_default_micro_batches_keep_the_bubble_at_most_a_quarter():
+    from tpctl.config import compose_jobs
+
+    for pp, schedule, want in ((2, "1f1b", 4), (4, "1f1b", 16), (4, "gpipe", 16), (4, "interleaved", 8)):
+        cfg = compose_jobs([f"pp={pp}", f"pipeline.schedule={schedule}", "model.n_layer=8", "train.batch_size=32"])[0]
+        spec = Layout.from_config(cfg).pipeline(cfg)
+        assert spec.microbatches == want and spec.bubble() <= 0.25, (pp, schedule, spec)
+        smaller = PipelineSpec(pp, schedule, spec.virtual, spec.microbatches // 2)
+        assert smaller.bubble() > 0.25 or not 32 % smaller.microbatches

@@ -123,10 +123,20 @@ def check_model(cfg: Any) -> RolePlan:
         plan = resolve_plan(model, m.get("plan"))
     except (ValueError, TypeError, RuntimeError) as e:
         raise ConfigError("model", what, f"tracing the model's forward failed: {type(e).__name__}: {e}") from None
-    problems = check_plan(plan, model, Layout.from_config(cfg).geo)
+    layout = Layout.from_config(cfg)
+    problems = check_plan(plan, model, layout.geo)
     if problems:
         name, reason = next(iter(problems.items()))
         raise ConfigError("model", what, f"mode={cfg.mode} size={cfg.size} cannot shard module {name}: {reason}")
+    if layout.pp > 1:  # where the stages are cut: found in the model, as each worker will
+        from tpctl.parallel.parallelism import parallelism
+        from tpctl.parallel.pipeline import PipelineRefused
+
+        try:
+            parallelism(layout, groups=False, pipeline=layout.pipeline(cfg)).pipeline.assign(model, plan)
+        except PipelineRefused as e:
+            value = {"pp": layout.pp, "model": what}.get(e.key, cfg.get("pipeline", {}).get(e.key.split(".")[-1]))
+            raise ConfigError(e.key, value, str(e)) from None
     vocab = vocab_size_of(m, plan, model)
     if cfg.data.vocab_size > vocab:
         raise ConfigError("data.vocab_size", cfg.data.vocab_size, f"the model's vocabulary has {vocab} entries: expected at most {vocab}")

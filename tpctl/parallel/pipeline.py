@@ -65,7 +65,12 @@ class StageOutput(Exception):
 
 
 class PipelineRefused(ValueError):
-    """A model the pipeline cannot cut (one line: why)."""
+    """A model the pipeline cannot cut (one line: why); `key` is the
+    setting to change ("pp" when there are too few blocks, else "model")."""
+
+    def __init__(self, message: str, key: str = "model"):
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass
@@ -205,7 +210,8 @@ class Pipeline:
         self.stack_name = next(n for n, m in model.named_modules() if m is stack)
         n = len(stack)
         if self.spec.chunks > n:
-            raise PipelineRefused(f"{self.spec.describe_chunks()}, more than the {n} blocks of {what}")
+            raise PipelineRefused(f"{self.spec.describe_chunks()}, more than the {n} blocks of {what}: expected at most {n} stages",
+                                  "pp" if self.spec.virtual == 1 else "pipeline.virtual_stages")
         first_call: dict = {}
         _, _, calls = trace(model, vocab_size=_vocab(model), inputs=first_call)
         prefix = f"{self.stack_name}." if self.stack_name else ""
@@ -246,7 +252,7 @@ class Pipeline:
         try:
             self.blocks_of = self.spec.cut(per_block, before, after)
         except ValueError as e:
-            raise PipelineRefused(f"{what}: {e}") from None
+            raise PipelineRefused(f"{what}: {e}", "pipeline.split") from None
         keys = list(stack._modules)
         last = self.spec.chunks - 1
         self.chunks = [Chunk(c, c == 0, c == last, [int(keys[i]) for i in self.blocks_of[c]])

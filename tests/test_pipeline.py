@@ -47,7 +47,11 @@ def _run(name: str, steps: int, spec: PipelineSpec | None = None, verify: bool =
     if resume is not None:
         trainer.resume(Path(resume), checkpoint.verify(Path(resume)))
     records = trainer.fit()
-    return [(r["loss"], r["grad_norm"]) for r in records], param_bytes(model), trainer.summary(records)
+    from tpctl.parallel.roles import repeated_blocks
+
+    blocks = list(repeated_blocks(model).children())
+    facts = {"compiled": trainer.compiled, "checkpointed": [getattr(b, "tpctl_checkpointed", False) for b in blocks]}
+    return [(r["loss"], r["grad_norm"]) for r in records], param_bytes(model), trainer.summary(records), facts
 
 
 def _assert_same_curve(got_by_rank, want):
@@ -103,6 +107,45 @@ def test_a_2d_pp2_checkpoint_resumes_as_3d_and_as_1d_pp2_dp2(pool, tmp_path):
         assert len(got) == 2 and all(r[0] == got for r in resumed)
         for (loss, norm), (want_loss, want_norm) in zip(got, whole[2:]):
             assert loss == pytest.approx(want_loss, rel=REL) and norm == pytest.approx(want_norm, rel=REL), name
+
+
+def _compiled_run(*args, **kwargs):
+    """_run with train.compile=true on aot_eager (dynamo and AOT autograd
+    without inductor's C++ build, as tests/test_compile.py)."""
+    import os
+
+    import torch._dynamo
+
+    from tpctl.training.compile import BACKEND_ENV
+
+    os.environ[BACKEND_ENV] = "aot_eager"
+    torch._dynamo.reset()
+    return _run(*args, **kwargs, **{"train.compile": True})
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("feature", ["activation_checkpointing", "bf16",
+                                     pytest.param("compile", marks=pytest.mark.slow)])
+def test_a_pipeline_composes_with(pool, feature):
+    """Activation checkpointing recomputes each block of a stage (equal to
+    one process); bf16 autocasts each stage and the loss (within the band
+    of any mode against bf16 mode=none); train.compile compiles each block
+    of a stage (the stage's hooks stay eager)."""
+    spec = PipelineSpec(2, "1f1b", 1, 2)
+    if feature == "bf16":
+        want = pool.run(_run, "none-dp8", 4, precision="bf16")[0][0]
+        got = pool.run(_run, "none-pp2-dp4", 4, spec, precision="bf16")
+        for (loss, _), (want_loss, _) in zip(got[0][0], want):
+            assert loss == pytest.approx(want_loss, rel=1e-3)  # test_train_features.BF16_MODE_TOL
+        return
+    run, extra = (_compiled_run, {}) if feature == "compile" else (_run, {"train.activation_checkpointing": True})
+    results = pool.run(run, "none-pp2-dp4", 4, spec, **extra)
+    _assert_same_curve([r[0] for r in results], _reference(pool, "gpt"))
+    facts = [r[3] for r in results]
+    if feature == "compile":
+        assert all(f["compiled"] for f in facts)
+    else:  # every block a stage holds (two of the four) recomputes
+        assert all(f["checkpointed"] == [True, True] for f in facts)
 
 
 # ---- one process: a stage computes what its blocks compute in the whole model

@@ -96,8 +96,13 @@ def preflight(setting: str, device: str) -> Optional[str]:
     return compiler_problem(device) or probe(device)
 
 
-def compile_model(model, setting: str, device: str, say: Callable[[str], None]) -> bool:
-    """Compile `model` in place per train.compile `setting`; True if it is."""
+def compile_model(model, setting: str, device: str, say: Callable[[str], None], per_block: bool = False) -> bool:
+    """Compile `model` in place per train.compile `setting`; True if it is.
+
+    per_block (a pipeline stage): compile each block of the stack instead
+    of the model's forward, whose code around the blocks a stage runs
+    with stand-ins and leaves early (parallel/pipeline.py): the blocks are
+    nearly all of the compute, and the stage's hooks stay eager."""
     if setting == "false":
         return False
     if setting == "auto":
@@ -108,5 +113,13 @@ def compile_model(model, setting: str, device: str, say: Callable[[str], None]) 
     from tpctl.parallel import comm
 
     comm.keep_collectives_eager()
+    if per_block:
+        import torch
+
+        from tpctl.parallel.roles import repeated_blocks
+
+        for block in repeated_blocks(model).children():
+            block.forward = torch.compile(block.forward, backend=backend())
+        return True
     model.compile(backend=backend())
     return True

@@ -59,7 +59,8 @@ class Trainer:
         from .compile import compile_model, compile_setting
 
         self.compiled = compile_model(model, compile_setting(cfg), self.mesh.device.type,
-                                      say=lambda line: print(line, flush=True) if self.mesh.rank == 0 else None)
+                                      say=lambda line: print(line, flush=True) if self.mesh.rank == 0 else None,
+                                      per_block=par.pipeline is not None)
         o = cfg.optim
         self.step = TrainStep(par, self.model_parts, self.optimizer, cfg,
                               Schedule(o.lr, o.min_lr, o.warmup_steps, cfg.train.steps))

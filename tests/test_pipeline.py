@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cli_support import tpctl  # noqa: F401  (fixture)
 from conftest import tiny_config
 from tpctl.parallel.layout import Layout
 from tpctl.parallel.stages import PipelineSpec
@@ -271,3 +272,83 @@ def test_the_default_micro_batches_keep_the_bubble_at_most_a_quarter():
         assert spec.microbatches == want and spec.bubble() <= 0.25, (pp, schedule, spec)
         smaller = PipelineSpec(pp, schedule, spec.virtual, spec.microbatches // 2)
         assert smaller.bubble() > 0.25 or not 32 % smaller.microbatches
+
+
+# ---- whole runs through `tpctl train` (16 ranks, two nodes, a restart) ------
+
+CLI = ["model=gpt-tiny", "data=synthetic", "data.synthetic_tokens=20000", "train.batch_size=8", "train.seq_len=16",
+       "train.log_every=1", "train.eval_every=0", "train.progress=false", "seed=0"]
+
+
+def _metrics(run_dir) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_16_rank_pipelines_of_2_5d_and_3d_train_like_one_process(tpctl):
+    """2.5d size 8 depth 2 and 3d size 8, each with pp=2: 16 workers each
+    (measured 41 s and 71 s on 2 busy cores)."""
+    runs = {"none": [], "2.5d": ["mode=2.5d", "size=8", "depth=2"], "3d": ["mode=3d", "size=8"]}
+    curves = {}
+    for name, layout in runs.items():
+        stages = ["pp=2", "pipeline.microbatches=2"] if layout else []
+        result = tpctl.run(["train", *CLI, *layout, *stages, "train.steps=4", "checkpoint.every=0", "checkpoint.at_end=false",
+                            f"hydra.run.dir={tpctl.cwd / name}"], timeout=500)
+        assert result.returncode == 0, result.stderr[-3000:]
+        curves[name] = _metrics(tpctl.cwd / name)
+    for name in ("2.5d", "3d"):
+        for got, want in zip(curves[name], curves["none"]):
+            assert got["loss"] == pytest.approx(want["loss"], rel=REL), (name, got["step"])
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=REL), (name, got["step"])
+    summary = __import__("json").loads((tpctl.cwd / "3d" / "summary.json").read_text())
+    assert summary["pp"] == 2 and summary["pipeline_bubble_planned"] == pytest.approx(1 / 3)
+    assert 0 <= summary["pipeline_bubble"] < 1
+    assert tpctl.leftover_pids() == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_nodes_hold_one_stage_each_and_train_like_one_node(tpctl):
+    """Loopback multi-node: 1d size 2 with pp=2 on two nodes of two workers:
+    each node holds one stage (its tensor-parallel group inside it), only
+    the pipeline's sends cross nodes; bit for bit the one-node run."""
+    from test_multinode import COMMON as NODE_COMMON, curve, node_args
+    from tpctl.launch.local import free_port
+
+    layout = ["mode=1d", "size=2", "pp=2", "model.n_layer=2", "train.steps=3", "train.batch_size=8", "train.seq_len=16"]
+    single = tpctl.cwd / "single"
+    one = tpctl.run(["train", *layout, *NODE_COMMON, f"hydra.run.dir={single}"], timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    port = free_port("127.0.0.1")
+    dirs = [tpctl.cwd / "node0", tpctl.cwd / "node1"]
+    nodes = [tpctl.start(node_args(dirs[k], port, k, *layout)) for k in (0, 1)]
+    outputs = [p.communicate(timeout=400) for p in nodes]
+    for p, (_, err) in zip(nodes, outputs):
+        assert p.returncode == 0, err[-3000:]
+    assert "1 whole tensor-parallel group(s) of 2; only pipeline and data-parallel traffic crosses nodes" in outputs[1][1]
+    for a, b in zip(curve(*dirs), curve(single)):
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], (a, b)
+    assert tpctl.leftover_pids() == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_killed_stage_is_restarted_and_resumes(tpctl):
+    """launcher.max_restarts with pp=2: the last stage's rank dies after
+    step 5, every worker restarts from the step-4 checkpoint (written by
+    both stages) and the run ends where the uninterrupted one does."""
+    base = ["train", *CLI, "pp=2", "train.steps=8", "checkpoint.every=4"]
+    calm = tpctl.cwd / "calm"
+    assert tpctl.run([*base, f"hydra.run.dir={calm}"], timeout=300).returncode == 0
+    killed = tpctl.cwd / "killed"
+    tpctl.extra_env["TPCTL_TEST_KILL_AT"] = "1:5"
+    result = tpctl.run([*base, "launcher.max_restarts=1", f"hydra.run.dir={killed}"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "after restart 1 of 1" in result.stdout and "step_4" in result.stdout
+    got = _metrics(killed)
+    assert [r["step"] for r in got] == list(range(1, 9))
+    assert got[-1]["loss"] == pytest.approx(_metrics(calm)[-1]["loss"], rel=1e-6)
+    assert tpctl.leftover_pids() == []

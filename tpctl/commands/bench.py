@@ -1,13 +1,15 @@
 """`tpctl bench`: modes side by side on one model, batch and world.
 
     tpctl bench model=gpt-tiny size=4 modes=[none,plain,1d,dtensor,2d] [steps=5] [rounds=3] [compile=true]
-                [device=cuda hardware=h100] [train.batch_size=16 ...]
+                [pp=2 pipeline.schedule=1f1b ...] [device=cuda hardware=h100] [train.batch_size=16 ...]
 
 One pool of `size` gloo ranks runs every mode (and `dtensor`: PyTorch's own
 tensor parallelism, torch.distributed.tensor.parallel's ColwiseParallel /
 RowwiseParallel with loss_parallel on the same GPT, the same batch). Rounds
 alternate the modes, `steps` timed steps each, so that every mode sees the
-same load on a shared machine; the table gives the median step. `none` runs
+same load on a shared machine; the table gives the median step. pp=P
+gives tpctl's modes P pipeline stages (pp x size ranks; the pipeline.*
+settings as in `tpctl train`). `none` runs
 on rank 0 alone (the single-process reference the ratios are taken to), and
 so does `plain`: the same model trained by a plain PyTorch loop (the model
 as written, F.cross_entropy, torch.nn.utils.clip_grad_norm_, AdamW), what
@@ -46,7 +48,8 @@ def _parse(args: list[str]):
     opts, overrides = parse_options(args, {
         "size": (None, positive), "modes": (None, name_list), "steps": (5, positive), "rounds": (3, positive),
         "warmup": (2, integer(0, "expected a positive integer")), "depth": (None, positive), "hardware": ("cpu", text),
-        "mode": (None, one_group), "dp": (None, one_group), "compile": (False, boolean)}, flags=("--json",))
+        "mode": (None, one_group), "dp": (None, one_group), "compile": (False, boolean), "pp": (1, positive)},
+        flags=("--json",))
     if opts["size"] is None:
         raise ConfigError("size", "(missing)", "expected size=N, the number of ranks every mode runs on")
     return opts, overrides
@@ -61,8 +64,8 @@ def main(args: list[str]) -> int:
         from tpctl.config import compose_jobs
 
         cfg = compose_jobs(overrides)[0]
-        modes = opts["modes"] or DEFAULT_MODES
-        check(cfg, modes, opts["size"], opts["depth"])
+        modes = opts["modes"] or ([m for m in DEFAULT_MODES if m != "dtensor"] if opts["pp"] > 1 else DEFAULT_MODES)
+        check(cfg, modes, opts["size"], opts["depth"], opts["pp"])
         from tpctl.cost.planner import load_hardware
 
         load_hardware(opts["hardware"])
@@ -78,9 +81,9 @@ def main(args: list[str]) -> int:
     except ConfigError as e:
         print(f"tpctl: error: {e}", file=sys.stderr)
         return 2
-    size = opts["size"]
-    results = bench(cfg, modes, size, opts["steps"], opts["rounds"], opts["warmup"], opts["depth"], compile=opts["compile"])
-    predicted = predicted_ms(cfg, [m for m in modes], size, opts["depth"], opts["hardware"])
+    size, pp = opts["size"], opts["pp"]
+    results = bench(cfg, modes, size, opts["steps"], opts["rounds"], opts["warmup"], opts["depth"], compile=opts["compile"], pp=pp)
+    predicted = predicted_ms(cfg, [m for m in modes], size, opts["depth"], opts["hardware"], pp)
     tokens = cfg.train.batch_size * cfg.train.seq_len
     if opts["json"]:
         import json
@@ -89,7 +92,7 @@ def main(args: list[str]) -> int:
 
         hw = load_hardware(opts["hardware"])
         print(json.dumps({m: {**r, "predicted_ms": predicted.get(m), "tokens_per_s": tokens / r["median_s"],
-                              "mfu": mfu(cfg, hw, r["median_s"], 1 if one_rank(m) else size)}
+                              "mfu": mfu(cfg, hw, r["median_s"], 1 if one_rank(m) else size * pp)}
                           for m, r in results.items()}, indent=1))
         return 0
     print_table(results, predicted, cfg, size, opts)
@@ -107,8 +110,10 @@ def print_table(results: dict, predicted: dict, cfg, size: int, opts: dict) -> N
     ref, plain = results.get(REFERENCE), results.get(PLAIN)
     cuda = cfg.device == "cuda"
     hw = load_hardware(opts["hardware"])
+    stages = f" (pp={opts['pp']})" if opts["pp"] > 1 else ""
     title = (f"tpctl bench: {m.arch} {m.n_layer}x{m.n_embd} (vocab {m.vocab_size}), batch {t.batch_size} x seq {t.seq_len}, "
-             f"{size} ranks on {cfg.device}, {cfg.precision}{', compiled' if opts['compile'] else ''}, "
+             f"{size * opts['pp']} ranks on {cfg.device}{stages}, "
+             f"{cfg.precision}{', compiled' if opts['compile'] else ''}, "
              f"median of {opts['rounds']}x{opts['steps']} steps")
     table = Table(title=title)
     columns = ["mode", "ranks", "ms/step", "best ms", "tokens/s", "x none", "x plain", "comm MiB/step",
@@ -124,7 +129,7 @@ def print_table(results: dict, predicted: dict, cfg, size: int, opts: dict) -> N
         vs_plain = f"{plain['median_s'] / r['median_s']:.2f}" if plain else "-"
         mem_ratio = f"{mem / (ref['param_bytes'] + ref['grad_bytes'] + ref['optim_bytes']):.2f}" if ref else "-"
         comm_mib = "not counted" if name == BASELINE else f"{r['comm_bytes'] / 2**20:,.2f}"
-        ranks = 1 if one_rank(name) else size
+        ranks = 1 if one_rank(name) else size * opts["pp"]
         row = [label, str(ranks), f"{r['median_s'] * 1e3:,.1f}", f"{r['best_s'] * 1e3:,.1f}",
                f"{tokens / r['median_s']:,.0f}", speed, vs_plain, comm_mib, f"{mem / 2**20:,.2f}", mem_ratio,
                f"{r['first_loss']:.6f}", f"{predicted[name]:,.1f}" if predicted.get(name) is not None else "-"]

@@ -5,8 +5,8 @@ The model is built on the meta device, its roles resolved (a plan, its
 tp_plan, or traced from the forward) and every layer converted for rank 0 of
 the chosen mode without a process group, keeping only shapes. One table row
 per module with parameters or a role: the role and where it came from, the
-layer it becomes, this rank's shard shapes and bytes, and anything it cannot
-handle. Exit 2 (with the usual one-line error) when the mode cannot shard the
+layer it becomes, this rank's shard shapes and bytes, the pipeline stage
+that holds it (pp > 1), and anything it cannot handle. Exit 2 (with the usual one-line error) when the mode cannot shard the
 model, as `tpctl train` would refuse it.
 """
 
@@ -58,7 +58,7 @@ def verify_in_pool(cfg) -> tuple:
     (gloo), one tensor-parallel group."""
     from tpctl.launch.pool import DistPool
 
-    pool = DistPool(cfg.size, timeout_s=max(600.0, cfg.launcher.collective_timeout_s))
+    pool = DistPool(Layout.from_config(cfg).replace(dp=1).world, timeout_s=max(600.0, cfg.launcher.collective_timeout_s))
     try:
         return pool.run(_verify_rank, cfg)[0]
     finally:
@@ -70,7 +70,8 @@ def _verify_rank(cfg) -> tuple:
     from tpctl.models import build_model
     from tpctl.parallel.verify import RewriteRefused, parallelize_verified
 
-    mode = parallelism_of(Layout.from_config(cfg).replace(dp=1))
+    layout = Layout.from_config(cfg).replace(dp=1)
+    mode = parallelism_of(layout, layout.pipeline(cfg) if layout.pp > 1 else None)
     try:
         _, report = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), mode, cfg.model.get("plan"))
         return None, report.checks
@@ -93,13 +94,14 @@ def _with_checks(rows: list, checks) -> tuple[list, dict]:
     out = list(rows)
     for c in checks:
         if c.kind == "stage":  # the model's own forward before the first block, after the last
-            row = (c.instances[0], c.cls, "stage", f"({c.name}: the model's forward)", "", 0, "")
+            end = "0" if c.name == "embedding" else "last"
+            row = (c.instances[0], c.cls, "stage", f"({c.name}: the model's forward)", "", 0, "", end if rows and rows[0][7] else "")
             out.insert(0 if c.name == "embedding" else len(out), row)
         if c.kind != "block":
             continue
         for name in c.instances:
             at = next((i for i, r in enumerate(out) if r[0].startswith(name + ".")), len(out))
-            out.insert(at, (name, c.cls, "block", "(its layers rewritten)", "", 0, ""))
+            out.insert(at, (name, c.cls, "block", "(its layers rewritten)", "", 0, "", out[at][7] if at < len(out) else ""))
     return out, verdicts
 
 
@@ -115,7 +117,17 @@ def inspect_model(cfg):
 
     model = build_checked(cfg.model, cfg.seed)
     originals = dict(model.named_modules())
-    par = parallelism(Layout.from_config(cfg), cfg.seed, groups=False)
+    layout = Layout.from_config(cfg)
+    par = parallelism(layout, cfg.seed, groups=False, pipeline=layout.pipeline(cfg) if layout.pp > 1 else None)
+    stage_of = lambda name: None  # noqa: E731
+    if par.pipeline is not None:  # where the stages are cut, in the model as it is
+        from tpctl.parallel.pipeline import PipelineRefused
+
+        try:
+            par.pipeline.assign(model)
+        except PipelineRefused as e:
+            raise ConfigError(e.key, layout.pp if e.key == "pp" else type(model).__name__, str(e)) from None
+        stage_of = par.pipeline.stage_of
     model = parallelize(model, par, cfg.model.get("plan"), dry_run=True)
     plan = model.tpctl_plan
     rewritten = {r.name: r for r in model.tpctl_rewritten}
@@ -137,13 +149,15 @@ def inspect_model(cfg):
             if first:
                 nbytes += p.numel() * p.element_size()
                 whole += math.prod(original.shape) * original.element_size()
-        local += nbytes
+        stage = stage_of(name)
+        local += nbytes if stage in (None, 0) else 0
         if record is None and own and not note:
             note = "kept whole (replicated)" if par.mode.replicated_activations else "no role"
         if name in plan.layouts and not note:
             note = f"fused: {plan.layouts[name].describe()}"
         rows.append((name, type(module).__name__, record.role if record else "",
-                     type(new).__name__ if new is not module else "(unchanged)", ", ".join(shapes), nbytes, note))
+                     type(new).__name__ if new is not module else "(unchanged)", ", ".join(shapes), nbytes, note,
+                     "" if par.pipeline is None else ("all" if stage is None else str(stage))))
     summary = {"roles from": {"inferred": "traced forward", "tp_plan": "the model's tp_plan", "plan": "model.plan"}[plan.source],
                "whole model": whole, "per rank": local, "heads": {k: (h.heads, h.kv_heads, h.head_dim) for k, h in plan.heads.items()}}
     return rows, summary, problems
@@ -156,19 +170,25 @@ def _print(cfg, rows, verdicts: dict, summary) -> None:
 
     what = cfg.model.get("_target_") or cfg.model.get("pretrained") or cfg.model.arch
     mib = lambda n: f"{n / 2**20:,.2f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"  # noqa: E731
-    title = f"{what}: mode={Layout.from_config(cfg).label()} -- rank 0, roles from {summary['roles from']}"
-    table = Table(title=title, caption=f"parameters: {mib(summary['whole model'])} whole, {mib(summary['per rank'])} on rank 0 "
+    layout = Layout.from_config(cfg)
+    title = f"{what}: mode={layout.label()} -- rank 0, roles from {summary['roles from']}"
+    held = " (pipeline stage 0)" if layout.pp > 1 else ""
+    table = Table(title=title, caption=f"parameters: {mib(summary['whole model'])} whole, {mib(summary['per rank'])} on rank 0{held} "
                   f"({summary['whole model'] / max(summary['per rank'], 1):.2f}x less)")
     columns = ["module", "type", "role", "becomes", "shard shape on rank 0", "bytes", "note"]
+    if layout.pp > 1:  # the pipeline rank that holds it ("all": every stage runs it)
+        columns.insert(1, "stage")
     if verdicts:  # the start-up verification's largest difference, relative to the tensor's scale
-        columns.insert(6, "verified")
+        columns.insert(len(columns) - 1, "verified")
     for column in columns:
         table.add_column(column, overflow="fold", justify="right" if column == "bytes" else "left")
-    for name, kind, role, becomes, shapes, nbytes, note in rows:
+    for name, kind, role, becomes, shapes, nbytes, note, stage in rows:
         note = escape(note)  # a fused layout's "[q|k|v]" is not markup
         cells = [name, kind, role, becomes, shapes, mib(nbytes) if nbytes else "",
                  f"[red]{note}[/red]" if note and note != "kept whole (replicated)" and not note.startswith("fused:") else note]
+        if layout.pp > 1:
+            cells.insert(1, stage)
         if verdicts:
-            cells.insert(6, verdicts.get(name, ""))
+            cells.insert(len(cells) - 1, verdicts.get(name, ""))
         table.add_row(*cells)
     Console(width=max(160, Console().width)).print(table)

@@ -1,6 +1,6 @@
 """`tpctl plan`: what each way of splitting N ranks costs, before renting them.
 
-For every valid layout (mode, size, depth, dp) of a world of N ranks, computed
+For every valid layout (mode, size, depth, pp, dp) of a world of N ranks, computed
 from the model's shapes (built on the meta device, nothing materialised) and
 each mode's algorithm as the code in `tpctl/parallel/` runs it:
 
@@ -112,8 +112,10 @@ def print_table(plans: list[SplitPlan], invalid, cfg, world: int, hw: Optional[H
     console = Console(width=300)
     console.print(table)
     console.print("per rank, per optimizer step; comm = payload bytes handed to collectives (as comm.py counts them), "
-                  "wire = what ring algorithms send; kinds: ar=all_reduce ag=all_gather rs=reduce_scatter bc=broadcast re=reduce. "
-                  "* activations: saved-for-backward estimate of one micro-batch." +
+                  "wire = what ring algorithms send; kinds: ar=all_reduce ag=all_gather rs=reduce_scatter bc=broadcast re=reduce "
+                  "p2p=point-to-point sends between pipeline stages (pp: the stage holding the most memory; its step "
+                  "time stretched by the schedule's bubble). * activations: saved-for-backward estimate of one "
+                  "micro-batch (pp: of the micro-batches a stage holds in flight)." +
                   (f" ★ recommended: the fastest predicted step that fits in {hw.memory_bytes / 2**30:,.0f} GiB per rank; "
                    "over: does not fit (raise train.grad_accum or the world)." if hw else ""))
     if hw and plans and not plans[0].fits:

@@ -22,10 +22,11 @@ REFERENCE = "none"
 DEFAULT_MODES = [REFERENCE, PLAIN, "1d", BASELINE, "2d"]
 
 
-def layout_of(name: str, size: int, depth: Optional[int]):
+def layout_of(name: str, size: int, depth: Optional[int], pp: int = 1):
     """The layout a bench mode name measures: `none` and `plain` one rank,
     `1d` and `dtensor` a 1d group of `size`, `1d+sp`, `2d`, `2.5d` (depth:
-    the smallest > 1 that leaves a square, unless given) and `3d`."""
+    the smallest > 1 that leaves a square, unless given) and `3d`; tpctl's
+    modes with `pp` pipeline stages of that group (pp x size ranks)."""
     from tpctl.parallel.geometry import exact_root
     from tpctl.parallel.layout import Layout
 
@@ -34,12 +35,12 @@ def layout_of(name: str, size: int, depth: Optional[int]):
     if name == BASELINE:
         return Layout("1d", size)
     if name in ("1d+sp", "1d-sp"):
-        return Layout("1d", size, seq_parallel=True)
+        return Layout("1d", size, seq_parallel=True, pp=pp)
     if name == "2.5d":
         if depth is None:
             depth = next((d for d in range(2, size) if size % d == 0 and exact_root(size // d, 2)), 1)
-        return Layout(name, size, depth)
-    return Layout(name, size)
+        return Layout(name, size, depth, pp=pp)
+    return Layout(name, size, pp=pp)
 
 
 def one_rank(name: str) -> bool:
@@ -47,12 +48,14 @@ def one_rank(name: str) -> bool:
     return name in (REFERENCE, PLAIN)
 
 
-def check(cfg, modes: list[str], size: int, depth: Optional[int]) -> None:
+def check(cfg, modes: list[str], size: int, depth: Optional[int], pp: int = 1) -> None:
     valid = [REFERENCE, PLAIN, "1d", "1d+sp", BASELINE, "2d", "2.5d", "3d"]
     for m in modes:
         if m not in valid:
             raise ConfigError("modes", m, f"expected a list of {', '.join(valid)}")
-        layout_of(m, size, depth).validate(cfg)
+        if m == BASELINE and pp > 1:
+            raise ConfigError("modes", m, f"the DTensor baseline has no pipeline stages: leave it out with pp={pp}")
+        layout_of(m, size, depth, pp).validate(cfg)
     if cfg.model.arch != "gpt" and BASELINE in modes:
         raise ConfigError("modes", BASELINE, f"the DTensor baseline is written for model.arch=gpt, not {cfg.model.arch}")
 
@@ -76,7 +79,7 @@ def _device(cfg):
     return gpu
 
 
-def setup(name: str, cfg_dict: dict, size: int, depth: Optional[int], compile: bool = False) -> dict:
+def setup(name: str, cfg_dict: dict, size: int, depth: Optional[int], compile: bool = False, pp: int = 1) -> dict:
     import torch
     import torch.distributed as dist
     from omegaconf import OmegaConf
@@ -87,7 +90,7 @@ def setup(name: str, cfg_dict: dict, size: int, depth: Optional[int], compile: b
     from tpctl.training.step import TrainStep, build_optimizer
 
     cfg = OmegaConf.create(cfg_dict)
-    layout = layout_of(name, size, depth)
+    layout = layout_of(name, size, depth, pp)
     rank = dist.get_rank()
     device = _device(cfg)
     if name == BASELINE:
@@ -99,14 +102,13 @@ def setup(name: str, cfg_dict: dict, size: int, depth: Optional[int], compile: b
         st = {"model": build_model(cfg.model, cfg.seed).to(device)}
     else:
         # One rank of a bigger pool measures mode=none: its mesh has no process group.
-        par = parallelism(layout, cfg.seed, device, groups=layout.world > 1)
+        par = parallelism(layout, cfg.seed, device, groups=layout.world > 1,
+                          pipeline=layout.pipeline(cfg) if layout.pp > 1 else None)
         st = {"par": par, "model": parallelize(build_model(cfg.model, cfg.seed, lazy=True), par).to(device)}
     if compile:
-        from tpctl.parallel import comm
-        from tpctl.training.compile import backend
+        from tpctl.training.compile import compile_model
 
-        comm.keep_collectives_eager()
-        st["model"].compile(backend=backend())
+        compile_model(st["model"], "true", device.type, say=print, per_block="par" in st and st["par"].pipeline is not None)
     st["opt"] = build_optimizer(st["model"].parameters(), cfg.optim)
     if "par" in st:  # tpctl's own step, as the trainer runs it (a constant learning rate)
         st["step"] = TrainStep(st["par"], [st["model"]], st["opt"], cfg)
@@ -160,8 +162,8 @@ def loss_and_step(st: dict, name: str) -> None:
     cfg, model, opt = st["cfg"], st["model"], st["opt"]
     x, y = st["ids"][:, :-1], st["ids"][:, 1:]
     if "step" in st:  # tpctl: training/step.py, as the trainer runs it
-        par = st["par"]
-        out = st["step"]([(par.shard_batch(x), par.shard_targets(y))], 0)
+        par, micros = st["par"], st["step"].micro_count
+        out = st["step"]([(par.shard_batch(x, k, micros), par.shard_targets(y, k, micros)) for k in range(micros)], 0)
         st["loss"] = float(out["loss"])  # the number a trainer logs: one sync, as below
         return
     opt.zero_grad(set_to_none=True)
@@ -252,16 +254,16 @@ def _collect(name: str) -> dict:
 
 
 def bench(cfg, modes: list[str], size: int, steps: int, rounds: int, warmup: int,
-          depth: Optional[int] = None, timeout_s: float = 600, compile: bool = False) -> dict[str, dict]:
+          depth: Optional[int] = None, timeout_s: float = 600, compile: bool = False, pp: int = 1) -> dict[str, dict]:
     from omegaconf import OmegaConf
 
     from tpctl.launch.pool import DistPool
 
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    pool = DistPool(size, timeout_s=timeout_s)
+    pool = DistPool(size * pp, timeout_s=timeout_s)
     try:
         for m in modes:
-            pool.run(setup, m, cfg_dict, size, depth, compile)
+            pool.run(setup, m, cfg_dict, size, depth, compile, pp)
             pool.run(_run, m, warmup, False)
         for _ in range(rounds):  # alternate: every mode sees the same load
             for m in modes:
@@ -304,14 +306,18 @@ def mfu(cfg, hw, median_s: float, ranks: int) -> Optional[float]:
     return flops_per_token(cfg) * tokens / median_s / (peak * ranks)
 
 
-def predicted_ms(cfg, modes, size, depth, hardware: str) -> dict[str, Optional[float]]:
+def predicted_ms(cfg, modes, size, depth, hardware: str, pp: int = 1) -> dict[str, Optional[float]]:
     """`tpctl plan`'s predicted step time of each mode on `hardware`."""
     from .planner import load_hardware, model_shape, plan_split, predict
 
     hw = load_hardware(hardware)
     shape = model_shape(cfg.model, cfg.seed)
-    return {m: predict(plan_split(shape, layout_of(m, size, depth), cfg.train.batch_size, cfg.train.seq_len), hw).step_time_s * 1e3
-            for m in modes}
+    out = {}
+    for m in modes:
+        layout = layout_of(m, size, depth, pp)
+        spec = layout.pipeline(cfg) if layout.pp > 1 else None
+        out[m] = predict(plan_split(shape, layout, cfg.train.batch_size, cfg.train.seq_len, pipeline=spec), hw).step_time_s * 1e3
+    return out
 
 
 def peak_allocated_bytes(fn) -> int:

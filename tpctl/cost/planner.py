@@ -34,7 +34,7 @@ F32 = 4  # bytes of an fp32 element: parameters, activations, gradients
 F64 = 8  # the gradient norm and the global loss mean are reduced in float64
 
 # Latency steps of a ring (or pipelined chain) collective over p ranks.
-LATENCY_STEPS = {"all_reduce": lambda p: 2 * (p - 1)}
+LATENCY_STEPS = {"all_reduce": lambda p: 2 * (p - 1), "send": lambda p: 1}
 KIND_ABBREV = {"all_reduce": "ar", "all_gather": "ag", "reduce_scatter": "rs", "broadcast": "bc", "reduce": "re",
                "send": "p2p"}
 LINEAR_ROLES = ("qkv", "attn_in", "attn_out", "mlp_in", "mlp_out", "lm_head")
@@ -355,10 +355,15 @@ def _plan_pipeline(counter: _Counter, pipe, par, batch_size: int, seq_len: int, 
 
 
 def splits_of(world: int, cfg) -> list[tuple[Layout, Optional[str]]]:
-    """Every layout of `world` ranks the modes offer, with None or the
-    reason it is invalid for `cfg` (heads, hidden sizes, the batch)."""
+    """Every layout of `world` ranks the modes offer, with every number of
+    pipeline stages that divides it (up to the model's blocks, where the
+    config says how many), with None or the reason it is invalid for `cfg`
+    (heads, hidden sizes, the batch, the micro-batches)."""
+    m = cfg.model
+    blocks = m.get("n_layer") if m.get("arch") != "custom" and not m.get("pretrained") else None
     out = []
-    for layout in layouts_of(world):
+    for layout in (l for pp in range(1, world + 1) if world % pp == 0 and pp <= (blocks or world)
+                   for l in layouts_of(world, pp)):
         try:
             layout.validate(cfg)
             out.append((layout, None))
@@ -406,7 +411,18 @@ def load_hardware(name: str) -> Hardware:
 
 def predict(plan: SplitPlan, hw: Hardware) -> SplitPlan:
     """Fill in step_time_s: compute + every collective at the speed of the
-    slowest link its groups span (no overlap of compute and communication)."""
+    slowest link its groups span (no overlap of compute and communication).
+    A pipeline's step is its slowest stage's, whose compute is stretched by
+    the bubble (busy for 1 - bubble of the step)."""
+    if plan.stages:
+        for stage in plan.stages:
+            predict(stage, hw)
+        slowest = max(plan.stages, key=lambda p: p.step_time_s)
+        plan.compute_s = slowest.compute_s / (1 - plan.bubble)
+        plan.comm_s = slowest.comm_s
+        plan.step_time_s = plan.compute_s + plan.comm_s
+        plan.fits = all(p.fits for p in plan.stages)
+        return plan
     compute = plan.flops / (hw.peak_flops * hw.efficiency)
     if hw.cores and plan.layout.world > hw.cores:
         compute *= plan.layout.world / hw.cores  # oversubscribed CPU: ranks take turns
@@ -435,7 +451,8 @@ def plan_world(cfg, world: int, hw: Optional[Hardware]) -> tuple[list[SplitPlan]
             invalid.append((layout, why))
             continue
         try:
-            p = plan_split(shape, layout, t.batch_size, t.seq_len, t.grad_accum)
+            p = plan_split(shape, layout, t.batch_size, t.seq_len, t.grad_accum,
+                           layout.pipeline(cfg) if layout.pp > 1 else None)
         except ValueError as e:
             invalid.append((layout, str(e)))
             continue

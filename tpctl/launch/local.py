@@ -179,10 +179,12 @@ def node_layout(cfg: Any) -> str:
     group stays inside one node exactly when the node's worker count
     divides by size; pipeline stages and replicas are what cross nodes."""
     lc = cfg.launcher
-    per_node = Layout.from_config(cfg).world // lc.nnodes
+    layout = Layout.from_config(cfg)
+    per_node = layout.world // lc.nnodes
+    between = "pipeline and data-parallel" if layout.pp > 1 else "data-parallel"
     head = f"node {lc.node_rank} of {lc.nnodes}: {per_node} workers"
     if per_node % cfg.size == 0:
-        return f"{head}, {per_node // cfg.size} whole tensor-parallel group(s) of {cfg.size}; only pipeline and data-parallel traffic crosses nodes"
+        return f"{head}, {per_node // cfg.size} whole tensor-parallel group(s) of {cfg.size}; only {between} traffic crosses nodes"
     if cfg.size % per_node == 0:
         return (f"{head}: a tensor-parallel group (size={cfg.size}) spans {cfg.size // per_node} nodes, "
                 "so its collectives cross the network; use fewer nodes or more workers per node where you can")

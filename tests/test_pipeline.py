@@ -249,6 +249,7 @@ def stacked_lm(vocab_size: int = 32, width: int = 16, depth: int = 2):
     (["pp=2", "mode=1d", "size=2", "seq_parallel=true"], "seq_parallel", "not sequence-sharded"),
     (["pp=2", "pipeline.schedule=zb"], "pipeline.schedule", "expected one of gpipe, 1f1b, interleaved"),
     (["pp=2", "pipeline.split=[1,2]"], "pipeline.split", "summing to the model's 2"),
+    (["pp=2", "train.sample_every=5"], "train.sample_every", "not through pipeline stages"),
     (["pp=2", "dp=2", "train.batch_size=4"], "pipeline.microbatches", "none does; set pipeline.microbatches"),
     (["pp=2", "model=custom", "+model._target_=tests.test_pipeline.flat_lm"], "model", "has none (an nn.ModuleList"),
     (["pp=4", "model=custom", "+model._target_=tests.test_pipeline.stacked_lm"], "pp", "more than the 2 blocks of LM"),
@@ -351,4 +352,17 @@ def test_a_killed_stage_is_restarted_and_resumes(tpctl):
     got = _metrics(killed)
     assert [r["step"] for r in got] == list(range(1, 9))
     assert got[-1]["loss"] == pytest.approx(_metrics(calm)[-1]["loss"], rel=1e-6)
+    # `tpctl generate` loads the pipeline's checkpoint in any layout (the
+    # same greedy tokens) and refuses to decode through stages, in one line.
+    ids = []
+    for layout in (["mode=none"], ["mode=1d", "size=2"]):
+        done = tpctl.run(["generate", str(calm / "checkpoints" / "step_8"), "prompt=def", "temperature=0",
+                          "max_new_tokens=6", "--json", *layout], timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        ids.append(__import__("json").loads(done.stdout.strip().splitlines()[-1])["ids"])
+    assert ids[0] == ids[1] and len(ids[0]) == 6
+    refused = tpctl.run(["generate", str(calm / "checkpoints" / "step_8"), "prompt=def", "pp=2"], timeout=120)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "tpctl: error: invalid config: pp=2: generate decodes in one tensor-parallel group, not through pipeline "
+        "stages: expected pp=1 (a checkpoint written with any pp loads into any layout)"]
     assert tpctl.leftover_pids() == []

@@ -121,6 +121,9 @@ def check(cfg, opts: dict) -> list[int]:
 
     if cfg.dp != 1:
         raise ConfigError("dp", cfg.dp, "generate runs one tensor-parallel group: expected dp=1")
+    if cfg.pp != 1:
+        raise ConfigError("pp", cfg.pp, "generate decodes in one tensor-parallel group, not through pipeline stages: "
+                          "expected pp=1 (a checkpoint written with any pp loads into any layout)")
     if cfg.seq_parallel:
         raise ConfigError("seq_parallel", True, "generate decodes one token at a time, which cannot be split along the sequence: expected false")
     geo = Layout.from_config(cfg).geo

@@ -190,6 +190,10 @@ class Layout:
         if self.pp > 1 and self.seq_parallel:
             raise ConfigError("seq_parallel", True, "the stream a pipeline stage sends is not sequence-sharded yet: "
                               "expected seq_parallel=false with pp > 1")
+        if self.pp > 1 and cfg.train.get("sample_every", 0):
+            raise ConfigError("train.sample_every", cfg.train.sample_every, "samples are decoded by one tensor-parallel "
+                              "group, not through pipeline stages: expected 0 with pp > 1 (tpctl generate decodes a "
+                              "checkpoint of any pp in any layout)")
         spec = PipelineSpec.from_config(cfg, self.pp, self.dp * self.geo.batch_split)
         m = cfg.model
         blocks = m.get("n_layer") if m.get("arch") not in ("custom", None) and not m.get("pretrained") else None

@@ -35,7 +35,8 @@ def _run(name: str, steps: int, spec: PipelineSpec | None = None, verify: bool =
 
     layout = Layout.parse(name)
     saving = {"checkpoint.every": 2, "checkpoint.keep": 0} if run_dir else {}
-    cfg = layout.write_to(tiny_config(steps, **{"model.n_layer": 4, "model.dropout": 0.0, **saving, **overrides}))
+    cfg = layout.write_to(tiny_config(steps, **{"model.n_layer": 4, "model.dropout": 0.0, "train.eval_every": 2,
+                                                "train.eval_batches": 1, **saving, **overrides}))
     if spec is not None:
         cfg.pipeline.schedule, cfg.pipeline.microbatches = spec.schedule, spec.microbatches
         cfg.pipeline.virtual_stages = max(spec.virtual, 2)
@@ -52,16 +53,18 @@ def _run(name: str, steps: int, spec: PipelineSpec | None = None, verify: bool =
 
     blocks = list(repeated_blocks(model).children())
     facts = {"compiled": trainer.compiled, "checkpointed": [getattr(b, "tpctl_checkpointed", False) for b in blocks]}
-    return [(r["loss"], r["grad_norm"]) for r in records], param_bytes(model), trainer.summary(records), facts
+    return [(r["loss"], r["grad_norm"], r.get("val_loss")) for r in records], param_bytes(model), trainer.summary(records), facts
 
 
 def _assert_same_curve(got_by_rank, want):
     got = got_by_rank[0]
     assert all(g == got for g in got_by_rank), "every rank logs the same loss and gradient norm"
     assert want[-1][0] < want[0][0], "the reference did not learn"
-    for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(got, want), 1):
+    for step, ((loss, norm, val), (want_loss, want_norm, want_val)) in enumerate(zip(got, want), 1):
         assert loss == pytest.approx(want_loss, rel=REL), f"step {step}: loss"
         assert norm == pytest.approx(want_norm, rel=REL), f"step {step}: gradient norm"
+        assert (val is None) == (want_val is None) and (val is None or val == pytest.approx(want_val, rel=REL)), \
+            f"step {step}: validation loss (the stages' forward-only pass)"
 
 
 _references: dict = {}
@@ -106,7 +109,7 @@ def test_a_2d_pp2_checkpoint_resumes_as_3d_and_as_1d_pp2_dp2(pool, tmp_path):
         resumed = pool.run(_run, name, 4, None, True, str(tmp_path / name), step_2)
         got = resumed[0][0]
         assert len(got) == 2 and all(r[0] == got for r in resumed)
-        for (loss, norm), (want_loss, want_norm) in zip(got, whole[2:]):
+        for (loss, norm, _), (want_loss, want_norm, _) in zip(got, whole[2:]):
             assert loss == pytest.approx(want_loss, rel=REL) and norm == pytest.approx(want_norm, rel=REL), name
 
 
@@ -136,7 +139,7 @@ def test_a_pipeline_composes_with(pool, feature):
     if feature == "bf16":
         want = pool.run(_run, "none-dp8", 4, precision="bf16")[0][0]
         got = pool.run(_run, "none-pp2-dp4", 4, spec, precision="bf16")
-        for (loss, _), (want_loss, _) in zip(got[0][0], want):
+        for (loss, _, _), (want_loss, _, _) in zip(got[0][0], want):
             assert loss == pytest.approx(want_loss, rel=1e-3)  # test_train_features.BF16_MODE_TOL
         return
     run, extra = (_compiled_run, {}) if feature == "compile" else (_run, {"train.activation_checkpointing": True})

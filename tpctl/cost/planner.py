@@ -261,7 +261,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     mode, pipe = par.mode, par.pipeline
     holds: Any = lambda name: True  # noqa: E731
     if pipe is not None:  # what the stage holds, from the whole model (its blocks, its ends)
-        pipe.assign(shape.original(), shape.plan)
+        pipe.assign(shape.original())
         holds, grad_accum = pipe.holds, pipe.spec.microbatches
     vp = padded_vocab(shape.vocab_size, layout.geo.vocab_multiple)
     tokens = batch_size // (grad_accum * layout.dp) * seq_len  # token rows of a micro-batch per replica

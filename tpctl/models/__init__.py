@@ -133,7 +133,7 @@ def check_model(cfg: Any) -> RolePlan:
         from tpctl.parallel.pipeline import PipelineRefused
 
         try:
-            parallelism(layout, groups=False, pipeline=layout.pipeline(cfg)).pipeline.assign(model, plan)
+            parallelism(layout, groups=False, pipeline=layout.pipeline(cfg)).pipeline.assign(model)
         except PipelineRefused as e:
             value = {"pp": layout.pp, "model": what}.get(e.key, cfg.get("pipeline", {}).get(e.key.split(".")[-1]))
             raise ConfigError(e.key, value, str(e)) from None

@@ -40,6 +40,7 @@ means, and the point-to-point sends are counted by comm.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -196,7 +197,7 @@ class Pipeline:
         return any(c.last for c in self.chunks)
 
     # ---- where everything goes ------------------------------------------------
-    def assign(self, model: nn.Module, plan: Optional[RolePlan] = None) -> None:
+    def assign(self, model: nn.Module) -> None:
         """Read the whole model (on any device, meta included): its stack,
         what runs before and after it, and which blocks each chunk holds.
         PipelineRefused (one line) for a model that cannot be cut."""
@@ -285,7 +286,7 @@ class Pipeline:
     def cut(self, model: nn.Module, plan: RolePlan) -> RolePlan:
         """Trim the whole (meta) model to this rank's stage, in place, and
         return the role plan of what is left."""
-        self.assign(model, plan)
+        self.assign(model)
         stack = model.get_submodule(self.stack_name)
         mine = {i: stack._modules[str(i)] for c in self.chunks for i in c.blocks}
         self.stack = StageStack(mine)
@@ -355,6 +356,8 @@ class Pipeline:
             try:
                 out = self.model(ids)
             except StageOutput as end:
+                # The boundary's dtype is fixed (the receive buffers are made
+                # before any step): the fp32 of tpctl's master weights.
                 return end.stream.to(torch.float32)
         return logits_of(out)
 
@@ -446,8 +449,8 @@ class Pipeline:
         for chunk in self.chunks:
             inputs = torch.empty(x.shape, dtype=x.dtype, device="meta") if chunk.first else meta_stream
             outputs = torch.empty(1, device="meta", requires_grad=True) if chunk.last else meta_stream
-            self._stages.append(_CountedStage(self, chunk, _ChunkModule(self, chunk), chunk.index, self.spec.chunks,
-                                              device, input_args=(inputs,), output_args=(outputs,), group=self.group))
+            self._stages.append(_stage_class()(self, chunk, _ChunkModule(self, chunk), chunk.index, self.spec.chunks,
+                                               device, input_args=(inputs,), output_args=(outputs,), group=self.group))
         m, loss = self.spec.microbatches, self._loss
         if self.spec.schedule == "interleaved":
             self._schedule = ScheduleInterleaved1F1B(self._stages, m, loss_fn=loss, scale_grads=False)
@@ -478,7 +481,10 @@ class _ChunkModule(nn.Module):
         return self._pipeline.forward_chunk(self.chunk, None if self.chunk.first else x, ids)
 
 
+@functools.cache
 def _stage_class():
+    """torch's PipelineStage, counting and timing (its module is imported on
+    first use: a run without stages never pays for it)."""
     from torch.distributed.pipelining import PipelineStage
 
     class CountedStage(PipelineStage):
@@ -518,18 +524,6 @@ def _stage_class():
                 self.pipeline.busy_s += time.perf_counter() - start
 
     return CountedStage
-
-
-def _CountedStage(*args, **kwargs):
-    """A PipelineStage that counts and times (torch's pipelining module is
-    imported on first use: a run without pp never pays for it)."""
-    global _CountedStage_cls
-    if _CountedStage_cls is None:
-        _CountedStage_cls = _stage_class()
-    return _CountedStage_cls(*args, **kwargs)
-
-
-_CountedStage_cls = None
 
 
 class _TakeStream:

@@ -155,7 +155,7 @@ def parallelize_verified(model: nn.Module, mode, plan=None, verify: bool = True)
     # stages), and the verdicts are agreed over every rank.
     pipeline = getattr(par, "pipeline", None)
     if pipeline is not None:
-        pipeline.assign(model, plan)
+        pipeline.assign(model)
     originals = capture_originals(model, plan, mode, pipeline.holds if pipeline is not None else None)
     setup = time.perf_counter() - start
     model = parallelize(model, par, plan).to(mode.mesh.device)

@@ -369,3 +369,57 @@ def test_a_killed_stage_is_restarted_and_resumes(tpctl):
         "tpctl: error: invalid config: pp=2: generate decodes in one tensor-parallel group, not through pipeline "
         "stages: expected pp=1 (a checkpoint written with any pp loads into any layout)"]
     assert tpctl.leftover_pids() == []
+
+
+@pytest.mark.timeout(180)
+def test_inspect_shows_the_stage_of_each_module(tpctl):
+    """The stage column: the embedding on the first stage, the blocks cut in
+    two, the final norm and the (tied) head on the last; the bytes line is
+    stage 0's share."""
+    result = tpctl.run(["inspect", "pp=2", "model.n_layer=4", "train.verify_rewrite=false"], timeout=150)
+    assert result.returncode == 0, result.stderr
+    stage = {}
+    for line in result.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("│ ").split("│")]
+        if len(cells) > 2 and cells[1] in ("0", "1", "all"):
+            stage[cells[0]] = cells[1]
+    assert {k: stage.get(k) for k in ("wte", "wpe", "blocks.1.mlp.fc", "blocks.2.ln_1", "ln_f", "lm_head")} == {
+        "wte": "0", "wpe": "0", "blocks.1.mlp.fc": "0", "blocks.2.ln_1": "1", "ln_f": "1", "lm_head": "1"}
+    assert "on rank 0 (pipeline stage 0)" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_takes_pp(tpctl):
+    """`tpctl bench pp=2`: 1d with two stages of one rank each measures a
+    step whose loss is the single-process reference's."""
+    import json
+
+    result = tpctl.run(["bench", "size=1", "pp=2", "modes=[none,1d]", "steps=1", "rounds=1", "warmup=0", "--json",
+                        "model.n_layer=2", "train.batch_size=4", "train.seq_len=16"], timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(result.stdout[result.stdout.index("{"):])
+    assert rows["1d"]["first_loss"] == pytest.approx(rows["none"]["first_loss"], rel=REL)
+    assert rows["1d"]["comm_bytes"] > 0  # the stages' sends, counted
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_sweep_over_pp_compares_the_stages(tpctl):
+    """`train -m pp=1,2,3`: gpt-tiny's 2 blocks make 1 or 2 stages (3 is
+    skipped in one line); both runs end on the same loss, and the
+    comparison shows the pipeline's measured bubble."""
+    import json
+
+    sweep = tpctl.cwd / "sweep"
+    result = tpctl.run(["train", "-m", *CLI, "pp=1,2,3", "train.steps=3", "checkpoint.every=0",
+                        "checkpoint.at_end=false", f"hydra.sweep.dir={sweep}"], timeout=550)
+    assert result.returncode == 0, result.stderr[-3000:]
+    skipped = [line for line in result.stderr.splitlines() if line.startswith("tpctl: skipping")]
+    assert len(skipped) == 1 and "job 2 (mode=none size=1 pp=3)" in skipped[0] and "more than the model's 2 blocks" in skipped[0], skipped
+    jobs = json.loads((sweep / "comparison.json").read_text())["jobs"]
+    assert [(j["pp"], j["status"]) for j in jobs[:2]] == [(1, "ok"), (2, "ok")] and jobs[2]["status"] == "skipped"
+    assert jobs[1]["final_loss_rel_diff"] < REL and jobs[0]["pipeline_bubble"] is None
+    assert 0 <= jobs[1]["pipeline_bubble"] < 1
+    assert "bubble" in (sweep / "comparison.md").read_text()
+    assert tpctl.leftover_pids() == []

@@ -194,7 +194,7 @@ class Trainer:
         steps_run = last["step"] - self.start_step
         rss = peak_rss_bytes()
         out = {
-            "mode": self.mesh.mode, "size": self.mesh.tp_size, "dp": self.mesh.dp_size,
+            "mode": self.mesh.mode, "size": self.mesh.tp_size, "dp": self.mesh.dp_size, "pp": 1,
             "steps": last["step"], "first_loss": self.first_loss, "final_loss": last["loss"],
             "val_loss": next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None),
             "tokens_per_s": steps_run * self.tokens_per_step / self.elapsed_s,

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from .errors import ConfigError
+from .parallel.layout import Layout
 from .schema import ARCHS, ModelConfig, TrainConfig
 
 # configs/ lives at the repository root, next to the package (the install is
@@ -110,8 +111,6 @@ def validate(cfg: Any, model_check: bool = True) -> None:
     """Raise ConfigError for the first invalid value in a composed config.
     model_check=False skips building the model (tpctl inspect shows what a
     mode cannot shard instead of refusing it)."""
-    from tpctl.parallel.layout import Layout
-
     _check_resolvable(cfg)
     _check_known_keys(cfg, OmegaConf.structured(TrainConfig), "")
     _check_finite(cfg, "")
@@ -226,8 +225,6 @@ def _check_backend(cfg: Any) -> None:
     # torch is imported only here: a CPU config check stays fast.
     import torch
 
-    from tpctl.parallel.layout import Layout
-
     world = Layout.from_config(cfg).world // cfg.launcher.nnodes  # this node's share
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have == 0:
@@ -252,8 +249,6 @@ def _check_compile(cfg: Any) -> None:
 
 def _check_nodes(cfg: Any) -> None:
     """ConfigError for a launcher or multi-node setting that cannot work."""
-    from tpctl.parallel.layout import Layout
-
     lc, world = cfg.launcher, Layout.from_config(cfg).world
     if lc.name not in LAUNCHERS:
         raise ConfigError("launcher.name", lc.name, f"expected one of {', '.join(LAUNCHERS)} (launcher=local or launcher=slurm)")

@@ -22,6 +22,7 @@ from tpctl.parallel.layout import Layout
 from tpctl.config import (CONFIG_DIR, CONFIG_NAME, check_writable_dir, compose_jobs, load_worker_config, register_configs,
                           run_dir_setting, validate)
 from tpctl.errors import ConfigError
+from tpctl.parallel.layout import Layout
 from tpctl.launch.run_lock import RunDirBusy, RunDirLock, probe
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

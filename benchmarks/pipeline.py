@@ -151,6 +151,8 @@ def main() -> int:
     p.add_argument("--split", type=json.loads, default=None,
                    help='blocks per stage by P, e.g. \'{"2": [5, 3]}\' (default: balanced by parameters)')
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--reference-ms", type=json.loads, default=None,
+                   help='pp=1 step times already measured, by world, e.g. \'{"4": 11260}\' (skips those runs)')
     args = p.parse_args()
 
     from tpctl.launch.pool import DistPool
@@ -168,9 +170,13 @@ def main() -> int:
     rows = []
     try:
         for world in args.stages:
-            base = _run(pool_of, args, 1, "1f1b", 1, world)
-            rows.append(base)
-            print(_line(base, base), flush=True)
+            known = (args.reference_ms or {}).get(str(world))
+            if known is None:
+                base = _run(pool_of, args, 1, "1f1b", 1, world)
+                rows.append(base)
+                print(_line(base, base), flush=True)
+            else:
+                base = {"ms": known}
             for schedule in args.schedules:
                 for m in args.micro:
                     if schedule == "interleaved" and 2 * world > GPT_SMALL_8["n_layer"]:

@@ -38,7 +38,7 @@ def config(family: str, vocab_size: int = 256, width: int = 32, depth: int = 2, 
     name, sizes = FAMILIES[family]
     cls = getattr(transformers, name)
     keys = set(cls().to_dict())
-    kwargs = dict(sizes, vocab_size=vocab_size, use_cache=False)
+    kwargs = dict(sizes, vocab_size=vocab_size)
     for group, value in ((WIDTH_KEYS, width), (DEPTH_KEYS, depth), (POSITION_KEYS, max_len)):
         key = next((k for k in group if k in keys), None)
         if key is not None:  # BLOOM has no position table (alibi)
@@ -50,9 +50,7 @@ def config(family: str, vocab_size: int = 256, width: int = 32, depth: int = 2, 
     for key in ("hidden_dropout", "attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout"):
         if key in keys:
             kwargs[key] = 0.0
-    cfg = cls(**kwargs)
-    cfg._attn_implementation = "eager"
-    return cfg
+    return cls(**kwargs)
 
 
 def build(family: str, vocab_size: int = 256, width: int = 32, depth: int = 2, max_len: int = 64):

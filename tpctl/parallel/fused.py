@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
+from .layers import CacheOff
 from .shard import Ranges, _merge
 
 
@@ -164,7 +165,7 @@ def _run(owner: nn.Module, fused: str, args, kwargs, tap: Optional[str] = None, 
         handles.append(clone.get_submodule(tap).register_forward_pre_hook(grab))
     ops = _Ops()
     try:
-        with torch.enable_grad(), ops:
+        with torch.enable_grad(), CacheOff(clone), ops:
             clone(*args, **kwargs)
     finally:
         for h in handles:

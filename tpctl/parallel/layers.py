@@ -117,6 +117,34 @@ class SplitNorm(nn.Module):
                    hidden, norm_eps(module), group, rms=is_rms_norm(module), offset=offset)
 
 
+class CacheOff:
+    """A model's key/value cache off while tpctl runs its own forwards
+    (tracing, measuring a layout, verifying, training), whatever its config
+    says: `transformers` reads `config.use_cache` at every call and, with it
+    on, threads one cache object through the layers, so a module called
+    twice sees the keys of the first call. Reusable; the user's setting is
+    put back on exit (generation turns the cache on explicitly)."""
+
+    def __init__(self, model: nn.Module):
+        found = {}
+        for module in model.modules():
+            config = getattr(module, "config", None)
+            if isinstance(getattr(config, "use_cache", None), bool):
+                found[id(config)] = config
+        self.configs = list(found.values())
+        self._saved: list[bool] = []
+
+    def __enter__(self) -> "CacheOff":
+        self._saved = [c.use_cache for c in self.configs]
+        for c in self.configs:
+            c.use_cache = False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for c, value in zip(self.configs, self._saved):
+            c.use_cache = value
+
+
 def on_cpu(probe):
     """Run `probe` (a measurement of what a module's forward computes) with
     the CPU as the default device: a model built under `with

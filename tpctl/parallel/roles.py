@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .fused import ProbeError, attention_layout, mlp_layout
-from .layers import is_norm, on_cpu
+from .layers import CacheOff, is_norm, on_cpu
 
 # Roles whose Linear splits its output features (fed the residual stream)
 # and whose Linear splits its input features (fed a split activation).
@@ -268,7 +268,7 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
             ids = torch.randint(0, vocab_size, (TRACE_BATCH, seq), generator=torch.Generator().manual_seed(0))
         input_node = tracer.add(_Node("input", "", frozenset()))
         tracer.tag(ids, frozenset({input_node}))
-        with torch.no_grad(), tracer:
+        with torch.no_grad(), CacheOff(model), tracer:
             logits = logits_of(model(ids))
         out = tracer.prov(logits)
     finally:

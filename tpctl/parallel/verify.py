@@ -57,7 +57,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
-from .layers import is_norm, linearize
+from .layers import CacheOff, is_norm, linearize
 from .roles import RolePlan, logits_of, repeated_blocks, resolve_plan, trace
 from .shard import ShardSpec, spec_of
 
@@ -390,7 +390,7 @@ def _eval_forward(model: nn.Module, ids: torch.Tensor) -> None:
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), CacheOff(model):
             model(ids)
     finally:
         model.train(was_training)
@@ -742,7 +742,7 @@ def _check_stage(model, mode, stage: _Stage, calls: dict, local_ids: torch.Tenso
     # sequence after the last block) then act on it as on the real output.
     hook = model.get_submodule(stage.block).register_forward_hook(lambda m, a, out: _with_first(out, piece), prepend=True)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), CacheOff(model):
             got = logits_of(model(local_ids))
     finally:
         hook.remove()

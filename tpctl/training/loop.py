@@ -20,6 +20,7 @@ import torch
 from . import checkpoint
 from tpctl.parallel import comm
 from .data import TokenData
+from tpctl.parallel.layers import CacheOff
 from tpctl.parallel.roles import logits_of
 from tpctl.parallel.base import ParallelMode
 from tpctl.parallel.shard import spec_of
@@ -82,6 +83,7 @@ class Trainer:
     def __init__(self, cfg, model: torch.nn.Module, mode: ParallelMode, data: TokenData,
                  run_dir: Optional[Path] = None):
         self.cfg, self.model, self.mode, self.data = cfg, model, mode, data
+        self.cache_off = CacheOff(model)  # training forwards never build a key/value cache
         self.mesh = mode.mesh
         self.run_dir = run_dir
         if cfg.train.activation_checkpointing:
@@ -135,7 +137,7 @@ class Trainer:
         # fp32; norms and the cross entropy compute in fp32. The backward
         # runs outside autocast, as torch recommends: it follows the
         # forward's dtypes.
-        with autocast(self.mesh.device, self.cfg.precision):
+        with autocast(self.mesh.device, self.cfg.precision), self.cache_off:
             logits = logits_of(self.model(x))
             # The real vocabulary (the LM head's width before any padding).
             vocab = getattr(self.model, "tpctl_vocab_size", None) or self.cfg.model.vocab_size

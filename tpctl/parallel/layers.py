@@ -84,11 +84,15 @@ class SplitNorm(nn.Module):
     autocast runs nn.LayerNorm, so the residual stream's precision matches
     mode=none."""
 
-    def __init__(self, weight, bias, hidden: int, eps: float, group, rms: bool = False, offset: float = 0.0):
+    def __init__(self, weight, bias, hidden: int, eps: float, group, rms: bool = False, offset: float = 0.0,
+                 features=None):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.hidden, self.eps, self.group, self.rms = hidden, eps, group, rms
         self.offset = offset  # the weight enters as (offset + weight): Gemma's RMSNorm has 1
+        # The (start, stop) ranges of the hidden features this rank holds:
+        # what the start-up check compares, with or without a weight.
+        self.features = features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .comm import sum_shared
@@ -107,14 +111,22 @@ class SplitNorm(nn.Module):
         return y if self.bias is None else y + self.bias
 
     @classmethod
-    def like(cls, module: nn.Module, shard, group) -> "SplitNorm":
-        """The split version of `module` (a LayerNorm or RMSNorm), its
-        parameters sharded by `shard(param)`."""
+    def like(cls, module: nn.Module, features, shard, group) -> "SplitNorm":
+        """The split version of `module` (a LayerNorm or RMSNorm) holding
+        the hidden features `features` (ranges), its parameters sharded by
+        `shard(param, features)`."""
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-        hidden = weight.shape[-1] if weight is not None else module.normalized_shape[-1]
         offset = norm_offset(module)
-        return cls(None if weight is None else shard(weight), None if bias is None else shard(bias),
-                   hidden, norm_eps(module), group, rms=is_rms_norm(module), offset=offset)
+        return cls(None if weight is None else shard(weight, features), None if bias is None else shard(bias, features),
+                   norm_width(module), norm_eps(module), group, rms=is_rms_norm(module), offset=offset,
+                   features=features)
+
+
+def norm_width(module: nn.Module) -> int:
+    """The features a norm normalises over: its weight's, or (a norm
+    without parameters, OLMo's LayerNorm) its normalized_shape."""
+    weight = getattr(module, "weight", None)
+    return weight.shape[-1] if weight is not None else module.normalized_shape[-1]
 
 
 class CacheOff:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from . import comm
 from .base import ParallelMode, RewriteContext
-from .layers import ParallelDropout, SplitNorm, embedding_semantics, to_compute, vocab_block_lookup
+from .layers import ParallelDropout, SplitNorm, embedding_semantics, norm_width, to_compute, vocab_block_lookup
 from .shard import ShardSpec, block
 
 
@@ -187,8 +187,9 @@ class ThreeD(ParallelMode):
         return module
 
     def convert_norm(self, module: nn.Module, ctx):
-        shard = lambda p: ctx.shard(p, self._hidden_spec(p, LAYOUT_A))  # noqa: E731
-        return SplitNorm.like(module, shard, self.mesh.groups[LAYOUT_A.hidden])
+        shard = lambda p, features: ctx.shard(p, self._hidden_spec(p, LAYOUT_A, ranges=features))  # noqa: E731
+        features = block(norm_width(module), self.q, self.c[LAYOUT_A.hidden])
+        return SplitNorm.like(module, features, shard, self.mesh.groups[LAYOUT_A.hidden])
 
     def convert_dropout(self, module: nn.Dropout, ctx):
         return ParallelDropout(module.p, self.mesh.rng_local)  # every activation is sharded

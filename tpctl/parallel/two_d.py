@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from . import comm
 from .base import ParallelMode, RewriteContext
-from .layers import ParallelDropout, SplitNorm, embedding_semantics, to_compute
+from .layers import ParallelDropout, SplitNorm, embedding_semantics, norm_width, to_compute
 from .shard import ShardSpec, block
 
 
@@ -225,9 +225,8 @@ class TwoD(ParallelMode):
         return module
 
     def convert_norm(self, module: nn.Module, ctx):
-        hidden = module.weight.shape[-1] if getattr(module, "weight", None) is not None else module.normalized_shape[-1]
-        shard = lambda p: ctx.shard(p, self._hidden_spec(p, block(hidden, self.grid.q, self.grid.j)))  # noqa: E731
-        return SplitNorm.like(module, shard, self.grid.row_group)
+        shard = lambda p, features: ctx.shard(p, self._hidden_spec(p, features))  # noqa: E731
+        return SplitNorm.like(module, block(norm_width(module), self.grid.q, self.grid.j), shard, self.grid.row_group)
 
     def convert_dropout(self, module: nn.Dropout, ctx):
         return ParallelDropout(module.p, self.mesh.rng_local)  # every activation is sharded

@@ -28,7 +28,7 @@ FAMILIES = {
     "olmo": ("OlmoConfig", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)),
 }
 WIDTH_KEYS = ("hidden_size", "n_embd")
-DEPTH_KEYS = ("num_hidden_layers", "n_layer")
+DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 POSITION_KEYS = ("max_position_embeddings", "n_positions")
 
 

@@ -12,6 +12,7 @@ A mode answers three questions:
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Callable, Optional
 
 import torch
@@ -24,8 +25,8 @@ from .mesh import Mesh
 from .geometry import padded_vocab
 from .layers import embedding_semantics, norm_offset
 from .loss import vocab_parallel_cross_entropy
-from .roles import RolePlan, resolve_plan
-from .shard import ShardSpec, make_param, spec_of
+from .roles import KV_ATTRS, RolePlan, resolve_plan
+from .shard import RowReplicas, ShardSpec, make_param, spec_of
 
 
 
@@ -265,7 +266,7 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None) -> nn.Module:
     for owner, heads in plan.heads.items():
         module = model.get_submodule(owner)
         for attr, full in heads.attrs.items():
-            setattr(module, attr, full // mode.geo.head_split)
+            setattr(module, attr, heads.local(attr, full, mode.geo.head_split))
         per_rank_counts(module, heads, mode.geo.head_split)
         if heads.per_head_args and mode.geo.head_split > 1:
             module.register_forward_pre_hook(PerHeadSlice(heads, mode), with_kwargs=True)
@@ -279,6 +280,9 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None) -> nn.Module:
                 mode.replicated(param, "tp", partial=False)
             else:
                 raise ValueError(f"parameter {name!r} has no role in the plan; mode {mode.name} cannot leave it whole")
+    shared = [name for name, layout in plan.layouts.items() if layout.shares(mode.geo.head_split)]
+    if shared:
+        share_slices(model, shared, mode.mesh)
     model.tpctl_mode = mode  # marks the model as rewritten (and by which mode)
     model.tpctl_plan = plan
     return model
@@ -286,8 +290,7 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None) -> nn.Module:
 
 # Head counts a model's config may hold, which an attention module reads at
 # run time (Phi-3: config.num_attention_heads * head_dim).
-CONFIG_COUNTS = ("num_attention_heads", "num_key_value_heads", "num_heads", "n_head", "n_heads", "num_kv_heads",
-                 "n_kv_head", "n_kv_heads", "multi_query_group_num")
+CONFIG_COUNTS = ("num_attention_heads", "num_heads", "n_head", "n_heads", *KV_ATTRS)
 
 
 def per_rank_counts(module: nn.Module, heads, split: int) -> None:
@@ -302,8 +305,66 @@ def per_rank_counts(module: nn.Module, heads, split: int) -> None:
     if counts:
         local = copy.copy(config)
         for attr, full in counts.items():  # (aliases of one count, e.g. n_head, get the same value)
-            setattr(local, attr, full // split)
+            setattr(local, attr, heads.local(attr, full, split))
         module.config = local
+
+
+def share_slices(model: nn.Module, names: list[str], mesh: Mesh) -> None:
+    """The parameters of modules `names` hold key/value heads shared by
+    several ranks (fewer heads than the split): every rank of the
+    tensor-parallel group holding the same rows (output features) of the
+    same parameter, with the same other dimensions, is one of their
+    replicas, each with the gradient of its own query heads (and rows),
+    summed over exactly those ranks. A fused projection also holds rows of
+    its own (its query heads): its rows then carry their replicas run by run
+    (ShardSpec.row_replicas). Who holds what is learnt with one gather over
+    the group; the replica groups are made once per mesh."""
+    mine = {}
+    for owner in names:
+        for attr, p in model.get_submodule(owner).named_parameters():
+            mine[f"{owner}.{attr}"] = p
+    keys = {}
+    for name, p in mine.items():
+        spec = spec_of(p)
+        keys[name] = (spec.index[1:], spec.index[0] or ((0, spec.full_shape[0]),))
+    everyone: list = [None] * mesh.tp_size
+    dist.all_gather_object(everyone, keys, group=mesh.tp_group)
+
+    def pieces(name: str, t: int) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(start, stop, holders) of tp rank t's rows of `name`, cut where
+        the set of ranks holding them changes."""
+        rest, rows = everyone[t][name]
+        others = [(u, theirs[name][1]) for u, theirs in enumerate(everyone) if theirs.get(name, (None,))[0] == rest]
+        cuts = sorted({x for _, ranges in others for a, b in ranges for x in (a, b)})
+        out = []
+        for a, b in rows:
+            points = [a] + [c for c in cuts if a < c < b] + [b]
+            for lo, hi in zip(points, points[1:]):
+                holders = tuple(u for u, ranges in others if any(x <= lo and hi <= y for x, y in ranges))
+                if out and out[-1][1] == lo and out[-1][2] == holders:
+                    out[-1] = (out[-1][0], hi, holders)
+                else:
+                    out.append((lo, hi, holders))
+        return out
+
+    # Every rank makes every set's group, in one order (process groups are collective).
+    sets = sorted({h for t, theirs in enumerate(everyone) for name in theirs for _, _, h in pieces(name, t)})
+    groups = mesh.tp_subgroups(sets)
+    for name, p in mine.items():
+        spec, mine_pieces = spec_of(p), pieces(name, mesh.tp_rank)
+        if len({h for _, _, h in mine_pieces}) == 1:  # one replica set for the whole shard
+            group, ranks = groups[mine_pieces[0][2]]
+            p.tpctl_spec = dataclasses.replace(spec, replica_ranks=tuple(ranks), partial_grad=len(ranks) > 1,
+                                               replica_group=group)
+            continue
+        runs, at = [], 0
+        for lo, hi, holders in mine_pieces:
+            group, ranks = groups[holders]
+            runs.append(RowReplicas(at, at + hi - lo, tuple(ranks), group))
+            at += hi - lo
+        index = (tuple((lo, hi) for lo, hi, _ in mine_pieces),) + spec.index[1:]
+        p.tpctl_spec = dataclasses.replace(spec, index=index, replica_ranks=(), partial_grad=False,
+                                           replica_group=None, row_replicas=tuple(runs))
 
 
 class PerHeadSlice:
@@ -339,15 +400,17 @@ def check_plan(plan, model: nn.Module, geo) -> dict[str, str]:
     if geo.mode == "none":
         return {}
     problems = dict(plan.problems)
+    ways = geo.head_split
     for owner, heads in plan.heads.items():
-        for what, count in (("query heads", heads.heads), ("key/value heads", heads.kv_heads)):
-            if count % geo.head_split:
-                why = f"{count} {what} do not split {geo.head_split} ways (mode {geo.mode}, size {geo.size})"
-                if count < geo.head_split and what.startswith("key"):
-                    why += "; tpctl splits key/value heads between ranks, it does not replicate them (multi-query attention)"
-                problems.setdefault(owner, why)
-    for name, layout in getattr(plan, "layouts", {}).items():
-        reason = layout.split_problem(geo.head_split)
+        if heads.heads % ways:
+            problems.setdefault(owner, f"{heads.heads} query heads do not split {ways} ways (mode {geo.mode}, size {geo.size})")
+        elif heads.kv_heads % ways and (heads.kv_heads > ways or ways % heads.kv_heads):
+            # Fewer key/value heads than the split are shared (each by ways / kv_heads ranks).
+            problems.setdefault(owner, f"{heads.kv_heads} key/value heads neither split {ways} ways nor are shared "
+                                       f"evenly by {ways} blocks of query heads (mode {geo.mode}, size {geo.size})")
+    layouts = getattr(plan, "layouts", {})
+    for name, layout in layouts.items():
+        reason = layout.split_problem(ways, geo.hidden_split)
         if reason:
             problems.setdefault(name, f"{reason} (mode {geo.mode}, size {geo.size})")
     split = geo.hidden_split
@@ -357,6 +420,8 @@ def check_plan(plan, model: nn.Module, geo) -> dict[str, str]:
             dims = {"out": module.out_features, "in": module.in_features}
             if geo.mode == "1d":  # only the split dimension
                 dims = {"out": module.out_features} if role not in ("attn_out", "mlp_out") else {"in": module.in_features}
+            if name in layouts:  # its output features split by their layout (checked above)
+                dims.pop("out", None)
             for which, size in dims.items():
                 if size % split:
                     problems.setdefault(name, f"{size} {which} features do not split {split} ways (mode {geo.mode}, size {geo.size})")
@@ -402,8 +467,8 @@ def sync_grads(model: nn.Module, mesh: Mesh) -> None:
     params = [p for p in model.parameters() if p.grad is not None]
     for p in params:
         spec = spec_of(p)
-        if spec is not None and spec.partial_grad and len(spec.replica_ranks) > 1:
-            buckets.setdefault(id(spec.replica_group), (spec.replica_group, []))[1].append(p.grad)
+        for piece, group in spec.partial_parts(p.grad) if spec is not None else ():
+            buckets.setdefault(id(group), (group, []))[1].append(piece)
     for group, grads in buckets.values():
         _all_reduce_coalesced(grads, group)
     if mesh.dp_size > 1:
@@ -418,8 +483,8 @@ def grad_norm(model: nn.Module, mesh: Mesh) -> torch.Tensor:
     grads = []
     for p in model.parameters():
         spec = spec_of(p)
-        if p.grad is not None and (spec is None or spec.is_canonical):
-            grads.append(p.grad)
+        if p.grad is not None:
+            grads.extend([p.grad] if spec is None else spec.canonical_parts(p.grad))
     if grads:
         norms = torch._foreach_norm(grads) if hasattr(torch, "_foreach_norm") else [g.norm() for g in grads]
         total = torch.stack(norms).double().pow(2).sum()

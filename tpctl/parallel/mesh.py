@@ -134,6 +134,9 @@ class Mesh:
     # every rank (for sharded activations). See docs/DESIGN.md, "Dropout".
     rng_shared: Optional[torch.Generator] = None
     rng_local: Optional[torch.Generator] = None
+    # Groups of other sets of tensor-parallel ranks (the holders of a shared
+    # key/value head), made on first use: positions in the group -> (group, global ranks).
+    subgroups: dict = field(default_factory=dict)
 
     @property
     def mode(self) -> str:
@@ -145,6 +148,22 @@ class Mesh:
 
     def group(self, name: str) -> dist.ProcessGroup:
         return self.groups[name]
+
+    def tp_subgroups(self, sets: list[tuple[int, ...]]) -> dict[tuple, tuple]:
+        """{tp ranks: (process group, global ranks)} of this rank's
+        data-parallel replica for each set of positions in the
+        tensor-parallel group (the group is None where this rank is not a
+        member). Collective: every rank passes the same sets in the same
+        order, and each is made for every replica alike, once per mesh."""
+        for tp_ranks in sets:
+            if tp_ranks not in self.subgroups:
+                lists = [[d * self.tp_size + t for t in tp_ranks] for d in range(self.dp_size)]
+                if len(tp_ranks) == 1:  # no group to make: a rank alone
+                    self.subgroups[tp_ranks] = (None, [self.dp_rank * self.tp_size + tp_ranks[0]])
+                else:
+                    group, members = _subgroup(lists, self.rank)
+                    self.subgroups[tp_ranks] = (group, members or lists[self.dp_rank])
+        return {s: self.subgroups[s] for s in sets}
 
     def src_rank(self, name: str, index: int) -> int:
         """Global rank of the member at position `index` of group `name`."""

@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .fused import ProbeError, attention_layout, mlp_layout
+from .fused import FusedLayout, ProbeError, attention_layout, mlp_layout
 from .layers import CacheOff, is_norm, on_cpu
 
 # Roles whose Linear splits its output features (fed the residual stream)
@@ -46,11 +46,16 @@ ROLES = (
 )
 COLUMN_ROLES = ("qkv", "attn_in", "mlp_in", "lm_head")
 ROW_ROLES = ("attn_out", "mlp_out")
-# Attributes of an attention module that hold a head count or a width, which
-# the rewrite divides by the head split (so `view(b, t, self.num_heads, d)`
-# works on a rank's heads). A ratio like num_key_value_groups stays.
-HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
-              "n_kv_head", "n_kv_heads", "embed_dim", "split_size", "hidden_size", "all_head_size", "inner_dim")
+# Attributes of an attention module (or of the config it reads) that hold a
+# head count or a width, which the rewrite sets to this rank's (so
+# `view(b, t, self.num_heads, d)` works on a rank's heads): query counts and
+# widths divided by the split, key/value counts too unless fewer than the
+# split (a shared head: one per rank); the ratio of the two
+# (num_key_value_groups) changes only when key/value heads are shared.
+KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_head", "n_kv_heads", "multi_query_group_num")
+RATIO_ATTRS = ("num_key_value_groups", "num_kv_groups")
+HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", *KV_ATTRS[:4],
+              "embed_dim", "split_size", "hidden_size", "all_head_size", "inner_dim")
 TRACE_SEQ = 4
 TRACE_BATCH = 2
 
@@ -68,6 +73,20 @@ class Heads:
     # rows outermost (BLOOM's alibi: [batch * heads, 1, seq]): positions
     # (ints) or keyword names; the rewrite passes each rank its heads' slices.
     per_head_args: list = field(default_factory=list)
+
+    def kv_local(self, split: int) -> int:
+        """Key/value heads a rank holds: its share, or one shared head."""
+        return max(self.kv_heads // split, 1)
+
+    def local(self, attr: str, full: int, split: int) -> int:
+        """This rank's value of a head count, width or ratio `attr`."""
+        kv = self.kv_local(split)
+        if attr in RATIO_ATTRS:
+            return (self.heads // split) // kv
+        if attr in KV_ATTRS or full in (self.kv_heads, self.kv_heads * self.head_dim) \
+                and full not in (self.heads, self.heads * self.head_dim):
+            return kv if full == self.kv_heads else kv * self.head_dim
+        return full // split
 
 
 @dataclass
@@ -391,8 +410,12 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
             problems[owner] = "cannot tell the attention's head size from its forward"
             continue
         h, kv = q_width // head_dim, kv_width // head_dim
-        attrs = {a: v for a, v in vars(modules[owner]).items()
-                 if a in HEAD_ATTRS and isinstance(v, int) and not isinstance(v, bool) and v in (h, kv, q_width, kv_width)}
+        attrs = {a: v for a, v in vars(modules[owner]).items() if isinstance(v, int) and not isinstance(v, bool)
+                 and (a in HEAD_ATTRS and v in (h, kv, q_width, kv_width) or a in RATIO_ATTRS and kv and v == h // kv)}
+        if kv < h:  # separate key/value projections: heads of their own, which may be shared
+            for name in feeders:
+                if name != q_name and name not in layouts and modules[name].out_features == kv_width:
+                    layouts[name] = FusedLayout.heads(kv_width, kv, "k" if name == k_name else "v")
         heads[owner] = Heads(h, kv, head_dim, attrs, _per_head_args(first_inputs.get(owner), h))
         units[owner] = feeders + [out_proj]
 

@@ -567,8 +567,8 @@ def _sync_partial(params: list[torch.Tensor]) -> None:
     group, as training does (data-parallel replicas check the same data)."""
     for p in params:
         spec = spec_of(p)
-        if p.grad is not None and spec is not None and spec.partial_grad and len(spec.replica_ranks) > 1:
-            comm.all_reduce(p.grad, spec.replica_group)
+        for piece, group in spec.partial_parts(p.grad) if p.grad is not None and spec is not None else ():
+            comm.all_reduce(piece, group)  # a view: summed in place
 
 
 def _compare_grads(reference: nn.Module, rewritten: nn.Module, worst: list) -> None:
@@ -642,7 +642,12 @@ def _check_module(reference, rewritten, full_call, local_call, mode, check: Chec
     _compare_rows(out, got, features_out, worst, "the output")
     dy0 = torch.randn(out.shape[-1], generator=gen)
     out.backward(dy0.expand(out.shape).to(device))
-    got.backward(features_out.slice(dy0).expand(got.shape).to(device) * _broadcast_share(rewritten, out, got))
+    holders = _holders(mode, check)
+    if holders is not None:  # shared key/value heads: each copy's share, feature by feature
+        dy_local = features_out.slice(dy0 / holders).expand(got.shape)
+    else:
+        dy_local = features_out.slice(dy0).expand(got.shape) * _broadcast_share(rewritten, out, got)
+    got.backward(dy_local.to(device))
     want = features_in.slice(x.grad.reshape(-1, x.shape[-1])[0].cpu()).expand(x_local.shape).to(device)
     diff = _relative(x_local.grad, want, x.grad)
     if x_local.numel() == x.numel() and mode.mesh.tp_size > 1:
@@ -663,6 +668,18 @@ def _compare_rows(out, got, features: ShardSpec, worst: list, what: str) -> None
         raise _CannotVerify("it does not compute row by row (equal input rows gave different output rows)")
     want = features.slice(rows[0].cpu()).to(got.device)
     _worse(worst, _relative(got, want.expand(got.shape), out), what)
+
+
+def _holders(mode, check: Check) -> Optional[torch.Tensor]:
+    """Per output feature of a Linear holding shared key/value heads, how
+    many ranks' copies of it add up to one: each block of query heads
+    reading a shared head holds a partial sum (its own heads' share of the
+    gradient), so a check feeding every copy the whole output gradient
+    gives each 1/k. None for any other module."""
+    layout = mode.layouts.get(check.name)
+    if layout is None or not layout.shares(mode.geo.head_split):
+        return None
+    return layout.holders(mode.geo.head_split)
 
 
 def _broadcast_share(rewritten: nn.Module, out: torch.Tensor, got: torch.Tensor) -> float:

@@ -22,7 +22,8 @@ metadata, which is read with an allow-list unpickler):
   rng.shared.dp<d>, rng.local.rank<r>, rng.torch.rank<r>[, rng.cuda.rank<r>]
                                dropout and global generators
 Only one rank writes each box: the first of its replicas (ShardSpec
-.replica_ranks[0]) in data-parallel replica 0.
+.replica_ranks[0], or for rows with replicas of their own .row_replicas) in
+data-parallel replica 0.
 
 Atomic: written to `checkpoints/.tmp_step_<N>`, renamed to `step_<N>` once
 every file and the manifest are on disk; a crash mid-write leaves only a
@@ -102,6 +103,12 @@ class Entry:
     full_shape: tuple[int, ...]
     boxes: list[Box]
     write: bool
+    # Boxes (positions in `boxes`) another replica writes: rows of a fused
+    # projection that hold a key/value head several ranks share.
+    skip: frozenset = frozenset()
+
+    def written(self) -> list[Box]:
+        return [b for i, b in enumerate(self.boxes) if i not in self.skip] if self.write else []
 
     def view(self, box: Box) -> torch.Tensor:
         out = self.tensor
@@ -142,10 +149,8 @@ def _planners():
         def create_local_plan(self) -> SavePlan:
             items = []
             for fqn, entry in self.state_dict.items():
-                if not entry.write:
-                    continue
                 props = TensorProperties(dtype=entry.tensor.dtype)
-                for box in entry.boxes:
+                for box in entry.written():
                     offsets = torch.Size(box.offsets)
                     items.append(WriteItem(
                         index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
@@ -255,7 +260,16 @@ def _reader(path: Path):
 
 def _writes(spec: Optional[ShardSpec], mesh) -> bool:
     """One rank per replica set: the first replica, in dp replica 0."""
+    if spec is not None and spec.row_replicas:  # decided box by box (_skipped)
+        return mesh.dp_rank == 0
     return mesh.dp_rank == 0 and (spec is None or not spec.replica_ranks or mesh.rank == spec.replica_ranks[0])
+
+
+def _skipped(spec: Optional[ShardSpec], boxes: list[Box]) -> frozenset:
+    """The boxes of a shard whose rows another replica writes."""
+    if spec is None or not spec.row_replicas:
+        return frozenset()
+    return frozenset(i for i, b in enumerate(boxes) if not spec.writes_rows(b.local[0]))
 
 
 def _adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
@@ -304,15 +318,15 @@ def state_entries(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimi
         spec = spec_of(p)
         boxes = shard_boxes(spec, tuple(p.shape))
         full = tuple(spec.full_shape) if spec is not None else tuple(p.shape)
-        write = _writes(spec, mesh)
-        entries[f"model.{name}"] = Entry(p.data, full, boxes, write)
+        write, skip = _writes(spec, mesh), _skipped(spec, boxes)
+        entries[f"model.{name}"] = Entry(p.data, full, boxes, write, skip)
         if optimizer is None:
             continue
         state = _adam_state(optimizer, p)
         for moment in ("exp_avg", "exp_avg_sq"):
-            entries[f"optim.{name}.{moment}"] = Entry(state[moment], full, boxes, write)
+            entries[f"optim.{name}.{moment}"] = Entry(state[moment], full, boxes, write, skip)
         # One writer among the shards: the one holding the global origin.
-        origin = write and any(all(o == 0 for o in b.offsets) for b in boxes)
+        origin = any(all(o == 0 for o in b.offsets) for b in entries[f"model.{name}"].written())
         entries[f"optim.{name}.step"] = whole(state["step"].detach().reshape(1).double().cpu(), origin)
     is_first = mesh.rank == 0
     entries["train.step"] = whole(torch.tensor([step], dtype=torch.int64), is_first)
@@ -413,7 +427,7 @@ def save(root: Path, step: int, model, optimizer, mesh, cfg, first_loss: float =
     final, tmp = root / f"step_{step}", root / f".tmp_step_{step}"
     started = time.perf_counter()
     entries = state_entries(model, optimizer, mesh, step, first_loss)
-    mine = sum(e.view(b).numel() * e.tensor.element_size() for e in entries.values() if e.write for b in e.boxes)
+    mine = sum(e.view(b).numel() * e.tensor.element_size() for e in entries.values() for b in e.written())
     sizes = [0] * mesh.world_size
     dist.all_gather_object(sizes, mine)
 

@@ -23,7 +23,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from . import comm
 from .mesh import Mesh
 from .geometry import padded_vocab
-from .layers import embedding_semantics, norm_offset
+from .fused import held_units
+from .layers import SplitNorm, embedding_semantics, norm_offset, norm_width
 from .loss import vocab_parallel_cross_entropy
 from .roles import KV_ATTRS, RolePlan, resolve_plan
 from .shard import RowReplicas, ShardSpec, make_param, spec_of
@@ -69,6 +70,9 @@ class ParallelMode:
         self.geo = mesh.geo
         # Fused Linear name -> its FusedLayout (parallel/fused.py), from the plan.
         self.layouts: dict = {}
+        # proj_norm -> the Linear it normalises, and that Linear -> its role (from the plan).
+        self.sources: dict = {}
+        self.source_roles: dict = {}
 
     # ---- data ---------------------------------------------------------
     def read_block(self) -> tuple[int, int]:
@@ -190,6 +194,34 @@ class ParallelMode:
             layout = FusedLayout.equal(module.out_features, ("q", "k", "v"))
         return layout
 
+    def convert_proj_norm(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """A norm over all heads of q or k (OLMo-2): its features are the
+        output features of the projection it normalises, held as that
+        projection's are (where its bias would land), the moments summed
+        over the ranks splitting them; a shared key/value head, held by
+        several of them, is counted once."""
+        source = self.sources[ctx.name]
+        role, layout = self.source_roles[source], self.layouts.get(source)
+        spec = lambda p: self.output_spec(p, role, layout)  # noqa: E731
+        features = spec(torch.empty(norm_width(module), device="meta")).index[0]
+        copies = 1
+        if layout is not None and layout.shares(self.geo.head_split):
+            counts = layout.holders(self.geo.head_split)
+            if not bool((counts == counts[0]).all()):
+                raise ValueError(f"{ctx.name}: one norm over features held by different numbers of ranks")
+            copies = int(counts[0])
+        return SplitNorm.like(module, features, lambda p, f: ctx.shard(p, spec(p)), self.output_group(role), copies)
+
+    def output_spec(self, tensor: torch.Tensor, role: str, layout=None, n: Optional[int] = None) -> ShardSpec:
+        """Where a Linear of `role` puts its output features (its bias's
+        ShardSpec): they follow its weight's `layout` if it has one."""
+        return self.split_spec(tensor)
+
+    def output_group(self, role: str):
+        """The ranks splitting the output features of a Linear of `role`
+        (the same rows): what a norm over them sums over."""
+        return None
+
     def convert_head_norm(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
         """A norm over each head of q or k runs as written on this rank's
         whole heads; its weight sees only those heads (and rows), so its
@@ -255,6 +287,8 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None) -> nn.Module:
     init = getattr(model, "tpctl_init", None)
     ctx = RewriteContext(mode.mesh, init)
     mode.layouts = dict(getattr(plan, "layouts", {}))
+    mode.sources = dict(getattr(plan, "sources", {}))
+    mode.source_roles = {linear: plan.roles[linear] for linear in mode.sources.values()}
     mode.prepare(model, plan)
     for name, role in plan.roles.items():
         module = model.get_submodule(name)
@@ -263,11 +297,12 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None) -> nn.Module:
         if new is not module:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    split = mode.geo.head_split
     for owner, heads in plan.heads.items():
         module = model.get_submodule(owner)
         for attr, full in heads.attrs.items():
-            setattr(module, attr, heads.local(attr, full, mode.geo.head_split))
-        per_rank_counts(module, heads, mode.geo.head_split)
+            setattr(module, attr, heads.local(attr, full, split))
+        per_rank_counts(module, heads, split)
         if heads.per_head_args and mode.geo.head_split > 1:
             module.register_forward_pre_hook(PerHeadSlice(heads, mode), with_kwargs=True)
     if init is not None:
@@ -280,7 +315,16 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None) -> nn.Module:
                 mode.replicated(param, "tp", partial=False)
             else:
                 raise ValueError(f"parameter {name!r} has no role in the plan; mode {mode.name} cannot leave it whole")
-    shared = [name for name, layout in plan.layouts.items() if layout.shares(mode.geo.head_split)]
+    for name in plan.head_lists if split > 1 else ():
+        whole = model.get_submodule(name)
+        held = held_units(len(whole), split, mode.head_block())
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, HeldHeads({i: whole[i] for i in held}))
+    # Parameters several ranks hold alike with partial gradients, beyond the
+    # mode's own groups: shared key/value heads, and this rank's per-head norms.
+    shared = [name for name, layout in plan.layouts.items() if layout.shares(split)]
+    shared += [norm for norm, source in mode.sources.items() if source in shared]
+    shared += list(plan.head_lists) if split > 1 else []
     if shared:
         share_slices(model, shared, mode.mesh)
     model.tpctl_mode = mode  # marks the model as rewritten (and by which mode)
@@ -365,6 +409,23 @@ def share_slices(model: nn.Module, names: list[str], mesh: Mesh) -> None:
         index = (tuple((lo, hi) for lo, hi, _ in mine_pieces),) + spec.index[1:]
         p.tpctl_spec = dataclasses.replace(spec, index=index, replica_ranks=(), partial_grad=False,
                                            replica_group=None, row_replicas=tuple(runs))
+
+
+class HeldHeads(nn.ModuleList):
+    """A list of per-head modules (one norm per head) holding this rank's
+    heads only, under their original indices (so parameter names, hence
+    checkpoints and the start-up check, are the whole model's); iterating
+    and indexing go over the held ones, as the module's forward on a rank's
+    heads expects (StableLM: zip(self.norms, heads))."""
+
+    def __init__(self, held: dict[int, nn.Module]):
+        nn.Module.__init__(self)
+        for i, module in held.items():
+            self.add_module(str(i), module)
+
+    def __getitem__(self, idx):
+        held = list(self._modules.values())
+        return nn.ModuleList(held[idx]) if isinstance(idx, slice) else held[idx]
 
 
 class PerHeadSlice:

@@ -41,6 +41,15 @@ from .shard import Ranges, _merge
 SHARED_PARTS = ("k", "v")
 
 
+def held_units(count: int, shards: int, s: int) -> range:
+    """Which of `count` heads (units) shard `s` of `shards` holds: its
+    share, or (fewer heads than shards: shared key/value heads) the one its
+    query heads read."""
+    if count >= shards:
+        return range(s * count // shards, (s + 1) * count // shards)
+    return range(s * count // shards, s * count // shards + 1)
+
+
 @dataclass(frozen=True)
 class FusedLayout:
     names: tuple[str, ...]  # the parts, e.g. ("q", "k", "v") or ("gate", "up")
@@ -93,13 +102,7 @@ class FusedLayout:
         return any(name in SHARED_PARTS and count < shards for name, count in zip(self.names, self.units))
 
     def held_units(self, p: int, shards: int, s: int) -> range:
-        """The units of part `p` shard `s` of `shards` holds: its share, or
-        (fewer units than shards: shared key/value heads) the one its query
-        heads read."""
-        count = self.units[p]
-        if count >= shards:
-            return range(s * count // shards, (s + 1) * count // shards)
-        return range(s * count // shards, s * count // shards + 1)
+        return held_units(self.units[p], shards, s)
 
     def holders(self, shards: int) -> torch.Tensor:
         """Per feature, how many of `shards` shards hold it: 1, or for a

@@ -111,14 +111,16 @@ class SplitNorm(nn.Module):
         return y if self.bias is None else y + self.bias
 
     @classmethod
-    def like(cls, module: nn.Module, features, shard, group) -> "SplitNorm":
+    def like(cls, module: nn.Module, features, shard, group, copies: int = 1) -> "SplitNorm":
         """The split version of `module` (a LayerNorm or RMSNorm) holding
         the hidden features `features` (ranges), its parameters sharded by
-        `shard(param, features)`."""
+        `shard(param, features)`. `copies`: how many ranks of `group` hold
+        each feature (a key/value head shared by several blocks of query
+        heads), so the summed moments count every feature that many times."""
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
         offset = norm_offset(module)
         return cls(None if weight is None else shard(weight, features), None if bias is None else shard(bias, features),
-                   norm_width(module), norm_eps(module), group, rms=is_rms_norm(module), offset=offset,
+                   norm_width(module) * copies, norm_eps(module), group, rms=is_rms_norm(module), offset=offset,
                    features=features)
 
 

@@ -176,11 +176,17 @@ class OneD(ParallelMode):
         ranges = layout.ranges(self.world, self.world, self.p) if layout else block(n, self.world, self.p)
         return self.split_spec(tensor, dim, ranges)
 
+    def output_spec(self, tensor, role: str, layout=None, n: int | None = None) -> ShardSpec:
+        return self._split(tensor, 0, n if n is not None else tensor.shape[0], layout)
+
+    def output_group(self, role: str):
+        return self.group
+
     def _column(self, linear: nn.Linear, ctx: RewriteContext, role: str, rows: int | None = None) -> ColumnLinear:
         n = rows if rows is not None else linear.out_features
         layout = self.fused_layout(role, linear, ctx)
         weight = ctx.shard(linear.weight, self._split(linear.weight, 0, n, layout))
-        bias = None if linear.bias is None else ctx.shard(linear.bias, self._split(linear.bias, 0, n, layout))
+        bias = None if linear.bias is None else ctx.shard(linear.bias, self.output_spec(linear.bias, role, layout, n))
         entry = "gathered" if ctx.name in self.gathered else "seq_shards" if self._shards_sequence(ctx) else "replicated"
         return ColumnLinear(weight, bias, self.group, entry)
 

@@ -35,14 +35,14 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .fused import FusedLayout, ProbeError, attention_layout, mlp_layout
-from .layers import CacheOff, is_norm, on_cpu
+from .layers import CacheOff, is_norm, norm_width, on_cpu
 
 # Roles whose Linear splits its output features (fed the residual stream)
 # and whose Linear splits its input features (fed a split activation).
 # The vocabulary every mode maps to its layers.
 ROLES = (
     "embedding", "pos_embedding", "qkv", "attn_in", "attn_out", "mlp_in", "mlp_out",
-    "norm", "lm_head", "dropout", "attn_dropout", "head_norm",
+    "norm", "lm_head", "dropout", "attn_dropout", "head_norm", "proj_norm",
 )
 COLUMN_ROLES = ("qkv", "attn_in", "mlp_in", "lm_head")
 ROW_ROLES = ("attn_out", "mlp_out")
@@ -105,6 +105,11 @@ class RolePlan:
     # Fused Linears -> the measured layout of their output features
     # (parallel/fused.py); every other Linear splits its features in blocks.
     layouts: dict[str, Any] = field(default_factory=dict)
+    # Norms over all heads of q or k (`proj_norm`) -> the Linear whose output they normalise.
+    sources: dict[str, str] = field(default_factory=dict)
+    # ModuleLists holding one per-head norm per head (StableLM's q/k
+    # LayerNorms) -> their attention module; a rank keeps its heads' norms.
+    head_lists: dict[str, str] = field(default_factory=dict)
 
 
 def logits_of(output: Any) -> torch.Tensor:
@@ -469,15 +474,24 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
 
     head_dims = {h.head_dim for h in heads.values()}
     projections = {i for i, n in enumerate(nodes) if n.kind == "linear" and roles.get(n.name) in ("qkv", "attn_in")}
+    sources: dict[str, str] = {}
     for n in nodes:
         if n.kind == "norm":
-            size = modules[n.name].weight.shape[-1] if getattr(modules[n.name], "weight", None) is not None else None
+            size = norm_width(modules[n.name])
+            source = node_name[next(iter(n.inputs))] if len(n.inputs) == 1 and n.inputs <= projections else None
             if n.inputs and n.inputs <= projections and size in head_dims:
-                # A norm over each head of q or k (Qwen3, OLMo-2 style): whole
-                # heads live on one rank, so it runs as written.
+                # A norm over each head of q or k (Qwen3 style): whole heads
+                # live on one rank, so it runs as written.
                 assign(n.name, "head_norm")
+            elif source is not None and size == modules[source].out_features:
+                # A norm over all heads of one projection's output (OLMo-2's
+                # q/k norms): split as that output is.
+                assign(n.name, "proj_norm")
+                if sources.setdefault(n.name, source) != source:
+                    problems[n.name] = f"one norm over the outputs of both {sources[n.name]} and {source}"
             elif n.inputs & inner or (hidden is not None and size not in (None, hidden)):
-                problems[n.name] = "a norm inside attention or the MLP (e.g. per-head q/k norms) is not supported"
+                problems[n.name] = (f"a norm over {size} features inside attention or the MLP: neither per head "
+                                    f"({', '.join(map(str, sorted(head_dims))) or 'no heads'}) nor over one projection's output")
             else:
                 assign(n.name, "norm")
         elif n.kind == "dropout":
@@ -497,8 +511,17 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
         own = list(module.parameters(recurse=False))
         if name and name not in calls and own and not all(id(p) in called for p in own):
             problems.setdefault(name, "never called in the forward")
+    head_lists = {}  # one per-head norm per head, in a list: a rank keeps its heads'
+    for name, module in modules.items():
+        if isinstance(module, nn.ModuleList) and len(module) > 1 \
+                and all(roles.get(f"{name}.{i}") == "head_norm" for i in range(len(module))):
+            owner = next((o for o in heads if name.startswith(o + ".")), None)
+            if owner is not None and len(module) in (heads[owner].heads, heads[owner].kv_heads):
+                head_lists[name] = owner
+            else:
+                problems[name] = f"a list of {len(module)} per-head norms that matches no attention's head count"
     ordered = {name: roles[name] for name in modules if name in roles}
-    return RolePlan(ordered, "inferred", heads, problems, _blocks(model, ordered), units, layouts)
+    return RolePlan(ordered, "inferred", heads, problems, _blocks(model, ordered), units, layouts, sources, head_lists)
 
 
 def _per_head_args(call, heads: int) -> list:
@@ -527,14 +550,18 @@ def _common_parent(names: list[str]) -> str:
 
 
 def repeated_blocks(model: nn.Module) -> Optional[nn.ModuleList]:
-    """The model's stack of blocks: the nn.ModuleList with the most children,
-    all of one class (ties: the first in definition order). None if the
-    model has no such list."""
+    """The model's stack of blocks: of the nn.ModuleLists whose children are
+    all of one class and that no such list holds (a list of per-head norms
+    inside a block is not the stack, however many heads), the one with the
+    most children (ties: the first in definition order). None if the model
+    has no such list."""
+    lists = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(child) for child in m}) == 1]
     best = None
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            if len({type(child) for child in module}) == 1 and (best is None or len(module) > len(best)):
-                best = module
+    for name, module in lists:
+        inside = any(other != name and name.startswith(f"{other}." if other else "") for other, _ in lists)
+        if not inside and (best is None or len(module) > len(best)):
+            best = module
     return best
 
 

@@ -147,13 +147,18 @@ class ThreeD(ParallelMode):
         in_ranges = block(linear.in_features, self.q, self.c[layout.hidden])
         spec = ShardSpec(tuple(linear.weight.shape), (self._weight_ranges(n, layout, fused), in_ranges))
         weight = ctx.shard(linear.weight, spec)
-        bias = None
-        if linear.bias is not None:
-            out_layout = layout.flip()
-            ranges = (fused.ranges(self.q, self.q, self.c[out_layout.hidden]) if fused is not None
-                      else block(n, self.q, self.c[out_layout.hidden]))
-            bias = ctx.shard(linear.bias, self._hidden_spec(linear.bias, out_layout, ranges=ranges))
+        bias = None if linear.bias is None else ctx.shard(linear.bias, self.output_spec(linear.bias, role, fused, n))
         return Linear3D(weight, bias, layout, self.mesh.groups)
+
+    def output_spec(self, tensor, role: str, layout=None, n: int | None = None) -> ShardSpec:
+        """Output features land in the flipped layout of the Linear's input."""
+        out_layout, n = ROLE_LAYOUT[role].flip(), n if n is not None else tensor.shape[0]
+        b = self.c[out_layout.hidden]
+        ranges = layout.ranges(self.q, self.q, b) if layout is not None else block(n, self.q, b)
+        return self._hidden_spec(tensor, out_layout, ranges=ranges)
+
+    def output_group(self, role: str):
+        return self.mesh.groups[ROLE_LAYOUT[role].flip().hidden]
 
     # ---- roles ----------------------------------------------------------------
     def convert_qkv(self, module, ctx):

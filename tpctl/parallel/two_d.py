@@ -184,14 +184,23 @@ class TwoD(ParallelMode):
         ranks with other rows (whose gradients are partial)."""
         return self.split_spec(full, dim, ranges, replicas=self.hidden_replica)
 
+    def _out_ranges(self, n: int, layout, b: int):
+        """Output block `b` of q of a Linear's n output features (by its layout)."""
+        return layout.ranges(self.grid.q, self.grid.q, b) if layout else block(n, self.grid.q, b)
+
+    def output_spec(self, tensor, role: str, layout=None, n: int | None = None) -> ShardSpec:
+        n = n if n is not None else tensor.shape[0]
+        return self._hidden_spec(tensor, self._out_ranges(n, layout, self.grid.j))
+
+    def output_group(self, role: str):
+        return self.grid.row_group
+
     def _linear(self, linear: nn.Linear, ctx: RewriteContext, role: str, out: int | None = None) -> Linear2D:
-        q, n = self.grid.q, out if out is not None else linear.out_features
+        n = out if out is not None else linear.out_features
         layout = self.fused_layout(role, linear, ctx)
-        out_ranges = lambda b: layout.ranges(q, q, b) if layout else block(n, q, b)  # noqa: E731
-        weight = ctx.shard(linear.weight, self._weight_spec(linear.weight, out_ranges(self.grid.i), linear.in_features))
-        bias = None
-        if linear.bias is not None:
-            bias = ctx.shard(linear.bias, self._hidden_spec(linear.bias, out_ranges(self.grid.j)))
+        weight = ctx.shard(linear.weight, self._weight_spec(linear.weight, self._out_ranges(n, layout, self.grid.i),
+                                                            linear.in_features))
+        bias = None if linear.bias is None else ctx.shard(linear.bias, self.output_spec(linear.bias, role, layout, n))
         return Linear2D(weight, bias, self.grid)
 
     # ---- roles -------------------------------------------------------------

@@ -200,7 +200,10 @@ def capture_originals(model: nn.Module, plan: RolePlan, mode) -> Originals:
     """Before the rewrite: the distinct modules and blocks to check, a copy
     of one instance of each, and their real call arguments (one forward of
     the original with stand-in parameters)."""
-    names = [n for n, role in plan.roles.items() if role not in SKIPPED_ROLES]
+    # Per-head norms kept in a list run as written on a rank's own heads (a
+    # rank holds some of them only): their block checks them.
+    lists = tuple(f"{name}." for name in getattr(plan, "head_lists", {}))
+    names = [n for n, role in plan.roles.items() if role not in SKIPPED_ROLES and not (lists and n.startswith(lists))]
     blocks = _block_names(model)
     targets = {n: model.get_submodule(n) for n in dict.fromkeys(names + blocks)}
     calls = _capture_calls(targets, lambda: _trace_forward(model, mode))
@@ -649,7 +652,10 @@ def _check_module(reference, rewritten, full_call, local_call, mode, check: Chec
         dy_local = features_out.slice(dy0).expand(got.shape) * _broadcast_share(rewritten, out, got)
     got.backward(dy_local.to(device))
     want = features_in.slice(x.grad.reshape(-1, x.shape[-1])[0].cpu()).expand(x_local.shape).to(device)
-    diff = _relative(x_local.grad, want, x.grad)
+    got_dx = x_local.grad
+    if holders is not None and is_norm(reference):  # its input is the shared head too: each copy got 1/k
+        got_dx = got_dx * features_in.slice(holders).to(device)
+    diff = _relative(got_dx, want, x.grad)
     if x_local.numel() == x.numel() and mode.mesh.tp_size > 1:
         # An input every rank holds whole may leave its gradient partial for
         # the caller to sum once for several Linears (1d + sequence
@@ -671,12 +677,13 @@ def _compare_rows(out, got, features: ShardSpec, worst: list, what: str) -> None
 
 
 def _holders(mode, check: Check) -> Optional[torch.Tensor]:
-    """Per output feature of a Linear holding shared key/value heads, how
-    many ranks' copies of it add up to one: each block of query heads
-    reading a shared head holds a partial sum (its own heads' share of the
-    gradient), so a check feeding every copy the whole output gradient
-    gives each 1/k. None for any other module."""
-    layout = mode.layouts.get(check.name)
+    """Per output feature of a Linear holding shared key/value heads (or of
+    a norm over such a Linear's output), how many ranks' copies of it add
+    up to one: each block of query heads reading a shared head holds a
+    partial sum (its own heads' share of the gradient), so a check feeding
+    every copy the whole output gradient gives each 1/k. None for any other
+    module."""
+    layout = mode.layouts.get(mode.sources.get(check.name, check.name))  # a norm: its projection's
     if layout is None or not layout.shares(mode.geo.head_split):
         return None
     return layout.holders(mode.geo.head_split)

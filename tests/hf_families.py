@@ -26,6 +26,14 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64)),
     # LayerNorms without weight or bias.
     "olmo": ("OlmoConfig", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)),
+    # One key/value head, fewer than any split: shared by the ranks whose query heads read it.
+    "qwen2_kv1": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=1, intermediate_size=64)),
+    # One RMSNorm over all heads' q, another over all heads' k.
+    "olmo2": ("Olmo2Config", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)),
+    # Mixture of experts: a router, 4 experts (top 2) as 3-d weights, a gated shared expert.
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                         moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                                         num_experts=4, num_experts_per_tok=2)),
 }
 WIDTH_KEYS = ("hidden_size", "n_embd")
 DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers")

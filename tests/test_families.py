@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 MESHES = layouts("none-dp8", "1d-2-dp4", "2d-4-dp2", "3d-8")
 STEPS, BATCH, SEQ = 10, 8, 8
 FAMILIES = ("gpt_neox", "bloom", "gpt_bigcode", "gpt_bigcode_mha", "falcon", "falcon_gqa", "phi3", "gemma",
-            "opt", "qwen3", "olmo")
+            "opt", "qwen3", "olmo", "qwen2_kv1", "olmo2", "qwen2_moe")
 # (family, mode) -> a phrase the refusal must contain.
 REFUSED: dict = {}
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -23,10 +24,11 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from . import comm
 from .mesh import Mesh
 from .geometry import padded_vocab
+from .experts import DenseExperts, experts_layout
 from .fused import held_units
 from .layers import SplitNorm, embedding_semantics, norm_offset, norm_width
 from .loss import vocab_parallel_cross_entropy
-from .roles import KV_ATTRS, RolePlan, resolve_plan
+from .roles import GROUP_ATTRS, KV_ATTRS, RolePlan, resolve_plan
 from .shard import RowReplicas, ShardSpec, make_param, spec_of
 
 
@@ -222,6 +224,47 @@ class ParallelMode:
         (the same rows): what a norm over them sums over."""
         return None
 
+    def stream_group(self):
+        """The ranks holding the other hidden features of this rank's rows
+        of the residual stream (None: a rank holds whole rows)."""
+        return None
+
+    def convert_router(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """A mixture-of-experts router (or a per-row gate beside it) scores
+        a row from its whole hidden vector, and every rank holding the row
+        must route it alike: it runs as written on the row gathered over
+        the ranks holding its other features, its weight whole on every
+        rank. Its output feeds split activations, so each rank's gradient is
+        a partial sum over the group (and the gather's backward sums the
+        input's)."""
+        group = self.stream_group()
+        if group is None:  # whole rows, replicated: every rank computes the same gradient
+            return module
+        for param in module.parameters():
+            self.replicated(param, "tp", partial=True)
+        module.register_forward_pre_hook(functools.partial(_gather_hidden, group=group), with_kwargs=True)
+        return module
+
+    def convert_experts(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """Every expert's MLP sharded like any MLP, run by the mode's own
+        Linear layers on every row this rank holds (parallel/experts.py)."""
+        gate_up, down, layout = experts_layout(module)
+        weights = {}
+        for name, role, fused in ((gate_up, "mlp_in", layout), (down, "mlp_out", None)):
+            full = getattr(module, name)
+            plane = self.weight_spec(full[0], role, fused)  # one expert's (out, in) matrix, as a Linear's
+            weights[name] = ctx.shard(full, dataclasses.replace(plane, full_shape=tuple(full.shape),
+                                                                index=(None,) + plane.index))
+        return DenseExperts(module, gate_up, down, weights, self.linear_fn("mlp_in"), self.linear_fn("mlp_out"))
+
+    def weight_spec(self, weight: torch.Tensor, role: str, layout=None, n: Optional[int] = None) -> ShardSpec:
+        """The ShardSpec of a Linear's (out, in) weight for `role`."""
+        raise ValueError(f"mode {self.name} has no weight layout for role {role!r}")
+
+    def linear_fn(self, role: str) -> Callable:
+        """(x, this rank's weight shard) -> y: the mode's Linear for `role`."""
+        raise ValueError(f"mode {self.name} has no Linear for role {role!r}")
+
     def convert_head_norm(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
         """A norm over each head of q or k runs as written on this rank's
         whole heads; its weight sees only those heads (and rows), so its
@@ -411,6 +454,14 @@ def share_slices(model: nn.Module, names: list[str], mesh: Mesh) -> None:
                                            replica_group=None, row_replicas=tuple(runs))
 
 
+def _gather_hidden(module, args, kwargs, group):
+    """Pre-hook: the first argument (or hidden_states) gathered along its
+    last dimension over `group`: whole hidden vectors of this rank's rows."""
+    if args:
+        return (comm.gather_along(args[0], group, -1), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": comm.gather_along(kwargs["hidden_states"], group, -1)}
+
+
 class HeldHeads(nn.ModuleList):
     """A list of per-head modules (one norm per head) holding this rank's
     heads only, under their original indices (so parameter names, hence
@@ -465,6 +516,9 @@ def check_plan(plan, model: nn.Module, geo) -> dict[str, str]:
     for owner, heads in plan.heads.items():
         if heads.heads % ways:
             problems.setdefault(owner, f"{heads.heads} query heads do not split {ways} ways (mode {geo.mode}, size {geo.size})")
+        elif groups := next(((a, v) for a, v in heads.attrs.items() if a in GROUP_ATTRS and v % ways), None):
+            problems.setdefault(owner, f"its forward reshapes the fused projection into {groups[0]}={groups[1]} groups "
+                                       f"of heads, which do not split {ways} ways (mode {geo.mode}, size {geo.size})")
         elif heads.kv_heads % ways and (heads.kv_heads > ways or ways % heads.kv_heads):
             # Fewer key/value heads than the split are shared (each by ways / kv_heads ranks).
             problems.setdefault(owner, f"{heads.kv_heads} key/value heads neither split {ways} ways nor are shared "

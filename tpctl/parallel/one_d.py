@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from . import comm
 from .base import ParallelMode, RewriteContext
 from .layers import ParallelDropout, embedding_semantics, to_compute, vocab_block_lookup
+from .experts import experts_layout, routing_weights_arg
 from .shard import ShardSpec, block
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
@@ -110,6 +111,10 @@ class OneD(ParallelMode):
 
     def prepare(self, model, plan) -> None:
         self.blocks, self.gathered = None, set()
+        if self.seq_parallel and "experts" in plan.roles.values():
+            raise ValueError("sequence parallelism with a mixture-of-experts block is not supported (its routed "
+                             "experts and shared expert would need one sum over the sequence shards after the block "
+                             "flattens its rows); use seq_parallel=false")
         if self.seq_parallel and plan.source == "inferred" and plan.blocks:
             self.blocks = plan.blocks
             blocks = model.get_submodule(plan.blocks)
@@ -226,6 +231,30 @@ class OneD(ParallelMode):
         for param in module.parameters():
             self.replicated(param, "tp", partial=self._shards_sequence(ctx))
         return module
+
+    def convert_experts(self, module: nn.Module, ctx):
+        """The experts module's own forward on this rank's slice of every
+        expert (its routed rows only): [gate | up] rows and down columns of
+        the hidden features it holds, as a column and a row Linear. Its
+        partial output is summed once over the group; the input's and the
+        routing weights' gradients (each rank's experts see a slice of the
+        hidden features) are summed over the group in the backward."""
+        gate_up, down, layout = experts_layout(module)
+        for name, dim, ranges in ((gate_up, 1, layout.ranges(self.world, self.world, self.p)),
+                                  (down, 2, block(getattr(module, down).shape[2], self.world, self.p))):
+            full = getattr(module, name)
+            setattr(module, name, ctx.shard(full, self.split_spec(full, dim, ranges)))
+        module.register_forward_pre_hook(self._experts_entry, with_kwargs=True)
+        module.register_forward_hook(lambda mod, args, out: comm.reduce_to_replicated(out, self.group))
+        return module
+
+    def _experts_entry(self, module, args, kwargs):
+        args, kwargs = list(args), dict(kwargs)
+        weights = routing_weights_arg(args, kwargs)
+        for where in (0 if args else "hidden_states", weights):
+            box = args if isinstance(where, int) else kwargs
+            box[where] = comm.copy_to_group(box[where], self.group)
+        return tuple(args), kwargs
 
     def convert_dropout(self, module: nn.Dropout, ctx):
         # Replicated activations need one mask on every rank; sequence shards

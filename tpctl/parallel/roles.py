@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .experts import experts_layout, is_experts
 from .fused import FusedLayout, ProbeError, attention_layout, mlp_layout
 from .layers import CacheOff, is_norm, norm_width, on_cpu
 
@@ -42,7 +43,7 @@ from .layers import CacheOff, is_norm, norm_width, on_cpu
 # The vocabulary every mode maps to its layers.
 ROLES = (
     "embedding", "pos_embedding", "qkv", "attn_in", "attn_out", "mlp_in", "mlp_out",
-    "norm", "lm_head", "dropout", "attn_dropout", "head_norm", "proj_norm",
+    "norm", "lm_head", "dropout", "attn_dropout", "head_norm", "proj_norm", "experts", "router",
 )
 COLUMN_ROLES = ("qkv", "attn_in", "mlp_in", "lm_head")
 ROW_ROLES = ("attn_out", "mlp_out")
@@ -54,6 +55,10 @@ ROW_ROLES = ("attn_out", "mlp_out")
 # (num_key_value_groups) changes only when key/value heads are shared.
 KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_head", "n_kv_heads", "multi_query_group_num")
 RATIO_ATTRS = ("num_key_value_groups", "num_kv_groups")
+# Counts of groups of heads a fused projection is reshaped into (CodeGen's
+# mp_num = 4: qkv viewed as 4 groups of [q | v | k]): a rank holds whole
+# groups, so the count is divided by the split, which must divide it.
+GROUP_ATTRS = ("mp_num",)
 HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", *KV_ATTRS[:4],
               "embed_dim", "split_size", "hidden_size", "all_head_size", "inner_dim")
 TRACE_SEQ = 4
@@ -83,6 +88,8 @@ class Heads:
         kv = self.kv_local(split)
         if attr in RATIO_ATTRS:
             return (self.heads // split) // kv
+        if attr in GROUP_ATTRS:
+            return full // split
         if attr in KV_ATTRS or full in (self.kv_heads, self.kv_heads * self.head_dim) \
                 and full not in (self.heads, self.heads * self.head_dim):
             return kv if full == self.kv_heads else kv * self.head_dim
@@ -237,6 +244,8 @@ def _kind(module: nn.Module) -> Optional[str]:
         return "norm"
     if isinstance(module, nn.Dropout):
         return "dropout"
+    if is_experts(module):
+        return "experts"
     if any(True for _ in module.parameters(recurse=False)):
         return "layer"
     return None
@@ -416,7 +425,8 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
             continue
         h, kv = q_width // head_dim, kv_width // head_dim
         attrs = {a: v for a, v in vars(modules[owner]).items() if isinstance(v, int) and not isinstance(v, bool)
-                 and (a in HEAD_ATTRS and v in (h, kv, q_width, kv_width) or a in RATIO_ATTRS and kv and v == h // kv)}
+                 and (a in HEAD_ATTRS and v in (h, kv, q_width, kv_width) or a in RATIO_ATTRS and kv and v == h // kv
+                      or a in GROUP_ATTRS)}
         if kv < h:  # separate key/value projections: heads of their own, which may be shared
             for name in feeders:
                 if name != q_name and name not in layouts and modules[name].out_features == kv_width:
@@ -454,10 +464,6 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
                     problems[source] = f"a fused projection whose layout tpctl cannot measure: {layout}"
                 else:
                     layouts[source] = layout
-    for name in rest:
-        if name not in roles:
-            problems[name] = "a Linear outside the attention / MLP / LM head pattern"
-
     # Embeddings: token ids or positions.
     inner = {i for i, n in enumerate(nodes) if n.kind == "attention"
              or (n.kind == "linear" and roles.get(n.name) in ("qkv", "attn_in", "mlp_in"))}
@@ -471,6 +477,30 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
         if n.kind == "embedding":
             assign(n.name, "embedding" if n.name in token else "pos_embedding")
     hidden = modules[token[0]].embedding_dim if token else None
+
+    # Mixture-of-experts blocks: the experts module, and beside it (in the
+    # module holding it) the routers: modules reading the whole residual
+    # stream with an (outputs x hidden) weight whose output feeds no Linear
+    # (the router proper, a shared expert's gate).
+    moe_blocks = []
+    for n in nodes:
+        if n.kind == "experts" and n.name not in roles:
+            layout = probe((type(modules[n.name]), n.name), lambda: experts_layout(modules[n.name])[2])
+            if isinstance(layout, ProbeError):
+                problems[n.name] = f"a mixture of experts tpctl cannot shard: {layout}"
+                continue
+            assign(n.name, "experts")
+            layouts[n.name] = layout
+            moe_blocks.append(n.name.rpartition(".")[0])
+    for n in nodes:
+        weight = getattr(modules.get(n.name), "weight", None)
+        if n.kind in ("linear", "layer") and n.name not in roles and hidden is not None \
+                and any(n.name.startswith(f"{b}." if b else "") for b in moe_blocks) \
+                and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == hidden:
+            assign(n.name, "router")
+    for name in rest:
+        if name not in roles:
+            problems[name] = "a Linear outside the attention / MLP / LM head pattern"
 
     head_dims = {h.head_dim for h in heads.values()}
     projections = {i for i, n in enumerate(nodes) if n.kind == "linear" and roles.get(n.name) in ("qkv", "attn_in")}
@@ -496,8 +526,8 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
                 assign(n.name, "norm")
         elif n.kind == "dropout":
             assign(n.name, "attn_dropout" if n.inputs & inner else "dropout")
-        elif n.kind == "layer":
-            problems[n.name] = f"an unsupported layer type ({type(modules[n.name]).__name__}) with parameters"
+        elif n.kind in ("layer", "experts") and n.name not in roles:
+            problems.setdefault(n.name, f"an unsupported layer type ({type(modules[n.name]).__name__}) with parameters")
 
     # Dropout modules the traced forward never called (used only in
     # training, or only for their `p`): split activations inside attention.

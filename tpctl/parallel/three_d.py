@@ -52,19 +52,22 @@ ROLE_LAYOUT = {"qkv": LAYOUT_A, "attn_in": LAYOUT_A, "mlp_in": LAYOUT_A, "lm_hea
                "attn_out": LAYOUT_B, "mlp_out": LAYOUT_B}
 
 
+def cube_linear(x: torch.Tensor, weight: torch.Tensor, layout: Layout3D, groups: dict) -> torch.Tensor:
+    """X W^T of this rank's blocks, X fed in `layout` (rows on dim 0)."""
+    # Under autocast, X and W are gathered (and Y reduce-scattered) in the compute dtype.
+    x = comm.gather_along(to_compute(x), groups[layout.rows], 0)
+    weight = comm.gather_along(to_compute(weight), groups["i"], 0)
+    return comm.reduce_scatter_along(F.linear(x, weight), groups[layout.hidden], 0)
+
+
 class Linear3D(nn.Module):
     def __init__(self, weight, bias, layout: Layout3D, groups: dict):
         super().__init__()
         self.weight, self.bias, self.layout = weight, bias, layout
-        self.rows_group = groups[layout.rows]
-        self.weight_group = groups["i"]
-        self.hidden_group = groups[layout.hidden]
+        self.groups = groups
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Under autocast, X and W are gathered (and Y reduce-scattered) in the compute dtype.
-        x = comm.gather_along(to_compute(x), self.rows_group, 0)
-        weight = comm.gather_along(to_compute(self.weight), self.weight_group, 0)
-        y = comm.reduce_scatter_along(F.linear(x, weight), self.hidden_group, 0)
+        y = cube_linear(x, self.weight, self.layout, self.groups)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -140,13 +143,23 @@ class ThreeD(ParallelMode):
             ranges = block(full.shape[dim], self.q, self.c[layout.hidden])
         return self.split_spec(full, dim, ranges, replicas=layout.replica_plane)
 
+    def weight_spec(self, weight, role: str, layout=None, n: int | None = None) -> ShardSpec:
+        fed = ROLE_LAYOUT[role]
+        n = n if n is not None else weight.shape[0]
+        in_ranges = block(weight.shape[1], self.q, self.c[fed.hidden])
+        return ShardSpec(tuple(weight.shape), (self._weight_ranges(n, fed, layout), in_ranges))
+
+    def linear_fn(self, role: str):
+        return lambda x, weight: cube_linear(x, weight, ROLE_LAYOUT[role], self.mesh.groups)
+
+    def stream_group(self):
+        return self.mesh.groups[LAYOUT_A.hidden]
+
     def _linear(self, linear: nn.Linear, ctx: RewriteContext, role: str, out: int | None = None) -> Linear3D:
         layout = ROLE_LAYOUT[role]
         fused = self.fused_layout(role, linear, ctx)
         n = out if out is not None else linear.out_features
-        in_ranges = block(linear.in_features, self.q, self.c[layout.hidden])
-        spec = ShardSpec(tuple(linear.weight.shape), (self._weight_ranges(n, layout, fused), in_ranges))
-        weight = ctx.shard(linear.weight, spec)
+        weight = ctx.shard(linear.weight, self.weight_spec(linear.weight, role, fused, n))
         bias = None if linear.bias is None else ctx.shard(linear.bias, self.output_spec(linear.bias, role, fused, n))
         return Linear3D(weight, bias, layout, self.mesh.groups)
 

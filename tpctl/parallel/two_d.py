@@ -110,15 +110,20 @@ class _SummaLinear(torch.autograd.Function):
         return grad_x.to(x.dtype), partials[grid.i], None
 
 
+def summa_linear(x: torch.Tensor, weight: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """X W^T of this rank's blocks (rows of any leading shape)."""
+    # Under autocast: broadcasts and reduces in the compute dtype.
+    y = _SummaLinear.apply(to_compute(x.reshape(-1, x.shape[-1])), to_compute(weight), grid)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 class Linear2D(nn.Module):
     def __init__(self, weight, bias, grid: Grid):
         super().__init__()
         self.weight, self.bias, self.grid = weight, bias, grid
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Under autocast: broadcasts and reduces in the compute dtype.
-        y = _SummaLinear.apply(to_compute(x.reshape(-1, x.shape[-1])), to_compute(self.weight), self.grid)
-        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        y = summa_linear(x, self.weight, self.grid)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -195,11 +200,20 @@ class TwoD(ParallelMode):
     def output_group(self, role: str):
         return self.grid.row_group
 
+    def weight_spec(self, weight, role: str, layout=None, n: int | None = None) -> ShardSpec:
+        n = n if n is not None else weight.shape[0]
+        return self._weight_spec(weight, self._out_ranges(n, layout, self.grid.i), weight.shape[1])
+
+    def linear_fn(self, role: str):
+        return lambda x, weight: summa_linear(x, weight, self.grid)
+
+    def stream_group(self):
+        return self.grid.row_group
+
     def _linear(self, linear: nn.Linear, ctx: RewriteContext, role: str, out: int | None = None) -> Linear2D:
         n = out if out is not None else linear.out_features
         layout = self.fused_layout(role, linear, ctx)
-        weight = ctx.shard(linear.weight, self._weight_spec(linear.weight, self._out_ranges(n, layout, self.grid.i),
-                                                            linear.in_features))
+        weight = ctx.shard(linear.weight, self.weight_spec(linear.weight, role, layout, n))
         bias = None if linear.bias is None else ctx.shard(linear.bias, self.output_spec(linear.bias, role, layout, n))
         return Linear2D(weight, bias, self.grid)
 

@@ -69,6 +69,10 @@ from .shard import ShardSpec, spec_of
 TOLERANCE = 1e-4
 SEED = 1234  # of the random inputs, the same on every rank
 SKIPPED_ROLES = ("dropout", "attn_dropout")  # identity in eval: nothing to compare
+# Checked in their block only: a mixture of experts' router and experts take
+# routing decisions and weights, which only real rows make (a module check
+# feeds every row one vector).
+BLOCK_ONLY_ROLES = ("experts", "router")
 
 
 class RewriteRefused(Exception):
@@ -203,7 +207,8 @@ def capture_originals(model: nn.Module, plan: RolePlan, mode) -> Originals:
     # Per-head norms kept in a list run as written on a rank's own heads (a
     # rank holds some of them only): their block checks them.
     lists = tuple(f"{name}." for name in getattr(plan, "head_lists", {}))
-    names = [n for n, role in plan.roles.items() if role not in SKIPPED_ROLES and not (lists and n.startswith(lists))]
+    names = [n for n, role in plan.roles.items() if role not in SKIPPED_ROLES + BLOCK_ONLY_ROLES
+             and not (lists and n.startswith(lists))]
     blocks = _block_names(model)
     targets = {n: model.get_submodule(n) for n in dict.fromkeys(names + blocks)}
     calls = _capture_calls(targets, lambda: _trace_forward(model, mode))

@@ -547,9 +547,8 @@ def check_plan(plan, model: nn.Module, geo) -> dict[str, str]:
         elif role == "lm_head" and geo.mode != "1d" and module.in_features % split:
             problems.setdefault(name, f"{module.in_features} in features do not split {split} ways (mode {geo.mode}, size {geo.size})")
         elif role == "norm" and geo.mode != "1d":
-            weight = getattr(module, "weight", None)
-            if weight is not None and weight.shape[-1] % geo.q:
-                problems.setdefault(name, f"{weight.shape[-1]} features do not split {geo.q} ways")
+            if norm_width(module) % geo.q:
+                problems.setdefault(name, f"{norm_width(module)} features do not split {geo.q} ways")
             elif reason := _refused(norm_offset, module):
                 problems.setdefault(name, reason)
     return problems

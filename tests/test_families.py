@@ -114,6 +114,8 @@ def _layout(plan, suffix: str):
     ("gpt_neox", "layers.0.attention.query_key_value", "[q|k|v] 4+4+4 units, interleaved"),
     ("bloom", "h.0.self_attention.query_key_value", "[q|k|v] 4+4+4 units, interleaved"),
     ("gpt_bigcode", "h.0.attn.c_attn", "[q|k|v] 4+1+1 units, contiguous"),
+    ("qwen2_kv1", "layers.0.self_attn.k_proj", "[k] 1 heads"),
+    ("qwen2_moe", "layers.0.mlp.experts", "[gate|up] 16+16 units, contiguous"),
     ("falcon_gqa", "h.0.self_attention.query_key_value", "[q|k|v] 4+2+2 units, interleaved"),
     ("phi3", "layers.0.self_attn.qkv_proj", "[q|k|v] 4+2+2 units, contiguous"),
     ("phi3", "layers.0.mlp.gate_up_proj", "[gate|up] 64+64 units, contiguous"),
@@ -136,6 +138,11 @@ def test_a_rank_holds_whole_heads_of_every_part_in_their_original_order():
     assert gate_up.ranges(2, 2, 0) == ((0, 32), (64, 96))
     _, plan = _plan("falcon_gqa")  # per key/value group: q q k v
     assert _layout(plan, "h.0.self_attention.query_key_value").ranges(2, 2, 1) == ((32, 64),)
+    _, plan = _plan("gpt_bigcode")  # [q (4 heads) | k (1) | v (1)]: the one key/value head on every shard
+    mqa = _layout(plan, "h.0.attn.c_attn")
+    assert mqa.ranges(2, 2, 0) == ((0, 16), (32, 48)) and mqa.ranges(2, 2, 1) == ((16, 48),)
+    assert mqa.holders(2).tolist() == [1] * 32 + [2] * 16
+    assert mqa.ranges(2, 4, 1) == mqa.ranges(2, 4, 3) == ((32, 48),)  # 3d: a shard stored in q sub-blocks
 
 
 def test_a_fused_projection_that_is_no_set_of_heads_is_refused_with_what_was_seen():
@@ -220,12 +227,11 @@ FAMILY = ["model=custom", "model._target_=tests.hf_families.build", "+model.voca
 
 
 @pytest.mark.timeout(120)
-def test_multi_query_attention_is_refused_before_any_worker_starts(tpctl):
-    result = tpctl.run(["train", *FAMILY, "+model.family=gpt_bigcode", "mode=1d", "size=2"])
+def test_a_mixture_of_experts_with_sequence_parallelism_is_refused_before_any_worker_starts(tpctl):
+    result = tpctl.run(["train", *FAMILY, "+model.family=qwen2_moe", "mode=1d", "size=2", "seq_parallel=true"])
     assert result.returncode == 2, result.stdout + result.stderr
     line = result.stderr.strip().splitlines()[-1]
-    assert line.startswith("tpctl: error: invalid config: ") and "cannot shard module transformer.h.0.attn" in line
-    assert "1 key/value heads do not split 2 ways" in line and "multi-query" in line, line
+    assert line.startswith("tpctl: error: invalid config: seq_parallel=True: ") and "mixture-of-experts" in line, line
     assert not (tpctl.cwd / "outputs").exists()
 
 

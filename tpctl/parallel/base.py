@@ -75,6 +75,7 @@ class ParallelMode:
         # proj_norm -> the Linear it normalises, and that Linear -> its role (from the plan).
         self.sources: dict = {}
         self.source_roles: dict = {}
+        self.head_rows: dict = {}  # per-head norms with one weight row per head (from the plan)
 
     # ---- data ---------------------------------------------------------
     def read_block(self) -> tuple[int, int]:
@@ -224,6 +225,18 @@ class ParallelMode:
         (the same rows): what a norm over them sums over."""
         return None
 
+    def splits_stream(self, ctx: RewriteContext) -> bool:
+        """Whether the residual stream where the module being converted
+        sits is split between ranks (rows, hidden or sequence)."""
+        return False
+
+    def convert_pos_table(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """A table of constants as wide as the stream (sinusoidal
+        positions): its output, computed whole, cut to this rank's piece."""
+        if self.splits_stream(ctx):
+            module.register_forward_hook(lambda mod, args, out: self.shard_hidden(out))
+        return module
+
     def stream_group(self):
         """The ranks holding the other hidden features of this rank's rows
         of the residual stream (None: a rank holds whole rows)."""
@@ -268,7 +281,13 @@ class ParallelMode:
     def convert_head_norm(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
         """A norm over each head of q or k runs as written on this rank's
         whole heads; its weight sees only those heads (and rows), so its
-        gradient is a partial sum over the tensor-parallel group."""
+        gradient is a partial sum over the tensor-parallel group. A weight
+        holding one row per head (Cohere) keeps this rank's heads' rows."""
+        if ctx.name in self.head_rows and self.geo.head_split > 1:
+            for attr, param in list(module.named_parameters(recurse=False)):
+                held = held_units(param.shape[0], self.geo.head_split, self.head_block())
+                setattr(module, attr, ctx.shard(param, self.split_spec(param, 0, ((held.start, held.stop),))))
+            return module
         for param in module.parameters():
             self.replicated(param, "tp", partial=self.name != "none")
         return module
@@ -332,6 +351,7 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None) -> nn.Module:
     mode.layouts = dict(getattr(plan, "layouts", {}))
     mode.sources = dict(getattr(plan, "sources", {}))
     mode.source_roles = {linear: plan.roles[linear] for linear in mode.sources.values()}
+    mode.head_rows = dict(getattr(plan, "head_rows", {}))
     mode.prepare(model, plan)
     for name, role in plan.roles.items():
         module = model.get_submodule(name)
@@ -367,7 +387,7 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None) -> nn.Module:
     # mode's own groups: shared key/value heads, and this rank's per-head norms.
     shared = [name for name, layout in plan.layouts.items() if layout.shares(split)]
     shared += [norm for norm, source in mode.sources.items() if source in shared]
-    shared += list(plan.head_lists) if split > 1 else []
+    shared += list(plan.head_lists) + list(plan.head_rows) if split > 1 else []
     if shared:
         share_slices(model, shared, mode.mesh)
     model.tpctl_mode = mode  # marks the model as rewritten (and by which mode)

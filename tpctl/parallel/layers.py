@@ -61,7 +61,8 @@ def is_norm(module: nn.Module) -> bool:
     if weight is None:  # a norm without parameters (OLMo's LayerNorm): its width is its normalized_shape
         shape = getattr(module, "normalized_shape", None)
         return isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1
-    return isinstance(weight, torch.Tensor) and weight.dim() == 1
+    # (a 2-d weight: one row per head, Cohere's q/k LayerNorm over each head)
+    return isinstance(weight, torch.Tensor) and weight.dim() in (1, 2)
 
 
 def is_rms_norm(module: nn.Module) -> bool:

@@ -161,6 +161,9 @@ class OneD(ParallelMode):
         """Whether the module being converted sees a sequence shard."""
         return self.seq_parallel and (self.blocks is None or ctx.name.startswith(self.blocks + "."))
 
+    def splits_stream(self, ctx) -> bool:
+        return self._shards_sequence(ctx)
+
     def shard_hidden(self, rows: torch.Tensor) -> torch.Tensor:
         return comm.split_block(rows, self.group, SEQ_DIM) if self.seq_parallel else rows
 

@@ -43,7 +43,7 @@ from .layers import CacheOff, is_norm, norm_width, on_cpu
 # The vocabulary every mode maps to its layers.
 ROLES = (
     "embedding", "pos_embedding", "qkv", "attn_in", "attn_out", "mlp_in", "mlp_out",
-    "norm", "lm_head", "dropout", "attn_dropout", "head_norm", "proj_norm", "experts", "router",
+    "norm", "lm_head", "dropout", "attn_dropout", "head_norm", "proj_norm", "experts", "router", "pos_table",
 )
 COLUMN_ROLES = ("qkv", "attn_in", "mlp_in", "lm_head")
 ROW_ROLES = ("attn_out", "mlp_out")
@@ -117,6 +117,9 @@ class RolePlan:
     # ModuleLists holding one per-head norm per head (StableLM's q/k
     # LayerNorms) -> their attention module; a rank keeps its heads' norms.
     head_lists: dict[str, str] = field(default_factory=dict)
+    # Per-head norms whose weight holds one row per head (Cohere) -> their
+    # attention module; a rank keeps its heads' rows.
+    head_rows: dict[str, str] = field(default_factory=dict)
 
 
 def logits_of(output: Any) -> torch.Tensor:
@@ -248,6 +251,8 @@ def _kind(module: nn.Module) -> Optional[str]:
         return "experts"
     if any(True for _ in module.parameters(recurse=False)):
         return "layer"
+    if any(b.is_floating_point() for b in module.buffers(recurse=False)):
+        return "table"  # constants without parameters: rotary frequencies, a sinusoidal position table
     return None
 
 
@@ -276,10 +281,12 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
             mod._tpctl_in = tracer.prov((args, kwargs))
 
         def after(mod, args, kwargs, out):
-            node = tracer.add(_Node(kind, name, mod._tpctl_in))
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else ()
+            node = tracer.add(_Node(kind, name, mod._tpctl_in, shape=shape))
             calls.setdefault(name, []).append(node)
-            # Dropout passes its input's provenance on: it changes no layout.
-            tracer.tag(out, mod._tpctl_in if kind == "dropout" else frozenset({node}))
+            # Dropout and tables of constants pass their input's provenance
+            # on: they change no layout.
+            tracer.tag(out, mod._tpctl_in if kind in ("dropout", "table") else frozenset({node}))
         handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
         handles.append(module.register_forward_hook(after, with_kwargs=True))
 
@@ -498,18 +505,36 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
                 and any(n.name.startswith(f"{b}." if b else "") for b in moe_blocks) \
                 and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == hidden:
             assign(n.name, "router")
+    feeding = {j for i, n in enumerate(nodes) if n.kind == "linear" and roles.get(n.name) in ("qkv", "attn_in")
+               for j in n.inputs | {k for m in n.inputs if kind_of[m] == "norm" for k in nodes[m].inputs}}
     for name in rest:
-        if name not in roles:
+        if name in roles:
+            continue
+        if feeding & set(calls[name]):
+            problems[name] = ("a Linear feeding the attention's projections (a low-rank or latent projection, as "
+                              "DeepSeek's multi-head latent attention): tpctl splits attention by heads, and its "
+                              "output has none")
+        else:
             problems[name] = "a Linear outside the attention / MLP / LM head pattern"
 
     head_dims = {h.head_dim for h in heads.values()}
     projections = {i for i, n in enumerate(nodes) if n.kind == "linear" and roles.get(n.name) in ("qkv", "attn_in")}
     sources: dict[str, str] = {}
+    head_rows: dict[str, str] = {}
     for n in nodes:
         if n.kind == "norm":
             size = norm_width(modules[n.name])
             source = node_name[next(iter(n.inputs))] if len(n.inputs) == 1 and n.inputs <= projections else None
-            if n.inputs and n.inputs <= projections and size in head_dims:
+            weight = getattr(modules[n.name], "weight", None)
+            if weight is not None and weight.dim() == 2:  # one row per head
+                owner = next((o for o in heads if n.name.startswith(o + ".")), None)
+                if owner is not None and n.inputs and n.inputs <= projections and size == heads[owner].head_dim \
+                        and weight.shape[0] in (heads[owner].heads, heads[owner].kv_heads):
+                    assign(n.name, "head_norm")
+                    head_rows[n.name] = owner
+                else:
+                    problems[n.name] = f"a norm with a {tuple(weight.shape)} weight that is not one row per head"
+            elif n.inputs and n.inputs <= projections and size in head_dims:
                 # A norm over each head of q or k (Qwen3 style): whole heads
                 # live on one rank, so it runs as written.
                 assign(n.name, "head_norm")
@@ -526,6 +551,11 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
                 assign(n.name, "norm")
         elif n.kind == "dropout":
             assign(n.name, "attn_dropout" if n.inputs & inner else "dropout")
+        elif n.kind == "table" and n.inputs <= input_ids and hidden is not None and n.shape[-1:] == (hidden,):
+            # A table of constants indexed by positions and as wide as the
+            # stream, added to it (XGLM's sinusoidal positions): each rank
+            # keeps its piece of the stream's layout.
+            assign(n.name, "pos_table")
         elif n.kind in ("layer", "experts") and n.name not in roles:
             problems.setdefault(n.name, f"an unsupported layer type ({type(modules[n.name]).__name__}) with parameters")
 
@@ -551,7 +581,8 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
             else:
                 problems[name] = f"a list of {len(module)} per-head norms that matches no attention's head count"
     ordered = {name: roles[name] for name in modules if name in roles}
-    return RolePlan(ordered, "inferred", heads, problems, _blocks(model, ordered), units, layouts, sources, head_lists)
+    return RolePlan(ordered, "inferred", heads, problems, _blocks(model, ordered), units, layouts, sources, head_lists,
+                    head_rows)
 
 
 def _per_head_args(call, heads: int) -> list:

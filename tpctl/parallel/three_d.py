@@ -109,8 +109,13 @@ class ThreeD(ParallelMode):
 
     def shard_hidden(self, rows: torch.Tensor, layout: Layout3D = LAYOUT_A) -> torch.Tensor:
         """This rank's piece of an activation in `layout` (default: the
-        residual stream's), given rows block i."""
-        return rows.chunk(self.q, 0)[self.c[layout.rows]].chunk(self.q, -1)[self.c[layout.hidden]]
+        residual stream's), given rows block i (or one row, broadcast)."""
+        if rows.shape[0] > 1:
+            rows = rows.chunk(self.q, 0)[self.c[layout.rows]]
+        return rows.chunk(self.q, -1)[self.c[layout.hidden]]
+
+    def splits_stream(self, ctx) -> bool:
+        return True
 
     @property
     def loss_replicas(self) -> int:

@@ -166,6 +166,9 @@ class TwoD(ParallelMode):
     def shard_hidden(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.chunk(self.grid.q, -1)[self.grid.j]
 
+    def splits_stream(self, ctx) -> bool:
+        return True
+
     @property
     def loss_replicas(self) -> int:
         return self.grid.q

@@ -204,11 +204,11 @@ def capture_originals(model: nn.Module, plan: RolePlan, mode) -> Originals:
     """Before the rewrite: the distinct modules and blocks to check, a copy
     of one instance of each, and their real call arguments (one forward of
     the original with stand-in parameters)."""
-    # Per-head norms kept in a list run as written on a rank's own heads (a
-    # rank holds some of them only): their block checks them.
+    # Per-head norms kept in a list, or holding one weight row per head, run
+    # as written on a rank's own heads: their block checks them.
     lists = tuple(f"{name}." for name in getattr(plan, "head_lists", {}))
     names = [n for n, role in plan.roles.items() if role not in SKIPPED_ROLES + BLOCK_ONLY_ROLES
-             and not (lists and n.startswith(lists))]
+             and not (lists and n.startswith(lists)) and n not in getattr(plan, "head_rows", {})]
     blocks = _block_names(model)
     targets = {n: model.get_submodule(n) for n in dict.fromkeys(names + blocks)}
     calls = _capture_calls(targets, lambda: _trace_forward(model, mode))

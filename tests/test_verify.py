@@ -16,7 +16,7 @@ from tpctl.launch.pool import mode_of
 MESHES = layouts("none-dp8", "1d-2-dp4", "1d-2-sp-dp4", "2d-4-dp2", "2.5d-8-d2", "3d-8")
 VOCAB = 37
 # Models of tests/verify_models.py with one mechanism each, which every mode must carry and the check accept.
-MECHANISMS = ("positions", "head_norm_list", "fused_head_norms", "mqa")
+MECHANISMS = ("positions", "head_norm_list", "fused_head_norms", "mqa", "fused_mqa")
 
 
 def _model(name: str) -> torch.nn.Module:

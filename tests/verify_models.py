@@ -95,7 +95,9 @@ def width_scaled(vocab_size: int = 256, width: int = 32, n_heads: int = 4, depth
 #     norm (with its own weights) per head, as StableLM's qk_layernorm;
 #   * fused_head_norms: a fused qkv split into heads, then q/k norms per head;
 #   * mqa: one key/value head for all query heads (multi-query attention),
-#     shared by every rank whose query heads read it.
+#     shared by every rank whose query heads read it; fused_mqa: the same
+#     from one fused [q | k | v] projection (a rank's rows of it are partly
+#     its own query heads, partly the shared head).
 
 
 class Attention(nn.Module):
@@ -105,6 +107,9 @@ class Attention(nn.Module):
         if mechanism == "fused_head_norms":
             self.qkv = nn.Linear(width, 3 * width)
             self.q_norm, self.k_norm = nn.LayerNorm(self.head_dim), nn.LayerNorm(self.head_dim)
+        elif mechanism == "fused_mqa":
+            self.qkv = nn.Linear(width, width + 2 * self.head_dim)
+            self.embed_dim = width  # a width the rewrite sets to the rank's (roles.HEAD_ATTRS)
         else:
             kv = self.head_dim if mechanism == "mqa" else width
             self.q, self.k, self.v = nn.Linear(width, width), nn.Linear(width, kv), nn.Linear(width, kv)
@@ -120,9 +125,11 @@ class Attention(nn.Module):
         if self.mechanism == "fused_head_norms":
             q, k, v = (self.heads(t) for t in self.qkv(x).chunk(3, dim=-1))
             q, k = self.q_norm(q), self.k_norm(k)
+        elif self.mechanism == "fused_mqa":
+            q, k, v = (self.heads(t) for t in self.qkv(x).split((self.embed_dim, self.head_dim, self.head_dim), dim=-1))
         else:
             q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))
-        if self.mechanism == "mqa":  # the one key/value head, read by every query head
+        if self.mechanism in ("mqa", "fused_mqa"):  # the one key/value head, read by every query head
             k, v = (t[:, :1].expand(-1, q.shape[1], -1, -1) for t in (k, v))
         if self.mechanism == "head_norm_list":
             q = torch.cat([norm(h) for norm, h in zip(self.q_norms, q.split(1, dim=1))], dim=1)

@@ -127,15 +127,17 @@ def test_save_in_one_layout_load_in_another(pool, tmp_path, src, dst):
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("src,dst,mechanism", [("2d", "3d", "mqa"), ("1d", "none", "mqa"), ("2d", "1d", "fused_mqa"),
-                                                ("3d", "2.5d", "fused_mqa")])
+                                                ("3d", "2.5d", "fused_mqa"), ("2d", "1d", "head_norm_list")])
 def test_a_shared_key_value_head_is_written_once_and_loads_in_any_layout(pool, tmp_path, src, dst, mechanism):
     """One key/value head held by every rank whose query heads read it (and,
-    in 2d, a fused row range of a bias next to rows of its own): the same
-    slice written once, read back in another layout."""
+    in a fused projection, rows of its own next to rows of the shared head);
+    per-head norms of which a rank holds its heads' only: the same slice
+    written once, read back in another layout."""
     results = pool.run(_save_then_load, str(tmp_path / "ckpt"), LAYOUTS[src], LAYOUTS[dst], mechanism)
     assert all(r["checked"] > 0 for r in results)
     elements = results[0]["elements"]
-    assert {"model.blocks.0.attn.k.weight", "model.blocks.0.attn.qkv.bias"} & set(elements)
+    assert {"model.blocks.0.attn.k.weight", "model.blocks.0.attn.qkv.bias", "model.blocks.0.attn.q_norms.3.weight"} \
+        & set(elements)
     assert all(saved == whole for saved, whole in elements.values()), elements  # no replica written twice
 
 

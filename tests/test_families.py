@@ -250,3 +250,40 @@ def test_a_family_trains_from_the_command_line_like_mode_none(tpctl):
 
     want = losses(["mode=none"], "none")
     assert losses(["mode=2d", "size=4"], "2d") == pytest.approx(want, rel=1e-4)
+
+
+def test_random_draws_in_the_forward_are_refused_with_what_draws_them():
+    """A forward that draws from torch's global generator in training (a
+    router sampling its experts, jitter, functional dropout) cannot be
+    reproduced by a split mode; Dropout modules (replaced by tpctl's) and a
+    functional dropout with p=0 draw nothing."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from tpctl.parallel.base import check_plan
+    from tpctl.parallel.geometry import geometry
+    from tpctl.parallel.roles import infer_plan
+
+    class Noisy(nn.Module):
+        def __init__(self, jitter: float, dropout: float):
+            super().__init__()
+            self.jitter, self.dropout = jitter, dropout
+            self.emb, self.fc, self.out, self.head = nn.Embedding(37, 16), nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 37)
+            self.drop = nn.Dropout(0.1)
+
+        def forward(self, ids):
+            h = self.drop(self.emb(ids))
+            if self.training and self.jitter:
+                h = h * torch.empty_like(h).uniform_(1 - self.jitter, 1 + self.jitter)
+            h = h + self.out(F.dropout(F.gelu(self.fc(h)), p=self.dropout, training=self.training))
+            return self.head(h)
+
+    for jitter, dropout, found in ((0.0, 0.0, None), (0.01, 0.0, "uniform_"), (0.0, 0.1, "dropout(p=0.1)")):
+        model = Noisy(jitter, dropout)
+        problems = check_plan(infer_plan(model), model, geometry("2d", 4))
+        if found is None:
+            assert not problems, problems
+        else:
+            assert found in problems["<forward>"] and "global generator" in problems["<forward>"], problems
+            assert not check_plan(infer_plan(model), model, geometry("none", 1))  # mode=none is the reference

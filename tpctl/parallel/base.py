@@ -360,6 +360,9 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None) -> nn.Module:
         if new is not module:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    for block, attrs in getattr(plan, "widths", {}).items():  # the stream's width as this rank holds it
+        for attr, full in attrs.items():
+            setattr(model.get_submodule(block), attr, full // mode.geo.q)
     split = mode.geo.head_split
     for owner, heads in plan.heads.items():
         module = model.get_submodule(owner)
@@ -532,6 +535,11 @@ def check_plan(plan, model: nn.Module, geo) -> dict[str, str]:
     if geo.mode == "none":
         return {}
     problems = dict(plan.problems)
+    if getattr(plan, "draws", None):
+        problems["<forward>"] = (f"the model's forward draws random numbers in training from torch's global generator "
+                                 f"({', '.join(plan.draws)}: a router sampling its experts, jitter noise, functional "
+                                 "dropout): a mode that splits rows or features cannot reproduce mode=none's draws (use "
+                                 "mode=none, or a config of the model without that randomness)")
     ways = geo.head_split
     for owner, heads in plan.heads.items():
         if heads.heads % ways:

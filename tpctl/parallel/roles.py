@@ -25,6 +25,7 @@ still be traced.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -120,6 +121,12 @@ class RolePlan:
     # Per-head norms whose weight holds one row per head (Cohere) -> their
     # attention module; a rank keeps its heads' rows.
     head_rows: dict[str, str] = field(default_factory=dict)
+    # Random functions the training forward calls on torch's global
+    # generator (outside Dropout modules): no split mode reproduces them.
+    draws: list[str] = field(default_factory=list)
+    # Mixture-of-experts blocks -> their attributes holding the hidden width
+    # (GraniteMoE views its output as input_size): set to the rank's.
+    widths: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def logits_of(output: Any) -> torch.Tensor:
@@ -151,7 +158,12 @@ def resolve_plan(model: nn.Module, plan: Optional[dict[str, str]] = None) -> Rol
         role = next((r for pattern, r in given.items() if fnmatch.fnmatchcase(name, pattern)), None)
         if role is not None and name:
             roles[name] = role
-    return RolePlan(roles, "plan" if plan is not None else "tp_plan")
+    return RolePlan(roles, "plan" if plan is not None else "tp_plan", draws=random_draws(model, _vocab(model)))
+
+
+def _vocab(model: nn.Module) -> int:
+    """Token ids the model accepts: below its smallest embedding table."""
+    return min((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=2)
 
 
 # ---- tracing -------------------------------------------------------------
@@ -256,13 +268,57 @@ def _kind(module: nn.Module) -> Optional[str]:
     return None
 
 
+# Functions drawing random numbers (from torch's global generator unless
+# given one), and the dropouts among them (random only with p > 0).
+_RANDOM = {torch.rand, torch.rand_like, torch.randn, torch.randn_like, torch.randint, torch.randint_like,
+           torch.randperm, torch.bernoulli, torch.multinomial, torch.normal, torch.poisson, torch.Tensor.uniform_,
+           torch.Tensor.normal_, torch.Tensor.bernoulli_, torch.Tensor.exponential_, torch.Tensor.random_,
+           torch.Tensor.geometric_, torch.Tensor.log_normal_, torch.Tensor.cauchy_}
+_DROPOUTS = {F.dropout: 1, F.dropout1d: 1, F.dropout2d: 1, F.dropout3d: 1, F.alpha_dropout: 1,
+             F.feature_alpha_dropout: 1, torch.dropout: 1, F.scaled_dot_product_attention: 4}
+
+
+class _Draws(TorchFunctionMode):
+    """Records the random functions a training forward calls on torch's
+    global generator, outside Dropout modules (tpctl replaces those with
+    ones drawing from the mesh's generators)."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+        self.in_dropout = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.in_dropout:
+            if func in _RANDOM and kwargs.get("generator") is None:
+                self.found.append(getattr(func, "__name__", str(func)))
+            elif func in _DROPOUTS:
+                p = args[_DROPOUTS[func]] if len(args) > _DROPOUTS[func] else kwargs.get("dropout_p", kwargs.get("p", 0.0))
+                on = kwargs.get("training", args[2] if func is not F.scaled_dot_product_attention and len(args) > 2 else True)
+                if isinstance(p, (int, float)) and p > 0 and on:
+                    self.found.append(f"{getattr(func, '__name__', func)}(p={p})")
+        return func(*args, **kwargs)
+
+
+@on_cpu
+def random_draws(model: nn.Module, vocab_size: int = 2) -> list[str]:
+    """The random functions `model`'s forward calls in training on torch's
+    global generator (a router sampling its experts, jitter noise,
+    functional attention dropout), Dropout modules aside."""
+    draws = _Draws()
+    trace(model, vocab_size, draws=draws)
+    return sorted(set(draws.found))
+
+
 def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: Optional[dict] = None,
-          ids: Optional[torch.Tensor] = None):
+          ids: Optional[torch.Tensor] = None, draws: Optional[_Draws] = None):
     """Run `model` on `ids` (default: a batch of TRACE_BATCH x `seq` random
     token ids); return (nodes, the node ids the output came from, module
     name -> node ids of its calls). `inputs`, if given, is filled with module
     name -> (args, kwargs) of its first call (what a probe of the module's
-    own forward runs it on)."""
+    own forward runs it on). With `draws`, the forward runs in training mode
+    and `draws` records its random numbers."""
     originals, stand_ins = {}, {}
     for module in model.modules():  # meta parameters: zero-stride stand-ins
         for attr, p in list(module._parameters.items()):
@@ -301,14 +357,19 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
             hooks(name, module, kind)
         if inputs is not None:
             keep(name)
+    if draws is not None:
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                handles.append(module.register_forward_pre_hook(lambda *a: setattr(draws, "in_dropout", draws.in_dropout + 1)))
+                handles.append(module.register_forward_hook(lambda *a: setattr(draws, "in_dropout", draws.in_dropout - 1)))
     was_training = model.training
-    model.eval()
+    model.train(draws is not None)
     try:
         if ids is None:
             ids = torch.randint(0, vocab_size, (TRACE_BATCH, seq), generator=torch.Generator().manual_seed(0))
         input_node = tracer.add(_Node("input", "", frozenset()))
         tracer.tag(ids, frozenset({input_node}))
-        with torch.no_grad(), CacheOff(model), tracer:
+        with torch.no_grad(), CacheOff(model), tracer, draws if draws is not None else contextlib.nullcontext():
             logits = logits_of(model(ids))
         out = tracer.prov(logits)
     finally:
@@ -326,9 +387,8 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
 
 def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
     """Trace `model` and assign a role to every module that has one."""
-    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     if vocab_size is None:
-        vocab_size = min((m.num_embeddings for m in embeddings), default=2)
+        vocab_size = _vocab(model)
     first_inputs: dict[str, tuple] = {}  # module -> the inputs of its first call, for probes
     nodes, out, calls = trace(model, vocab_size, inputs=first_inputs)
     roles: dict[str, str] = {}
@@ -489,7 +549,7 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
     # module holding it) the routers: modules reading the whole residual
     # stream with an (outputs x hidden) weight whose output feeds no Linear
     # (the router proper, a shared expert's gate).
-    moe_blocks = []
+    moe_blocks, widths = [], {}
     for n in nodes:
         if n.kind == "experts" and n.name not in roles:
             layout = probe((type(modules[n.name]), n.name), lambda: experts_layout(modules[n.name])[2])
@@ -499,6 +559,9 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
             assign(n.name, "experts")
             layouts[n.name] = layout
             moe_blocks.append(n.name.rpartition(".")[0])
+            block = modules[moe_blocks[-1]]
+            widths[moe_blocks[-1]] = {a: v for a, v in vars(block).items()
+                                      if isinstance(v, int) and not isinstance(v, bool) and v == hidden}
     for n in nodes:
         weight = getattr(modules.get(n.name), "weight", None)
         if n.kind in ("linear", "layer") and n.name not in roles and hidden is not None \
@@ -582,7 +645,7 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
                 problems[name] = f"a list of {len(module)} per-head norms that matches no attention's head count"
     ordered = {name: roles[name] for name in modules if name in roles}
     return RolePlan(ordered, "inferred", heads, problems, _blocks(model, ordered), units, layouts, sources, head_lists,
-                    head_rows)
+                    head_rows, random_draws(model, vocab_size), widths)
 
 
 def _per_head_args(call, heads: int) -> list:

@@ -35,9 +35,9 @@ FAMILIES = {
                                          moe_intermediate_size=16, shared_expert_intermediate_size=32,
                                          num_experts=4, num_experts_per_tok=2)),
 }
-WIDTH_KEYS = ("hidden_size", "n_embd")
-DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
-POSITION_KEYS = ("max_position_embeddings", "n_positions")
+WIDTH_KEYS = ("hidden_size", "n_embd", "d_model")
+DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len")
 
 
 def config(family: str, vocab_size: int = 256, width: int = 32, depth: int = 2, max_len: int = 64):
@@ -55,7 +55,8 @@ def config(family: str, vocab_size: int = 256, width: int = 32, depth: int = 2, 
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # a default id outside a byte vocabulary
         if isinstance(getattr(defaults, key, None), int) and getattr(defaults, key) >= vocab_size:
             kwargs[key] = None
-    for key in ("hidden_dropout", "attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout"):
+    for key in ("hidden_dropout", "attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout",
+                "hidden_dropout_prob", "attention_probs_dropout_prob", "activation_dropout"):
         if key in keys:
             kwargs[key] = 0.0
     return cls(**kwargs)

@@ -513,6 +513,9 @@ class PerHeadSlice:
         self.row_block = mode.attention_row_block()
 
     def _slice(self, t: torch.Tensor, rows: int) -> torch.Tensor:
+        if t.shape[0] == self.heads:  # one slice per head, shared by every row (MPT's alibi)
+            local = self.heads // self.blocks
+            return t[self.block * local:(self.block + 1) * local]
         per = t.reshape(-1, self.heads, *t.shape[1:])
         local = per.shape[1] // self.blocks
         per = per[:, self.block * local:(self.block + 1) * local]

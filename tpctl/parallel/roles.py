@@ -76,8 +76,9 @@ class Heads:
     # attribute -> its full value; the rewrite divides each by the split.
     attrs: dict[str, int] = field(default_factory=dict)
     # Arguments of the attention module holding one slice per (row, head),
-    # rows outermost (BLOOM's alibi: [batch * heads, 1, seq]): positions
-    # (ints) or keyword names; the rewrite passes each rank its heads' slices.
+    # rows outermost (BLOOM's alibi: [batch * heads, 1, seq]), or one per
+    # head (MPT's: [heads, 1, seq]): positions (ints) or keyword names; the
+    # rewrite passes each rank its heads' slices.
     per_head_args: list = field(default_factory=list)
 
     def kv_local(self, split: int) -> int:
@@ -644,6 +645,11 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
             else:
                 problems[name] = f"a list of {len(module)} per-head norms that matches no attention's head count"
     ordered = {name: roles[name] for name in modules if name in roles}
+    # A layer tpctl has no rule for says more than the Linears around it
+    # that fit no pattern because of it (a linear-attention mixer): first,
+    # the outermost first.
+    unsupported = lambda item: item[1].startswith("an unsupported layer type")  # noqa: E731
+    problems = dict(sorted(problems.items(), key=lambda item: (0, item[0].count(".")) if unsupported(item) else (1, 0)))
     return RolePlan(ordered, "inferred", heads, problems, _blocks(model, ordered), units, layouts, sources, head_lists,
                     head_rows, random_draws(model, vocab_size), widths)
 
@@ -655,10 +661,12 @@ def _per_head_args(call, heads: int) -> list:
     if call is None or heads < 2:
         return []
     args, kwargs = call
-    found = [i for i, a in enumerate(args) if i and isinstance(a, torch.Tensor)
-             and a.is_floating_point() and a.dim() >= 2 and a.shape[0] == TRACE_BATCH * heads]
-    return found + [k for k, a in kwargs.items() if k != "hidden_states" and isinstance(a, torch.Tensor)
-                    and a.is_floating_point() and a.dim() >= 2 and a.shape[0] == TRACE_BATCH * heads]
+    def per_head(a) -> bool:  # [batch * heads, ...] (BLOOM), or [heads, ...] shared by every row (MPT)
+        return isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() >= 2 \
+            and a.shape[0] in (TRACE_BATCH * heads, heads)
+
+    found = [i for i, a in enumerate(args) if i and per_head(a)]
+    return found + [k for k, a in kwargs.items() if k != "hidden_states" and per_head(a)]
 
 
 def _common_parent(names: list[str]) -> str:

@@ -614,7 +614,9 @@ def sync_grads(model: nn.Module, mesh: Mesh) -> None:
         spec = spec_of(p)
         for piece, group in spec.partial_parts(p.grad) if spec is not None else ():
             buckets.setdefault(id(group), (group, []))[1].append(piece)
-    for group, grads in buckets.values():
+    # One order on every rank (shared key/value heads give ranks different
+    # sets of groups, which must never be entered in crossing orders).
+    for group, grads in sorted(buckets.values(), key=lambda b: dist.get_process_group_ranks(b[0])):
         _all_reduce_coalesced(grads, group)
     if mesh.dp_size > 1:
         _all_reduce_coalesced([p.grad for p in params], mesh.dp_group)

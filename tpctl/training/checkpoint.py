@@ -22,7 +22,8 @@ metadata, which is read with an allow-list unpickler):
   rng.shared.dp<d>, rng.local.rank<r>, rng.torch.rank<r>[, rng.cuda.rank<r>]
                                dropout and global generators
 Only one rank writes each box: the first of its replicas (ShardSpec
-.replica_ranks[0]) in data-parallel replica 0.
+.replica_ranks[0], or for rows with replicas of their own .row_replicas) in
+data-parallel replica 0.
 
 Atomic: written to `checkpoints/.tmp_step_<N>`, renamed to `step_<N>` once
 every file and the manifest are on disk; a crash mid-write leaves only a
@@ -103,6 +104,12 @@ class Entry:
     full_shape: tuple[int, ...]
     boxes: list[Box]
     write: bool
+    # Boxes (positions in `boxes`) another replica writes: rows of a fused
+    # projection that hold a key/value head several ranks share.
+    skip: frozenset = frozenset()
+
+    def written(self) -> list[Box]:
+        return [b for i, b in enumerate(self.boxes) if i not in self.skip] if self.write else []
 
     def view(self, box: Box) -> torch.Tensor:
         out = self.tensor
@@ -143,10 +150,8 @@ def _planners():
         def create_local_plan(self) -> SavePlan:
             items = []
             for fqn, entry in self.state_dict.items():
-                if not entry.write:
-                    continue
                 props = TensorProperties(dtype=entry.tensor.dtype)
-                for box in entry.boxes:
+                for box in entry.written():
                     offsets = torch.Size(box.offsets)
                     items.append(WriteItem(
                         index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
@@ -254,6 +259,12 @@ def _reader(path: Path):
 # --------------------------------------------------------------------------
 
 
+def _skipped(spec: Optional[ShardSpec], boxes: list[Box]) -> frozenset:
+    """The boxes of a shard whose rows another replica writes."""
+    if spec is None or not spec.row_replicas:
+        return frozenset()
+    return frozenset(i for i, b in enumerate(boxes) if not spec.writes_rows(b.local[0]))
+
 def _adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
     """AdamW's state of `p`, created as AdamW would create it (zeros, step 0)
     when the parameter has not been stepped yet, so it can be loaded into."""
@@ -304,15 +315,15 @@ def state_entries(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimi
         spec = spec_of(p)
         boxes = shard_boxes(spec, tuple(p.shape))
         full = tuple(spec.full_shape) if spec is not None else tuple(p.shape)
-        write = par.dp.writes(spec)
-        entries[f"model.{name}"] = Entry(p.data, full, boxes, write)
+        write, skip = par.dp.writes(spec), _skipped(spec, boxes)
+        entries[f"model.{name}"] = Entry(p.data, full, boxes, write, skip)
         if optimizer is None:
             continue
         state = _adam_state(optimizer, p)
         for moment in ("exp_avg", "exp_avg_sq"):
-            entries[f"optim.{name}.{moment}"] = Entry(state[moment], full, boxes, write)
+            entries[f"optim.{name}.{moment}"] = Entry(state[moment], full, boxes, write, skip)
         # One writer among the shards: the one holding the global origin.
-        origin = write and any(all(o == 0 for o in b.offsets) for b in boxes)
+        origin = any(all(o == 0 for o in b.offsets) for b in entries[f"model.{name}"].written())
         entries[f"optim.{name}.step"] = whole(state["step"].detach().reshape(1).double().cpu(), origin)
     is_first = mesh.rank == 0
     entries["train.step"] = whole(torch.tensor([step], dtype=torch.int64), is_first)
@@ -414,7 +425,7 @@ def save(root: Path, step: int, model, optimizer, par, cfg, first_loss: float = 
     started = time.perf_counter()
     mesh = par.mesh
     entries = state_entries(model, optimizer, par, step, first_loss)
-    mine = sum(e.view(b).numel() * e.tensor.element_size() for e in entries.values() if e.write for b in e.boxes)
+    mine = sum(e.view(b).numel() * e.tensor.element_size() for e in entries.values() for b in e.written())
     sizes = [0] * mesh.world_size
     dist.all_gather_object(sizes, mine)
 

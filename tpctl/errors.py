@@ -3,6 +3,14 @@ the value and what would be valid (see docs/DESIGN.md, section 3)."""
 
 from __future__ import annotations
 
+# The exit status of a command stopped by Ctrl-C (128 + SIGINT), and of each
+# rank it stopped.
+EXIT_INTERRUPTED = 130
+# The launcher's pid, exported to its workers: a worker whose parent is
+# another process (the launcher died before the worker could ask to die
+# with it) does not start (launch/worker.py, `die_with_parent`).
+LAUNCHER_PID_ENV = "TPCTL_LAUNCHER_PID"
+
 
 class ConfigError(ValueError):
     """An invalid configuration value, found before any worker starts."""

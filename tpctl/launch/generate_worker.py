@@ -4,26 +4,24 @@ training worker. It reads the resolved config and, beside it, generate.json
 (the prompt's ids and the sampling settings the command checked); builds and
 rewrites the model as training does, loads the checkpoint into this layout
 (or reads the pretrained shards), and decodes (training/generation.py).
-Rank 0 streams the text to stdout as tokens come and writes generated.json."""
+Rank 0 streams the text to stdout as tokens come and writes generated.json.
+The process starts and ends as a training rank's does (`worker.serve`)."""
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
-
-from .worker import die_with_parent, init_distributed, setup_logging
+from .worker import init_distributed, serve, setup_logging
 
 OPTIONS = "generate.json"
 RESULT = "generated.json"
 
 
-@record
-def run(argv: list[str] | None = None) -> None:
+def run(argv: list[str]) -> None:
+    import torch.distributed as dist
+
     from tpctl.config import load_worker_config
     from tpctl.models import build_model
     from tpctl.parallel import init_parallel
@@ -32,7 +30,7 @@ def run(argv: list[str] | None = None) -> None:
     from tpctl.training.generation import TextStream, Tokenizer, generate, stop_ids
     from tpctl.training.loop import autocast
 
-    config_path = Path((argv if argv is not None else sys.argv[1:])[0])
+    config_path = Path(argv[0])
     run_dir = config_path.parent
     cfg = load_worker_config(config_path)
     opts = json.loads((run_dir / OPTIONS).read_text())
@@ -74,11 +72,7 @@ def run(argv: list[str] | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    die_with_parent()
-    try:
-        run(argv)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    serve(run, argv)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,17 @@
 """One rank of a run; started by the launcher through torchrun as
 `python -m tpctl.launch.worker <run dir>/config.yaml`. It reads the resolved config
-and never runs Hydra. Each arrow of a run's flow is one call in `main`."""
+and never runs Hydra. Each arrow of a run's flow is one call in `run`.
+
+Every worker entry point (this one, `generate_worker`) runs through `serve`:
+it ties the rank's life to the launcher's before anything heavy is
+imported, maps what `run` raised to the exit status, and leaves with
+`leave`, never through interpreter finalisation (see `leave` for why). So
+nothing heavy is imported at module level here: torch comes after
+`die_with_parent`.
+"""
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import math
@@ -12,22 +19,30 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Callable, NoReturn
 
-import torch
-import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
+from tpctl.errors import EXIT_INTERRUPTED, LAUNCHER_PID_ENV
 
 log = logging.getLogger("tpctl.worker")
 # The exit status of a rank that refuses to train a rewrite that differs
 # from the original (the launcher passes it on, as for a bad config).
 EXIT_REFUSED = 2
+# Written beside the rank's torchelastic error file (its pid) once its work
+# is complete (its files written and closed): the launcher tells a rank
+# that died after that from one that failed (launch/local.py, `finished_ranks`).
+DONE_MARKER = "tpctl-done"
 
 
-def init_distributed(device: str, timeout_s: float, backend: str = "auto") -> torch.device:
+def init_distributed(device: str, timeout_s: float, backend: str = "auto"):
     """Join the process group torchrun set up: `backend` "auto" is nccl on
     CUDA and gloo on CPU; gloo with device=cuda lets ranks share GPUs (rank
     r on GPU LOCAL_RANK mod the GPU count). The timeout bounds every
     collective, so a dead rank fails the run."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = resolve_backend(backend, device)
     if device == "cuda":
@@ -51,17 +66,28 @@ def resolve_backend(backend: str, device: str) -> str:
 
 
 def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this worker if the launcher dies, even by
-    SIGKILL, so no orphaned rank keeps waiting in a collective."""
+    """Tie this rank's life to the launcher's: Linux SIGTERMs it when the
+    launcher dies, even by SIGKILL, so no orphaned rank waits in a
+    rendezvous or a collective. Called before anything heavy is imported,
+    because a launcher killed while its ranks import torch must not leave
+    them behind; and since the signal only covers a death after the call,
+    a launcher already gone (this process has another parent than the pid
+    the launcher exported) ends the rank here."""
+    import signal
+
     if sys.platform.startswith("linux"):
         import ctypes
-        import signal
 
         PR_SET_PDEATHSIG = 1
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         except OSError:
             pass
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher and os.getppid() != int(launcher):
+        print(f"tpctl: rank {os.environ.get('RANK', '?')}: the launcher (pid {launcher}) is gone; not starting",
+              file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGTERM)
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:
@@ -90,8 +116,10 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     Console().print(table)
 
 
-@record
-def run(argv: list[str] | None = None) -> None:
+def run(argv: list[str]) -> None:
+    import torch
+    import torch.distributed as dist
+
     from tpctl.parallel import init_parallel
     from tpctl.parallel.verify import parallelize_verified
     from tpctl.config import load_worker_config
@@ -99,7 +127,7 @@ def run(argv: list[str] | None = None) -> None:
     from tpctl.models import build_model
     from tpctl.training.loop import Trainer
 
-    config_path = Path((argv if argv is not None else sys.argv[1:])[0])
+    config_path = Path(argv[0])
     run_dir = config_path.parent
     cfg = load_worker_config(config_path)
     device = init_distributed(cfg.device, cfg.launcher.collective_timeout_s, cfg.launcher.get("backend", "auto"))
@@ -115,7 +143,7 @@ def run(argv: list[str] | None = None) -> None:
     log.info("mesh: mode=%s coords=%s dp_rank=%d", mesh.mode, mesh.coords, mesh.dp_rank)
     # Lazy: each rank makes one parameter whole at a time, to slice its shard.
     # The rewrite, proven equal to the original before step 1 unless
-    # train.verify_rewrite=false (RewriteRefused: exit 2, see main).
+    # train.verify_rewrite=false (RewriteRefused: exit 2, see `failed`).
     model, verified = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), mode, cfg.model.get("plan"),
                                            cfg.train.verify_rewrite)
     if verified is not None:
@@ -158,6 +186,8 @@ def find_resume(cfg, run_dir: Path, rank: int):
     """(checkpoint path, manifest) to resume from, or None. Rank 0 picks and
     verifies it (after a restart by torchrun: the newest valid one of the run
     dir) and tells the others, so a bad checkpoint fails every rank alike."""
+    import torch.distributed as dist
+
     from tpctl.training.checkpoint import CheckpointError, resolve_resume
 
     choice: list = [None]
@@ -177,38 +207,100 @@ def find_resume(cfg, run_dir: Path, rank: int):
     return None if choice[0] is None else (Path(choice[0][0]), choice[0][1])
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Run this rank; on failure exit 1 with the full traceback in
+def serve(run: Callable[[list[str]], None], argv: list[str] | None = None) -> NoReturn:
+    """Run one rank of a worker entry point, `run(argv)` (argv[0]: the run's
+    config.yaml), and end the process with its exit status: 0 done (its
+    work complete: `mark_done`), 130 interrupted, 2 refused (a rewrite
+    that is not the model), 1 failed, with the full traceback in
     logs/rank<r>.log and nothing on the terminal: the launcher prints one
     line per failed rank from the error @record has written."""
+    die_with_parent()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        record(run)(argv)
+        mark_done()
+        status = 0
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every rank (and may come while torch is imported);
+        # the launcher reports it once.
+        status = EXIT_INTERRUPTED
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException as e:
+        status = failed(e, argv)
+    leave(status)
+
+
+def failed(error: BaseException, argv: list[str]) -> int:
+    """The exit status of a rank that raised `error`, once it is recorded."""
     from tpctl.parallel.verify import RewriteRefused
 
-    die_with_parent()
-    try:
-        run(argv)
-    except KeyboardInterrupt:
-        # Ctrl-C reaches every rank; the launcher reports it once.
-        sys.exit(130)
-    except RewriteRefused:
+    if isinstance(error, RewriteRefused):
         # Every rank refuses alike; the launcher prints the one line
         # (@record has kept it) and exits 2 as for a bad config.
-        sys.exit(EXIT_REFUSED)
-    except SystemExit:
-        raise
-    except BaseException as e:
-        if not isinstance(e, Exception):  # e.g. DCP's CheckpointException: @record only records Exceptions
-            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+        return EXIT_REFUSED
+    if not isinstance(error, Exception):  # e.g. DCP's CheckpointException: @record only records Exceptions
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-            ErrorHandler().record_exception(e)
-        config_path = Path((argv if argv is not None else sys.argv[1:])[0])
-        log_traceback(config_path.parent, os.environ.get("RANK", "?"))
-        # Another rank died (and the launcher names it): one line here, not
-        # a traceback per surviving rank.
-        lost = LOST_PEER.search(str(e))
-        if lost:
-            print(f"tpctl: rank {os.environ.get('RANK', '?')}: a peer rank is gone ({lost.group(0).strip()})",
-                  file=sys.stderr, flush=True)
-        sys.exit(1)
+        ErrorHandler().record_exception(error)
+    rank = os.environ.get("RANK", "?")
+    log_traceback(Path(argv[0]).parent, rank)
+    # Another rank died (and the launcher names it): one line here, not
+    # a traceback per surviving rank.
+    lost = LOST_PEER.search(str(error))
+    if lost:
+        print(f"tpctl: rank {rank}: a peer rank is gone ({lost.group(0).strip()})", file=sys.stderr, flush=True)
+    return 1
+
+
+def mark_done() -> None:
+    """Record that this rank's work is complete, beside its error file
+    (outside the run dir, whose disk may be full): whatever happens to the
+    process after this, its outputs are written and closed."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            (Path(error_file).parent / DONE_MARKER).write_text(str(os.getpid()))
+        except OSError:
+            pass
+
+
+def leave(status: int) -> NoReturn:
+    """End this process now with `status`, after what a normal exit does
+    before finalising the interpreter (the atexit handlers: logging's
+    flush and close, torch's cache writes and pool shutdowns, the
+    multiprocessing finalisers), but without finalising it.
+
+    Why: gloo runs each collective on a worker thread that lets go of the
+    collective's tensors only after the caller has returned from it, and
+    those threads outlive `destroy_process_group` (gloo's shutdown does
+    nothing; the group lives on while anything holds it: the mesh, the
+    modules, torch.distributed.nn.functional's default arguments, which
+    captured the world group when DCP imported it). Dropping the last
+    reference to a tensor Python has seen needs the GIL. A rank that exits
+    milliseconds after its last collective can reach finalisation first;
+    a thread that asks for the GIL then is ended by Python with
+    pthread_exit, whose unwinding crosses gloo's noexcept destructor:
+    std::terminate, SIGABRT, a finished run reported as failed
+    (tests/teardown_race.py reproduces it; `os._exit` leaves no such
+    window: the kernel ends every thread at once)."""
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: nothing more can be said
+                pass
+        os._exit(status)
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    serve(run, argv)
 
 
 # gloo's words for a connection whose other end died, with the peer's

@@ -150,7 +150,8 @@ def run(argv: list[str]) -> None:
         log.info("verify: %s", verified.line(mode))
         if mesh.rank == 0:
             print(f"tpctl: {verified.line(mode)}", flush=True)
-    data = TokenData(cfg, prepare_data(cfg))
+    # The launcher has scanned the data's ids; each batch read is checked (Trainer).
+    data = TokenData(cfg, prepare_data(cfg, scan_ids=False))
     log.info("data: %s", data.describe())
     if mesh.rank == 0:
         whole = sum(math.prod(p.tpctl_spec.full_shape) for p in model.parameters())

@@ -685,9 +685,15 @@ class ShardedTokens:
     is read into memory."""
 
     def __init__(self, paths: Sequence[str | Path], dtype):
-        self.parts = [np.memmap(p, dtype=dtype, mode="r") for p in paths if Path(p).stat().st_size]
+        self.paths = [Path(p) for p in paths if Path(p).stat().st_size]
+        self.parts = [np.memmap(p, dtype=dtype, mode="r") for p in self.paths]
         self.starts = np.cumsum([0] + [len(p) for p in self.parts]).tolist()
         self.dtype = np.dtype(dtype)
+
+    def where(self, i: int) -> str:
+        """Where token `i` of the stream lies: `token <k> of <shard>`."""
+        k = bisect_right(self.starts, i) - 1
+        return f"token {i - self.starts[k]} of {self.paths[k]}"
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -718,6 +724,39 @@ class ShardedTokens:
 
 def shard_paths(directory: str | Path, index: dict, split: str) -> list[Path]:
     return [Path(directory) / s["file"] for s in index["shards"][split]]
+
+
+_SCAN_CHUNK = 1 << 24  # ids per vectorised pass of a scan
+
+
+def first_outside(tokens: np.ndarray, vocab_size: int) -> Optional[int]:
+    """The position of the first id of `tokens` (a memory map, read in
+    chunks) outside [0, vocab_size), or None: one vectorised pass, about
+    0.15 s per 100M uint16 tokens in the page cache."""
+    for start in range(0, len(tokens), _SCAN_CHUNK):
+        chunk = tokens[start:start + _SCAN_CHUNK]
+        if chunk.size and (int(chunk.max()) >= vocab_size or int(chunk.min()) < 0):
+            return start + int(np.argmax((chunk >= vocab_size) | (chunk < 0)))
+    return None
+
+
+def check_ids(directory: str | Path, index: dict) -> None:
+    """Every id of every shard inside the vocabulary the corpus was prepared
+    with: the index's max_id says what prepare-data wrote, the shards what
+    is there now (one edited or damaged since would otherwise reach the
+    model: the 1d embedding gives an id past its vocabulary a zero vector)."""
+    vocab = int(index["vocab_size"])
+    dtype = np.dtype(index["dtype"]).newbyteorder("<")
+    for split in ("train", "val"):
+        for path in shard_paths(directory, index, split):
+            if not path.stat().st_size:
+                continue
+            tokens = np.memmap(path, dtype=dtype, mode="r")
+            at = first_outside(tokens, vocab)
+            if at is not None:
+                raise DataError(f"{path}: token id {int(tokens[at])} at token {at} is outside the vocabulary of "
+                                f"{vocab} ids it was prepared with (tokenizer {index['tokenizer']['name']}, max_id "
+                                f"{index['max_id']} when written): the shard changed since; prepare the corpus again")
 
 
 def check_shards(directory: str | Path, index: dict) -> None:

@@ -96,6 +96,9 @@ class Trainer:
         o = cfg.optim
         self.schedule = Schedule(o.lr, o.min_lr, o.warmup_steps, cfg.train.steps)
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
+        # The real vocabulary (the LM head's width before any padding): the
+        # loss's, and the bound every id read must be inside.
+        self.vocab_size = getattr(model, "tpctl_vocab_size", None) or cfg.model.vocab_size
         self.is_logger = self.mesh.rank == 0
         # Where training starts (a resumed run: the checkpoint's step).
         self.start_step = 0
@@ -125,7 +128,7 @@ class Trainer:
     def _micro_batches(self, split: str, step: int):
         t = self.cfg.train
         for micro in range(t.grad_accum):
-            x, y = self.data.batch(split, step, self.mode.read_rows(t.batch_size, t.grad_accum, micro))
+            x, y = self.data.batch(split, step, self.mode.read_rows(t.batch_size, t.grad_accum, micro), self.vocab_size)
             yield (self.mode.split_input(x).to(self.mesh.device),
                    self.mode.split_target(y).to(self.mesh.device))
 
@@ -137,9 +140,7 @@ class Trainer:
         # forward's dtypes.
         with autocast(self.mesh.device, self.cfg.precision):
             logits = logits_of(self.model(x))
-            # The real vocabulary (the LM head's width before any padding).
-            vocab = getattr(self.model, "tpctl_vocab_size", None) or self.cfg.model.vocab_size
-            return self.mode.cross_entropy(logits, y, vocab, self.cfg.train.label_smoothing).sum()
+            return self.mode.cross_entropy(logits, y, self.vocab_size, self.cfg.train.label_smoothing).sum()
 
 
     def train_step(self, step: int) -> dict:

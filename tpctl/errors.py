@@ -21,3 +21,49 @@ class ConfigError(ValueError):
 
     def __str__(self) -> str:
         return f"invalid config: {self.key}={self.value!r}: {self.valid}"
+
+
+class Interrupted(KeyboardInterrupt):
+    """A termination signal (SIGTERM, SIGHUP) raised as Ctrl-C's
+    KeyboardInterrupt is, so that the same cleanup runs (temporary files
+    removed) and the command exits 128 + `signum` with one line."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signum)
+
+
+def interrupt_on_termination() -> None:
+    """From now on, SIGTERM and SIGHUP raise Interrupted in the main thread
+    (by default they end the process at once: nothing is cleaned up)."""
+    import signal
+
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
+def interrupted_status(error: KeyboardInterrupt) -> tuple[str, int]:
+    """(the signal's name, the exit status: 128 + its number) of an
+    interruption: Ctrl-C's SIGINT, or the signal an Interrupted carries."""
+    import signal
+
+    signum = getattr(error, "signum", signal.SIGINT)
+    return signal.Signals(signum).name, 128 + signum
+
+
+def die_with_parent(sig: int) -> None:
+    """Ask Linux to send this process `sig` when its parent dies, even by
+    SIGKILL (nothing elsewhere)."""
+    import sys
+
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+        except OSError:
+            pass

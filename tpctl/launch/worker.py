@@ -75,14 +75,9 @@ def die_with_parent() -> None:
     the launcher exported) ends the rank here."""
     import signal
 
-    if sys.platform.startswith("linux"):
-        import ctypes
+    from tpctl.errors import die_with_parent as signal_on_parent_death
 
-        PR_SET_PDEATHSIG = 1
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        except OSError:
-            pass
+    signal_on_parent_death(signal.SIGTERM)
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     if launcher and os.getppid() != int(launcher):
         print(f"tpctl: rank {os.environ.get('RANK', '?')}: the launcher (pid {launcher}) is gone; not starting",

@@ -1,0 +1,87 @@
+"""Bad input and a hostile environment, each answered by the contract's exit
+status and one line naming the cause: a disk that fills during a
+checkpoint, a rendezvous endpoint that never answers, a launcher killed
+while its workers start, floats fp32 cannot hold, a prompt longer than the
+model, files others cannot read, and the small messages around them."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+from pathlib import Path
+
+import pytest
+
+from conftest import LAYOUTS, tiny_config
+
+
+# --------------------------------------------------------------------------
+# A disk that fills during a checkpoint
+# --------------------------------------------------------------------------
+
+
+def _trained(layout: str):
+    """(the Trainer after one step, the mode) of a tiny GPT in `layout`."""
+    from tpctl import init_parallel
+    from tpctl.models import build_model
+    from tpctl.parallel.base import parallelize
+    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.training.loop import Trainer
+
+    mode_name, size, depth, dp, _ = LAYOUTS[layout]
+    cfg = tiny_config(1, mode=mode_name, size=size, depth=depth, dp=dp)
+    tp = init_parallel(mode_name, size, depth, dp, cfg.seed)
+    trainer = Trainer(cfg, parallelize(build_model(cfg.model, cfg.seed), tp), tp, TokenData(cfg, prepare_data(cfg)))
+    trainer.train_step(0)
+    return trainer, tp
+
+
+def _save_with_a_file_limit(run_dir: str, limit: int) -> str:
+    """Save with rank 0's files limited to `limit` bytes (the kernel
+    refuses what goes past it, as a full disk does): the error each rank
+    raises."""
+    from tpctl.training import checkpoint
+
+    trainer, tp = _trained("1d-2-dp4")
+    saved = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if tp.mesh.rank == 0:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, saved[1]))
+    try:
+        checkpoint.save(Path(run_dir) / "checkpoints", 1, trainer.model, trainer.optimizer, tp.mesh, trainer.cfg)
+    except checkpoint.CheckpointError as e:
+        return str(e)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, saved)
+    return "saved"
+
+
+def test_a_write_refused_inside_a_tensor_is_named_by_its_errno_on_every_rank(pool, tmp_path):
+    # 20 KB: the first tensors fit, then torch.save's write fails mid-tensor
+    # and raises a RuntimeError ("unexpected pos") over the OSError; DCP
+    # gathers it pickled, without that OSError.
+    errors = pool.run(_save_with_a_file_limit, str(tmp_path), 20_000)
+    assert len(set(errors)) == 1, errors
+    assert errors[0].startswith(f"checkpoint step 1 not written to {tmp_path / 'checkpoints'}: OSError [EFBIG] "
+                                "File too large"), errors[0]
+    assert not list((tmp_path / "checkpoints").glob(".tmp_*"))
+
+
+def _needed_and_written(run_dir: str) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    from tpctl.training import checkpoint
+
+    trainer, tp = _trained("2d-4-dp2")
+    need = [0] * tp.mesh.world_size
+    entries = checkpoint.state_entries(trainer.model, trainer.optimizer, tp.mesh, 1, 0.0)
+    dist.all_gather_object(need, checkpoint.bytes_to_write(entries))
+    path = checkpoint.save(Path(run_dir), 1, trainer.model, trainer.optimizer, tp.mesh, trainer.cfg)
+    return sum(need) + checkpoint.MANIFEST_ALLOWANCE, checkpoint._written_bytes(path)
+
+
+def test_the_free_space_a_save_asks_for_is_what_the_checkpoint_takes(pool, tmp_path):
+    need, written = pool.run(_needed_and_written, str(tmp_path))[0]
+    # Never less than the truth (the check would pass and the write fail),
+    # and not far above it (a save that fits would be refused).
+    assert written <= need <= 1.1 * written, (need, written)

@@ -307,7 +307,7 @@ def _closed_port() -> int:
         return s.getsockname()[1]  # closed again on return: nothing listens there
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_rendezvous_problems_are_named_within_the_timeout():
     from tpctl.launch.local import wait_for_rendezvous_host
 
@@ -316,10 +316,18 @@ def test_rendezvous_problems_are_named_within_the_timeout():
     assert "within launcher.rdzv_timeout_s=2" in refused and "connection refused: is node 0" in refused
     assert 2 <= time.monotonic() - start < 10
     assert "does not resolve" in wait_for_rendezvous_host("notahost.invalid:29500", timeout_s=2)
-    with socket.socket() as server:  # node 0 listening: no complaint
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # node 0's rendezvous store
+    assert wait_for_rendezvous_host(f"127.0.0.1:{store.port}", timeout_s=10) is None
+    with socket.socket() as server:  # something that accepts connections and never answers
         server.bind(("127.0.0.1", 0))
         server.listen()
-        assert wait_for_rendezvous_host(f"127.0.0.1:{server.getsockname()[1]}", timeout_s=2) is None
+        start = time.monotonic()
+        silent = wait_for_rendezvous_host(f"127.0.0.1:{server.getsockname()[1]}", timeout_s=6)
+        assert "accepts connections but does not answer as node 0's rendezvous store would within " \
+               "launcher.rdzv_timeout_s=6" in silent
+        assert time.monotonic() - start < 60  # 6 s, and a child's import of torch
 
 
 # --------------------------------------------------------------------------

@@ -292,18 +292,20 @@ def failure_reason(failure: Any) -> str:
 
 
 def wait_for_rendezvous_host(endpoint: str, timeout_s: float) -> str | None:
-    """None once something listens at `endpoint` (node 0's rendezvous
-    store), trying until `timeout_s` has passed; else one line on why not:
-    the host does not resolve, is unreachable, or refuses the port (node 0
-    not started). torch's own client would retry for its store timeout and
-    then fail with a C++ stack."""
+    """None once node 0's rendezvous store answers at `endpoint`, trying
+    until `timeout_s` has passed; else one line on why not: the host does
+    not resolve, is unreachable, refuses the port (node 0 not started), or
+    accepts connections and never answers (something else listens there).
+    torch's own client would retry for its store timeout and then fail
+    with a C++ stack, or wait for ever on a silent endpoint."""
     host, _, port = endpoint.rpartition(":")
     deadline = time.monotonic() + timeout_s
     why = "nothing answered"
     while True:
         try:
             with socket.create_connection((host, int(port)), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
-                return None
+                pass
+            return store_answers(host, int(port), deadline, timeout_s)
         except socket.gaierror as e:
             return f"the rendezvous host {host!r} of launcher.rdzv_endpoint={endpoint} does not resolve ({e.strerror})"
         except ConnectionRefusedError:
@@ -313,6 +315,48 @@ def wait_for_rendezvous_host(endpoint: str, timeout_s: float) -> str | None:
         if time.monotonic() >= deadline:
             return f"cannot reach the rendezvous at {endpoint} within launcher.rdzv_timeout_s={timeout_s}: {why}"
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
+# Connects to a c10d store as a rendezvous client does, in a child process:
+# torch's client ignores its timeout when the other end accepts and stays
+# silent, and a call blocked in it cannot be interrupted. "1" once torch is
+# imported (not counted in the rendezvous time), "2" once the store answered.
+_STORE_PROBE = """import datetime, sys
+from torch.distributed import TCPStore
+print(1, flush=True)
+TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, wait_for_workers=False,
+         timeout=datetime.timedelta(seconds=float(sys.argv[3])))
+print(2, flush=True)
+"""
+
+
+def store_answers(host: str, port: int, deadline: float, timeout_s: float) -> str | None:
+    """None when a c10d store answers at host:port before `deadline` (at
+    least a few seconds from now), else why not."""
+    import subprocess
+
+    endpoint = f"{host}:{port}"
+    left = max(5.0, deadline - time.monotonic())
+    probe = subprocess.Popen([sys.executable, "-c", _STORE_PROBE, host, str(port), str(left)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        imported = probe.stdout.readline()
+        try:
+            out, err = probe.communicate(timeout=left)
+        except subprocess.TimeoutExpired:
+            out, err = "", ""
+        if "2" in out:
+            return None
+        if not imported:
+            reason = err.strip().splitlines()[-1] if err.strip() else f"exit status {probe.returncode}"
+            return f"cannot check the rendezvous at {endpoint}: {reason}"
+        return (f"the rendezvous endpoint {endpoint} accepts connections but does not answer as node 0's rendezvous "
+                f"store would within launcher.rdzv_timeout_s={timeout_s}: is launcher.rdzv_endpoint node 0's address "
+                "and port, with nothing else listening there?")
+    finally:
+        if probe.poll() is None:
+            probe.kill()
+            probe.wait()
 
 
 def _module_exists(name: str) -> bool:

@@ -9,11 +9,17 @@ from __future__ import annotations
 import os
 import resource
 import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from cli_support import REPO, marked_pids, tpctl  # noqa: F401  (fixture)
 from conftest import LAYOUTS, tiny_config
+from tpctl.errors import LAUNCHER_PID_ENV
 
 
 # --------------------------------------------------------------------------
@@ -85,3 +91,58 @@ def test_the_free_space_a_save_asks_for_is_what_the_checkpoint_takes(pool, tmp_p
     # Never less than the truth (the check would pass and the write fail),
     # and not far above it (a save that fits would be refused).
     assert written <= need <= 1.1 * written, (need, written)
+
+
+# --------------------------------------------------------------------------
+# A launcher killed while its workers start
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_workers_of_a_launcher_killed_while_they_import_end_with_it(tpctl):
+    proc = tpctl.start(["train", "mode=1d", "size=2", "dp=2", "data=synthetic", f"hydra.run.dir={tpctl.cwd / 'run'}"])
+    try:
+        deadline = time.monotonic() + 180
+        while len([p for p in marked_pids(tpctl.marker) if p != proc.pid]) < 4:  # every worker exists
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)  # no cleanup of its own: only the kernel can stop the workers now
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert tpctl.leftover_pids(wait_s=30) == []
+
+
+def test_a_worker_whose_launcher_is_already_gone_does_not_start(tmp_path):
+    env = {**os.environ, LAUNCHER_PID_ENV: str(os.getpid() + 1_000_000), "RANK": "3"}  # not its parent
+    started = time.monotonic()
+    worker = subprocess.run([sys.executable, "-m", "tpctl.launch.worker", str(tmp_path / "config.yaml")],
+                            capture_output=True, text=True, env=env, timeout=60, cwd=REPO)
+    assert worker.returncode == 128 + signal.SIGTERM, worker.stderr
+    assert worker.stderr.splitlines() == [f"tpctl: rank 3: the launcher (pid {env[LAUNCHER_PID_ENV]}) is gone; "
+                                          "not starting"]
+    assert time.monotonic() - started < 30  # before torch: a few imports of the standard library
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_whose_store_never_answers_ends_after_the_collective_timeout_and_is_named(tmp_path):
+    from omegaconf import OmegaConf
+
+    from tpctl.config import compose_jobs
+    from tpctl.launch.local import failure_reason
+    from tpctl.launch.worker import ALARM_REASON
+
+    OmegaConf.save(compose_jobs(["mode=1d", "size=2", "launcher.collective_timeout_s=3"])[0], tmp_path / "config.yaml")
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        env = {**os.environ, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(silent.getsockname()[1])}
+        env.pop(LAUNCHER_PID_ENV, None)
+        worker = subprocess.run([sys.executable, "-m", "tpctl.launch.worker", str(tmp_path / "config.yaml")],
+                                capture_output=True, text=True, env=env, timeout=200, cwd=REPO)
+    assert worker.returncode == -signal.SIGALRM, worker.stderr
+    from types import SimpleNamespace
+
+    assert failure_reason(SimpleNamespace(exitcode=-signal.SIGALRM, message="")) == ALARM_REASON

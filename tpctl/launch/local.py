@@ -279,6 +279,10 @@ def refused(failures: dict[int, Any]) -> str | None:
 def failure_reason(failure: Any) -> str:
     """One line on why a rank died: `<ExceptionType>: <message>` of what its
     @record'ed main raised, or the signal that killed it."""
+    if failure.exitcode == -signal.SIGALRM:
+        from .worker import ALARM_REASON
+
+        return ALARM_REASON
     if failure.exitcode < 0:
         return f"killed by {failure.signal_name()}"
     message = failure.message

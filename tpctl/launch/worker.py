@@ -37,25 +37,38 @@ def init_distributed(device: str, timeout_s: float, backend: str = "auto"):
     """Join the process group torchrun set up: `backend` "auto" is nccl on
     CUDA and gloo on CPU; gloo with device=cuda lets ranks share GPUs (rank
     r on GPU LOCAL_RANK mod the GPU count). The timeout bounds every
-    collective, so a dead rank fails the run."""
+    collective, so a dead rank fails the run, and joining the group: torch's
+    store client ignores its timeout when the store's end accepts the
+    connection and never answers, so an alarm ends the process then
+    (SIGALRM, which the launcher names: `ALARM_REASON`)."""
     import datetime
+    import signal
 
     import torch
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = resolve_backend(backend, device)
+    device_id = None
     if device == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        gpu = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(gpu)
+        device_id = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device_id)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(max(1, math.ceil(timeout_s)) + 5)  # the store's own timeout first, where it keeps it
+    try:
         if backend == "nccl":
-            dist.init_process_group("nccl", timeout=timeout, device_id=gpu)
+            dist.init_process_group("nccl", timeout=timeout, device_id=device_id)
         else:
             dist.init_process_group(backend, timeout=timeout)
-        return gpu
-    dist.init_process_group(backend, timeout=timeout)
-    return torch.device("cpu")
+    finally:
+        signal.alarm(0)
+    return device_id if device_id is not None else torch.device("cpu")
+
+
+# How the launcher names a rank ended by init_distributed's alarm.
+ALARM_REASON = ("did not join the process group within launcher.collective_timeout_s: its store (rank 0's, or "
+                "the launcher's) accepted the connection and never answered")
 
 
 def resolve_backend(backend: str, device: str) -> str:

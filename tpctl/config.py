@@ -181,10 +181,20 @@ def validate(cfg: Any, model_check: bool = True) -> None:
         check_model(cfg)
 
 
+# fp32's largest finite value and its smallest normal one: the settings
+# reach tensors and optimizers (AdamW's lr, eps) as fp32.
+FP32_MAX, FP32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
+
+
 def _check_finite(node: Any, prefix: str) -> None:
-    """Every number of the config is finite: no setting means NaN or
-    infinity, and one would only show as a diverged or silent run."""
+    """Every number of the config is finite and fp32 holds it: no setting
+    means NaN or infinity, or becomes one (1e300) or 0 (1e-50) in fp32, and
+    one would only show as a diverged or silent run, or as each rank's
+    failure after the workers started."""
     import math
+
+    def bad(v) -> bool:
+        return isinstance(v, float) and (not math.isfinite(v) or abs(v) > FP32_MAX or 0 < abs(v) < FP32_TINY)
 
     for key in node.keys():
         value = node._get_node(key)
@@ -195,8 +205,9 @@ def _check_finite(node: Any, prefix: str) -> None:
             continue
         raw = node[key]
         values = list(raw) if OmegaConf.is_list(raw) else [raw]
-        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
-            raise ConfigError(f"{prefix}{key}", values if OmegaConf.is_list(raw) else raw, "expected a finite number")
+        if any(bad(v) for v in values):
+            raise ConfigError(f"{prefix}{key}", values if OmegaConf.is_list(raw) else raw,
+                              f"expected a finite number fp32 holds: 0 or {FP32_TINY:.2g} <= |x| <= {FP32_MAX:.3g}")
 
 
 def _check_tokenizer(path: str) -> None:

@@ -146,3 +146,22 @@ def test_a_worker_whose_store_never_answers_ends_after_the_collective_timeout_an
     from types import SimpleNamespace
 
     assert failure_reason(SimpleNamespace(exitcode=-signal.SIGALRM, message="")) == ALARM_REASON
+
+
+# --------------------------------------------------------------------------
+# A prompt longer than the model
+# --------------------------------------------------------------------------
+
+
+def test_a_prompt_longer_than_the_model_is_named_with_its_length(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    from tpctl.commands import generate
+
+    config = transformers.GPT2Config(vocab_size=256, n_embd=16, n_layer=1, n_head=2, n_positions=16,
+                                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert generate.main([str(tmp_path), "prompt=" + "x" * 20, "max_new_tokens=4"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"tpctl: error: invalid config: prompt='{'x' * 20}': 20 tokens, but the model has 16 positions for the "
+        "prompt and the new tokens: expected a prompt of at most 15 tokens"]

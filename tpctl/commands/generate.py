@@ -141,6 +141,10 @@ def check(cfg, opts: dict) -> list[int]:
     if not ids:
         raise ConfigError("prompt", opts["prompt"], "encodes to no tokens: expected some text")
     limit = max_positions(build_model(cfg.model, cfg.seed, lazy=True))
+    if limit is not None and len(ids) >= limit:  # not even one new token fits
+        shown = opts["prompt"] if len(opts["prompt"]) <= 40 else opts["prompt"][:37] + "..."
+        raise ConfigError("prompt", shown, f"{len(ids)} tokens, but the model has {limit} positions for the prompt and "
+                          f"the new tokens: expected a prompt of at most {limit - 1} tokens")
     if limit is not None and len(ids) + opts["max_new_tokens"] > limit:
         raise ConfigError("max_new_tokens", opts["max_new_tokens"],
                           f"the prompt's {len(ids)} tokens plus the new ones exceed the model's {limit} positions: "

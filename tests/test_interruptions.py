@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_support import tpctl  # noqa: F401  (fixture)
+from cli_support import marked_pids, tpctl  # noqa: F401  (fixture)
 from tpctl.training import corpus
 
 
@@ -102,3 +102,58 @@ def test_prepare_data_respects_the_umask(tmp_path):
         os.umask(old)
     modes = {p.name: p.stat().st_mode & 0o777 for p in [tmp_path / "out", *(tmp_path / "out").iterdir()]}
     assert modes.pop("out") == 0o750 and set(modes.values()) == {0o640}, modes
+
+
+def _ctrl_c(tpctl, args: list[str], when) -> tuple[int, str]:
+    """Run `tpctl ARGS` as a terminal's job, send SIGINT to its process
+    group once `when(pid)` is true: (exit status, stderr)."""
+    proc = subprocess.Popen(tpctl.command(args), cwd=tpctl.cwd, env=tpctl.env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not when(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=90)
+        return proc.returncode, err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _after(seconds: float):
+    start = time.monotonic()
+    return lambda pid: time.monotonic() - start > seconds
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=256, n_embd=16, n_layer=1, n_head=2, n_positions=512,
+                                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    directory = tmp_path_factory.mktemp("gpt2")
+    transformers.GPT2LMHeadModel(config).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_while_a_command_starts_is_one_line_and_130(tpctl, pretrained):
+    # 1.5 s in: torch, the config, the model are being loaded by the command itself.
+    generate = ["generate", str(pretrained), "prompt=def ", "max_new_tokens=400", "temperature=0", "mode=1d", "size=2"]
+    status, err = _ctrl_c(tpctl, generate, _after(1.5))
+    assert (status, err.splitlines()) == (130, ["tpctl: generate interrupted by SIGINT"]), err
+    status, err = _ctrl_c(tpctl, ["train", "data=synthetic", f"hydra.run.dir={tpctl.cwd / 'run'}"], _after(1.5))
+    assert (status, err.splitlines()) == (130, ["tpctl: train interrupted by SIGINT"]), err
+    # Once the workers run (they import torch, load the model, decode): the
+    # launcher's line; it forwards the SIGINT to them (their own sessions).
+    started: list = []
+
+    def workers_started(pid: int) -> bool:
+        if not started and len(marked_pids(tpctl.marker)) >= 3:
+            started.append(time.monotonic())
+        return bool(started) and time.monotonic() - started[0] > 2
+
+    status, err = _ctrl_c(tpctl, generate, workers_started)
+    assert status == 130 and len(err.splitlines()) == 1 and "interrupted by SIGINT" in err, err
+    assert tpctl.leftover_pids() == []

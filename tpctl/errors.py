@@ -3,6 +3,8 @@ the value and what would be valid (see docs/DESIGN.md, section 3)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 # The exit status of a command stopped by Ctrl-C (128 + SIGINT), and of each
 # rank it stopped.
 EXIT_INTERRUPTED = 130
@@ -67,3 +69,44 @@ def die_with_parent(sig: int) -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
         except OSError:
             pass
+
+
+def quiet_interrupts() -> None:
+    """Until the caller installs its own handling: SIGINT ends this process
+    at once, quietly (128 + SIGINT). For a worker while it starts: the
+    launcher forwards Ctrl-C to it, and a KeyboardInterrupt raised in the
+    middle of its imports would print a traceback."""
+    import os
+    import signal
+
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signum))
+
+
+def stop_signals() -> tuple:
+    """What a terminal or a scheduler sends to stop a job's processes."""
+    import signal
+
+    return signal.SIGINT, signal.SIGTERM, signal.SIGHUP
+
+
+@contextmanager
+def signals_held():
+    """Hold back Ctrl-C and the other stop signals until the block is done;
+    one that came meanwhile is raised right after it. For what must not be
+    cut in two: `import torch` (a KeyboardInterrupt inside it is sometimes
+    swallowed, or crosses C++ and aborts the process), creating a temporary
+    directory that the surrounding code must know to remove, starting
+    worker processes."""
+    import signal
+
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals())
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def import_torch() -> None:
+    """`import torch`, with the stop signals held (`signals_held`)."""
+    with signals_held():
+        import torch  # noqa: F401

@@ -182,6 +182,9 @@ def run(cfg, ckpt, ids: list[int], opts: dict) -> int:
     worker_opts = {k: opts[k] for k in OPTIONS} | {"prompt_ids": ids, "checkpoint": ckpt, "quiet": opts["json"]}
     (run_dir / OPTIONS_FILE).write_text(json.dumps(worker_opts))
     status = launch(cfg, run_dir, worker_module="tpctl.launch.generate_worker")
+    if status > 128:  # interrupted: the launcher has said so, in one line
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return status
     if status != EXIT_OK:
         print(f"tpctl: error: generation failed; the workers' logs are in {run_dir}", file=sys.stderr)
         return status

@@ -9,6 +9,11 @@ The process starts and ends as a training rank's does (`worker.serve`)."""
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first of all (see `serve`)
+    from tpctl.errors import quiet_interrupts
+
+    quiet_interrupts()
+
 import json
 import time
 from pathlib import Path

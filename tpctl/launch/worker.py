@@ -12,6 +12,11 @@ nothing heavy is imported at module level here: torch comes after
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first of all (see `serve`)
+    from tpctl.errors import quiet_interrupts
+
+    quiet_interrupts()
+
 import json
 import logging
 import math
@@ -21,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Callable, NoReturn
 
-from tpctl.errors import EXIT_INTERRUPTED, LAUNCHER_PID_ENV
+from tpctl.errors import EXIT_INTERRUPTED, LAUNCHER_PID_ENV, import_torch
 
 log = logging.getLogger("tpctl.worker")
 # The exit status of a rank that refuses to train a rewrite that differs
@@ -222,10 +227,19 @@ def serve(run: Callable[[list[str]], None], argv: list[str] | None = None) -> No
     work complete: `mark_done`), 130 interrupted, 2 refused (a rewrite
     that is not the model), 1 failed, with the full traceback in
     logs/rank<r>.log and nothing on the terminal: the launcher prints one
-    line per failed rank from the error @record has written."""
+    line per failed rank from the error @record has written. Ctrl-C, which
+    the launcher forwards to its ranks, ends a rank quietly while its
+    module starts (errors.quiet_interrupts, the entry module's first
+    statement), and as KeyboardInterrupt from here on."""
+    import signal
+
     die_with_parent()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        # Ctrl-C (the launcher forwards it) from here on: KeyboardInterrupt,
+        # so that what the rank has written is flushed (`leave`).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        import_torch()
         from torch.distributed.elastic.multiprocessing.errors import record
 
         record(run)(argv)

@@ -37,14 +37,13 @@ import zlib
 from bisect import bisect_right
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from tpctl.errors import die_with_parent
+from tpctl.errors import die_with_parent, signals_held, stop_signals
 
 FORMAT = "tpctl-corpus"
 # Part of the no-op key: bump it when the bytes written for the same input change.
@@ -105,9 +104,6 @@ def load_tokenizer(spec: str):
     return tok, TokenizerInfo(str(spec), len(tok), int(tok.eos_token_id), tokenizer_hash(spec))
 
 
-# What a terminal or a scheduler sends to stop a job's process group.
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
 # The worker's tokenizer: set in the parent before the pool forks (or by the
 # pool initializer under spawn), so it is loaded once, not once per task.
 _TOKENIZER = None
@@ -120,9 +116,9 @@ def _init_worker(spec: Optional[str], dtype: str) -> None:
     # the parent acts on it: it drops the tasks not started and lets the
     # running ones finish. A worker ended by the signal mid-task could
     # hold a queue's lock and hang the parent. If the parent dies, so do they.
-    for sig in _STOP_SIGNALS:
+    for sig in stop_signals():
         signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # held while the parent started this process
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals())  # held while the parent started this process
     die_with_parent(signal.SIGKILL)
     # One core per worker: workers=N means N cores, and the Rust tokenizer's
     # own thread pool would otherwise oversubscribe them.
@@ -485,17 +481,6 @@ def _work(args) -> Result:
     return tokenize_task(*args)
 
 
-@contextmanager
-def _signals_held():
-    """Hold back Ctrl-C and the other stop signals until the block is done;
-    one that came meanwhile is raised right after it."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-
-
 def _in_order(pool: ProcessPoolExecutor, fn, items: Iterator, ahead: int) -> Iterator:
     """fn(item) for each item, computed by `pool`, yielded in the items'
     order, with at most `ahead` submitted and not yet yielded (the tasks
@@ -505,7 +490,7 @@ def _in_order(pool: ProcessPoolExecutor, fn, items: Iterator, ahead: int) -> Ite
         # A submit may start the worker processes: a signal to the group
         # then must wait until they ignore it (_init_worker), and reach
         # the parent after the fork, not in its at-fork hooks (which swallow it).
-        with _signals_held():
+        with signals_held():
             pending.append(pool.submit(fn, item))
         if len(pending) >= ahead:
             yield pending.popleft().result()
@@ -618,7 +603,7 @@ def prepare(srcs: Sequence[str], out: str | Path, tokenizer: str, workers: int =
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = owner = None
     try:
-        with _signals_held():  # an interruption comes once `tmp` is known, inside the try that removes it
+        with signals_held():  # an interruption comes once `tmp` is known, inside the try that removes it
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
             owner = _own(tmp)
         index = _run(sources, tok, info, opts, dtype, tmp, workers, progress)

@@ -207,6 +207,15 @@ def test_a_directory_that_is_no_tokenizer_is_a_config_error(tmp_path):
     (tmp_path / "notes.txt").write_text("not a tokenizer")
     error = _config_error(["data=text", f"data.tokenizer={tmp_path}"])
     assert error.key == "data.tokenizer" and "not a Hugging Face tokenizer directory" in str(error)
+    # What is missing is named (transformers' own message lists nothing).
+    assert str(error).endswith("the directory holds no tokenizer (none of tokenizer.json, tokenizer_config.json, "
+                               "tokenizer.model, vocab.json, vocab.txt, spiece.model; a tokenizer's save_pretrained "
+                               "writes them)"), str(error)
+    # prepare-data says the same.
+    from tpctl.training.corpus import DataError, load_tokenizer
+
+    with pytest.raises(DataError, match=r"^tokenizer=.*: the directory holds no tokenizer \(none of tokenizer.json"):
+        load_tokenizer(str(tmp_path))
 
 
 def test_inputs_a_worker_would_fail_on_are_config_errors(tmp_path):
@@ -477,3 +486,13 @@ def test_a_node_whose_node_0_is_missing_gives_up_after_the_rendezvous_timeout_in
     assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) <= 4, result.stderr
     assert not list((tpctl.cwd / "node1").glob("fake_worker_rank*.pid"))  # no worker started
     assert tpctl.leftover_pids() == []
+
+
+def test_two_recipes_that_include_each_other_are_named(recipe_dir):
+    (recipe_dir / "recipe" / "ping.yaml").write_text("# @package _global_\ndefaults:\n  - /recipe/pong\n  - _self_\n")
+    (recipe_dir / "recipe" / "pong.yaml").write_text("# @package _global_\ndefaults:\n  - ping\n  - _self_\n")
+    with pytest.raises(ConfigError) as e:
+        compose_jobs(["recipe=ping"], config_dir=str(recipe_dir))
+    ping, pong = (str(recipe_dir / "recipe" / f"{n}.yaml") for n in ("ping", "pong"))
+    assert str(e.value).endswith(f"the defaults lists include each other in a cycle: {ping} -> {pong} -> {ping}: "
+                                 "remove one of those entries"), str(e.value)

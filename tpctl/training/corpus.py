@@ -77,6 +77,26 @@ class TokenizerInfo:
     hash: str  # of the tokenizer's files (or "bytes-v1"): part of the no-op key
 
 
+# The files a Hugging Face tokenizer is read from (one of them at least).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def hf_tokenizer(directory: str):
+    """The Hugging Face tokenizer saved in `directory` (nothing is
+    downloaded); DataError with one line saying why it cannot be loaded."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except Exception as e:  # the library's many failure types: one line
+        if not any((Path(directory) / name).is_file() for name in TOKENIZER_FILES):
+            # transformers then says "...from one of: " and lists nothing
+            raise DataError(f"the directory holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}; "
+                            "a tokenizer's save_pretrained writes them)") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise DataError(f"cannot be loaded ({type(e).__name__}: {first})") from None
+
+
 def tokenizer_hash(directory: str) -> str:
     """sha256 over the names and contents of the files of a tokenizer directory."""
     h = hashlib.sha256()
@@ -92,12 +112,10 @@ def load_tokenizer(spec: str):
         return None, TokenizerInfo("bytes", 256, BYTES_EOS, "bytes-v1")
     if not Path(spec).is_dir():
         raise DataError(f"tokenizer={spec}: expected `bytes` or a local Hugging Face tokenizer directory (save_pretrained)")
-    from transformers import AutoTokenizer
-
     try:
-        tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
-    except Exception as e:  # the library's many failure types: one line
-        raise DataError(f"tokenizer={spec}: cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        tok = hf_tokenizer(spec)
+    except DataError as e:
+        raise DataError(f"tokenizer={spec}: {e}") from None
     if tok.eos_token_id is None:
         raise DataError(f"tokenizer={spec}: has no eos_token, which prepare-data puts between documents "
                         "(set tokenizer.eos_token and save_pretrained again)")

@@ -582,7 +582,13 @@ def root_cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
-def rotate(root: Path, keep: int, warn: Callable[[str], None] = log.warning) -> list[Path]:
+def _warn(message: str) -> None:
+    """To the terminal (rank 0's stderr reaches it) and to the rank's log."""
+    print(message, file=sys.stderr, flush=True)
+    log.warning(message)
+
+
+def rotate(root: Path, keep: int, warn: Callable[[str], None] = _warn) -> list[Path]:
     """Delete what lies beyond the newest `keep` valid checkpoints (0: keep
     all); return what was deleted. Only checkpoints that verify count, so
     a corrupt newer one never pushes out the last good one; an invalid one

@@ -35,9 +35,8 @@ def _trained(layout: str):
     from tpctl.training.data import TokenData, prepare_data
     from tpctl.training.loop import Trainer
 
-    mode_name, size, depth, dp, _ = LAYOUTS[layout]
-    cfg = tiny_config(1, mode=mode_name, size=size, depth=depth, dp=dp)
-    tp = init_parallel(mode_name, size, depth, dp, cfg.seed)
+    cfg = LAYOUTS[layout].write_to(tiny_config(1))
+    tp = init_parallel(LAYOUTS[layout], seed=cfg.seed)
     trainer = Trainer(cfg, parallelize(build_model(cfg.model, cfg.seed), tp), tp, TokenData(cfg, prepare_data(cfg)))
     trainer.train_step(0)
     return trainer, tp
@@ -54,7 +53,7 @@ def _save_with_a_file_limit(run_dir: str, limit: int) -> str:
     if tp.mesh.rank == 0:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, saved[1]))
     try:
-        checkpoint.save(Path(run_dir) / "checkpoints", 1, trainer.model, trainer.optimizer, tp.mesh, trainer.cfg)
+        checkpoint.save(Path(run_dir) / "checkpoints", 1, trainer.model, trainer.optimizer, tp, trainer.cfg)
     except checkpoint.CheckpointError as e:
         return str(e)
     finally:
@@ -80,9 +79,9 @@ def _needed_and_written(run_dir: str) -> tuple[int, int]:
 
     trainer, tp = _trained("2d-4-dp2")
     need = [0] * tp.mesh.world_size
-    entries = checkpoint.state_entries(trainer.model, trainer.optimizer, tp.mesh, 1, 0.0)
+    entries = checkpoint.state_entries(trainer.model, trainer.optimizer, tp, 1, 0.0)
     dist.all_gather_object(need, checkpoint.bytes_to_write(entries))
-    path = checkpoint.save(Path(run_dir), 1, trainer.model, trainer.optimizer, tp.mesh, trainer.cfg)
+    path = checkpoint.save(Path(run_dir), 1, trainer.model, trainer.optimizer, tp, trainer.cfg)
     return sum(need) + checkpoint.MANIFEST_ALLOWANCE, checkpoint._written_bytes(path)
 
 

@@ -78,22 +78,20 @@ def test_a_batch_holding_an_id_outside_the_vocabulary_names_the_step_the_id_and_
     data.batch("train", 4, [0, 1, 2, 3, 4, 6, 7], vocab_size=256)  # the other rows are clean
 
 
-def _train_on_damaged(layout: tuple, out: str) -> str:
+def _train_on_damaged(layout, out: str) -> str:
     """Build a run on a clean corpus, damage every shard once the data is
     open (as a file changed mid-run), train: the error each rank raises."""
     import torch.distributed as dist
 
     from tpctl.models import build_model
-    from tpctl.parallel import get_mode
     from tpctl.parallel.base import parallelize
-    from tpctl.parallel.mesh import init_mesh
+    from tpctl.parallel.parallelism import parallelism
     from tpctl.training.loop import Trainer
 
-    mode_name, size, depth, dp, sp = layout
-    cfg = tiny_config(2, **{"data.path": out, "mode": mode_name, "size": size, "depth": depth, "dp": dp})
-    mode = get_mode(init_mesh(mode_name, size, depth, dp, cfg.seed), sp)
-    model = parallelize(build_model(cfg.model, cfg.seed), mode)
-    trainer = Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg, scan_ids=False)))
+    cfg = layout.write_to(tiny_config(2, **{"data.path": out}))
+    par = parallelism(layout, cfg.seed)
+    model = parallelize(build_model(cfg.model, cfg.seed), par)
+    trainer = Trainer(cfg, model, par, TokenData(cfg, prepare_data(cfg, scan_ids=False)))
     dist.barrier()
     if dist.get_rank() == 0:
         index = corpus.read_index(out)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -268,8 +269,13 @@ def test_invalid_checkpoints_are_skipped_by_auto_and_refused_by_path(tpctl):
     from safetensors.torch import load_file
 
     out = tpctl.cwd / "model.safetensors"
-    exported = tpctl.run(["export", str(ckpts / "step_6"), str(out)])
+    umask = os.umask(0o027)  # the export inherits it, and gives OUT what open() would: 0640
+    try:
+        exported = tpctl.run(["export", str(ckpts / "step_6"), str(out)])
+    finally:
+        os.umask(umask)
     assert exported.returncode == 0, exported.stderr
+    assert out.stat().st_mode & 0o777 == 0o640
     weights = load_file(str(out))
     assert "wte.weight" in weights and "lm_head.weight" not in weights  # tied: once
     assert weights["wte.weight"].shape == (256, 64)

@@ -416,7 +416,6 @@ def save(root: Path, step: int, model, optimizer, par, cfg, first_loss: float = 
     A save that fails on any rank (a full disk, no permission) raises the
     same CheckpointError on every rank, naming the root cause, after its
     temp dir is removed: the checkpoints written before are untouched."""
-    from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
 
     SavePlanner, _ = _planners()
@@ -425,9 +424,8 @@ def save(root: Path, step: int, model, optimizer, par, cfg, first_loss: float = 
     started = time.perf_counter()
     mesh = par.mesh
     entries = state_entries(model, optimizer, par, step, first_loss)
-    mine = sum(e.view(b).numel() * e.tensor.element_size() for e in entries.values() for b in e.written())
     sizes = [0] * mesh.world_size
-    dist.all_gather_object(sizes, mine)
+    dist.all_gather_object(sizes, bytes_to_write(entries))
 
     def fail(why: str) -> CheckpointError:
         return CheckpointError(f"checkpoint step {step} not written to {root}: {why}; "
@@ -438,22 +436,25 @@ def save(root: Path, step: int, model, optimizer, par, cfg, first_loss: float = 
         for stale in root.glob(".tmp_*"):  # left by a crash mid-write
             shutil.rmtree(stale, ignore_errors=True)
         free = shutil.disk_usage(root).free
-        if sum(sizes) > free:
-            raise CheckpointError(f"it needs about {sum(sizes) / 2**20:,.1f} MiB, the disk has "
-                                  f"{free / 2**20:,.1f} MiB free (No space left on device)")
+        # As large as the newest checkpoint (the same state: the same size,
+        # whatever the layout), or the estimate when it is the first.
+        need = max([sum(sizes) + MANIFEST_ALLOWANCE] + [_written_bytes(path) for _, path in step_dirs(root)[:1]])
+        if need > free:
+            raise CheckpointError(f"it needs about {need / 2**20:,.2f} MiB, the disk has "
+                                  f"{free / 2**20:,.2f} MiB free (ENOSPC: No space left on device)")
         tmp.mkdir()
 
     _on_rank0(mesh, prepare, fail, tmp)
     error, files = None, {}
+    writer = _recording_writer(tmp)
     try:
-        dcp_save(entries, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
-                 planner=SavePlanner())
+        dcp_save(entries, storage_writer=writer, planner=SavePlanner())
         # Each rank hashes the files it wrote (DCP names them __<rank>_<n>.distcp).
         files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.glob(f"__{mesh.rank}_*"))}
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        error = root_cause(e)
+        error = root_cause(writer.failure or e)
     gathered = [None] * mesh.world_size
     dist.all_gather_object(gathered, (error, files))
     errors = [e for e, _ in gathered if e]
@@ -495,6 +496,64 @@ def save(root: Path, step: int, model, optimizer, par, cfg, first_loss: float = 
     return final
 
 
+def bytes_to_write(entries: dict) -> int:
+    """What this rank's part of a checkpoint takes on disk: the tensors'
+    bytes, plus per tensor written the frame torch.save puts around it (a
+    zip archive of its own: about 1.5 KiB, measured here) and its record
+    in DCP's metadata (measured: about 240 bytes with 40-character names;
+    256 + the name's length allowed). The manifest is MANIFEST_ALLOWANCE."""
+    import io
+
+    one = io.BytesIO()
+    torch.save(torch.zeros(1), one)
+    frame = one.getbuffer().nbytes - 4 + 256
+    return sum(e.view(b).numel() * e.tensor.element_size() + frame + len(key)
+               for key, e in entries.items() for b in e.written())
+
+
+# The manifest (the run's config, a record per file) and what else a
+# checkpoint holds once: a few KiB.
+MANIFEST_ALLOWANCE = 8 << 10
+
+
+def _written_bytes(path: Path) -> int:
+    """The bytes of a written checkpoint's files (its manifest's record;
+    0 when it has none)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        return sum(f["bytes"] for f in manifest["files"].values()) + (path / MANIFEST).stat().st_size
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0
+
+
+def _recording_writer(path: Path):
+    """DCP's file writer (one file per rank, fsynced) that keeps the first
+    exception its own rank raised, whole. DCP hands each rank's failure to
+    every rank pickled, which drops what it was raised from: torch.save's
+    RuntimeError ("unexpected pos ...") loses the OSError under it that
+    says ENOSPC."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class RecordingWriter(FileSystemWriter):
+        failure: Optional[BaseException] = None
+
+        def write_data(self, plan, planner):
+            try:
+                return super().write_data(plan, planner)
+            except BaseException as e:
+                self.failure = self.failure or e
+                raise
+
+        def finish(self, metadata, results):
+            try:
+                return super().finish(metadata, results)
+            except BaseException as e:
+                self.failure = self.failure or e
+                raise
+
+    return RecordingWriter(path, single_file_per_rank=True, sync_files=True)
+
+
 def _on_rank0(mesh, action: Callable[[], None], fail: Callable[[str], CheckpointError], tmp: Path) -> None:
     """Run `action` on rank 0 and tell every rank how it went: a failure
     there raises `fail(reason)` everywhere (never a rank left waiting in a
@@ -533,7 +592,13 @@ def root_cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
-def rotate(root: Path, keep: int, warn: Callable[[str], None] = log.warning) -> list[Path]:
+def _warn(message: str) -> None:
+    """To the terminal (rank 0's stderr reaches it) and to the rank's log."""
+    print(message, file=sys.stderr, flush=True)
+    log.warning(message)
+
+
+def rotate(root: Path, keep: int, warn: Callable[[str], None] = _warn) -> list[Path]:
     """Delete what lies beyond the newest `keep` valid checkpoints (0: keep
     all); return what was deleted. Only checkpoints that verify count, so
     a corrupt newer one never pushes out the last good one; an invalid one

@@ -832,8 +832,7 @@ def _agree(units: list, mode) -> None:
     diffs = torch.nan_to_num(diffs, nan=math.inf, posinf=math.inf)
     by_rank = comm.all_gather(diffs.unsqueeze(0), dist.group.WORLD).cpu()  # (world, units)
     # Start-up only: the names are short strings, one object gather.
-    names: list = [None] * dist.get_world_size()
-    dist.all_gather_object(names, [u.check.what for u in units])
+    names = comm.all_gather_object([u.check.what for u in units], dist.group.WORLD)
     worst, owner = by_rank.max(dim=0)  # max picks the first rank among equals
     for i, unit in enumerate(units):
         if not unit.check.note:

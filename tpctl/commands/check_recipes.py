@@ -26,7 +26,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from tpctl.errors import ConfigError, EXIT_FAILED, EXIT_OK, EXIT_USAGE, fail
+from tpctl.errors import ConfigError, EXIT_FAILED, EXIT_OK, EXIT_USAGE, TpctlError, fail
 from .recipes import compose_recipe, recipe_names, recipe_path
 from .run_dir import read_metrics, train_command
 
@@ -34,7 +34,7 @@ from .run_dir import read_metrics, train_command
 RUN_TIMEOUT_S = {"fast": 300, "full": 3600}
 
 
-class RecipeError(Exception):
+class RecipeError(TpctlError):
     """A recipe that cannot run: (file, one-line reason)."""
 
 

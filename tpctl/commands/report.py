@@ -25,11 +25,11 @@ from typing import Optional
 from tpctl.parallel.layout import Layout
 
 from .run_dir import read_metrics, read_summary
-from tpctl.errors import EXIT_OK, fail
+from tpctl.errors import EXIT_OK, TpctlError, fail
 
 
 
-class ReportError(Exception):
+class ReportError(TpctlError):
     """Bad input: printed as one line, exit 2."""
 
 

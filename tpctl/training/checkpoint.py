@@ -51,6 +51,7 @@ import torch
 from tpctl.parallel import comm
 from tpctl.parallel.layout import Layout
 from tpctl.parallel.shard import ShardSpec, spec_of
+from tpctl.errors import TpctlError
 
 log = logging.getLogger("tpctl.checkpoint")
 
@@ -60,7 +61,7 @@ CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointError(Exception):
+class CheckpointError(TpctlError):
     """A checkpoint that cannot be used; the message is one line."""
 
 

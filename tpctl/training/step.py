@@ -22,7 +22,7 @@ from tpctl.parallel.parallelism import Parallelism
 from tpctl.parallel.layers import CacheOff
 from tpctl.parallel.roles import logits_of
 from tpctl.parallel.shard import spec_of
-from tpctl.errors import warning
+from tpctl.errors import TpctlError, warning
 
 
 @dataclass
@@ -60,7 +60,7 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
-class NonFiniteLoss(RuntimeError):
+class NonFiniteLoss(TpctlError, RuntimeError):
     """The loss or the gradient norm of a step is NaN or infinite
     (train.on_nonfinite=stop); the message names the step."""
 

@@ -91,10 +91,16 @@ class Parallelism:
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
         """The L2 norm of the whole model's gradient, as one process would
         compute it: each shard counted once however many ranks replicate it
-        (ShardSpec.is_canonical), summed over the `grad_norm` group.
-        Per-tensor norms in one foreach call (no copy of any gradient),
-        their squares summed in float64."""
-        grads = [p.grad for p in model.parameters() if p.grad is not None and counted_once(p)]
+        (ShardSpec.canonical_parts: whole tensors, or the rows this rank
+        owns of a tensor with row replicas; not the last stage's copy of a
+        tied weight), summed over the `grad_norm` group. Per-tensor norms in
+        one foreach call (no copy of any gradient), their squares summed in
+        float64."""
+        grads = []
+        for p in model.parameters():
+            if p.grad is not None and not getattr(p, "tpctl_stage_copy", False):
+                spec = spec_of(p)
+                grads.extend([p.grad] if spec is None else spec.canonical_parts(p.grad))
         if grads:
             norms = torch._foreach_norm(grads) if hasattr(torch, "_foreach_norm") else [g.norm() for g in grads]
             total = torch.stack(norms).double().pow(2).sum()
@@ -127,14 +133,6 @@ def _scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
         by_dtype.setdefault(g.dtype, []).append(g)
     for dtype, group in by_dtype.items():
         torch._foreach_mul_(group, coef.to(dtype))
-
-
-def counted_once(param: torch.Tensor) -> bool:
-    """Whether this rank's copy of `param` is the one that counts (in the
-    gradient norm, in a checkpoint): the first of its tensor-parallel
-    replicas, and not the last pipeline stage's copy of a tied weight."""
-    spec = spec_of(param)
-    return (spec is None or spec.is_canonical) and not getattr(param, "tpctl_stage_copy", False)
 
 
 def parallelism(layout: Layout, seed: int = 0, device: str | torch.device = "cpu", groups: bool = True,

@@ -14,15 +14,16 @@ pipeline's schedule (parallel/pipeline.py) is the forward and backward.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
 
 from tpctl.parallel.parallelism import Parallelism
+from tpctl.parallel.layers import CacheOff
 from tpctl.parallel.roles import logits_of
 from tpctl.parallel.shard import spec_of
+from tpctl.errors import TpctlError, warning
 
 
 @dataclass
@@ -60,7 +61,7 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
-class NonFiniteLoss(RuntimeError):
+class NonFiniteLoss(TpctlError, RuntimeError):
     """The loss or the gradient norm of a step is NaN or infinite
     (train.on_nonfinite=stop); the message names the step."""
 
@@ -89,8 +90,8 @@ class NonFinitePolicy:
                 return True
             self.skipped_steps += 1
             if self.say_warning:
-                print(f"tpctl: warning: step {step + 1}: the loss is {float(loss)} and the gradient norm {float(norm)}; "
-                      "the update is skipped (train.on_nonfinite=skip)", file=sys.stderr, flush=True)
+                warning(f"step {step + 1}: the loss is {float(loss)} and the gradient norm {float(norm)}; "
+                      "the update is skipped (train.on_nonfinite=skip)")
             return False
         here = torch.stack([torch.full((), step + 1, dtype=torch.float64, device=loss.device), loss.double(), norm.double()])
         if self.first_bad is None:
@@ -123,6 +124,8 @@ class TrainStep:
             self.pipeline.autocast = lambda: autocast(self.device, cfg.precision)
             rows = len(par.rows(cfg.train.batch_size, self.micro_count))
             self.stream = self.pipeline.stream_shape(rows, cfg.train.seq_len, par.mode)
+        # Training forwards never build a key/value cache, whatever the config says.
+        self.cache_off = CacheOff(torch.nn.ModuleList(model_parts))
 
     @property
     def model(self) -> torch.nn.Module:
@@ -137,7 +140,7 @@ class TrainStep:
         while parameters, their gradients and the optimizer state stay fp32;
         norms and the cross entropy compute in fp32. The backward runs
         outside autocast, as torch recommends: it follows the forward's dtypes."""
-        with autocast(self.device, self.cfg.precision):
+        with autocast(self.device, self.cfg.precision), self.cache_off:
             return self.criterion(logits_of(self.model(x)), y)
 
     def criterion(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -149,7 +152,8 @@ class TrainStep:
     def eval_loss_sum(self, micro_batches) -> torch.Tensor:
         """Forward only: the summed loss of this rank's rows of a batch."""
         if self.pipeline is not None:
-            return self.pipeline.loss_sums(list(micro_batches), self.criterion, self.stream)
+            with self.cache_off:
+                return self.pipeline.loss_sums(list(micro_batches), self.criterion, self.stream)
         total = torch.zeros((), device=self.device)
         for x, y in micro_batches:
             total = total + self.loss_sum(x, y)
@@ -163,7 +167,9 @@ class TrainStep:
         pp > 1 the pipeline's schedule runs them (the same division), and
         every stage returns the last stage's sum."""
         if self.pipeline is not None:
-            return self.pipeline.forward_backward(list(micro_batches), self.criterion, self.tokens_per_step, self.stream)
+            with self.cache_off:
+                return self.pipeline.forward_backward(list(micro_batches), self.criterion, self.tokens_per_step,
+                                                      self.stream)
         total = None
         for micro, (x, y) in enumerate(micro_batches):
             self.par.mesh.draw_micro = micro

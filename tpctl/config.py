@@ -118,7 +118,7 @@ def validate(cfg: Any, model_check: bool = True) -> None:
     if not 0 <= cfg.seed < 2**63:
         raise ConfigError("seed", cfg.seed, f"expected an integer in [0, 2**63) = [0, {2**63 - 1}]")
     _check_choice("train.on_nonfinite", cfg.train.on_nonfinite, NONFINITE_POLICIES)
-    _check_choice("model.arch", cfg.model.arch, ARCHS)
+    _check_hf_arch(cfg.model)
     cfg.model = typed_model(cfg.model)
     _check_choice("data.name", cfg.data.name, DATASETS)
     _check_choice("device", cfg.device, DEVICES)
@@ -179,6 +179,34 @@ def validate(cfg: Any, model_check: bool = True) -> None:
         from .models import check_model  # imports torch: after every cheap check
 
         check_model(cfg)
+
+
+def _check_hf_arch(model: Any) -> None:
+    """model.arch: tpctl's own, custom, or (a Hugging Face family) a
+    model_type transformers builds as a causal LM. A pretrained directory
+    names its own family (model.arch becomes its model_type, so that the run
+    dir and checkpoints say which), and only a Hugging Face model reads one."""
+    import json
+
+    arch, pretrained = model.get("arch"), model.get("pretrained")
+    if arch in ARCHS:
+        if pretrained is not None:
+            raise ConfigError("model.pretrained", pretrained, f"model.arch={arch} is not a Hugging Face family: "
+                              "a save_pretrained directory loads with model=hf")
+        return
+    if pretrained is not None:
+        try:
+            model.arch = json.loads((Path(pretrained) / "config.json").read_text())["model_type"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # checked below: not a save_pretrained directory
+        return
+    from .models.hf import check_arch
+
+    try:
+        check_arch(arch)
+    except ImportError:
+        raise ConfigError("model.arch", arch, f"expected one of {', '.join(ARCHS)}, or a Hugging Face model_type "
+                          "with transformers installed (pip install 'tpctl[hf]')") from None
 
 
 def _check_finite(node: Any, prefix: str) -> None:

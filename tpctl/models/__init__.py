@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from tpctl.parallel.roles import RolePlan, logits_of, resolve_plan
-from tpctl.schema import ARCHS, HF_ARCHS
+from tpctl.schema import ARCHS
 
 from .gpt import GPT
 from .init import ParamInit, on_meta
@@ -44,14 +44,12 @@ def build_model(cfg: Any, seed: int, lazy: bool = False) -> torch.nn.Module:
         model.tpctl_init = ParamInit(model, seed)
         if not lazy:
             model.tpctl_init.materialize(model)
-    elif cfg.arch in HF_ARCHS:
+    elif cfg.arch == "custom":
+        model = build_custom(cfg, seed)
+    else:  # a Hugging Face family (models/hf.py checks the name)
         from .hf import build_hf
 
         model = build_hf(cfg, seed, lazy)
-    elif cfg.arch == "custom":
-        model = build_custom(cfg, seed)
-    else:
-        raise ValueError(f"unknown model arch {cfg.arch!r}; expected one of {', '.join(ARCHS)}")
     return model
 
 
@@ -99,6 +97,8 @@ def build_checked(m: Any, seed: int) -> torch.nn.Module:
     what = m.get("_target_") or m.get("pretrained") or m.arch
     try:
         return build_model(m, seed, lazy=True)
+    except ConfigError:
+        raise
     except ImportError as e:
         raise ConfigError("model._target_" if m.arch == "custom" else "model.arch", what, f"cannot import: {e}") from None
     except Exception as e:

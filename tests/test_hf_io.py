@@ -249,3 +249,104 @@ def test_pretrained_directory_loads_and_generates(pool, saved, family, key):
     directory, want = saved[family]
     for r in pool.run(_loaded, key, family, directory, want):
         assert r["loaded"] < 1e-5 and r["tokens"] == want, (family, key, r)
+
+
+# ---- size keys, names, initial values: in one process -----------------------
+
+def test_size_keys_map_onto_each_familys_own_names():
+    from tpctl.models.hf import family_config
+
+    gpt2 = family_config(_model_cfg("gpt2", dropout=0.1))  # GPT-2 calls them n_embd, n_inner, *_pdrop
+    assert (gpt2.n_embd, gpt2.n_layer, gpt2.n_head, gpt2.n_positions, gpt2.n_inner) == (32, 2, 4, 64, 64)
+    assert gpt2.resid_pdrop == gpt2.attn_pdrop == gpt2.embd_pdrop == 0.1
+    falcon = family_config(_model_cfg("falcon"))  # num_kv_heads, ffn_hidden_size
+    assert (falcon.num_kv_heads, falcon.ffn_hidden_size, falcon.new_decoder_architecture) == (2, 64, True)
+    opt = family_config(_model_cfg("opt"))
+    assert (opt.ffn_dim, opt.hidden_size, opt.max_position_embeddings) == (64, 32, 64)
+    gemma = family_config(_model_cfg("gemma"))  # its own default head_dim (256) follows the width
+    assert (gemma.head_dim, gemma.num_key_value_heads, gemma.tie_word_embeddings) == (8, 2, True)
+    qwen2 = family_config(_model_cfg("qwen2", config={"rope_theta": 12345.0}))  # passed through
+    assert (qwen2.num_key_value_heads, qwen2.rope_parameters["rope_theta"]) == (2, 12345.0)
+    assert len(qwen2.layer_types) == 2  # derived by the family from n_layer, as a user's config would be
+    # bias: null keeps the family's own; true/false sets every bias setting it has.
+    assert family_config(_model_cfg("gpt_neox")).attention_bias is True
+    assert family_config(_model_cfg("gpt_neox", bias=False)).attention_bias is False
+    llama = family_config(_model_cfg("llama", bias=True))
+    assert llama.attention_bias is True and llama.mlp_bias is True
+
+
+@pytest.mark.parametrize("overrides, key, phrase", [
+    (["model.arch=qwen7"], "model.arch", "builds as a causal LM (did you mean"),
+    (["model.arch=qwen2", "+model.config.no_such_setting=1"], "model.config.no_such_setting", "not a setting of Qwen2Config"),
+    (["model.arch=qwen2", "+model.config.num_attention_heads=four"], "model", "Qwen2Config refuses"),
+    (["model.arch=gpt_neox", "model.n_kv_head=2"], "model.n_kv_head", "GPTNeoXConfig has no setting for it"),
+    (["model.arch=gpt2", "model.bias=false"], "model.bias", "GPT2Config has no bias setting"),
+])
+def test_what_a_family_cannot_take_is_refused_naming_the_key(overrides, key, phrase):
+    from tpctl.config import compose_jobs, validate
+    from tpctl.errors import ConfigError
+
+    cfg = compose_jobs(["model=hf", "train.seq_len=16", *overrides])[0]
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert e.value.key == key and phrase in str(e.value), str(e.value)
+
+
+def test_stored_names_are_read_through_transformers_own_mapping(tmp_path):
+    """GPT-NeoX stores its head as embed_out (the model calls it lm_head),
+    GPT-2 as published has no transformer. prefix, a mixture of experts
+    stores one tensor per expert (the model stacks them): each parameter
+    knows its stored tensor, or the conversion that makes it."""
+    from tpctl.models import build_model
+
+    names = {}
+    for family, base_only in (("gpt_neox", False), ("gpt2", True), ("mixtral", False)):
+        save_family(family, tmp_path / family, base_only=base_only)
+        model = build_model(_model_cfg(family, pretrained=str(tmp_path / family)), seed=0, lazy=True)
+        names[family] = model.tpctl_init.stored
+    assert names["gpt_neox"].direct["lm_head.weight"] == "embed_out.weight"
+    assert names["gpt2"].direct["transformer.h.0.attn.c_attn.weight"] == "h.0.attn.c_attn.weight"
+    assert names["gpt2"].source(["lm_head.weight", "transformer.wte.weight"]) == ("stored", "wte.weight")  # tied: once
+    moe = names["mixtral"]
+    assert moe.source(["model.layers.0.mlp.experts.gate_up_proj"]) == ("converted", "model.layers.0.mlp.experts.gate_up_proj")
+    stacked = [key for key, _ in moe.groups["model.layers.0.mlp.experts.gate_up_proj"][1]]
+    assert len(stacked) == 6 and all(".experts." in key for key in stacked)  # 3 experts x (gate, up)
+
+
+def test_a_parameter_no_stored_tensor_feeds_is_refused_before_any_worker(tmp_path):
+    """from_pretrained would leave it randomly initialised: tpctl names it."""
+    from safetensors.torch import load_file, save_file
+
+    from tpctl.config import compose_jobs, validate
+    from tpctl.errors import ConfigError
+
+    save_family("qwen2", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    cfg = compose_jobs(["model=hf", f"model.pretrained={tmp_path}", "train.seq_len=16"])[0]
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert "no stored tensor for 1 parameter(s)" in str(e.value) and "model.layers.1.mlp.down_proj.weight" in str(e.value)
+    assert cfg.model.arch == "qwen2", "a pretrained directory names its family"
+
+
+def test_random_weights_of_any_family_are_fixed_by_the_seed_alone():
+    """Rules tpctl knows (Linear, Embedding, norms: the identity scale,
+    0 for Gemma's 1 + w) and the family's own init for the rest (stacked
+    experts), each from (seed, name): lazily sliced or built whole, the
+    same values."""
+    from tpctl.models import build_model
+    from tpctl.parallel.shard import ShardSpec
+
+    gemma = build_model(_model_cfg("gemma"), seed=3)
+    assert torch.count_nonzero(gemma.model.norm.weight) == 0  # x_hat * (1 + 0)
+    moe_cfg = _model_cfg("mixtral")
+    whole = build_model(moe_cfg, seed=3)
+    experts = whole.model.layers[0].mlp.experts.gate_up_proj
+    assert torch.isfinite(experts).all() and 0.01 < experts.std().item() < 0.03  # initializer_range 0.02
+    lazy = build_model(moe_cfg, seed=3, lazy=True)
+    meta = lazy.model.layers[0].mlp.experts.gate_up_proj
+    half = ShardSpec(tuple(meta.shape), (None, ((0, meta.shape[1] // 2),), None))
+    assert torch.equal(lazy.tpctl_init.shard(meta, half), half.slice(experts.detach()))
+    assert not torch.equal(build_model(moe_cfg, seed=4).model.layers[0].mlp.experts.gate_up_proj, experts)

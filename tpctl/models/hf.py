@@ -104,31 +104,34 @@ def family_config(cfg: Any):
     from transformers import AutoConfig
 
     if getattr(cfg, "pretrained", None):
-        config = AutoConfig.from_pretrained(cfg.pretrained, local_files_only=True)
-        cls, kwargs = type(config), {}
+        stored = AutoConfig.from_pretrained(cfg.pretrained, local_files_only=True)
+        cls, kwargs = type(stored), stored.to_dict()
     else:
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
         check_arch(cfg.arch)
         cls = CONFIG_MAPPING[cfg.arch]
         kwargs = _size_settings(cls, cfg)
-        config = None
+        stored = None
     passed = dict(getattr(cfg, "config", None) or {})
-    known = _settings(cls)
-    for key, value in passed.items():
-        if key not in known:
-            raise ConfigError(f"model.config.{key}", value, f"not a setting of {cls.__name__}: expected one of "
-                              f"{', '.join(sorted(known))}")
+    if stored is not None and not passed:
+        return stored
     try:
-        if config is None:
-            return cls(**{**kwargs, **passed})
-        for key, value in passed.items():
-            setattr(config, key, value)
-        return config
+        # Built anew, so that what the family derives (layer types from the
+        # depth, rope parameters from a legacy rope_theta) follows.
+        config = cls(**{**kwargs, **passed})
     except Exception as e:  # the family's own validation (strict types, head divisibility, its own rules)
         first = str(e).strip().splitlines()
         raise ConfigError("model", cfg.get("pretrained") or cfg.arch,
                           f"{cls.__name__} refuses these settings: {' '.join(line.strip() for line in first[:2])}") from None
+    known = _settings(cls)
+    for key, value in passed.items():
+        # A key the family neither declares nor consumes (a legacy name it
+        # converts) would only sit on the config unread: a typo.
+        if key not in known and hasattr(config, key):
+            raise ConfigError(f"model.config.{key}", value, f"not a setting of {cls.__name__}: expected one of "
+                              f"{', '.join(sorted(known))}")
+    return config
 
 
 def _size_settings(cls, cfg: Any) -> dict:

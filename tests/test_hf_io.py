@@ -36,7 +36,8 @@ TRAINED = {
     "gpt_neox": dict(tie_embeddings=False),  # Pythia: fused qkv interleaved per head, embed_out stored
     "phi3": dict(n_kv_head=2, tie_embeddings=False),  # fused [q|k|v] and [gate|up]
     "gemma": dict(n_kv_head=2),  # x_hat * (1 + w), embedding * sqrt(hidden), tied
-    "opt": dict(),  # model.decoder.*, learned positions with an offset
+    "qwen3": dict(n_kv_head=2),  # per-head q/k norms
+    "starcoder2": dict(n_kv_head=2),  # grouped-query attention with biases, LayerNorm
 }
 # Read (and decoded) only: stored names of other shapes.
 LOADED = {
@@ -44,8 +45,10 @@ LOADED = {
     "bloom": dict(),  # transformer.*, alibi
     "falcon": dict(n_kv_head=2, config={"new_decoder_architecture": True}),  # Falcon-40B style
     "gpt_bigcode": dict(config={"multi_query": False}),  # StarCoder, multi-head
-    "mixtral": dict(n_kv_head=2, config={"num_local_experts": 3}),  # experts stored one tensor each
+    "opt": dict(),  # model.decoder.*, learned positions with an offset
 }
+# Read in one process (test_stored_names...): experts stored one tensor each.
+MOE = {"mixtral": dict(n_kv_head=2, config={"num_local_experts": 3})}
 ROUND_TRIP = ("none-dp8", "2d-4-dp2")
 
 
@@ -54,7 +57,7 @@ def _model_cfg(family: str, **extra):
 
     from tpctl.config import typed_model
 
-    keys = {**SIZES, "bias": None, "dropout": 0.0, **{**TRAINED, **LOADED}.get(family, {}), **extra}
+    keys = {**SIZES, "bias": None, "dropout": 0.0, **{**TRAINED, **LOADED, **MOE}.get(family, {}), **extra}
     return typed_model(OmegaConf.create({"arch": family, **keys}))
 
 
@@ -242,9 +245,10 @@ def _loaded(key: str, family: str, directory: str, want: list[int]) -> dict:
     return {"loaded": _logits_gap(model, mode, directory), "tokens": generate(model, mode, PROMPT, len(want))}
 
 
-# A mixture of experts is read through its converter here in mode=none;
-# splitting its experts is the rewrite's (tests/test_families.py).
-@pytest.mark.parametrize("family, key", [(f, k) for f in LOADED for k in ROUND_TRIP if f != "mixtral" or k == "none-dp8"])
+# OPT's 1d and 2d rewrites are refused by the start-up check today (its key
+# bias's gradient is round-off, its position table has no feature rule:
+# issue 24, point 3): read and decoded in mode=none here.
+@pytest.mark.parametrize("family, key", [(f, k) for f in LOADED for k in ROUND_TRIP if f != "opt" or k == "none-dp8"])
 def test_pretrained_directory_loads_and_generates(pool, saved, family, key):
     directory, want = saved[family]
     for r in pool.run(_loaded, key, family, directory, want):
@@ -311,6 +315,17 @@ def test_stored_names_are_read_through_transformers_own_mapping(tmp_path):
     assert moe.source(["model.layers.0.mlp.experts.gate_up_proj"]) == ("converted", "model.layers.0.mlp.experts.gate_up_proj")
     stacked = [key for key, _ in moe.groups["model.layers.0.mlp.experts.gate_up_proj"][1]]
     assert len(stacked) == 6 and all(".experts." in key for key in stacked)  # 3 experts x (gate, up)
+    # The converted (and renamed) values are from_pretrained's: the same logits.
+    from transformers import AutoModelForCausalLM
+
+    from tpctl.models import logits_of
+
+    ids = _batch()
+    for family in names:
+        model = build_model(_model_cfg(family, pretrained=str(tmp_path / family)), seed=0).eval()
+        ref = AutoModelForCausalLM.from_pretrained(tmp_path / family).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(logits_of(model(ids)), ref(ids, use_cache=False).logits, **TOL)
 
 
 def test_a_parameter_no_stored_tensor_feeds_is_refused_before_any_worker(tmp_path):

@@ -16,9 +16,12 @@ the none runs give the same logits.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from cli_support import tpctl  # noqa: F401  (fixture)
 from conftest import layouts
 from tpctl.launch.pool import mode_of
 
@@ -61,18 +64,18 @@ def _model_cfg(family: str, **extra):
     return typed_model(OmegaConf.create({"arch": family, **keys}))
 
 
-def save_family(family: str, directory, base_only: bool = False) -> None:
+def save_family(family: str, directory, base_only: bool = False, **extra) -> None:
     """A save_pretrained directory of `family` as transformers writes it:
     the family's config (tiny sizes, its own defaults otherwise, the cache
     on), weights from transformers' own init, the LM head scaled so that
     greedy decoding is decisive (no near-ties for round-off to flip).
     base_only: the base model saved alone (GPT-2 as published: `h.*`,
-    `wte.weight`, no `transformer.` prefix)."""
+    `wte.weight`, no `transformer.` prefix). `extra`: tpctl model keys."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     from tpctl.models.hf import family_config
 
-    config = family_config(_model_cfg(family))
+    config = family_config(_model_cfg(family, **extra))
     assert config.use_cache, "the directory must keep the family's default (cache on)"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
@@ -365,3 +368,68 @@ def test_random_weights_of_any_family_are_fixed_by_the_seed_alone():
     half = ShardSpec(tuple(meta.shape), (None, ((0, meta.shape[1] // 2),), None))
     assert torch.equal(lazy.tpctl_init.shard(meta, half), half.slice(experts.detach()))
     assert not torch.equal(build_model(moe_cfg, seed=4).model.layers[0].mlp.experts.gate_up_proj, experts)
+
+
+# ---- through the command line ---------------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_an_unknown_family_exits_2_naming_the_valid_ones(tpctl):  # noqa: F811
+    result = tpctl.run(["train", "model=hf", "model.arch=qwen7"])
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tpctl: error: invalid config: model.arch='qwen7': "), lines
+    assert "qwen2" in lines[0] and "gpt_neox" in lines[0] and "llama" in lines[0]
+    assert not (tpctl.cwd / "outputs").exists()
+
+
+def _tokenizer(directory) -> None:
+    """A byte-level BPE tokenizer of 200 ids, trained here (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = "".join(f"def f{i}(x):\n    return x * {i % 7} + {i}\n" for i in range(300))
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_pretrained_directory_through_train_export_and_generate(tpctl):  # noqa: F811
+    """As a user: a Pythia-style directory (embed_out stored) trained in 2d
+    with its tokenizer, exported, and the export decoded by tpctl in 2d to
+    transformers' own greedy tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, tok, out = tpctl.cwd / "pythia", tpctl.cwd / "tok", tpctl.cwd / "exported"
+    _tokenizer(tok)
+    # The vocabulary of the tokenizer: tpctl never picks an id the tokenizer
+    # lacks, transformers' generate does not know of it.
+    vocab = len(AutoTokenizer.from_pretrained(tok))
+    save_family("gpt_neox", source, vocab_size=vocab)
+    run = tpctl.cwd / "run"
+    trained = tpctl.run(["train", "model=hf", f"model.pretrained={source}", f"data.tokenizer={tok}", f"data.vocab_size={vocab}",
+                         "mode=2d", "size=4",
+                         "train.steps=3", "train.batch_size=8", "train.seq_len=16", "train.eval_every=0",
+                         "data.max_bytes=100000", f"hydra.run.dir={run}"], timeout=600)
+    assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-2000:]
+    exported = tpctl.run(["export", str(run / "checkpoints" / "step_3"), str(out)], timeout=300)
+    assert exported.returncode == 0, exported.stderr
+    stored = json.loads((out / "config.json").read_text())
+    assert stored["model_type"] == "gpt_neox" and stored["use_cache"] is True  # the family's config, as the user had it
+    from safetensors import safe_open
+
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert "embed_out.weight" in f.keys() and "lm_head.weight" not in f.keys()  # the family's stored names
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)  # the run's tokenizer came along
+    prompt = "def f3(x):"
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(ids):]
+    done = tpctl.run(["generate", str(out), f"prompt={prompt}", "temperature=0", "max_new_tokens=6", "--json",
+                      "mode=2d", "size=4"], timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["prompt_ids"] == ids and got["ids"] == want.tolist(), (got, want.tolist())

@@ -283,7 +283,7 @@ def test_size_keys_map_onto_each_familys_own_names():
 
 
 @pytest.mark.parametrize("overrides, key, phrase", [
-    (["model.arch=qwen7"], "model.arch", "builds as a causal LM (did you mean"),
+    (["model.arch=qwen7"], "model.arch", "builds as a causal LM (did you mean 'qwen"),
     (["model.arch=qwen2", "+model.config.no_such_setting=1"], "model.config.no_such_setting", "not a setting of Qwen2Config"),
     (["model.arch=qwen2", "+model.config.num_attention_heads=four"], "model", "Qwen2Config refuses"),
     (["model.arch=gpt_neox", "model.n_kv_head=2"], "model.n_kv_head", "GPTNeoXConfig has no setting for it"),

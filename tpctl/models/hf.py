@@ -40,6 +40,7 @@ import torch.nn as nn
 
 from tpctl.errors import ConfigError
 from tpctl.parallel.layers import linearize
+from tpctl.schema import ARCHS
 from tpctl.seeding import derive_seed
 
 from .init import ParamInit, params_on_meta
@@ -80,10 +81,10 @@ def check_arch(arch: str) -> None:
 
     types = causal_lm_types()
     if arch not in types:
-        close = difflib.get_close_matches(arch, types, n=3)
-        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
-        raise ConfigError("model.arch", arch, f"expected gpt, mlp, custom or one of the {len(types)} model types "
-                          f"transformers builds as a causal LM{hint}: {', '.join(types)}")
+        close = difflib.get_close_matches(arch, (*ARCHS, *types), n=2)
+        hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+        raise ConfigError("model.arch", arch, f"expected {', '.join(ARCHS)} or a model_type transformers builds as a "
+                          f"causal LM{hint}; the {len(types)} it builds: {', '.join(types)}")
 
 
 def _settings(cls) -> set[str]:

@@ -433,3 +433,62 @@ def test_pretrained_directory_through_train_export_and_generate(tpctl):  # noqa:
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["prompt_ids"] == ids and got["ids"] == want.tolist(), (got, want.tolist())
+
+
+def measure() -> None:
+    """The README's table: `python tests/test_hf_io.py` (8 gloo ranks, a
+    few minutes on 2 cores): per family, the largest difference to
+    from_pretrained's logits as read (mode=none, 2d), the largest relative
+    loss difference of 1d and 2d to mode=none over the steps, whether
+    greedy tokens equal transformers' (none, 2d), and the exported models'
+    logits against the trained ones and the 2d export's against none's."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from tpctl.launch.pool import DistPool
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    pool = DistPool(8, timeout_s=900)
+    root = Path(tempfile.mkdtemp(prefix="hf-io-"))
+    print("| family | read, none / 2d | train 1d / 2d vs none | greedy = transformers, none / 2d "
+          "| export vs trained, none / 2d | 2d export vs none export |")
+    print("|---|---|---|---|---|---|")
+    try:
+        for family in (*TRAINED, *LOADED):
+            directory = root / family
+            save_family(family, directory, base_only=family == "gpt2")
+            want = _reference_tokens(directory)
+            row, runs = {}, {}
+            for key in ("none-dp8", "1d-2-dp4", "2d-4-dp2"):
+                if family in LOADED and key == "1d-2-dp4" or family == "opt" and key != "none-dp8":
+                    continue
+                run_dir = None
+                if family in TRAINED and key in ROUND_TRIP:
+                    run_dir = str(root / f"{family}-{key}")
+                    Path(run_dir).mkdir()
+                fn = _in_and_out if family in TRAINED else _loaded
+                args = (want, run_dir) if family in TRAINED else (want,)
+                row[key] = pool.run(fn, key, family, str(directory), *args)
+                runs[key] = run_dir
+            none = row["none-dp8"]
+            read = " / ".join(f"{max(r['loaded'] for r in row[k]):.1e}" for k in ROUND_TRIP if k in row)
+            greedy = " / ".join(str(all(r["tokens"] == want for r in row[k])).lower() for k in ROUND_TRIP if k in row)
+            trained = exported = across = "-"
+            if family in TRAINED:
+                trained = " / ".join(f"{max(deviation(none[0]['curve'], r['curve'])[0] for r in row[k]):.1e}"
+                                     for k in ("1d-2-dp4", "2d-4-dp2"))
+                exported = " / ".join(f"{max(r['exported'] for r in row[k]):.1e}" for k in ROUND_TRIP)
+                a, b = (AutoModelForCausalLM.from_pretrained(f"{runs[k]}/exported").eval() for k in ROUND_TRIP)
+                with torch.no_grad():
+                    ids = _batch()
+                    across = f"{(a(ids, use_cache=False).logits - b(ids, use_cache=False).logits).abs().max().item():.1e}"
+            print(f"| {family} | {read} | {trained} | {greedy} | {exported} | {across} |", flush=True)
+    finally:
+        pool.close()
+
+
+if __name__ == "__main__":
+    measure()

@@ -165,8 +165,15 @@ def _size_settings(cls, cfg: Any) -> dict:
             raise ConfigError("model.bias", cfg.bias, f"{cls.__name__} has no bias setting (bias or *_bias): "
                               "expected null (the family's default), or the family's own with +model.config.KEY=VALUE")
         out.update({n: bool(cfg.bias) for n in names})
-    # No special token ids: the vocabulary may be a byte tokenizer's 256.
-    out.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    # A special token id the vocabulary does not have (GPT-2's 50256 in a
+    # byte tokenizer's 256) is dropped; one it has stays (a family may need
+    # its padding id).
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        f = fields.get(name)
+        default = _default(f) if f is not None else None
+        ids = default if isinstance(default, (list, tuple)) else [default]
+        if any(isinstance(i, int) and i >= cfg.vocab_size for i in ids) and "None" in str(f.type):
+            out[name] = None
     return out
 
 

@@ -96,8 +96,16 @@ def _reference_tokens(directory) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(directory).eval()
     prompt = torch.tensor([PROMPT])
     with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+        out = model.generate(prompt, max_new_tokens=NEW, do_sample=False)  # stops at the family's eos, as tpctl does
     return out[0, len(PROMPT):].tolist()
+
+
+def _greedy(model, mode) -> list[int]:
+    """tpctl's greedy tokens, stopping at the model's end-of-sequence ids as
+    transformers' generate does."""
+    from tpctl.training.generation import generate, stop_ids
+
+    return generate(model, mode, PROMPT, NEW, stop=sorted(stop_ids(model, None)))
 
 
 def _batch():
@@ -145,10 +153,10 @@ def _cfg(key: str, family: str, directory: str):
     return cfg
 
 
-def _in_and_out(key: str, family: str, directory: str, want: list[int] | None, run_dir: str | None) -> dict:
+def _in_and_out(key: str, family: str, directory: str, decode: bool, run_dir: str | None) -> dict:
     """On every rank of the pool: read the directory in layout `key`
     (verified rewrite, as a worker does), compare with from_pretrained,
-    decode greedily (`want`: transformers' tokens), train, and with
+    decode greedily (if `decode`), train, and with
     `run_dir` save a checkpoint, export it (rank 0) and load the export."""
     from pathlib import Path
 
@@ -158,15 +166,14 @@ def _in_and_out(key: str, family: str, directory: str, want: list[int] | None, r
     from tpctl.models import build_model
     from tpctl.parallel.verify import parallelize_verified
     from tpctl.training.data import TokenData, prepare_data
-    from tpctl.training.generation import generate
     from tpctl.training.loop import Trainer
 
     cfg = _cfg(key, family, directory)
     mode = mode_of(*MESHES[key])
     model, _ = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), mode)
     out = {"loaded": _logits_gap(model, mode, directory)}
-    if want is not None:
-        out["tokens"] = generate(model, mode, PROMPT, len(want))
+    if decode:
+        out["tokens"] = _greedy(model, mode)
     trainer = Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg)), Path(run_dir) if run_dir else None)
     out["curve"] = [(r["loss"], r["grad_norm"]) for r in trainer.fit()]
     if run_dir:
@@ -191,16 +198,16 @@ def saved(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def references(pool, saved, tmp_path_factory):
+def references():
     """family -> mode=none's results (with an export)."""
     return {}
 
 
 def _none(pool, saved, references, family, tmp_path_factory):
     if family not in references:
-        directory, want = saved[family]
+        directory = saved[family][0]
         run_dir = str(tmp_path_factory.mktemp(f"{family}-none"))
-        references[family] = (pool.run(_in_and_out, "none-dp8", family, directory, want, run_dir)[0], run_dir)
+        references[family] = (pool.run(_in_and_out, "none-dp8", family, directory, True, run_dir)[0], run_dir)
     return references[family]
 
 
@@ -221,7 +228,7 @@ def test_pretrained_directory_trains_generates_and_exports(pool, saved, referenc
     assert none["curve"][-1][0] < none["curve"][0][0], f"{family}: the reference did not learn"
     round_trip = key in ROUND_TRIP
     run_dir = str(tmp_path_factory.mktemp(f"{family}-{key}")) if round_trip else None
-    results = pool.run(_in_and_out, key, family, directory, want if round_trip else None, run_dir)
+    results = pool.run(_in_and_out, key, family, directory, round_trip, run_dir)
     for r in results:
         assert r["loaded"] < 1e-5
         loss, norm = deviation(none["curve"], r["curve"])
@@ -237,15 +244,14 @@ def test_pretrained_directory_trains_generates_and_exports(pool, saved, referenc
                                        rtol=1e-4, atol=1e-4)
 
 
-def _loaded(key: str, family: str, directory: str, want: list[int]) -> dict:
+def _loaded(key: str, family: str, directory: str) -> dict:
     from tpctl.models import build_model
     from tpctl.parallel.verify import parallelize_verified
-    from tpctl.training.generation import generate
 
     cfg = _cfg(key, family, directory)
     mode = mode_of(*MESHES[key])
     model, _ = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), mode)
-    return {"loaded": _logits_gap(model, mode, directory), "tokens": generate(model, mode, PROMPT, len(want))}
+    return {"loaded": _logits_gap(model, mode, directory), "tokens": _greedy(model, mode)}
 
 
 # OPT's 1d and 2d rewrites are refused by the start-up check today (its key
@@ -254,7 +260,7 @@ def _loaded(key: str, family: str, directory: str, want: list[int]) -> dict:
 @pytest.mark.parametrize("family, key", [(f, k) for f in LOADED for k in ROUND_TRIP if f != "opt" or k == "none-dp8"])
 def test_pretrained_directory_loads_and_generates(pool, saved, family, key):
     directory, want = saved[family]
-    for r in pool.run(_loaded, key, family, directory, want):
+    for r in pool.run(_loaded, key, family, directory):
         assert r["loaded"] < 1e-5 and r["tokens"] == want, (family, key, r)
 
 
@@ -427,7 +433,7 @@ def test_pretrained_directory_through_train_export_and_generate(tpctl):  # noqa:
     prompt = "def f3(x):"
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     with torch.no_grad():
-        want = model.generate(torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(ids):]
+        want = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):]
     done = tpctl.run(["generate", str(out), f"prompt={prompt}", "temperature=0", "max_new_tokens=6", "--json",
                       "mode=2d", "size=4"], timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -470,7 +476,7 @@ def measure() -> None:
                     run_dir = str(root / f"{family}-{key}")
                     Path(run_dir).mkdir()
                 fn = _in_and_out if family in TRAINED else _loaded
-                args = (want, run_dir) if family in TRAINED else (want,)
+                args = (key in ROUND_TRIP, run_dir) if family in TRAINED else ()
                 row[key] = pool.run(fn, key, family, str(directory), *args)
                 runs[key] = run_dir
             none = row["none-dp8"]

@@ -29,7 +29,6 @@ writing one back, transpose those).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from pathlib import Path
@@ -39,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from tpctl.errors import ConfigError
-from tpctl.parallel.layers import linearize
+from tpctl.parallel.layers import _probe_copy, linearize
 from tpctl.schema import ARCHS
 from tpctl.seeding import derive_seed
 
@@ -232,9 +231,8 @@ def _family_init(model: nn.Module, seed: int):
     where that leaves it unset, the value its constructor gave it (as
     `from_config` would keep it)."""
     def init(name: str, module: nn.Module, attr: str) -> torch.Tensor:
-        owner = copy.deepcopy(module).to_empty(device="cpu")
-        for p in owner.parameters(recurse=False):
-            p.data.fill_(float("nan"))
+        # Its own parameters only, NaN until set: the submodules stay on meta.
+        owner = _probe_copy(module, lambda _, shape: torch.full(shape, float("nan")))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(seed, name))
             model._init_weights(owner)

@@ -123,7 +123,36 @@ class SafetensorsSource(ParamSource):
             raise KeyError(f"{self.directory}: no stored tensor for {len(missing)} parameter(s) of "
                            f"{type(model).__name__}, first {missing[0]} (stored names: {', '.join(list(self._entries)[:4])}, ...)")
         self._converted: tuple[Optional[str], dict[str, torch.Tensor]] = (None, {})
+        self._check_shapes(model)
         self._load_buffers(model)
+
+    def _check_shapes(self, model: nn.Module) -> None:
+        """Every stored tensor, or what the family's conversion makes of the
+        stored ones, has its parameter's shape: found here, before any
+        worker starts. The conversions run on meta tensors (shapes only)."""
+        made: dict[str, dict[str, torch.Tensor]] = {}
+        for param in self.parameters():
+            names = self.names(param)
+            kind, source = self.stored.source(names)
+            if kind == "stored":
+                shape = tuple(self._entries[source][1]["shape"])
+            else:
+                if source not in made:
+                    try:
+                        made[source] = self.stored.convert(source, self._meta_tensor)
+                    except Exception as e:  # the family's converter, on this directory's tensors
+                        raise ValueError(f"{self.directory}: {type(model).__name__}'s conversion of the stored tensors "
+                                         f"of {source} fails: {type(e).__name__}: {e}") from None
+                shape = next((tuple(made[source][n].shape) for n in names if n in made[source]), None)
+            flipped = any(n in self.transposed for n in names)  # stored (in, out), the Linear's (out, in)
+            want = tuple(reversed(param.shape)) if flipped else tuple(param.shape)
+            if shape != want:
+                raise ValueError(f"{self.directory}: {source} has shape {shape}, {type(model).__name__}.{names[0]} "
+                                 f"expects {want}")
+
+    def _meta_tensor(self, key: str) -> torch.Tensor:
+        entry = self._entries[key][1]
+        return torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]], device="meta")
 
     def _load_buffers(self, model: nn.Module) -> None:
         """Persistent buffers the files store (a router's score correction)
@@ -157,15 +186,8 @@ class SafetensorsSource(ParamSource):
             # splits a fused tensor): it runs on the whole stored tensors,
             # then this rank's slice is taken.
             value = self._convert(source, names)
-            value = value.t() if flipped else value
-            if tuple(value.shape) != tuple(spec.full_shape):
-                raise ValueError(f"{self.directory}: converting {source} gave {names[0]} the shape {tuple(value.shape)}, "
-                                 f"the model expects {tuple(spec.full_shape)}")
-            return spec.slice(value).to(param.dtype)
-        path, entry = self._entries[source]
-        want = tuple(reversed(spec.full_shape)) if flipped else spec.full_shape
-        if tuple(entry["shape"]) != want:
-            raise ValueError(f"{self.directory}: {source} has shape {tuple(entry['shape'])}, the model expects {want}")
+            return spec.slice(value.t() if flipped else value).to(param.dtype)
+        path, entry = self._entries[source]  # shapes checked in __init__
         fd = os.open(path, os.O_RDONLY)
         try:
             if flipped:

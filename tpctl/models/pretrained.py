@@ -11,8 +11,10 @@ data), so each parameter knows the stored tensor it comes from. A rename
 is read slice by slice; a conversion (tensor surgery: experts stacked, a
 fused tensor split) is run by the family's own converter on the whole
 stored tensors, and the slice taken from the result. A parameter that no
-stored tensor feeds is an error before any worker starts (from_pretrained
-would leave it randomly initialised). Tied parameters are one parameter,
+stored tensor feeds (from_pretrained would leave it randomly initialised),
+a stored tensor of another shape, a conversion that fails on the stored
+shapes (run on meta tensors) are errors before any worker starts. Tied
+parameters are one parameter,
 read once, from whichever of their names is stored.
 
 A `ShardSpec` is exactly the slice of a tensor a rank holds, so a rank reads

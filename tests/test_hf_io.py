@@ -365,6 +365,14 @@ def test_a_directory_that_does_not_fit_the_family_is_refused_before_any_worker(t
     assert cfg.model.arch == "qwen2", "a pretrained directory names its family"
 
 
+def test_a_checkpoint_written_before_model_config_existed_is_the_same_model():
+    from tpctl.training.checkpoint import model_difference
+
+    before = {"arch": "llama", "n_layer": 2, "bias": False}
+    assert model_difference(before, {**before, "config": {}}) is None
+    assert "model.config={} in the checkpoint" in model_difference(before, {**before, "config": {"rope_theta": 1.0}})
+
+
 def test_random_weights_of_any_family_are_fixed_by_the_seed_alone():
     """Rules tpctl knows (Linear, Embedding, norms: the identity scale,
     0 for Gemma's 1 + w) and the family's own init for the rest (stacked

@@ -7,9 +7,9 @@ decoded with tensor parallelism in any mode, streamed as it comes.
 SOURCE: a checkpoint (<run dir>/checkpoints/step_<N>, written in any
 layout; it is loaded into the one asked for here) or a Hugging Face
 save_pretrained directory (config.json and safetensors; any model_type
-transformers builds as a causal LM). The tokenizer: the checkpoint's run's `data.tokenizer` (bytes when
-it had none), or for a pretrained directory the tokenizer saved in it, if
-any; `data.tokenizer=DIR` overrides both. temperature=0 is greedy decoding,
+transformers builds as a causal LM). The tokenizer: the checkpoint's run's
+`data.tokenizer` (bytes when it had none), or for a pretrained directory
+the tokenizer saved in it, if any; `data.tokenizer=DIR` overrides both. temperature=0 is greedy decoding,
 the same tokens in every mode. --json: no streaming; one JSON object
 (the text, the ids, tokens/s) at the end.
 

@@ -305,6 +305,15 @@ def test_what_a_family_cannot_take_is_refused_naming_the_key(overrides, key, phr
     assert e.value.key == key and phrase in str(e.value), str(e.value)
 
 
+def test_a_family_setting_without_its_plus_says_how_to_add_it():
+    from tpctl.config import compose_jobs
+    from tpctl.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        compose_jobs(["model=hf", "model.arch=qwen2", "model.config.rope_theta=1e6"])
+    assert e.value.key == "model.config.rope_theta" and "+model.config.rope_theta=<value>" in str(e.value)
+
+
 def test_stored_names_are_read_through_transformers_own_mapping(tmp_path):
     """GPT-NeoX stores its head as embed_out (the model calls it lm_head),
     GPT-2 as published has no transformer. prefix, a mixture of experts

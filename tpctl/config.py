@@ -628,6 +628,8 @@ def _override_for(full_key: str, overrides: list):
 
 def _unknown_key_hint(key: str, reference: DictConfig) -> str | None:
     """Name the first segment of `key` that does not exist, with the keys that do."""
+    if key.rsplit(".", 1)[0] == "model.config":  # an open group, empty by default: new keys take a plus
+        return f"model.config takes the family's own settings, each added with a plus: +{key}=<value>"
     node, prefix = reference, ""
     for part in key.split("."):
         if not isinstance(node, DictConfig):

@@ -374,6 +374,24 @@ def test_a_directory_that_does_not_fit_the_family_is_refused_before_any_worker(t
     assert cfg.model.arch == "qwen2", "a pretrained directory names its family"
 
 
+def test_a_directory_of_a_family_transformers_does_not_build_is_refused_naming_its_model_type(tmp_path):
+    from pathlib import Path
+
+    from tpctl.commands.generate import compose
+    from tpctl.config import compose_jobs, validate
+    from tpctl.errors import ConfigError
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen7"}))
+    cfg = compose_jobs(["model=hf", f"model.pretrained={tmp_path}", "train.seq_len=16"])[0]
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert e.value.key == "model.pretrained" and "model_type 'qwen7'" in str(e.value), str(e.value)
+    with pytest.raises(ConfigError) as e:  # tpctl generate DIR: the same reason
+        compose(Path(tmp_path), "dir", [])
+    assert e.value.key == "SOURCE" and "did you mean 'qwen" in str(e.value), str(e.value)
+    assert "expected gpt2" not in str(e.value), "a directory's family is a transformers model_type"
+
+
 def test_a_checkpoint_written_before_model_config_existed_is_the_same_model():
     from tpctl.training.checkpoint import model_difference
 

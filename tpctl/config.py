@@ -194,19 +194,22 @@ def _check_hf_arch(model: Any) -> None:
             raise ConfigError("model.pretrained", pretrained, f"model.arch={arch} is not a Hugging Face family: "
                               "a save_pretrained directory loads with model=hf")
         return
+    from .models.hf import check_arch
+
     if pretrained is not None:
         try:
             model.arch = json.loads((Path(pretrained) / "config.json").read_text())["model_type"]
         except (OSError, ValueError, KeyError, TypeError):
-            pass  # checked below: not a save_pretrained directory
-        return
-    from .models.hf import check_arch
-
+            return  # checked below: not a save_pretrained directory
     try:
-        check_arch(arch)
+        check_arch(model.arch, ours=pretrained is None)
     except ImportError:
         raise ConfigError("model.arch", arch, f"expected one of {', '.join(ARCHS)}, or a Hugging Face model_type "
                           "with transformers installed (pip install 'tpctl[hf]')") from None
+    except ConfigError as e:
+        if pretrained is None:
+            raise
+        raise ConfigError("model.pretrained", pretrained, f"its config.json's model_type {model.arch!r}: {e.valid}") from None
 
 
 def _check_finite(node: Any, prefix: str) -> None:

@@ -110,7 +110,7 @@ def compose(source: Path, kind: str, overrides: list[str]):
     from tpctl.models.hf import check_arch
 
     try:
-        check_arch(str(arch))
+        check_arch(str(arch), ours=False)
     except ConfigError as e:
         raise ConfigError("SOURCE", str(source), f"model_type {arch!r}: {e.valid}") from None
     cfg = compose_jobs(["model=hf", f"model.arch={arch}", f"model.pretrained={source.resolve()}", *other, *model_overrides])[0]

@@ -74,16 +74,17 @@ def causal_lm_types() -> tuple[str, ...]:
     return tuple(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
 
 
-def check_arch(arch: str) -> None:
-    """ConfigError unless `arch` is a model_type transformers builds as a causal LM."""
+def check_arch(arch: str, ours: bool = True) -> None:
+    """ConfigError unless `arch` is a model_type transformers builds as a
+    causal LM (`ours`: tpctl's own architectures are named as valid too)."""
     import difflib
 
     types = causal_lm_types()
     if arch not in types:
-        close = difflib.get_close_matches(arch, (*ARCHS, *types), n=2)
+        close = difflib.get_close_matches(arch, (*ARCHS, *types) if ours else types, n=2)
         hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
-        raise ConfigError("model.arch", arch, f"expected {', '.join(ARCHS)} or a model_type transformers builds as a "
-                          f"causal LM{hint}; the {len(types)} it builds: {', '.join(types)}")
+        raise ConfigError("model.arch", arch, f"expected {', '.join(ARCHS) + ' or ' if ours else ''}a model_type "
+                          f"transformers builds as a causal LM{hint}; the {len(types)} it builds: {', '.join(types)}")
 
 
 def _settings(cls) -> set[str]:

@@ -21,13 +21,7 @@ import argparse
 import gc
 import os
 
-MODES = {  # name: (mode, size, depth)
-    "none": ("none", 1, 1),
-    "1d-4": ("1d", 4, 1),
-    "2d-4": ("2d", 4, 1),
-    "2.5d-8": ("2.5d", 8, 2),
-    "3d-8": ("3d", 8, 1),
-}
+MODES = ("none", "1d-4", "2d-4", "2.5d-8-d2", "3d-8")  # layout names (tpctl.parallel.layout.Layout.parse)
 
 
 def _rss_kib(field: str) -> int:
@@ -47,20 +41,20 @@ def _step_peak_bytes(step) -> int:
     return (_rss_kib("VmHWM") - before) * 1024
 
 
-def measure(mode_name: str, size: int, depth: int, model: str, batch: int, seq: int) -> dict:
+def measure(layout_name: str, model: str, batch: int, seq: int) -> dict:
     """On each rank of a pool of `size` ranks: peak step memory without and
     with activation checkpointing."""
     import torch
 
-    from tpctl.parallel.mesh import init_mesh
     from tpctl.models import build_model
-    from tpctl.parallel import get_mode
     from tpctl.parallel.base import parallelize
+    from tpctl.parallel.layout import Layout
+    from tpctl.parallel.parallelism import parallelism
     from tpctl.training.recompute import apply_activation_checkpointing
     from tpctl.config import compose_jobs
 
     cfg = compose_jobs([f"model={model}"])[0]
-    mode = get_mode(init_mesh(mode_name, size, depth, 1, 0))
+    mode = parallelism(Layout.parse(layout_name))
     net = parallelize(build_model(cfg.model, 0, lazy=True), mode)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.model.vocab_size, (batch, seq + 1), generator=gen)
@@ -84,7 +78,7 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-small")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     args = parser.parse_args()
     # Inherited by the pool's processes (spawned below): large tensors are
     # mmapped and unmapped when freed, so RSS tracks live tensors.
@@ -95,17 +89,18 @@ def main() -> None:
     from rich.table import Table
 
     from tpctl.launch.pool import DistPool
+    from tpctl.parallel.layout import Layout
 
     table = Table(title=f"activation memory per rank, one forward+backward of {args.model}, "
                         f"batch {args.batch} x {args.seq} tokens (peak RSS increase, largest rank)")
     for col in ("mode", "ranks", "without", "with checkpointing", "saved", "ratio"):
         table.add_column(col, justify="right")
     for name in args.modes:
-        mode, size, depth = MODES[name]
+        size = Layout.parse(name).world
         Console(stderr=True).print(f"measuring {name} ...")
         pool = DistPool(size, timeout_s=1200)
         try:
-            results = pool.run(measure, mode, size, depth, args.model, args.batch, args.seq)
+            results = pool.run(measure, name, args.model, args.batch, args.seq)
         finally:
             pool.close()
         plain = max(r["plain"] for r in results)

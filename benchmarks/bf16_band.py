@@ -25,7 +25,7 @@ from rich.table import Table
 
 from tpctl.commands.run_dir import layout_overrides, read_metrics, read_summary, train_subprocess
 
-MODES = {name: layout_overrides(name) for name in ("none", "1d-2", "1d-4-sp", "2d-4", "2.5d-8", "3d-8")}
+MODES = {name: layout_overrides(name) for name in ("none", "1d-2", "1d-4-sp", "2d-4", "2.5d-8-d2", "3d-8")}
 
 
 def run(name: str, precision: str, extra: list[str], steps: int, root: Path) -> tuple[dict, list[dict]]:

@@ -21,23 +21,24 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from tpctl.launch.pool import DistPool, mode_of
+from tpctl.launch.pool import DistPool, parallelism_of
+from tpctl.parallel.layout import Layout
 
 
-def _model(mode_key: tuple, layers: int, embd: int, block: int):
+def _model(mode_key: str, layers: int, embd: int, block: int):
     from tpctl.config import default_config
     from tpctl.models import build_model
     from tpctl.parallel.base import parallelize
 
     cfg = default_config(arch="gpt", vocab_size=256, n_layer=layers, n_head=embd // 64, n_embd=embd, block_size=block)
-    mode = mode_of(*mode_key)
+    mode = parallelism_of(Layout.parse(mode_key)).mode
     return parallelize(build_model(cfg.model, 0, lazy=True), mode), mode
 
 
 _cache: dict = {}
 
 
-def _timed(mode_key: tuple, use_cache: bool, new: int, layers: int, embd: int, block: int):
+def _timed(mode_key: str, use_cache: bool, new: int, layers: int, embd: int, block: int):
     import torch
 
     from tpctl.training.generation import generate
@@ -63,7 +64,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     block = args.new + 32
-    modes = {"none": ("none", 1, 1, args.size, False), f"1d-{args.size}": ("1d", args.size, 1, 1, False)}
+    modes = {"none": f"none-dp{args.size}", f"1d-{args.size}": f"1d-{args.size}"}  # layout names (Layout.parse)
     cases = [(name, cache) for name in modes for cache in (True, False)]
     speeds: dict = {c: [] for c in cases}
     pool = DistPool(args.size, timeout_s=1800)

@@ -19,11 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tpctl.parallel.geometry import geometry  # noqa: E402
-from tpctl.cost.planner import Split, load_hardware, model_shape, plan_split, predict  # noqa: E402
+from tpctl.parallel.layout import Layout  # noqa: E402
+from tpctl.cost.planner import load_hardware, model_shape, plan_split, predict  # noqa: E402
 from tpctl.schema import ModelConfig  # noqa: E402
 
-SPLITS = {"1d": Split("1d", 64), "2d": Split("2d", 64), "2.5d": Split("2.5d", 64, depth=4), "3d": Split("3d", 64)}
+SPLITS = {"1d": Layout("1d", 64), "2d": Layout("2d", 64), "2.5d": Layout("2.5d", 64, depth=4), "3d": Layout("3d", 64)}
 SETUPS = {
     "strong": dict(n_embd=4096, batch=64),
     "weak": dict(n_embd=8192, batch=128),
@@ -50,9 +50,8 @@ def step_times(setup: str, hardware: str) -> dict[str, float]:
     shape = model_shape(cfg)
     hw = load_hardware(hardware)
     out = {}
-    for name, split in SPLITS.items():
-        geo = geometry(split.mode, split.size, split.depth)
-        out[name] = predict(plan_split(shape, split, geo, s["batch"], 512), geo, hw).step_time_s
+    for name, layout in SPLITS.items():
+        out[name] = predict(plan_split(shape, layout, s["batch"], 512), hw).step_time_s
     return out
 
 

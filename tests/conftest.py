@@ -7,24 +7,17 @@ from __future__ import annotations
 import pytest
 
 from tpctl.launch.pool import DistPool
+from tpctl.parallel.layout import Layout
 
 WORLD = 8
-# Every layout of the 8-rank pool: id -> (mode, size, depth, dp, seq_parallel).
-LAYOUTS = {
-    "none-dp8": ("none", 1, 1, 8, False),
-    "1d-2-dp4": ("1d", 2, 1, 4, False),
-    "1d-4-dp2": ("1d", 4, 1, 2, False),
-    "1d-2-sp-dp4": ("1d", 2, 1, 4, True),
-    "1d-4-sp-dp2": ("1d", 4, 1, 2, True),
-    "2d-4-dp2": ("2d", 4, 1, 2, False),
-    "2.5d-8-d2": ("2.5d", 8, 2, 1, False),
-    "3d-8": ("3d", 8, 1, 1, False),
-}
+# Every layout of the 8-rank pool, by name (Layout.parse).
+LAYOUTS = {name: Layout.parse(name) for name in
+           ("none-dp8", "1d-2-dp4", "1d-4-dp2", "1d-2-sp-dp4", "1d-4-sp-dp2", "2d-4-dp2", "2.5d-8-d2", "3d-8")}
 
 
-def layouts(*ids: str) -> dict[str, tuple]:
-    """The rows `ids` of LAYOUTS, in that order."""
-    return {i: LAYOUTS[i] for i in ids}
+def layouts(*names: str) -> dict[str, Layout]:
+    """The layouts `names` of LAYOUTS, in that order."""
+    return {name: LAYOUTS[name] for name in names}
 
 
 @pytest.fixture(autouse=True)

@@ -16,8 +16,8 @@ from tpctl.training.checkpoint import shard_boxes
 from tpctl.parallel.shard import ShardSpec
 from conftest import LAYOUTS as SHARED_LAYOUTS
 
-# mode -> (mode, size, depth, dp) on the 8-rank pool.
-LAYOUTS = {mode: SHARED_LAYOUTS[key][:4] for mode, key in
+# mode -> its layout on the 8-rank pool.
+LAYOUTS = {mode: SHARED_LAYOUTS[key] for mode, key in
            (("2d", "2d-4-dp2"), ("3d", "3d-8"), ("2.5d", "2.5d-8-d2"), ("1d", "1d-2-dp4"), ("none", "none-dp8"))}
 
 
@@ -43,14 +43,13 @@ def _model(layout, n_layer=1):
     import tpctl
     from tpctl.models import build_model
     from tpctl.schema import ModelConfig, OptimConfig
-    from tpctl.training.loop import build_optimizer
+    from tpctl.training.step import build_optimizer
 
-    mode, size, depth, dp = layout
-    tp = tpctl.init_parallel(mode, size, depth, dp)
+    tp = tpctl.init_parallel(layout)
     # 37: a vocabulary that pads in every mode.
     cfg = OmegaConf.structured(ModelConfig(n_layer=n_layer, n_embd=16, n_head=4, block_size=8, vocab_size=37))
     model = tpctl.parallelize(build_model(cfg, seed=1, lazy=True), tp)
-    return tp, model, build_optimizer(model, OptimConfig()), cfg
+    return tp, model, build_optimizer(model.parameters(), OptimConfig()), cfg
 
 
 def _save_then_load(tmp: str, src, dst) -> dict:
@@ -70,11 +69,11 @@ def _save_then_load(tmp: str, src, dst) -> dict:
         state["step"].fill_(7)
     cfg = default_config()
     cfg.model = mcfg
-    path = checkpoint.save(Path(tmp), 7, model, opt, tp.mesh, cfg, first_loss=5.5)
+    path = checkpoint.save(Path(tmp), 7, model, opt, tp, cfg, first_loss=5.5)
     manifest = checkpoint.verify(path)
 
     tp2, model2, opt2, _ = _model(dst)
-    step, first = checkpoint.load(path, model2, opt2, tp2.mesh, manifest, seed=0)
+    step, first = checkpoint.load(path, model2, opt2, tp2, manifest, seed=0)
     assert (step, first) == (7, 5.5)
     checked = 0
     for name, p in model2.named_parameters():
@@ -120,10 +119,8 @@ def _train_cfg(layout, steps: int, every: int, dropout: float = 0.0):
 
     from tpctl.config import default_config
 
-    mode, size, depth, dp = layout
-    cfg = default_config()
-    settings = {"mode": mode, "size": size, "depth": depth, "dp": dp,
-                "model.n_layer": 1, "model.n_embd": 16, "model.n_head": 4, "model.block_size": 16,
+    cfg = layout.write_to(default_config())
+    settings = {"model.n_layer": 1, "model.n_embd": 16, "model.n_head": 4, "model.block_size": 16,
                 "model.vocab_size": 37, "data.name": "synthetic", "data.vocab_size": 37, "data.synthetic_tokens": 20_000,
                 "train.batch_size": 8, "train.seq_len": 16, "train.eval_every": 0, "train.log_every": 1,
                 "train.progress": False, "train.steps": steps, "optim.lr": 1e-2, "optim.warmup_steps": 3,
@@ -143,7 +140,7 @@ def _fit(layout, run_dir: str, steps: int = 8, every: int = 4, resume: str | Non
 
     cfg = _train_cfg(layout, steps, every, dropout)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    tp = tpctl.init_parallel(cfg.mode, cfg.size, cfg.depth, cfg.dp, cfg.seed)
+    tp = tpctl.init_parallel(layout, seed=cfg.seed)
     model = tpctl.parallelize(build_model(cfg.model, cfg.seed, lazy=True), tp)
     trainer = Trainer(cfg, model, tp, TokenData(cfg, prepare_data(cfg)), Path(run_dir))
     if resume is not None:

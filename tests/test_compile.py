@@ -15,13 +15,13 @@ import os
 
 import pytest
 
+from tpctl.parallel.layout import Layout
 from conftest import layouts, tiny_config
 
 # Every mode once (1d with sequence parallelism, its harder case). Every rank
 # traces and compiles: the modes that fit in 4 ranks run on 4, without the
 # data-parallel replicas (their gradient all-reduce is outside the model).
-MESHES = {"none-dp4": ("none", 1, 1, 4, False), "1d-4-sp": ("1d", 4, 1, 1, True), "2d-4": ("2d", 4, 1, 1, False),
-          **layouts("2.5d-8-d2", "3d-8")}
+MESHES = {**{name: Layout.parse(name) for name in ("none-dp4", "1d-4-sp", "2d-4")}, **layouts("2.5d-8-d2", "3d-8")}
 STEPS = 3
 # The fp32 band of the suite (test_mesh_and_training: modes against none):
 # compiled kernels may fuse and reorder fp32 sums.
@@ -38,18 +38,18 @@ def _train(key: str, compile: str, backend: str = "aot_eager", **overrides) -> d
     import torch
 
     from tpctl.models import build_model
-    from tpctl.parallel import comm, get_mode
+    from tpctl.parallel import comm
+    from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.base import parallelize
-    from tpctl.parallel.mesh import init_mesh
     from tpctl.training.compile import BACKEND_ENV
     from tpctl.training.data import TokenData, prepare_data
     from tpctl.training.loop import Trainer
 
     os.environ[BACKEND_ENV] = backend
     torch._dynamo.reset() if compile != "false" else None
-    mode_name, size, depth, dp, sp = MESHES[key] if key in MESHES else ("none", 1, 1, 1, False)
-    cfg = _cfg(mode=mode_name, size=size, depth=depth, dp=dp, seq_parallel=sp, **{"train.compile": compile}, **overrides)
-    mode = get_mode(init_mesh(cfg.mode, cfg.size, cfg.depth, cfg.dp, cfg.seed), cfg.seq_parallel)
+    layout = MESHES.get(key, Layout())
+    cfg = _cfg(**layout.to_dict(), **{"train.compile": compile}, **overrides)
+    mode = parallelism(Layout.from_config(cfg), cfg.seed)
     model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode)
     trainer = Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg)))
     comm.STATS.reset()
@@ -85,8 +85,7 @@ def pools():
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("key", list(MESHES))
 def test_compiled_equals_eager(pools, key):
-    _, size, _, dp, _ = MESHES[key]
-    pool = pools[size * dp]
+    pool = pools[MESHES[key].world]
     _close(pool.run(_train, key, "true"), pool.run(_train, key, "false"))
 
 

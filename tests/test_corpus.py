@@ -282,26 +282,23 @@ def test_cli_refuses_the_vocab_before_workers_start(word_corpus, tmp_path):
 TRAIN_LAYOUTS = layouts("none-dp8", "1d-2-dp4", "3d-8")
 
 
-def _train(layout: tuple, data_path: str, vocab: int, val_fraction: float = 0.1) -> list[float]:
+def _train(layout, data_path: str, vocab: int, val_fraction: float = 0.1) -> list[float]:
     from omegaconf import OmegaConf
 
     from tpctl.config import default_config
     from tpctl.models import build_model
-    from tpctl.parallel import get_mode
+    from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.base import parallelize
-    from tpctl.parallel.mesh import init_mesh
     from tpctl.training.data import TokenData, prepare_data
     from tpctl.training.loop import Trainer
 
-    mode_name, size, depth, dp, sp = layout
-    cfg = default_config()
+    cfg = layout.write_to(default_config())
     for key, value in {"model.n_embd": 16, "model.n_head": 4, "model.block_size": 16, "model.vocab_size": vocab,
                        "data.path": data_path, "data.val_fraction": val_fraction,
                        "train.batch_size": 8, "train.seq_len": 16, "train.eval_every": 2, "train.log_every": 1,
-                       "train.progress": False, "optim.lr": 1e-2, "optim.warmup_steps": 2, "train.steps": 4,
-                       "mode": mode_name, "size": size, "depth": depth, "dp": dp}.items():
+                       "train.progress": False, "optim.lr": 1e-2, "optim.warmup_steps": 2, "train.steps": 4}.items():
         OmegaConf.update(cfg, key, value)
-    mode = get_mode(init_mesh(cfg.mode, cfg.size, cfg.depth, cfg.dp, cfg.seed), sp)
+    mode = parallelism(layout, cfg.seed)
     model = parallelize(build_model(cfg.model, cfg.seed), mode)
     records = Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg))).fit()
     return [r["loss"] for r in records] + [r["val_loss"] for r in records if r.get("val_loss") is not None]

@@ -39,18 +39,17 @@ def _train_cuda(key: str, **overrides) -> list[float]:
     import torch.distributed as dist
 
     from tpctl.models import build_model
-    from tpctl.parallel import get_mode
+    from tpctl.parallel.layout import Layout
+    from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.base import parallelize
-    from tpctl.parallel.mesh import init_mesh
     from tpctl.training.data import TokenData, prepare_data
     from tpctl.training.loop import Trainer
 
     gpu = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
     torch.cuda.set_device(gpu)
     torch._dynamo.reset()
-    mode_name, size, depth, dp, sp = MESHES[key]
-    cfg = _cfg(mode=mode_name, size=size, depth=depth, dp=dp, seq_parallel=sp, **overrides)
-    mode = get_mode(init_mesh(cfg.mode, cfg.size, cfg.depth, cfg.dp, cfg.seed, gpu), cfg.seq_parallel)
+    cfg = _cfg(**MESHES[key].to_dict(), **overrides)
+    mode = parallelism(Layout.from_config(cfg), cfg.seed, gpu)
     model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode).to(gpu)
     trainer = Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg)))
     assert all(p.is_cuda for p in model.parameters())

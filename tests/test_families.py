@@ -15,7 +15,7 @@ import pytest
 
 from cli_support import tpctl  # noqa: F401  (fixture)
 from conftest import layouts
-from tpctl.launch.pool import mode_of
+from tpctl.launch.pool import parallelism_of
 
 pytest.importorskip("transformers")
 
@@ -35,11 +35,10 @@ def _cfg(key: str, family: str):
 
     from tpctl.config import default_config
 
-    m, size, depth, dp, sp = MESHES[key]
-    cfg = default_config()
+    cfg = MESHES[key].write_to(default_config())
     cfg.model = OmegaConf.create({"arch": "custom", "_target_": "tests.hf_families.build", "family": family,
                                   "vocab_size": 256, "width": 32, "depth": 2, "max_len": 64})
-    for k, v in {"mode": m, "size": size, "depth": depth, "dp": dp, "seq_parallel": sp, "data.name": "text",
+    for k, v in {"data.name": "text",
                  "data.max_bytes": 200_000, "train.batch_size": BATCH, "train.seq_len": SEQ,
                  "train.steps": STEPS, "train.eval_every": 0, "train.log_every": 1, "train.progress": False,
                  "optim.lr": 1e-2, "optim.warmup_steps": 0}.items():
@@ -55,7 +54,7 @@ def _curve(key: str, family: str):
     from tpctl.training.loop import Trainer
 
     cfg = _cfg(key, family)
-    mode = mode_of(*MESHES[key])
+    mode = parallelism_of(MESHES[key])
     try:
         model = parallelize(build_model(cfg.model, cfg.seed), mode)
     except ValueError as e:
@@ -87,7 +86,7 @@ def test_family_trains_like_mode_none_or_is_refused(pool, reference, family, key
     want = reference[family]
     assert want[-1][0] < want[0][0], f"{family}: the reference did not learn"
     got = pool.run(_curve, key, family)[0]
-    refusal = REFUSED.get((family, MESHES[key][0]))
+    refusal = REFUSED.get((family, MESHES[key].mode))
     if refusal is not None:
         assert got[0] == "refused" and refusal in got[1], got
         return
@@ -146,7 +145,7 @@ def test_a_fused_projection_that_is_no_set_of_heads_is_refused_with_what_was_see
     import torch.nn as nn
     import torch.nn.functional as F
 
-    from tpctl.parallel.geometry import geometry
+    from tpctl.parallel.layout import geometry
     from tpctl.parallel.base import check_plan
     from tpctl.parallel.roles import infer_plan
 
@@ -206,7 +205,7 @@ def test_norm_offsets_and_embedding_scales_are_measured_not_assumed():
         embedding_semantics(Shifted(10, 4))
 
     from tpctl.parallel.base import check_plan
-    from tpctl.parallel.geometry import geometry
+    from tpctl.parallel.layout import geometry
     from tpctl.parallel.roles import infer_plan
 
     gemma.model.norm.__class__ = type("DoubledGemmaRMSNorm", (type(gemma.model.norm),),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import layouts
-from tpctl.launch.pool import mode_of
+from tpctl.launch.pool import parallelism_of
 
 MESHES = layouts("none-dp8", "1d-2-dp4", "1d-4-dp2", "2d-4-dp2", "2.5d-8-d2", "3d-8")
 PROMPT = [10, 200, 33, 7, 99]
@@ -35,7 +35,7 @@ def _build(model_cfg, key: str, seed: int = 0):
     from tpctl.models import build_model
     from tpctl.parallel.base import parallelize
 
-    mode = mode_of(*MESHES[key])
+    mode = parallelism_of(MESHES[key]).mode
     return parallelize(build_model(model_cfg, seed, lazy=True), mode), mode
 
 

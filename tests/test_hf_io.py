@@ -23,7 +23,7 @@ import torch
 
 from cli_support import tpctl  # noqa: F401  (fixture)
 from conftest import layouts
-from tpctl.launch.pool import mode_of
+from tpctl.launch.pool import parallelism_of
 
 pytest.importorskip("transformers")
 
@@ -100,12 +100,12 @@ def _reference_tokens(directory) -> list[int]:
     return out[0, len(PROMPT):].tolist()
 
 
-def _greedy(model, mode) -> list[int]:
+def _greedy(model, par) -> list[int]:
     """tpctl's greedy tokens, stopping at the model's end-of-sequence ids as
     transformers' generate does."""
     from tpctl.training.generation import generate, stop_ids
 
-    return generate(model, mode, PROMPT, NEW, stop=sorted(stop_ids(model, None)))
+    return generate(model, par.mode, PROMPT, NEW, stop=sorted(stop_ids(model, None)))
 
 
 def _batch():
@@ -113,14 +113,14 @@ def _batch():
     return torch.randint(0, 256, (BATCH, SEQ), generator=gen)
 
 
-def _local(mode, full: torch.Tensor, width: int) -> torch.Tensor:
+def _local(par, full: torch.Tensor, width: int) -> torch.Tensor:
     """This rank's block of whole-model logits (its rows, its vocabulary block)."""
-    rows = mode.read_rows(full.shape[0], 1, 0)
-    start = mode.vocab_block() * width
-    return mode.split_target(full[rows.start:rows.stop])[..., start:min(start + width, full.shape[-1])]
+    rows = par.rows(full.shape[0])
+    start = par.mode.vocab_block() * width
+    return par.mode.split_target(full[rows.start:rows.stop])[..., start:min(start + width, full.shape[-1])]
 
 
-def _logits_gap(model, mode, directory) -> float:
+def _logits_gap(model, par, directory) -> float:
     """Largest difference between this rank's logits and its block of
     from_pretrained(directory)'s."""
     from transformers import AutoModelForCausalLM
@@ -130,8 +130,8 @@ def _logits_gap(model, mode, directory) -> float:
     ref = AutoModelForCausalLM.from_pretrained(directory).eval()
     ids = _batch()
     with torch.no_grad():
-        got = logits_of(model(mode.shard_batch(ids)))
-        want = _local(mode, logits_of(ref(ids, use_cache=False)), got.shape[-1])
+        got = logits_of(model(par.shard_batch(ids)))
+        want = _local(par, logits_of(ref(ids, use_cache=False)), got.shape[-1])
     got = got[..., :want.shape[-1]]
     torch.testing.assert_close(got, want, **TOL)
     return (got - want).abs().max().item()
@@ -140,12 +140,13 @@ def _logits_gap(model, mode, directory) -> float:
 def _cfg(key: str, family: str, directory: str):
     from omegaconf import OmegaConf
 
-    from tpctl.config import default_config, validate
+    from tpctl.config import default_config
 
-    m, size, depth, dp, sp = MESHES[key]
+    layout = MESHES[key]
     cfg = default_config()
     cfg.model = _model_cfg(family, pretrained=directory)
-    for k, v in {"mode": m, "size": size, "depth": depth, "dp": dp, "seq_parallel": sp, "data.name": "text",
+    for k, v in {"mode": layout.mode, "size": layout.size, "depth": layout.depth, "dp": layout.dp,
+                 "seq_parallel": layout.seq_parallel, "data.name": "text",
                  "data.max_bytes": 200_000, "train.batch_size": BATCH, "train.seq_len": SEQ, "train.steps": STEPS,
                  "train.eval_every": 0, "train.log_every": 1, "train.progress": False, "optim.lr": 1e-2,
                  "optim.warmup_steps": 0, "checkpoint.every": 0}.items():
@@ -169,12 +170,12 @@ def _in_and_out(key: str, family: str, directory: str, decode: bool, run_dir: st
     from tpctl.training.loop import Trainer
 
     cfg = _cfg(key, family, directory)
-    mode = mode_of(*MESHES[key])
-    model, _ = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), mode)
-    out = {"loaded": _logits_gap(model, mode, directory)}
+    par = parallelism_of(MESHES[key])
+    model, _ = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), par.mode)
+    out = {"loaded": _logits_gap(model, par, directory)}
     if decode:
-        out["tokens"] = _greedy(model, mode)
-    trainer = Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg)), Path(run_dir) if run_dir else None)
+        out["tokens"] = _greedy(model, par)
+    trainer = Trainer(cfg, model, par, TokenData(cfg, prepare_data(cfg)), Path(run_dir) if run_dir else None)
     out["curve"] = [(r["loss"], r["grad_norm"]) for r in trainer.fit()]
     if run_dir:
         exported = Path(run_dir) / "exported"
@@ -182,7 +183,7 @@ def _in_and_out(key: str, family: str, directory: str, decode: bool, run_dir: st
         if dist.get_rank() == 0:
             export(Path(run_dir) / "checkpoints" / f"step_{STEPS}", exported)
         dist.barrier()
-        out["exported"] = _logits_gap(model, mode, exported)
+        out["exported"] = _logits_gap(model, par, exported)
     return out
 
 
@@ -249,9 +250,9 @@ def _loaded(key: str, family: str, directory: str) -> dict:
     from tpctl.parallel.verify import parallelize_verified
 
     cfg = _cfg(key, family, directory)
-    mode = mode_of(*MESHES[key])
-    model, _ = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), mode)
-    return {"loaded": _logits_gap(model, mode, directory), "tokens": _greedy(model, mode)}
+    par = parallelism_of(MESHES[key])
+    model, _ = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), par.mode)
+    return {"loaded": _logits_gap(model, par, directory), "tokens": _greedy(model, par)}
 
 
 # OPT's 1d and 2d rewrites are refused by the start-up check today (its key

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from conftest import WORLD, layouts
-from tpctl.launch.pool import mode_of
+from tpctl.launch.pool import parallelism_of
 
 MESHES = layouts("none-dp8", "1d-2-dp4", "1d-4-sp-dp2", "1d-4-dp2", "2d-4-dp2", "2.5d-8-d2", "3d-8")
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -25,7 +25,12 @@ BATCH, SEQ, HIDDEN, HEADS = 8, 8, 16, 4
 
 
 def _mode(key: str):
-    return mode_of(*MESHES[key])
+    """The tensor-parallel mode of layout `key` (its Parallelism: _parallel)."""
+    return _parallel(key).mode
+
+
+def _parallel(key: str):
+    return parallelism_of(MESHES[key])
 
 
 def _model_cfg(**kw):
@@ -105,15 +110,16 @@ def _build(case: str):
 def _compare(key: str, case: str, label_smoothing: float = 0.0) -> int:
     import torch.nn.functional as F
 
-    from tpctl.parallel.base import parallelize, sync_grads
+    from tpctl.parallel.base import parallelize
 
-    mode = _mode(key)
+    tp = _parallel(key)
+    mode = tp.mode
     torch.manual_seed(0)
     ref, plan, kind = _build(case)
     torch.manual_seed(0)
     par = parallelize(_build(case)[0], mode, plan)
     gen = torch.Generator().manual_seed(1)
-    rows = mode.read_rows(BATCH, 1, 0)
+    rows = tp.rows(BATCH)
     vocab = getattr(ref, "wte", None).num_embeddings if kind.startswith("ids") else None
 
     if kind == "hidden":
@@ -148,7 +154,7 @@ def _compare(key: str, case: str, label_smoothing: float = 0.0) -> int:
         if kind == "hidden":
             torch.testing.assert_close(x_local.grad, mode.shard_hidden(x.grad[rows.start:rows.stop]), **TOL)
 
-    sync_grads(par, mode.mesh)
+    tp.sync_grads(par)
     checked = 0
     for name, p in par.named_parameters():
         torch.testing.assert_close(p.grad, p.tpctl_spec.slice(ref_params[name].grad), **TOL,
@@ -210,7 +216,7 @@ def _mlp_comm(key: str) -> tuple[dict, dict]:
 
     mode = _mode(key)
     net = parallelize(MLP(_model_cfg()), mode, {"fc": "mlp_in", "proj": "mlp_out", "drop": "dropout"})
-    rows = mode.read_rows(BATCH, 1, 0)
+    rows = _parallel(key).rows(BATCH)
     x = mode.shard_hidden(torch.randn(BATCH, SEQ, HIDDEN)[rows.start:rows.stop]).requires_grad_()
     comm.STATS.reset()
     net(x).sum().backward()
@@ -220,7 +226,8 @@ def _mlp_comm(key: str) -> tuple[dict, dict]:
 def _expected_mlp_comm(key: str) -> tuple[dict, dict]:
     """The same from the layout math (docs/DESIGN.md): payload = the full tensor
     of each collective, fp32. fc: HIDDEN -> 4*HIDDEN, proj: back."""
-    mode, size, depth, dp, sp = MESHES[key]
+    layout = MESHES[key]
+    mode, size, depth, dp, sp = layout.mode, layout.size, layout.depth, layout.dp, layout.seq_parallel
     f = 4  # bytes per fp32 element
     linears = [(4 * HIDDEN, HIDDEN), (HIDDEN, 4 * HIDDEN)]  # (out n, in k)
     tokens = BATCH // dp * SEQ  # per data-parallel replica

@@ -11,27 +11,31 @@ import torch
 
 from conftest import layouts
 
-# (mode, size, depth, dp)
-MESHES = [v[:4] for v in layouts("none-dp8", "1d-4-dp2", "2d-4-dp2", "2.5d-8-d2", "3d-8").values()]
+MESHES = list(layouts("none-dp8", "1d-4-dp2", "2d-4-dp2", "2.5d-8-d2", "3d-8").values())
 
 
-def _check_groups(mode: str, size: int, depth: int, dp: int) -> dict:
+def _check_groups(layout) -> dict:
     import torch.distributed as dist
 
-    from tpctl.parallel.mesh import AXES, GROUPS, init_mesh
+    from tpctl.parallel import comm
+    from tpctl.parallel.mesh import build_mesh
 
-    mesh = init_mesh(mode, size, depth, dp)
-    axes = AXES[mode]
+    mesh = build_mesh(layout)
+    axes = layout.mode_class.axes
     me = torch.tensor([mesh.dp_rank, mesh.tp_rank] + [mesh.coords[a] for a in axes])
     sizes = {}
-    named = dict(GROUPS[mode], tp=tuple(axes), dp=())
+    named = dict(layout.mode_class.grid_groups, tp=tuple(axes), dp=())
     for name, varying in named.items():
-        group = mesh.dp_group if name == "dp" else mesh.groups[name]
-        n = dist.get_world_size(group)
-        got = [torch.empty_like(me) for _ in range(n)]
-        dist.all_gather(got, me, group=group)
+        group = mesh.groups[name]
+        n = comm.group_size(group)  # None: this rank alone
+        got = [me.clone()]
+        if group is not None:
+            got = [torch.empty_like(me) for _ in range(n)]
+            dist.all_gather(got, me, group=group)
+            assert [int(dist.get_global_rank(group, k)) for k in range(n)] == mesh.group_ranks[name]
+        else:
+            assert mesh.group_ranks[name] == [mesh.rank]
         sizes[name] = n
-        assert [int(dist.get_global_rank(group, k)) for k in range(n)] == mesh.group_ranks[name]
         for other in got:
             if name == "dp":
                 assert other[1] == me[1], "dp replicas must share the tensor-parallel rank"
@@ -42,7 +46,7 @@ def _check_groups(mode: str, size: int, depth: int, dp: int) -> dict:
                     assert other[2 + k] == me[2 + k], f"{name}: members differ in fixed axis {axis}"
         # members are distinct and cover every value of the varying axes
         assert len({tuple(t.tolist()) for t in got}) == n
-    assert mesh.rank == mesh.dp_rank * size + mesh.tp_rank
+    assert mesh.rank == mesh.dp_rank * layout.size + mesh.tp_rank
     return sizes
 
 
@@ -64,16 +68,16 @@ def _cfg(**overrides):
 
 def _train(overrides: dict, steps: int = 5):
     from tpctl.training.data import TokenData, prepare_data
-    from tpctl.parallel.mesh import init_mesh
     from tpctl.models import build_model
-    from tpctl.parallel import get_mode
     from tpctl.parallel.base import parallelize
+    from tpctl.parallel.layout import Layout
+    from tpctl.parallel.parallelism import parallelism
     from tpctl.training.loop import Trainer
 
     cfg = _cfg(**overrides, **{"train.steps": steps})
-    mode = get_mode(init_mesh(cfg.mode, cfg.size, cfg.depth, cfg.dp, cfg.seed), cfg.seq_parallel)
-    model = parallelize(build_model(cfg.model, cfg.seed), mode)
-    trainer = Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg)))
+    par = parallelism(Layout.from_config(cfg), cfg.seed)
+    model = parallelize(build_model(cfg.model, cfg.seed), par)
+    trainer = Trainer(cfg, model, par, TokenData(cfg, prepare_data(cfg)))
     trainer.initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     return trainer, [r["loss"] for r in trainer.fit()]
 
@@ -100,25 +104,24 @@ def _grad_accum_curves() -> tuple[list, list]:
     return one, two
 
 
-def _param_bytes(mode: str, size: int, depth: int, dp: int) -> tuple[int, int]:
-    from tpctl.parallel.mesh import init_mesh
+def _param_bytes(layout) -> tuple[int, int]:
     from tpctl.models import GPT
-    from tpctl.parallel import get_mode
     from tpctl.parallel.base import parallelize
+    from tpctl.parallel.parallelism import parallelism
     from tpctl.schema import ModelConfig
 
     gpt_small = ModelConfig(vocab_size=50257, n_layer=12, n_head=12, n_embd=768, block_size=1024)
     with torch.device("meta"):  # shapes only: no 124M-parameter model per rank
         full = GPT(gpt_small)
         total = sum(p.numel() for p in full.parameters()) * 4
-        model = parallelize(full, get_mode(init_mesh(mode, size, depth, dp)))
+        model = parallelize(full, parallelism(layout))
     return total, sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"{m[0]}-{m[1]}")
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: m.name)
 def test_mesh_groups(pool, mesh):
-    sizes = pool.run(_check_groups, *mesh)[0]
-    mode, size, depth, dp = mesh
+    sizes = pool.run(_check_groups, mesh)[0]
+    mode, size, depth, dp = mesh.mode, mesh.size, mesh.depth, mesh.dp
     assert sizes["tp"] == size and sizes["dp"] == dp
     q = {"2d": 2, "2.5d": 2, "3d": 2}.get(mode)
     if mode in ("2d", "2.5d"):
@@ -143,11 +146,12 @@ def test_grad_accumulation_does_not_change_the_curve(pool):
 # 2d and 2.5d (weights replicated over depth), 1/q^3 in 3d. Norms, biases and
 # the position table are split only along the hidden dim, hence "a few %".
 @pytest.mark.parametrize("mesh,factor", [
-    (("none", 1, 1, 8), 1), (("1d", 2, 1, 4), 2), (("1d", 4, 1, 2), 4), (("2d", 4, 1, 2), 4),
-    (("2.5d", 8, 2, 1), 4), (("3d", 8, 1, 1), 8),
-], ids=lambda m: f"{m[0]}-{m[1]}" if isinstance(m, tuple) else str(m))
+    ("none-dp8", 1), ("1d-2-dp4", 2), ("1d-4-dp2", 4), ("2d-4-dp2", 4), ("2.5d-8-d2", 4), ("3d-8", 8),
+])
 def test_gpt_small_param_bytes_per_rank_follow_theory(pool, mesh, factor):
-    results = pool.run(_param_bytes, *mesh)
+    from tpctl.parallel.layout import Layout
+
+    results = pool.run(_param_bytes, Layout.parse(mesh))
     total = results[0][0]
     theory = total / factor
     for _, per_rank in results:
@@ -188,7 +192,7 @@ def test_public_api_custom_loop(pool):
     assert all(abs(d) < 1e-5 for d in pool.run(_public_api_loop))
 
 
-def _lazy_equals_eager(mode: str, size: int, depth: int, dp: int) -> int:
+def _lazy_equals_eager(layout) -> int:
     """A lazily built model (one parameter made whole at a time) shards to
     exactly what slicing the eagerly built whole model gives."""
     import tpctl
@@ -196,7 +200,7 @@ def _lazy_equals_eager(mode: str, size: int, depth: int, dp: int) -> int:
     from tpctl.schema import ModelConfig
 
     cfg = ModelConfig(vocab_size=37, n_embd=16, n_head=4, block_size=8, mlp_ratio=4)
-    tp = tpctl.init_parallel(mode, size, depth, dp)
+    tp = tpctl.init_parallel(layout)
     whole = build_model(cfg, seed=5)
     eager = tpctl.parallelize(build_model(cfg, seed=5), tp)
     lazy = tpctl.parallelize(build_model(cfg, seed=5, lazy=True), tp)
@@ -210,9 +214,9 @@ def _lazy_equals_eager(mode: str, size: int, depth: int, dp: int) -> int:
     return len(lazy_params)
 
 
-@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"{m[0]}-{m[1]}")
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: m.name)
 def test_lazy_build_gives_the_same_shards(pool, mesh):
-    assert min(pool.run(_lazy_equals_eager, *mesh)) > 0
+    assert min(pool.run(_lazy_equals_eager, mesh)) > 0
 
 
 def test_initial_weights_depend_on_the_seed_only():
@@ -228,12 +232,13 @@ def test_initial_weights_depend_on_the_seed_only():
     assert pa["blocks.0.attn.proj.weight"].std() < pa["blocks.0.attn.qkv.weight"].std()  # GPT-2 scaled init
 
 
-def _train_with_dropout(mode: str, size: int, depth: int, dp: int) -> tuple[list, int]:
+def _train_with_dropout(layout) -> tuple[list, int]:
     """Train with dropout; every parameter replicated inside the
     tensor-parallel group must still be identical on all its replicas."""
     import torch.distributed as dist
 
-    trainer, losses = _train({"mode": mode, "size": size, "depth": depth, "dp": dp, "model.dropout": 0.2}, steps=4)
+    trainer, losses = _train({"mode": layout.mode, "size": layout.size, "depth": layout.depth, "dp": layout.dp,
+                              "model.dropout": 0.2}, steps=4)
     checked = 0
     for name, p in trainer.model.named_parameters():
         spec = p.tpctl_spec
@@ -245,9 +250,9 @@ def _train_with_dropout(mode: str, size: int, depth: int, dp: int) -> tuple[list
     return losses, checked
 
 
-@pytest.mark.parametrize("mesh", MESHES[1:], ids=lambda m: f"{m[0]}-{m[1]}")
+@pytest.mark.parametrize("mesh", MESHES[1:], ids=lambda m: m.name)
 def test_dropout_training_keeps_replicas_identical(pool, mesh):
-    results = pool.run(_train_with_dropout, *mesh)
+    results = pool.run(_train_with_dropout, mesh)
     losses, checked = results[0]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     assert max(r[1] for r in results) > 0  # some rank holds replicated parameters

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import layouts
-from tpctl.launch.pool import mode_of
+from tpctl.launch.pool import parallelism_of
 
 pytest.importorskip("transformers")
 
@@ -27,7 +27,7 @@ BATCH, SEQ, VOCAB = 8, 8, 37
 MODELS = ("gpt2", "llama", "custom")
 
 def _mode(key: str):
-    return mode_of(*MESHES[key])
+    return parallelism_of(MESHES[key])
 
 
 def _model_cfg(name: str, **extra):
@@ -68,22 +68,22 @@ def _batch():
 def _local_logits(mode, full: torch.Tensor, width: int) -> torch.Tensor:
     """This rank's block of whole-model logits: its rows, its vocabulary
     block (padding columns dropped)."""
-    rows = mode.read_rows(full.shape[0], 1, 0)
-    start = mode.vocab_block() * width
-    return mode.split_target(full[rows.start:rows.stop])[..., start:min(start + width, full.shape[-1])]
+    rows = mode.rows(full.shape[0])
+    start = mode.mode.vocab_block() * width
+    return mode.mode.split_target(full[rows.start:rows.stop])[..., start:min(start + width, full.shape[-1])]
 
 
 def _compare(key: str, name: str) -> dict:
     import torch.nn.functional as F
 
     from tpctl.models import logits_of
-    from tpctl.parallel.base import parallelize, sync_grads
+    from tpctl.parallel.base import parallelize
 
     mode = _mode(key)
     ref = _reference(name)
     par = parallelize(copy.deepcopy(ref), mode)
     ids, targets = _batch()
-    rows = mode.read_rows(BATCH, 1, 0)
+    rows = mode.rows(BATCH)
 
     ref_logits = logits_of(ref(ids))
     par_logits = logits_of(par(mode.shard_batch(ids)))
@@ -92,13 +92,13 @@ def _compare(key: str, name: str) -> dict:
     torch.testing.assert_close(got, expected, **TOL)
 
     ref_loss = F.cross_entropy(ref_logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="sum")
-    par_loss = mode.cross_entropy(par_logits, mode.split_target(targets[rows.start:rows.stop]), VOCAB).sum()
+    par_loss = mode.cross_entropy(par_logits, mode.mode.split_target(targets[rows.start:rows.stop]), VOCAB).sum()
     total = par_loss.detach().double().reshape(1).clone()
     torch.distributed.all_reduce(total)
-    torch.testing.assert_close(total.item() / mode.loss_replicas, ref_loss.item(), **TOL)
+    torch.testing.assert_close(total.item() / mode.mode.loss_replicas, ref_loss.item(), **TOL)
     ref_loss.backward()
     par_loss.backward()
-    sync_grads(par, mode.mesh)
+    mode.sync_grads(par)
 
     ref_params = dict(ref.named_parameters())
     transposed = getattr(par, "tpctl_transposed", set())
@@ -130,10 +130,9 @@ def _curve(key: str, name: str, steps: int = 10) -> list[float]:
     from tpctl.training.loop import Trainer
 
     mode = _mode(key)
-    m, size, depth, dp, sp = MESHES[key]
-    cfg = default_config()
+    cfg = MESHES[key].write_to(default_config())
     cfg.model = _model_cfg(name, vocab_size=256)  # byte-level text: something to learn
-    for k, v in {"mode": m, "size": size, "depth": depth, "dp": dp, "seq_parallel": sp, "data.name": "text",
+    for k, v in {"data.name": "text",
                  "data.max_bytes": 200_000, "train.batch_size": BATCH,
                  "train.seq_len": SEQ, "train.steps": steps, "train.eval_every": 0, "train.log_every": 1,
                  "train.progress": False, "optim.lr": 1e-2, "optim.warmup_steps": 2}.items():
@@ -146,8 +145,8 @@ def _curve(key: str, name: str, steps: int = 10) -> list[float]:
 @pytest.mark.parametrize("name", MODELS)
 def test_model_matches_the_unmodified_model(pool, name, key):
     results = pool.run(_compare, key, name)
-    mode, size, depth, dp, sp = MESHES[key]
-    split = {"none": 1, "1d": size}.get(mode, 2)  # heads split P ways in 1d, q = 2 ways here
+    layout = MESHES[key]
+    split = {"none": 1, "1d": layout.size}.get(layout.mode, 2)  # heads split P ways in 1d, q = 2 ways here
     for r in results:
         assert r["params"] > 0
         if name == "gpt2":
@@ -236,7 +235,7 @@ def test_a_given_plan_wins_over_the_trace():
 def test_what_fits_no_role_is_reported_not_guessed():
     import torch.nn as nn
 
-    from tpctl.parallel.geometry import geometry
+    from tpctl.parallel.layout import geometry
     from tpctl.parallel.roles import infer_plan
     from tpctl.parallel.base import check_plan
 

@@ -11,10 +11,10 @@ import torch
 
 from conftest import LAYOUTS, layouts
 
-# id: (mode, size, depth, dp, seq_parallel, grad_accum)
-MESHES = {**{k: (*v, 1) for k, v in layouts("none-dp8", "1d-2-dp4", "1d-4-sp-dp2").items()},
-          "2d-4-dp2-accum2": (*LAYOUTS["2d-4-dp2"], 2),
-          **{k: (*v, 1) for k, v in layouts("2.5d-8-d2", "3d-8").items()}}
+# id: (layout, grad_accum)
+MESHES = {**{k: (v, 1) for k, v in layouts("none-dp8", "1d-2-dp4", "1d-4-sp-dp2").items()},
+          "2d-4-dp2-accum2": (LAYOUTS["2d-4-dp2"], 2),
+          **{k: (v, 1) for k, v in layouts("2.5d-8-d2", "3d-8").items()}}
 BATCH, SEQ = 16, 8
 
 
@@ -26,47 +26,39 @@ def _model_cfg(tied: bool):
                        dropout=0.0, bias=True, tie_embeddings=tied)
 
 
-_modes: dict = {}
-
-
 def _train_step(key: str, tied: bool):
-    """Counted collectives of one train step on this rank."""
-    from tpctl.parallel import comm
-    from tpctl.parallel.mesh import init_mesh
-    from tpctl.models import build_model
-    from tpctl.parallel import get_mode
-    from tpctl.parallel.base import parallelize
+    """Counted collectives of one train step on this rank: the trainer's
+    own step (training/step.py)."""
+    from omegaconf import OmegaConf
 
-    mode_name, size, depth, dp, sp, accum = MESHES[key]
-    if key not in _modes:
-        _modes[key] = get_mode(init_mesh(mode_name, size, depth, dp, seed=0), seq_parallel=sp)
-    mode = _modes[key]
-    cfg = _model_cfg(tied)
-    model = parallelize(build_model(cfg, seed=0, lazy=True), mode)
-    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    from tpctl.config import default_config
+    from tpctl.launch.pool import parallelism_of
+    from tpctl.models import build_model
+    from tpctl.parallel import comm
+    from tpctl.parallel.base import parallelize
+    from tpctl.training.step import TrainStep, build_optimizer
+
+    layout, accum = MESHES[key]
+    par = parallelism_of(layout)
+    cfg = default_config()
+    cfg.model = OmegaConf.structured(_model_cfg(tied))
+    cfg.train.batch_size, cfg.train.seq_len, cfg.train.grad_accum = BATCH, SEQ, accum
+    model = parallelize(build_model(cfg.model, seed=0, lazy=True), par)
+    step = TrainStep(par, [model], build_optimizer(model.parameters(), cfg.optim), cfg)
+    ids = torch.randint(0, cfg.model.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     x, y = ids[:, :-1], ids[:, 1:]
     comm.STATS.reset()
-    local = torch.zeros(())
-    for micro in range(accum):
-        logits = model(mode.shard_batch(x, micro, accum))
-        loss_sum = mode.cross_entropy(logits, mode.shard_targets(y, micro, accum), cfg.vocab_size).sum()
-        (loss_sum / y.numel()).backward()
-        local += loss_sum.detach()
-    mode.sync_grads(model)
-    mode.clip_grad_norm_(model, 1.0)
-    mode.global_mean(local, y.numel())
+    step([(par.shard_batch(x, micro, accum), par.shard_targets(y, micro, accum)) for micro in range(accum)], 0)
     s = comm.STATS
     kinds = {k: {"calls": s.calls[k], "bytes": s.bytes[k], "wire_bytes": s.wire_bytes[k]} for k in s.calls}
     return kinds, sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _planned(key: str, tied: bool):
-    from tpctl.parallel.geometry import geometry
-    from tpctl.cost.planner import Split, model_shape, plan_split
+    from tpctl.cost.planner import model_shape, plan_split
 
-    mode_name, size, depth, dp, sp, accum = MESHES[key]
-    split = Split(mode_name, size, depth, dp, sp)
-    plan = plan_split(model_shape(_model_cfg(tied)), split, geometry(mode_name, size, depth), BATCH, SEQ, accum)
+    layout, accum = MESHES[key]
+    plan = plan_split(model_shape(_model_cfg(tied)), layout, BATCH, SEQ, accum)
     return plan.by_kind(), plan.param_bytes
 
 
@@ -134,14 +126,14 @@ def test_bench_runs_every_mode_on_the_same_model():
     (equal step-1 losses), and our counted bytes per step are the plan's."""
     from tpctl.cost.measure import bench, predicted_ms
     from tpctl.config import compose_jobs
-    from tpctl.parallel.geometry import geometry
-    from tpctl.cost.planner import Split, model_shape, plan_split
+    from tpctl.parallel.layout import Layout
+    from tpctl.cost.planner import model_shape, plan_split
 
     cfg = compose_jobs(["model=gpt-tiny", "model.n_layer=1", "train.batch_size=4", "train.seq_len=16"])[0]
     results = bench(cfg, ["none", "1d", "dtensor"], size=2, steps=1, rounds=1, warmup=0, timeout_s=240)
     losses = [results[m]["first_loss"] for m in ("none", "1d", "dtensor")]
     assert max(losses) - min(losses) < 1e-5, losses
-    planned = plan_split(model_shape(cfg.model), Split("1d", 2), geometry("1d", 2), 4, 16)
+    planned = plan_split(model_shape(cfg.model), Layout("1d", 2), 4, 16)
     assert results["1d"]["comm_bytes"] == planned.comm_bytes
     assert results["1d"]["param_bytes"] == planned.param_bytes
     assert set(predicted_ms(cfg, ["none", "1d", "dtensor"], 2, None, "cpu")) == {"none", "1d", "dtensor"}

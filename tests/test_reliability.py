@@ -295,7 +295,7 @@ def test_export_refuses_an_existing_out_unless_forced(tmp_path, capsys):
 
 
 def test_metrics_records_stay_json():
-    from tpctl.training.loop import json_safe
+    from tpctl.training.metrics import json_safe
 
     line = json.dumps(json_safe({"step": 3, "loss": math.nan, "grad_norm": math.inf, "lr": 1e-3}), allow_nan=False)
     assert json.loads(line) == {"step": 3, "loss": None, "grad_norm": None, "lr": 1e-3}

@@ -16,7 +16,7 @@ import torch
 from tpctl.launch.pool import DistPool
 
 # A pool of 4 ranks: tensor parallelism, data parallelism and both.
-LAYOUTS = {"none-dp4": ("none", 1, 4), "1d-2-dp2": ("1d", 2, 2), "2d-4": ("2d", 4, 1)}
+LAYOUTS = ("none-dp4", "1d-2-dp2", "2d-4")
 
 
 @pytest.fixture(scope="module")
@@ -90,16 +90,15 @@ class SyncCounter:
 
 def _count_syncs(key: str, steps: int, log_every: int, eval_every: int) -> tuple[int, int]:
     from tpctl.models import build_model
-    from tpctl.parallel import get_mode
+    from tpctl.parallel.layout import Layout
+    from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.base import parallelize
-    from tpctl.parallel.mesh import init_mesh
     from tpctl.training.data import TokenData, prepare_data
     from tpctl.training.loop import Trainer
 
-    mode_name, size, dp = LAYOUTS[key]
-    cfg = _cfg(mode=mode_name, size=size, dp=dp, **{"train.steps": steps, "train.log_every": log_every,
+    cfg = _cfg(**Layout.parse(key).to_dict(), **{"train.steps": steps, "train.log_every": log_every,
                                                     "train.eval_every": eval_every, "train.eval_batches": 2})
-    mode = get_mode(init_mesh(cfg.mode, cfg.size, cfg.depth, cfg.dp, cfg.seed), cfg.seq_parallel)
+    mode = parallelism(Layout.from_config(cfg), cfg.seed)
     model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode)
     trainer = Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg)))
     # The batches are read from host memory (token offsets drawn on the host
@@ -114,7 +113,7 @@ def _count_syncs(key: str, steps: int, log_every: int, eval_every: int) -> tuple
     return counter.count, len(records)
 
 
-@pytest.mark.parametrize("key", list(LAYOUTS))
+@pytest.mark.parametrize("key", LAYOUTS)
 def test_one_host_sync_per_logged_step(pool4, key):
     for count, logged in pool4.run(_count_syncs, key, 6, 3, 0):
         assert logged == 2

@@ -39,15 +39,14 @@ def _cfg(**overrides):
 def _train(key: str, **overrides) -> dict:
     """Train on mesh `key`; the losses, comm bytes and dtypes seen."""
     from tpctl.training.data import TokenData, prepare_data
-    from tpctl.parallel.mesh import init_mesh
     from tpctl.models import build_model
-    from tpctl.parallel import get_mode
+    from tpctl.parallel.layout import Layout
+    from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.base import parallelize
     from tpctl.training.loop import Trainer
 
-    mode_name, size, depth, dp, sp = MESHES[key]
-    cfg = _cfg(mode=mode_name, size=size, depth=depth, dp=dp, seq_parallel=sp, **overrides)
-    mode = get_mode(init_mesh(cfg.mode, cfg.size, cfg.depth, cfg.dp, cfg.seed), cfg.seq_parallel)
+    cfg = _cfg(**MESHES[key].to_dict(), **overrides)
+    mode = parallelism(Layout.from_config(cfg), cfg.seed)
     model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode)
     trainer = Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg)))
     losses = [r["loss"] for r in trainer.fit()]
@@ -80,7 +79,7 @@ def test_bf16_within_band_of_fp32(pool, reference, key):
         assert bf16[what] == {torch.float32}, what
     # Activations and gathered/broadcast weights cross the wire in bf16; the
     # gradient sync (all there is in mode=none) and norm statistics stay fp32.
-    if MESHES[key][0] == "none":
+    if MESHES[key].mode == "none":
         assert bf16["comm_bytes"] == fp32["comm_bytes"]
     else:
         assert bf16["comm_bytes"] < fp32["comm_bytes"]
@@ -94,7 +93,7 @@ def test_activation_checkpointing_same_losses(pool, key):
     checkpointed = pool.run(_train, key, **{"model.dropout": 0.2, "train.activation_checkpointing": True})[0]
     assert checkpointed["losses"] == plain["losses"]
     # The recomputation re-issues the blocks' forward collectives.
-    if MESHES[key][0] != "none":
+    if MESHES[key].mode != "none":
         assert checkpointed["comm_bytes"] > plain["comm_bytes"]
 
 

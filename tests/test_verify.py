@@ -11,7 +11,7 @@ import torch
 
 from cli_support import tpctl  # noqa: F401  (fixture)
 from conftest import layouts
-from tpctl.launch.pool import mode_of
+from tpctl.launch.pool import parallelism_of
 
 MESHES = layouts("none-dp8", "1d-2-dp4", "1d-2-sp-dp4", "2d-4-dp2", "2.5d-8-d2", "3d-8")
 VOCAB = 37
@@ -49,7 +49,7 @@ def _verify(key: str, name: str, plan=None, break_role: str = "", how: str = "")
     `break_role`, the mode's layer for that role broken on purpose (`how`)."""
     from tpctl.parallel.verify import RewriteRefused, TOLERANCE, parallelize_verified
 
-    mode = mode_of(*MESHES[key])
+    mode = parallelism_of(MESHES[key]).mode
     model = _model(name)
     if break_role:
         convert = getattr(mode, f"convert_{break_role}")

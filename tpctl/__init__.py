@@ -19,16 +19,17 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 
-def init_parallel(mode: str = "none", size: int = 1, depth: int = 1, dp: int = 1, seed: int = 0,
-                  seq_parallel: bool = False, device: str = "cpu"):
-    """The mesh of an initialised process group, and the mode acting on it."""
+def init_parallel(layout=None, *, seed: int = 0, device: str = "cpu", **dims):
+    """The parallel machinery (parallel.parallelism.Parallelism: mesh, mode,
+    data parallelism) of an initialised process group, for a `Layout` or
+    its fields as keywords: init_parallel(mode="2d", size=4, dp=2)."""
     from .parallel import init_parallel as _init_parallel
 
-    return _init_parallel(mode, size, depth, dp, seed, seq_parallel, device)
+    return _init_parallel(layout, seed=seed, device=device, **dims)
 
 
 def parallelize(model, tp, plan=None, verify: bool = False):
-    """Rewrite `model`'s layers in place for the mode `tp` (see init_parallel).
+    """Rewrite `model`'s layers in place for the mode of `tp` (see init_parallel).
     verify=True: prove the rewrite against the original first, module by
     module and block by block, as `tpctl train` does (parallel/verify.py);
     raises parallel.verify.RewriteRefused if it differs. Every rank must call it."""

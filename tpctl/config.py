@@ -6,7 +6,7 @@ Three entry points:
   * `compose_jobs(overrides, multirun)` composes every job of a command line
     with Hydra's Compose API and turns Hydra's errors into ConfigErrors;
   * `validate(cfg)` checks values (the mode-specific rules live in
-    `tpctl.parallel.geometry.validate_parallel`);
+    `tpctl.parallel.layout.Layout.validate`);
   * `load_worker_config(path)` reads a run dir's resolved config.yaml, typed,
     for the workers, which never run Hydra.
 """
@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from .errors import ConfigError
+from .parallel.layout import Layout
 from .schema import ARCHS, ModelConfig, TrainConfig
 
 # configs/ lives at the repository root, next to the package (the install is
@@ -110,8 +111,6 @@ def validate(cfg: Any, model_check: bool = True) -> None:
     """Raise ConfigError for the first invalid value in a composed config.
     model_check=False skips building the model (tpctl inspect shows what a
     mode cannot shard instead of refusing it)."""
-    from tpctl.parallel.geometry import validate_parallel
-
     _check_resolvable(cfg)
     _check_known_keys(cfg, OmegaConf.structured(TrainConfig), "")
     _check_finite(cfg, "")
@@ -129,7 +128,7 @@ def validate(cfg: Any, model_check: bool = True) -> None:
 
         if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError("logger", cfg.logger, "needs the tensorboard package: pip install 'tpctl[tensorboard]' (or pip install tensorboard), or use logger=jsonl")
-    validate_parallel(cfg)
+    Layout.from_config(cfg).validate(cfg)
     _check_nodes(cfg)
     _check_backend(cfg)
     _check_compile(cfg)
@@ -257,7 +256,7 @@ def _check_backend(cfg: Any) -> None:
     # torch is imported only here: a CPU config check stays fast.
     import torch
 
-    world = cfg.size * cfg.dp // cfg.launcher.nnodes  # this node's share
+    world = Layout.from_config(cfg).world // cfg.launcher.nnodes  # this node's share
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have == 0:
         raise ConfigError("device", "cuda", "this machine has no CUDA device (torch.cuda.is_available() is False"
@@ -281,7 +280,7 @@ def _check_compile(cfg: Any) -> None:
 
 def _check_nodes(cfg: Any) -> None:
     """ConfigError for a launcher or multi-node setting that cannot work."""
-    lc, world = cfg.launcher, cfg.size * cfg.dp
+    lc, world = cfg.launcher, Layout.from_config(cfg).world
     if lc.name not in LAUNCHERS:
         raise ConfigError("launcher.name", lc.name, f"expected one of {', '.join(LAUNCHERS)} (launcher=local or launcher=slurm)")
     if lc.nnodes < 1:

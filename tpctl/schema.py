@@ -12,7 +12,6 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-MODES = ("none", "1d", "2d", "2.5d", "3d")
 # Model architectures: tpctl's own, any importable builder, and (every
 # other name) a Hugging Face model_type that transformers builds as a causal
 # LM (models/hf.py checks it against transformers' own list).
@@ -203,10 +202,14 @@ class RecipeConfig:
 
 @dataclass
 class TrainConfig:
+    # The layout (parallel/layout.py): the tensor-parallel mode (a name in
+    # parallel/registry.py), its grid, and the replicas.
     mode: str = "none"
     size: int = 1  # tensor-parallel ranks
     depth: int = 1  # 2.5d depth
-    dp: int = 1  # data-parallel replicas; world = size * dp
+    dp: int = 1  # data-parallel replicas; world = size * pp * dp
+    pp: int = 1  # pipeline stages (not built yet: only 1 is valid)
+    zero: int = 0  # ZeRO stage over the dp replicas (not built yet: only 0 is valid)
     seed: int = 0
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (nccl)
     seq_parallel: bool = False  # 1d only

@@ -30,7 +30,7 @@ from __future__ import annotations
 import sys
 
 from tpctl.commands.options import integer, name_list, parse_options, refused, text
-from tpctl.cost.measure import BASELINE, DEFAULT_MODES, PLAIN, bench, check, mfu, predicted_ms
+from tpctl.cost.measure import BASELINE, DEFAULT_MODES, PLAIN, REFERENCE, bench, check, mfu, one_rank, predicted_ms
 from tpctl.errors import ConfigError
 
 
@@ -89,7 +89,7 @@ def main(args: list[str]) -> int:
 
         hw = load_hardware(opts["hardware"])
         print(json.dumps({m: {**r, "predicted_ms": predicted.get(m), "tokens_per_s": tokens / r["median_s"],
-                              "mfu": mfu(cfg, hw, r["median_s"], 1 if m in ("none", PLAIN) else size)}
+                              "mfu": mfu(cfg, hw, r["median_s"], 1 if one_rank(m) else size)}
                           for m, r in results.items()}, indent=1))
         return 0
     print_table(results, predicted, cfg, size, opts)
@@ -104,7 +104,7 @@ def print_table(results: dict, predicted: dict, cfg, size: int, opts: dict) -> N
 
     m, t = cfg.model, cfg.train
     tokens = t.batch_size * t.seq_len
-    ref, plain = results.get("none"), results.get(PLAIN)
+    ref, plain = results.get(REFERENCE), results.get(PLAIN)
     cuda = cfg.device == "cuda"
     hw = load_hardware(opts["hardware"])
     title = (f"tpctl bench: {m.arch} {m.n_layer}x{m.n_embd} (vocab {m.vocab_size}), batch {t.batch_size} x seq {t.seq_len}, "
@@ -124,7 +124,7 @@ def print_table(results: dict, predicted: dict, cfg, size: int, opts: dict) -> N
         vs_plain = f"{plain['median_s'] / r['median_s']:.2f}" if plain else "-"
         mem_ratio = f"{mem / (ref['param_bytes'] + ref['grad_bytes'] + ref['optim_bytes']):.2f}" if ref else "-"
         comm_mib = "not counted" if name == BASELINE else f"{r['comm_bytes'] / 2**20:,.2f}"
-        ranks = 1 if name in ("none", PLAIN) else size
+        ranks = 1 if one_rank(name) else size
         row = [label, str(ranks), f"{r['median_s'] * 1e3:,.1f}", f"{r['best_s'] * 1e3:,.1f}",
                f"{tokens / r['median_s']:,.0f}", speed, vs_plain, comm_mib, f"{mem / 2**20:,.2f}", mem_ratio,
                f"{r['first_loss']:.6f}", f"{predicted[name]:,.1f}" if predicted.get(name) is not None else "-"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 
 from tpctl.errors import ConfigError
+from tpctl.parallel.layout import Layout
 
 EXIT_OK, EXIT_USAGE = 0, 2
 
@@ -36,7 +37,7 @@ def main(args: list[str]) -> int:
         print(f"tpctl: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     refusal, checks = None, None
-    if not problems and cfg.train.verify_rewrite and cfg.mode != "none":
+    if not problems and cfg.train.verify_rewrite and Layout.from_config(cfg).mode_class.rewrites:
         refusal, checks = verify_in_pool(cfg)
     _print(cfg, *_with_checks(rows, checks), summary)
     if problems:
@@ -65,11 +66,11 @@ def verify_in_pool(cfg) -> tuple:
 
 
 def _verify_rank(cfg) -> tuple:
-    from tpctl.launch.pool import mode_of
+    from tpctl.launch.pool import parallelism_of
     from tpctl.models import build_model
     from tpctl.parallel.verify import RewriteRefused, parallelize_verified
 
-    mode = mode_of(cfg.mode, cfg.size, cfg.depth, 1, cfg.seq_parallel)
+    mode = parallelism_of(Layout.from_config(cfg).replace(dp=1))
     try:
         _, report = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), mode, cfg.model.get("plan"))
         return None, report.checks
@@ -103,34 +104,30 @@ def _with_checks(rows: list, checks) -> tuple[list, dict]:
 
 
 def inspect_model(cfg):
-    """(rows, summary, problems) for cfg.model in cfg's mode, seen from rank 0."""
+    """(rows, summary, problems) for cfg.model in cfg's layout, seen from
+    rank 0: a dry run of the rewrite (parallel.base.parallelize) on a
+    process-group-free mesh."""
     import math
 
-    from tpctl.parallel.mesh import layout_mesh
-    from tpctl.models import build_checked, resolve_plan
-    from tpctl.parallel import get_mode
-    from tpctl.parallel.base import RewriteContext, check_plan
+    from tpctl.models import build_checked
+    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.parallelism import parallelism
 
     model = build_checked(cfg.model, cfg.seed)
-    from tpctl.parallel.layers import linearize
-
-    linearize(model)
-    plan = resolve_plan(model, cfg.model.get("plan"))
-    mode = get_mode(layout_mesh(cfg.mode, cfg.size, cfg.depth, cfg.dp), seq_parallel=cfg.seq_parallel)
-    problems = check_plan(plan, model, mode.geo)
-    ctx = RewriteContext(mode.mesh, shapes_only=True)
-    mode.layouts = dict(plan.layouts)  # measured layouts of fused projections (parallel/fused.py)
-    mode.prepare(model, plan)
+    originals = dict(model.named_modules())
+    par = parallelism(Layout.from_config(cfg), cfg.seed, groups=False)
+    model = parallelize(model, par, cfg.model.get("plan"), dry_run=True)
+    plan = model.tpctl_plan
+    rewritten = {r.name: r for r in model.tpctl_rewritten}
+    problems = model.tpctl_problems
     rows, seen, whole, local = [], set(), 0, 0
-    for name, module in model.named_modules():
+    for name, module in originals.items():
         own = list(module.named_parameters(recurse=False))
-        role = plan.roles.get(name)
-        if not name or (role is None and not own and name not in problems):
+        record = rewritten.get(name)
+        if not name or (record is None and not own and name not in problems):
             continue
-        new, note = module, problems.get(name, "")
-        if role is not None and name not in problems:
-            ctx.name = name
-            new = mode.convert(role, module, ctx)
+        new = record.new if record is not None else module
+        note = problems.get(name, "")
         shapes, nbytes = [], 0
         # (a module kept with its own forward may hold a shard now: OPT's position table)
         for (attr, original), (_, p) in zip(own, new.named_parameters(recurse=False)):
@@ -141,12 +138,12 @@ def inspect_model(cfg):
                 nbytes += p.numel() * p.element_size()
                 whole += math.prod(original.shape) * original.element_size()
         local += nbytes
-        if role is None and own and not note:
-            note = "kept whole (replicated)" if mode.name in ("none", "1d") else "no role"
+        if record is None and own and not note:
+            note = "kept whole (replicated)" if par.mode.replicated_activations else "no role"
         if name in plan.layouts and not note:
             note = f"fused: {plan.layouts[name].describe()}"
-        rows.append((name, type(module).__name__, role or "", type(new).__name__ if new is not module else "(unchanged)",
-                     ", ".join(shapes), nbytes, note))
+        rows.append((name, type(module).__name__, record.role if record else "",
+                     type(new).__name__ if new is not module else "(unchanged)", ", ".join(shapes), nbytes, note))
     summary = {"roles from": {"inferred": "traced forward", "tp_plan": "the model's tp_plan", "plan": "model.plan"}[plan.source],
                "whole model": whole, "per rank": local, "heads": {k: (h.heads, h.kv_heads, h.head_dim) for k, h in plan.heads.items()}}
     return rows, summary, problems
@@ -159,8 +156,7 @@ def _print(cfg, rows, verdicts: dict, summary) -> None:
 
     what = cfg.model.get("_target_") or cfg.model.get("pretrained") or cfg.model.arch
     mib = lambda n: f"{n / 2**20:,.2f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"  # noqa: E731
-    title = (f"{what}: mode={cfg.mode} size={cfg.size}" + (f" depth={cfg.depth}" if cfg.mode == "2.5d" else "")
-             + (" seq_parallel" if cfg.seq_parallel else "") + f" -- rank 0, roles from {summary['roles from']}")
+    title = f"{what}: mode={Layout.from_config(cfg).label()} -- rank 0, roles from {summary['roles from']}"
     table = Table(title=title, caption=f"parameters: {mib(summary['whole model'])} whole, {mib(summary['per rank'])} on rank 0 "
                   f"({summary['whole model'] / max(summary['per rank'], 1):.2f}x less)")
     columns = ["module", "type", "role", "becomes", "shard shape on rank 0", "bytes", "note"]

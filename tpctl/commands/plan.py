@@ -1,6 +1,6 @@
 """`tpctl plan`: what each way of splitting N ranks costs, before renting them.
 
-For every valid (mode, size, depth, dp) split of a world of N ranks, computed
+For every valid layout (mode, size, depth, dp) of a world of N ranks, computed
 from the model's shapes (built on the meta device, nothing materialised) and
 each mode's algorithm as the code in `tpctl/parallel/` runs it:
 
@@ -27,7 +27,7 @@ import json
 import sys
 from typing import Optional
 
-from tpctl.cost.planner import KIND_ABBREV, Hardware, SplitPlan, load_hardware, plan_world
+from tpctl.cost.planner import KIND_ABBREV, Hardware, SplitPlan, load_hardware, plan_label, plan_world
 from tpctl.commands.options import integer, parse_options, text
 from tpctl.errors import ConfigError
 
@@ -66,16 +66,16 @@ def main(args: list[str]) -> int:
         return 2
     plans, invalid = plan_world(cfg, world, hw)
     if not plans:  # an empty table would read as "nothing to say"
-        why = "; ".join(f"{s.label}: {reason}" for s, reason in invalid) or "no mode has a size that divides it"
+        why = "; ".join(f"{plan_label(s)}: {reason}" for s, reason in invalid) or "no mode has a size that divides it"
         print(f"tpctl: error: invalid config: world={world}: no split of {world} ranks is valid for this model and batch: {why}",
               file=sys.stderr)
         return 2
     if as_json:
         print(json.dumps({"world": world, "hardware": dataclasses.asdict(hw) if hw else None,
                           "model": dict(cfg.model), "batch_size": cfg.train.batch_size,
-                          "seq_len": cfg.train.seq_len, "recommended": plans[0].split.label if hw and plans and plans[0].fits else None,
+                          "seq_len": cfg.train.seq_len, "recommended": plans[0].label if hw and plans and plans[0].fits else None,
                           "splits": [p.to_json() for p in plans],
-                          "invalid": [{"label": s.label, "reason": why} for s, why in invalid]}, indent=1))
+                          "invalid": [{"label": plan_label(s), "reason": why} for s, why in invalid]}, indent=1))
         return 0
     print_table(plans, invalid, cfg, world, hw)
     return 0
@@ -103,7 +103,7 @@ def print_table(plans: list[SplitPlan], invalid, cfg, world: int, hw: Optional[H
         kinds = "  ".join(f"{KIND_ABBREV[k]}:{_mib(v['bytes'])}/{v['calls']}"
                           for k, v in sorted(p.by_kind().items()))
         mark = "★" if hw and rank == 0 and p.fits else ("over" if hw and p.fits is False else "")
-        row = [mark, p.split.label, _mib(p.param_bytes), _mib(p.grad_bytes),
+        row = [mark, p.label, _mib(p.param_bytes), _mib(p.grad_bytes),
                _mib(p.optim_bytes), _mib(p.activation_bytes), f"{p.memory_bytes / 2**30:,.1f}", f"{p.flops / 1e9:,.1f}", _mib(p.comm_bytes),
                _mib(p.wire_bytes), str(sum(c.calls for c in p.comm.values())), kinds]
         if hw:
@@ -119,4 +119,4 @@ def print_table(plans: list[SplitPlan], invalid, cfg, world: int, hw: Optional[H
     if hw and plans and not plans[0].fits:
         console.print("no split fits in memory: raise train.grad_accum (smaller micro-batches) or the world size")
     for s, why in invalid:
-        console.print(f"  not valid: {s.label}: {why}")
+        console.print(f"  not valid: {plan_label(s)}: {why}")

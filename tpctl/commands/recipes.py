@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from tpctl.config import RECIPE_DIR, compose_jobs
 from tpctl.errors import ConfigError
+from tpctl.parallel.layout import Layout
 
 
 def recipe_dirs(config_dir: str | None = None) -> list[Path]:
@@ -51,9 +52,7 @@ def compose_recipe(name: str, overrides: list[str] = (), config_dir: str | None 
 
 def describe(cfg: DictConfig) -> str:
     """One line: layout, model, data, length, optimizer, and what it must reach."""
-    layout = f"{cfg.mode} size={cfg.size}" + (f" depth={cfg.depth}" if cfg.mode == "2.5d" else "") + (f" dp={cfg.dp}" if cfg.dp > 1 else "")
-    if cfg.seq_parallel:
-        layout += " sp"
+    layout = Layout.from_config(cfg).label()
     r = cfg.recipe
     goals = []
     if r.final_loss is not None:

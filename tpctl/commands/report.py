@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from tpctl.parallel.layout import Layout
+
 from .run_dir import read_metrics, read_summary
 
 EXIT_OK, EXIT_USAGE = 0, 2
@@ -42,14 +44,7 @@ class Run:
 
 def label_of(config: dict) -> str:
     """'2.5d size=8 depth=2 dp=2 bf16 ckpt': what tells runs apart."""
-    mode = config.get("mode", "?")
-    parts = [mode, f"size={config.get('size', 1)}"]
-    if mode == "2.5d":
-        parts.append(f"depth={config.get('depth', 1)}")
-    if config.get("dp", 1) > 1:
-        parts.append(f"dp={config['dp']}")
-    if config.get("seq_parallel"):
-        parts.append("sp")
+    parts = [Layout.from_config(config).label()]
     if config.get("precision", "fp32") != "fp32":
         parts.append(config["precision"])
     if (config.get("train") or {}).get("activation_checkpointing"):

@@ -11,28 +11,13 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-
-# Layouts of up to 8 ranks that the benchmarks and end-to-end tests run, by
-# name: (mode, size, depth, dp, seq_parallel).
-LAYOUT_RUNS = {
-    "none": ("none", 1, 1, 1, False),
-    "none-dp2": ("none", 1, 1, 2, False),
-    "1d-2": ("1d", 2, 1, 1, False),
-    "1d-4": ("1d", 4, 1, 1, False),
-    "1d-2-sp": ("1d", 2, 1, 1, True),
-    "1d-4-sp": ("1d", 4, 1, 1, True),
-    "2d-4": ("2d", 4, 1, 1, False),
-    "2d-4-dp2": ("2d", 4, 1, 2, False),
-    "2.5d-8": ("2.5d", 8, 2, 1, False),
-    "3d-8": ("3d", 8, 1, 1, False),
-}
+from tpctl.parallel.layout import Layout
 
 
 def layout_overrides(name: str) -> list[str]:
-    """The `tpctl train` overrides of LAYOUT_RUNS[name] (defaults left out)."""
-    mode, size, depth, dp, seq_parallel = LAYOUT_RUNS[name]
-    return ([f"mode={mode}"] + ([f"size={size}"] if size != 1 else []) + ([f"depth={depth}"] if depth != 1 else [])
-            + ([f"dp={dp}"] if dp != 1 else []) + (["seq_parallel=true"] if seq_parallel else []))
+    """The `tpctl train` overrides of the layout named `name`
+    (parallel.layout.Layout.parse: `2d-4-dp2`, `2.5d-8-d2`, `1d-2-sp`)."""
+    return Layout.parse(name).overrides()
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:

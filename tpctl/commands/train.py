@@ -20,6 +20,7 @@ from pathlib import Path
 from tpctl.config import (CONFIG_DIR, CONFIG_NAME, check_writable_dir, compose_jobs, load_worker_config, register_configs,
                           run_dir_setting, validate)
 from tpctl.errors import ConfigError
+from tpctl.parallel.layout import Layout
 from tpctl.launch.run_lock import RunDirBusy, RunDirLock, probe
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -282,7 +283,7 @@ class TrainRun:
             status = slurm.submit(run_cfg, run_dir)
         elif self.dry_run:
             lc = run_cfg.launcher
-            print(f"tpctl: dry run: would start {run_cfg.size * run_cfg.dp // lc.nnodes} workers here "
+            print(f"tpctl: dry run: would start {Layout.from_config(run_cfg).world // lc.nnodes} workers here "
                   f"(node {lc.node_rank} of {lc.nnodes}) reading {run_dir / 'config.yaml'}; nothing started")
             return
         else:

@@ -28,30 +28,32 @@ def _probe(cfg_dict: dict, sizes: list[int], reps: int) -> dict:
     import torch
     import torch.distributed as dist
 
+    from tpctl.parallel import comm
+
     from . import measure
 
     out = {}
     if dist.get_rank() == 0:  # one rank alone, as a mode=none run
-        measure.setup("none", cfg_dict, 1, None)
-        st = measure.rank_state["none"]
+        measure.setup(measure.REFERENCE, cfg_dict, 1, None)
+        st = measure.rank_state[measure.REFERENCE]
         times = []
         for k in range(reps + 2):
             t0 = time.perf_counter()
-            measure.loss_and_step(st, "none")
+            measure.loss_and_step(st, measure.REFERENCE)
             if k >= 2:
                 times.append(time.perf_counter() - t0)
-        measure.rank_state.pop("none")
+        measure.rank_state.pop(measure.REFERENCE)
         out["none_s"] = min(times)
-    dist.barrier()
+    comm.barrier()
     world = dist.get_world_size()
     out["all_reduce"] = []
     for n in sizes:
         buf = torch.ones(n)
         times = []
         for _ in range(reps + 2):
-            dist.barrier()
+            comm.barrier()
             t0 = time.perf_counter()
-            dist.all_reduce(buf)
+            comm.all_reduce(buf, dist.group.WORLD)
             times.append(time.perf_counter() - t0)
         times = times[2:]
         out["all_reduce"].append((n * 4, min(times), world))
@@ -63,8 +65,8 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
     import yaml
 
     from tpctl.config import compose_jobs
-    from tpctl.parallel.geometry import geometry
-    from .planner import HARDWARE_DIR, WIRE_FACTOR, Split, model_shape, plan_split
+    from tpctl.parallel.layout import Layout
+    from .planner import HARDWARE_DIR, WIRE_FACTOR, model_shape, plan_split
     from tpctl.launch.pool import DistPool
 
     from omegaconf import OmegaConf
@@ -77,7 +79,7 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
     finally:
         pool.close()
     shape = model_shape(cfg.model, cfg.seed)
-    flops = plan_split(shape, Split("none", 1), geometry("none", 1), cfg.train.batch_size, cfg.train.seq_len).flops
+    flops = plan_split(shape, Layout(), cfg.train.batch_size, cfg.train.seq_len).flops  # one process
     peak = flops / result["none_s"]
     xs = [WIRE_FACTOR["all_reduce"](p) * b for b, _, p in result["all_reduce"]]
     ys = [t for _, t, _ in result["all_reduce"]]

@@ -17,39 +17,42 @@ BASELINE = "dtensor"
 # The same model trained by a plain PyTorch loop: no tpctl layer, F.cross_entropy,
 # torch.nn.utils.clip_grad_norm_ (the loop tpctl must be as fast as).
 PLAIN = "plain"
-DEFAULT_MODES = ["none", PLAIN, "1d", BASELINE, "2d"]
+# tpctl in one process: the reference every mode must match.
+REFERENCE = "none"
+DEFAULT_MODES = [REFERENCE, PLAIN, "1d", BASELINE, "2d"]
 
 
-def _split_for(mode: str, size: int, depth: Optional[int]):
-    """(tpctl mode, size, depth, seq_parallel) of a bench mode name."""
+def layout_of(name: str, size: int, depth: Optional[int]):
+    """The layout a bench mode name measures: `none` and `plain` one rank,
+    `1d` and `dtensor` a 1d group of `size`, `1d+sp`, `2d`, `2.5d` (depth:
+    the smallest > 1 that leaves a square, unless given) and `3d`."""
     from tpctl.parallel.geometry import exact_root
+    from tpctl.parallel.layout import Layout
 
-    if mode in ("none", PLAIN):
-        return "none", 1, 1, False
-    if mode in ("1d", BASELINE):
-        return "1d", size, 1, False
-    if mode in ("1d+sp", "1d-sp"):
-        return "1d", size, 1, True
-    if mode == "2.5d":
-        if depth is None:  # the smallest depth > 1 that leaves a square
+    if name in (REFERENCE, PLAIN):
+        return Layout()
+    if name == BASELINE:
+        return Layout("1d", size)
+    if name in ("1d+sp", "1d-sp"):
+        return Layout("1d", size, seq_parallel=True)
+    if name == "2.5d":
+        if depth is None:
             depth = next((d for d in range(2, size) if size % d == 0 and exact_root(size // d, 2)), 1)
-        return "2.5d", size, depth, False
-    return mode, size, 1, False
+        return Layout(name, size, depth)
+    return Layout(name, size)
+
+
+def one_rank(name: str) -> bool:
+    """Whether bench mode `name` runs on one rank (the others idle)."""
+    return name in (REFERENCE, PLAIN)
 
 
 def check(cfg, modes: list[str], size: int, depth: Optional[int]) -> None:
-    from omegaconf import OmegaConf
-
-    from tpctl.parallel.geometry import validate_parallel
-
-    valid = ["none", PLAIN, "1d", "1d+sp", BASELINE, "2d", "2.5d", "3d"]
+    valid = [REFERENCE, PLAIN, "1d", "1d+sp", BASELINE, "2d", "2.5d", "3d"]
     for m in modes:
         if m not in valid:
             raise ConfigError("modes", m, f"expected a list of {', '.join(valid)}")
-        mode, msize, mdepth, sp = _split_for(m, size, depth)
-        probe = OmegaConf.to_container(cfg, resolve=True)
-        probe.update(mode=mode, size=msize, depth=mdepth, dp=1, seq_parallel=sp)
-        validate_parallel(OmegaConf.create(probe))
+        layout_of(m, size, depth).validate(cfg)
     if cfg.model.arch != "gpt" and BASELINE in modes:
         raise ConfigError("modes", BASELINE, f"the DTensor baseline is written for model.arch=gpt, not {cfg.model.arch}")
 
@@ -73,60 +76,40 @@ def _device(cfg):
     return gpu
 
 
-def _none_mesh(device=None):
-    """A one-rank mesh for mode=none on rank 0 of a bigger world."""
-    import torch
-
-    from tpctl.parallel.geometry import geometry
-    from tpctl.parallel.mesh import Mesh
-
-    mesh = Mesh(geo=geometry("none", 1), rank=0, world_size=1, dp_size=1, dp_rank=0, tp_rank=0,
-                coords={"p": 0}, device=device or torch.device("cpu"))
-    mesh.groups, mesh.group_ranks = {"tp": None, "dp": None}, {"tp": [0], "dp": [0]}
-    mesh.rng_shared = torch.Generator(device=mesh.device).manual_seed(0)
-    mesh.rng_local = torch.Generator(device=mesh.device).manual_seed(1)
-    return mesh
-
-
 def setup(name: str, cfg_dict: dict, size: int, depth: Optional[int], compile: bool = False) -> dict:
     import torch
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
     from tpctl.models import build_model
-    from tpctl.training.loop import build_optimizer
+    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.parallelism import parallelism
+    from tpctl.training.step import TrainStep, build_optimizer
 
     cfg = OmegaConf.create(cfg_dict)
-    mode, msize, mdepth, sp = _split_for(name, size, depth)
+    layout = layout_of(name, size, depth)
     rank = dist.get_rank()
     device = _device(cfg)
     if name == BASELINE:
         st = _setup_dtensor(cfg, size)
-    elif name in ("none", PLAIN):
-        if rank != 0:
-            rank_state[name] = {"idle": True}
-            return {}
-        if name == PLAIN:  # the model as written: no rewrite, no tpctl layer
-            st = {"model": build_model(cfg.model, cfg.seed).to(device)}
-        else:
-            from tpctl.parallel.base import parallelize
-            from tpctl.parallel.none import NoParallel
-
-            tp = NoParallel(_none_mesh(device))
-            st = {"tp": tp, "model": parallelize(build_model(cfg.model, cfg.seed, lazy=True), tp).to(device)}
+    elif one_rank(name) and rank != 0:
+        rank_state[name] = {"idle": True}
+        return {}
+    elif name == PLAIN:  # the model as written: no rewrite, no tpctl layer
+        st = {"model": build_model(cfg.model, cfg.seed).to(device)}
     else:
-        from tpctl.parallel import init_parallel
-        from tpctl.parallel.base import parallelize
-
-        tp = init_parallel(mode=mode, size=msize, depth=mdepth, dp=1, seed=cfg.seed, seq_parallel=sp, device=device)
-        st = {"tp": tp, "model": parallelize(build_model(cfg.model, cfg.seed, lazy=True), tp).to(device)}
+        # One rank of a bigger pool measures mode=none: its mesh has no process group.
+        par = parallelism(layout, cfg.seed, device, groups=layout.world > 1)
+        st = {"par": par, "model": parallelize(build_model(cfg.model, cfg.seed, lazy=True), par).to(device)}
     if compile:
         from tpctl.parallel import comm
         from tpctl.training.compile import backend
 
         comm.keep_collectives_eager()
         st["model"].compile(backend=backend())
-    st["opt"] = build_optimizer(st["model"], cfg.optim)
+    st["opt"] = build_optimizer(st["model"].parameters(), cfg.optim)
+    if "par" in st:  # tpctl's own step, as the trainer runs it (a constant learning rate)
+        st["step"] = TrainStep(st["par"], [st["model"]], st["opt"], cfg)
     st["cfg"], st["device"] = cfg, device
     g = torch.Generator().manual_seed(cfg.seed)
     st["ids"] = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1), generator=g).to(device)
@@ -176,6 +159,11 @@ def loss_and_step(st: dict, name: str) -> None:
 
     cfg, model, opt = st["cfg"], st["model"], st["opt"]
     x, y = st["ids"][:, :-1], st["ids"][:, 1:]
+    if "step" in st:  # tpctl: training/step.py, as the trainer runs it
+        par = st["par"]
+        out = st["step"]([(par.shard_batch(x), par.shard_targets(y))], 0)
+        st["loss"] = float(out["loss"])  # the number a trainer logs: one sync, as below
+        return
     opt.zero_grad(set_to_none=True)
     if name == PLAIN:
         with _autocast(cfg, st["device"]):
@@ -208,33 +196,21 @@ def loss_and_step(st: dict, name: str) -> None:
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(coef)
-    else:
-        tp = st["tp"]
-        with _autocast(cfg, st["device"]):
-            logits = model(tp.shard_batch(x))
-            loss_sum = tp.cross_entropy(logits, tp.shard_targets(y), cfg.model.vocab_size).sum()
-        (loss_sum / y.numel()).backward()
-        tp.sync_grads(model)
-        tp.clip_grads(model, cfg.optim.grad_clip)  # on the device: no sync
-        # the number a trainer logs (a one-rank none run has no world to reduce over)
-        st["loss"] = (loss_sum.item() / y.numel() if name == "none" else tp.global_mean(loss_sum, y.numel()))
     opt.step()
 
 
 def _autocast(cfg, device):
-    from tpctl.training.loop import autocast
+    from tpctl.training.step import autocast
 
     return autocast(device, cfg.precision)
 
 
 def _run(name: str, steps: int, record: bool) -> None:
-    import torch.distributed as dist
-
     from tpctl.parallel import comm
 
     st = rank_state[name]
     for _ in range(steps):
-        dist.barrier()  # every mode's step starts with all ranks ready
+        comm.barrier()  # every mode's step starts with all ranks ready
         comm.STATS.reset()
         t0 = time.perf_counter()
         if not st.get("idle"):
@@ -249,7 +225,7 @@ def _run(name: str, steps: int, record: bool) -> None:
         if record and not st.get("idle"):
             st["times"].append(elapsed)
             st["comm"].append(comm.STATS.total_bytes())
-    dist.barrier()
+    comm.barrier()
 
 
 def _collect(name: str) -> dict:
@@ -330,18 +306,12 @@ def mfu(cfg, hw, median_s: float, ranks: int) -> Optional[float]:
 
 def predicted_ms(cfg, modes, size, depth, hardware: str) -> dict[str, Optional[float]]:
     """`tpctl plan`'s predicted step time of each mode on `hardware`."""
-    from tpctl.parallel.geometry import geometry
-    from .planner import Split, load_hardware, model_shape, plan_split, predict
+    from .planner import load_hardware, model_shape, plan_split, predict
 
     hw = load_hardware(hardware)
     shape = model_shape(cfg.model, cfg.seed)
-    out = {}
-    for m in modes:
-        mode, msize, mdepth, sp = _split_for(m, size, depth)
-        geo = geometry(mode, msize, mdepth)
-        p = plan_split(shape, Split(mode, msize, mdepth, 1, sp), geo, cfg.train.batch_size, cfg.train.seq_len)
-        out[m] = predict(p, geo, hw).step_time_s * 1e3
-    return out
+    return {m: predict(plan_split(shape, layout_of(m, size, depth), cfg.train.batch_size, cfg.train.seq_len), hw).step_time_s * 1e3
+            for m in modes}
 
 
 def peak_allocated_bytes(fn) -> int:

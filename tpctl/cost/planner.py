@@ -1,12 +1,17 @@
-"""The planner's engine: what each way of splitting N ranks costs (see
-`tpctl plan --help`, tpctl/commands/plan.py, for what it computes).
+"""The planner's engine: what each layout of N ranks costs (see `tpctl
+plan --help`, tpctl/commands/plan.py, for what it computes).
 
-For every valid (mode, size, depth, dp) split of a world of N ranks, computed
-from the model's shapes (built on the meta device, nothing materialised) and
-each mode's algorithm as the code in `tpctl/parallel/` runs it: per-rank
-memory, per-rank FLOPs of one optimizer step, per-step communication (exact:
-`tests/test_plan.py` checks them against comm's counts), and with a hardware
-profile the predicted step time.
+For every valid layout of a world of N ranks (parallel.layout.layouts_of),
+computed from the model's shapes (built on the meta device, nothing
+materialised) with the code that trains it, not a copy of it: each
+parameter's local size and replicas come from the ShardSpecs a dry run of
+the rewrite leaves (parallel.base.parallelize(dry_run=True) on a
+process-group-free mesh), each mode's communication from its own `cost_*`
+methods (next to its layers), the data-parallel reduction and the step's
+reductions from the groups they use. Per rank: memory, FLOPs of one
+optimizer step, per-step communication (exact: `tests/test_plan.py` checks
+it against comm's counts), and with a hardware profile the predicted step
+time.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from tpctl.errors import ConfigError
-from tpctl.parallel.geometry import WIRE_FACTOR, Geometry, padded_vocab, validate_parallel
+from tpctl.parallel.geometry import WIRE_FACTOR, padded_vocab
+from tpctl.parallel.layout import Layout, layouts_of
 
 from tpctl.config import CONFIG_DIR
 
@@ -47,7 +53,8 @@ class Param:
 @dataclass
 class ModelShape:
     """What the planner needs of a model: its parameters by role, its
-    linears (out, in) in call order, and attention's width."""
+    linears (out, in) in call order, attention's width, and how to build it
+    again for a dry run of the rewrite (its config and resolved roles)."""
 
     params: list[Param]
     linears: list[tuple[str, str, int, int, bool]]  # (name, role, out, in, bias)
@@ -58,15 +65,28 @@ class ModelShape:
     n_embd: int
     n_head: int
     attention_layers: int
+    model_cfg: Any = None
+    seed: int = 0
+    plan: Any = None  # parallel.roles.RolePlan
+
+    def rewritten(self, par):
+        """The model rewritten for `par` (a Parallelism), shapes only."""
+        from tpctl.models import build_model
+        from tpctl.parallel.base import parallelize
+
+        return parallelize(build_model(self.model_cfg, self.seed, lazy=True), par, self.plan, dry_run=True)
 
 
 def model_shape(model_cfg, seed: int = 0) -> ModelShape:
     """Build the model on the meta device and read its shapes and roles."""
     from tpctl.models import build_model
-    from tpctl.parallel.base import module_roles
+    from tpctl.parallel.layers import linearize
+    from tpctl.parallel.roles import resolve_plan
 
     model = build_model(model_cfg, seed, lazy=True)
-    roles = module_roles(model)
+    linearize(model)  # as the rewrite sees it
+    plan = resolve_plan(model, getattr(model_cfg, "plan", None))
+    roles = plan.roles
     owner = {}
     for mname, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
@@ -88,7 +108,7 @@ def model_shape(model_cfg, seed: int = 0) -> ModelShape:
         params.append(Param(pname, role, kind, tuple(p.shape)))
     attention = [lin for lin in linears if lin[1] == "attn_out"]  # one per attention layer
     return ModelShape(params, linears, roles, embeddings, norms, model_cfg.vocab_size, model_cfg.n_embd,
-                      model_cfg.n_head, len(attention))
+                      model_cfg.n_head, len(attention), model_cfg, seed, plan)
 
 
 def _linear_dims(module) -> tuple[int, int]:
@@ -99,26 +119,15 @@ def _linear_dims(module) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------
-# One split
+# One layout
 
 
-@dataclass(frozen=True)
-class Split:
-    mode: str
-    size: int
-    depth: int = 1
-    dp: int = 1
-    seq_parallel: bool = False
-
-    @property
-    def world(self) -> int:
-        return self.size * self.dp
-
-    @property
-    def label(self) -> str:
-        name = self.mode + ("+sp" if self.seq_parallel else "")
-        extra = f" d={self.depth}" if self.mode == "2.5d" else ""
-        return f"{name} size={self.size}{extra} dp={self.dp}"
+def plan_label(layout: Layout) -> str:
+    """The planner's name of a layout: `2d size=4 dp=2`, `2.5d size=8 d=2 dp=1`."""
+    name = layout.mode + ("+sp" if layout.seq_parallel else "")
+    extra = f" d={layout.depth}" if layout.mode_class.uses_depth else ""
+    pp = f" pp={layout.pp}" if layout.pp > 1 else ""
+    return f"{name} size={layout.size}{extra}{pp} dp={layout.dp}" + (f" zero={layout.zero}" if layout.zero else "")
 
 
 @dataclass
@@ -133,7 +142,7 @@ class Comm:
 
 @dataclass
 class SplitPlan:
-    split: Split
+    layout: Layout
     param_bytes: int
     grad_bytes: int
     optim_bytes: int
@@ -144,6 +153,10 @@ class SplitPlan:
     compute_s: Optional[float] = None
     comm_s: Optional[float] = None
     fits: Optional[bool] = None  # memory_bytes within the hardware's memory per rank
+
+    @property
+    def label(self) -> str:
+        return plan_label(self.layout)
 
     def by_kind(self) -> dict[str, dict[str, float]]:
         out: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "bytes": 0, "wire_bytes": 0.0})
@@ -166,8 +179,8 @@ class SplitPlan:
         return self.param_bytes + self.grad_bytes + self.optim_bytes + self.activation_bytes
 
     def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self.split)
-        d.update(label=self.split.label, param_bytes=self.param_bytes, grad_bytes=self.grad_bytes,
+        d = self.layout.to_dict()
+        d.update(label=self.label, param_bytes=self.param_bytes, grad_bytes=self.grad_bytes,
                  optim_bytes=self.optim_bytes, activation_bytes=self.activation_bytes,
                  memory_bytes=self.memory_bytes, flops=self.flops, comm_bytes=self.comm_bytes,
                  wire_bytes=self.wire_bytes, step_time_s=self.step_time_s, compute_s=self.compute_s,
@@ -177,14 +190,21 @@ class SplitPlan:
 
 
 class _Counter:
-    """Accumulates collectives; a group of one is free (as in comm.py)."""
+    """Accumulates collectives over named mesh groups; a group of one is
+    free (as in comm.py)."""
 
-    def __init__(self, group_sizes: dict[str, int]):
-        self.sizes = group_sizes
+    def __init__(self, layout: Layout):
+        self.layout = layout
+        self.sizes: dict[str, int] = {}
         self.comm: dict[tuple[str, str], Comm] = {}
 
+    def size(self, group: str) -> int:
+        if group not in self.sizes:
+            self.sizes[group] = len(self.layout.group_of(group, 0))
+        return self.sizes[group]
+
     def add(self, kind: str, group: str, numel: int, times: int = 1, elem: int = F32) -> None:
-        p = self.sizes[group]
+        p = self.size(group)
         if p <= 1 or times == 0:
             return
         c = self.comm.setdefault((kind, group), Comm(group_size=p))
@@ -192,229 +212,95 @@ class _Counter:
         c.bytes += times * numel * elem
         c.wire_bytes += times * WIRE_FACTOR[kind](p) * numel * elem
 
-
-def group_sizes(split: Split, geo: Geometry) -> dict[str, int]:
-    q, d = geo.q, geo.depth
-    sizes = {"tp": split.size, "dp": split.dp, "world": split.world}
-    if split.mode in ("2d", "2.5d"):
-        sizes.update(row=q, col=q, depth=d, hidden_replica=d * q)
-    if split.mode == "3d":
-        sizes.update(i=q, j=q, l=q, ij=q * q, il=q * q)
-    return sizes
+    def merge(self, other: "_Counter", times: int) -> None:
+        for key, c in other.comm.items():
+            total = self.comm.setdefault(key, Comm(group_size=c.group_size))
+            total.calls += times * c.calls
+            total.bytes += times * c.bytes
+            total.wire_bytes += times * c.wire_bytes
 
 
-def plan_split(shape: ModelShape, split: Split, geo: Geometry, batch_size: int, seq_len: int,
-               grad_accum: int = 1) -> SplitPlan:
-    """Memory, FLOPs and communication of one optimizer step on one rank."""
-    mode, q, d = split.mode, geo.q, geo.depth
-    vp = padded_vocab(shape.vocab_size, geo.vocab_multiple)
-    seqs = batch_size // (grad_accum * split.dp)  # sequences of one micro-batch per dp replica
-    tokens = seqs * seq_len  # M: token rows of a micro-batch in one tensor-parallel group
-    counter = _Counter(group_sizes(split, geo))
-    add = counter.add
-    P, sp = split.size, split.seq_parallel
-    hidden = shape.n_embd
+def _replica_group(layout: Layout, spec) -> Optional[str]:
+    """The mesh group whose members are exactly `spec`'s replicas (rank 0's view)."""
+    members = sorted(spec.replica_ranks)
+    names = (*layout.mode_class.grid_groups, "tp")
+    return next((name for name in names if sorted(layout.group_of(name, 0)) == members), None)
 
-    # ---- parameters: this rank's shard of each, and the replica buckets
-    # sync_grads all-reduces (one coalesced call per replica group).
+
+def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int, grad_accum: int = 1) -> SplitPlan:
+    """Memory, FLOPs and communication of one optimizer step on rank 0 of `layout`."""
+    from tpctl.parallel.parallelism import parallelism
+    from tpctl.parallel.shard import spec_of
+
+    par = parallelism(layout, groups=False, rank=0)
+    mode = par.mode
+    vp = padded_vocab(shape.vocab_size, layout.geo.vocab_multiple)
+    tokens = batch_size // (grad_accum * layout.dp) * seq_len  # token rows of a micro-batch per replica
+
+    # ---- parameters: this rank's shard of each (ShardSpec), and the
+    # replica buckets sync_replicas all-reduces (one coalesced call per group).
     param_numel = 0
     buckets: dict[str, int] = defaultdict(int)
-    lin_by_name = {lin[0]: lin for lin in shape.linears}
-    for p in shape.params:
-        numel, replicas = _shard(shape, p, split, geo, vp, lin_by_name)
+    for name, p in shape.rewritten(par).named_parameters():  # tied parameters once
+        spec = spec_of(p)
+        numel = math.prod(spec.local_shape())
         param_numel += numel
-        if replicas is not None:
-            buckets[replicas] += numel
+        if spec.partial_grad and len(spec.replica_ranks) > 1:
+            group = _replica_group(layout, spec)
+            if group is None:
+                raise ValueError(f"parameter {name!r}: its replicas {spec.replica_ranks} are no group of the mesh")
+            buckets[group] += numel
 
-    # ---- forward and backward of one micro-batch, role by role
-    fwd_bwd = _Counter(counter.sizes)
-    c = fwd_bwd.add
-    flops = 0.0
-    act = 0  # saved-for-backward elements (estimate)
-    rows = {"none": tokens, "1d": tokens, "2d": tokens // q, "2.5d": tokens // (d * q), "3d": tokens // (q * q)}[mode]
-    for name, (n_rows, dim) in shape.embeddings.items():
-        role = shape.roles[name]
-        if role != "embedding":
-            continue
-        if mode == "1d":
-            if sp:
-                c("reduce_scatter", "tp", tokens * dim)
-                c("all_gather", "tp", tokens * dim)
-            else:
-                c("all_reduce", "tp", tokens * dim)
-        elif mode in ("2d", "2.5d"):
-            # gather the column's vocabulary blocks of this hidden block; backward reduce-scatter
-            c("all_gather", "col", vp * (dim // q))
-            c("reduce_scatter", "col", vp * (dim // q))
-        elif mode == "3d":
-            c("all_gather", "i", vp // q * (dim // q))
-            c("reduce_scatter", "i", vp // q * (dim // q))
-            c("reduce_scatter", "j", tokens // q * (dim // q))
-            c("all_gather", "j", tokens // q * (dim // q))
-    for name in shape.norms:
-        if mode in ("2d", "2.5d"):
-            c("all_reduce", "row", 2 * rows, times=2)  # moments forward, their gradient backward
-        elif mode == "3d":
-            c("all_reduce", "l", 2 * rows, times=2)
-        h_local = hidden // {"none": 1, "1d": 1}.get(mode, q)
-        norm_rows = tokens // P if (mode == "1d" and sp) else rows
-        act += 2 * norm_rows * h_local
-    for name, role, out_f, in_f, bias in shape.linears:
+    # ---- forward and backward of one micro-batch, layer by layer (the mode's own counts)
+    counter, micro = _Counter(layout), _Counter(layout)
+    flops, act = 0.0, 0
+    for name, (_, dim) in shape.embeddings.items():
+        if shape.roles[name] == "embedding":
+            mode.cost_embedding(micro.add, tokens, vp, dim)
+    for _ in shape.norms:
+        act += mode.cost_norm(micro.add, tokens, shape.n_embd)
+    rows = mode.cost_rows(tokens)
+    for _, role, out_f, in_f, _ in shape.linears:
         n = vp if role == "lm_head" else out_f
-        k = in_f
-        if mode == "none":
-            flops += 2 * tokens * n * k
-            act += tokens * k
-        elif mode == "1d":
-            column = role in ("qkv", "attn_in", "mlp_in", "lm_head")
-            flops += 2 * tokens * n * k / P
-            act += tokens * (k if column else k // P)
-            if column:
-                if sp:
-                    c("all_gather", "tp", tokens * k)
-                    c("reduce_scatter", "tp", tokens * k)
-                else:
-                    c("all_reduce", "tp", tokens * k)  # backward of copy_to_group
-            else:
-                c("reduce_scatter" if sp else "all_reduce", "tp", tokens * n)
-                if sp:
-                    c("all_gather", "tp", tokens * n)
-        elif mode in ("2d", "2.5d"):
-            w, y = (n // q) * (k // q), rows * (n // q)
-            flops += 2 * rows * n * k / q
-            act += rows * (k // q)
-            c("broadcast", "col", w, times=2 * q)  # W forward and backward
-            c("broadcast", "row", y, times=q)  # dY backward
-            c("reduce", "row", y, times=q)  # Y forward
-            c("reduce", "col", w, times=q)  # dW backward
-        elif mode == "3d":
-            layout_rows, layout_hidden = ("j", "l") if role in ("qkv", "attn_in", "mlp_in", "lm_head") else ("l", "j")
-            x, w, y = tokens // q * (k // q), (n // q) * (k // q), tokens // q * (n // q)
-            flops += 2 * (tokens // q) * (n // q) * (k // q)
-            act += x + w
-            for group, numel in ((layout_rows, x), ("i", w)):
-                c("all_gather", group, numel)
-                c("reduce_scatter", group, numel)
-            c("reduce_scatter", layout_hidden, y)
-            c("all_gather", layout_hidden, y)
+        flops += 2 * tokens * n * in_f / layout.size
+        act += mode.cost_linear(micro.add, role, tokens, n, in_f)
         if role == "lm_head":
-            v_local = vp // {"none": 1, "1d": P}.get(mode, q)
-            act += 2 * rows * v_local  # logits and the loss's saved probabilities
+            act += 2 * rows * mode.cost_vocab(vp)  # logits and the loss's saved probabilities
     # attention: scores and weighted sum over the rank's heads and rows
-    head_split = {"none": 1, "1d": P}.get(mode, q)
-    attn_rows = tokens if mode in ("none", "1d") else rows
-    if mode == "3d":
-        attn_rows = tokens // (q * q)  # fed layout B: rows (i, l)
-    flops += shape.attention_layers * 2 * 2 * attn_rows * seq_len * (hidden // head_split)
-    act += shape.attention_layers * 4 * attn_rows * (hidden // head_split)
-    # the vocab-parallel cross entropy: row max, then (sum-exp, target, sum)
-    loss_group = {"1d": "tp", "2d": "row", "2.5d": "row", "3d": "j"}.get(mode)
-    if loss_group:
-        c("all_reduce", loss_group, rows, times=1)
-        c("all_reduce", loss_group, 3 * rows, times=1)
-
-    for key, cm in fwd_bwd.comm.items():
-        total = counter.comm.setdefault(key, Comm(group_size=cm.group_size))
-        total.calls += grad_accum * cm.calls
-        total.bytes += grad_accum * cm.bytes
-        total.wire_bytes += grad_accum * cm.wire_bytes
+    heads_width = shape.n_embd // layout.geo.head_split
+    flops += shape.attention_layers * 2 * 2 * rows * seq_len * heads_width
+    act += shape.attention_layers * 4 * rows * heads_width
+    mode.cost_loss(micro.add, tokens)
+    counter.merge(micro, grad_accum)
     flops *= 3 * grad_accum  # backward = two products per forward product
 
-    # ---- after backward: sync_grads, the global norm, the logged loss
+    # ---- after backward (training/step.py's finish): the grid's replica
+    # sums, the data-parallel reduction, the global norm, the logged loss
     for group, numel in buckets.items():
-        add("all_reduce", group, numel)
-    add("all_reduce", "dp", param_numel)
-    add("all_reduce", "tp", 1, elem=F64)  # grad_norm
-    add("all_reduce", "world", 1, elem=F64)  # global_mean of the loss
+        counter.add("all_reduce", group, numel)
+    counter.add("all_reduce", "dp", param_numel)
+    counter.add("all_reduce", "grad_norm", 1, elem=F64)
+    counter.add("all_reduce", "batch", 1, elem=F64)
     n_tensors = len(shape.params)
-    return SplitPlan(split, param_numel * F32, param_numel * F32, 2 * param_numel * F32 + n_tensors * F32,
+    return SplitPlan(layout, param_numel * F32, param_numel * F32, 2 * param_numel * F32 + n_tensors * F32,
                      act * F32, flops, counter.comm)
 
 
-def _shard(shape: ModelShape, p: Param, split: Split, geo: Geometry, vp: int, lin_by_name) -> tuple[int, Optional[str]]:
-    """(elements this rank holds, the mesh group whose replicas' gradients
-    sync_grads sums, or None)."""
-    mode, q, P, sp = split.mode, geo.q, split.size, split.seq_parallel
-    full = math.prod(p.shape)
-    role = p.role
-    if mode == "none":
-        return full, None
-    if mode == "1d":
-        if role == "embedding":
-            return vp // P * p.shape[1], None
-        if role in ("qkv", "attn_in", "mlp_in", "lm_head"):
-            n = vp if role == "lm_head" else p.shape[0]
-            return n // P * (math.prod(p.shape[1:]) if p.kind == "weight" else 1), None
-        if role in ("attn_out", "mlp_out") and p.kind == "weight":
-            return full // P, None
-        # replicated over the group: partial sums only with sequence parallelism
-        return full, ("tp" if sp else None)
-    if role is None:
-        raise ValueError(f"parameter {p.name!r} has no role; mode {mode} cannot leave it whole")
-    hidden_replica = {"2d": "col", "2.5d": "hidden_replica"}.get(mode)
-    if mode in ("2d", "2.5d"):
-        depth_replica = "depth" if geo.depth > 1 else None
-        if role == "embedding":
-            return vp // q * (p.shape[1] // q), depth_replica
-        if role == "pos_embedding":
-            return p.shape[0] * (p.shape[1] // q), hidden_replica
-        if role == "norm":
-            return full // q, hidden_replica
-        n = vp if role == "lm_head" else p.shape[0]
-        if p.kind == "weight":
-            return n // q * (p.shape[1] // q), depth_replica
-        return n // q, hidden_replica
-    # 3d
-    if role == "embedding":
-        return vp // (q * q) * (p.shape[1] // q), None
-    if role == "pos_embedding":
-        return p.shape[0] * (p.shape[1] // q), "ij"
-    if role == "norm":
-        return full // q, "ij"
-    n = vp if role == "lm_head" else p.shape[0]
-    if p.kind == "weight":
-        return n // (q * q) * (p.shape[1] // q), None
-    # a bias lands in the flipped layout of its linear's input
-    return n // q, ("il" if role in ("qkv", "attn_in", "mlp_in", "lm_head") else "ij")
-
-
 # --------------------------------------------------------------------------
-# Every split of a world
+# Every layout of a world
 
 
-def splits_of(world: int, cfg) -> list[tuple[Split, Optional[Geometry], Optional[str]]]:
-    """Every (mode, size, depth, dp, seq_parallel) with size*dp == world,
-    with its geometry, or None and the reason it is invalid for `cfg`."""
+def splits_of(world: int, cfg) -> list[tuple[Layout, Optional[str]]]:
+    """Every layout of `world` ranks the modes offer, with None or the
+    reason it is invalid for `cfg` (heads, hidden sizes, the batch)."""
     out = []
-    for size in range(1, world + 1):
-        if world % size:
-            continue
-        dp = world // size
-        candidates = []
-        if size == 1:
-            candidates.append(Split("none", 1, 1, dp))
-        else:
-            candidates += [Split("1d", size, 1, dp), Split("1d", size, 1, dp, True), Split("2d", size, 1, dp),
-                           Split("3d", size, 1, dp)]
-            # depth 1 is 2d; depth = size (q = 1) is data parallelism with extra steps
-            candidates += [Split("2.5d", size, depth, dp) for depth in range(2, size) if size % depth == 0]
-        for s in candidates:
-            probe = _with_split(cfg, s)
-            try:
-                out.append((s, validate_parallel(probe), None))
-            except ConfigError as e:
-                if s.mode in ("2d", "3d", "2.5d") and "needs" in str(e):
-                    continue  # not a square / cube: not a split at all
-                out.append((s, None, str(e).removeprefix("invalid config: ")))
+    for layout in layouts_of(world):
+        try:
+            layout.validate(cfg)
+            out.append((layout, None))
+        except ConfigError as e:
+            out.append((layout, str(e).removeprefix("invalid config: ")))
     return out
-
-
-def _with_split(cfg, s: Split):
-    from omegaconf import OmegaConf
-
-    probe = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else dict(cfg)
-    probe.update(mode=s.mode, size=s.size, depth=s.depth, dp=s.dp, seq_parallel=s.seq_parallel)
-    return OmegaConf.create(probe)
 
 
 # --------------------------------------------------------------------------
@@ -454,23 +340,16 @@ def load_hardware(name: str) -> Hardware:
         raise ConfigError("hardware", name, f"{path} needs numbers for {', '.join(sorted(fields - {'name', 'note'}))}: {e}") from None
 
 
-def group_members(split: Split, geo: Geometry, group: str) -> list[list[int]]:
-    """Global ranks of every group named `group` (the mesh's own layout)."""
-    from tpctl.parallel.mesh import group_members as mesh_group_members  # imports torch
-
-    return mesh_group_members(geo, split.dp, group)
-
-
-def predict(plan: SplitPlan, geo: Geometry, hw: Hardware) -> SplitPlan:
+def predict(plan: SplitPlan, hw: Hardware) -> SplitPlan:
     """Fill in step_time_s: compute + every collective at the speed of the
     slowest link its groups span (no overlap of compute and communication)."""
     compute = plan.flops / (hw.peak_flops * hw.efficiency)
-    if hw.cores and plan.split.world > hw.cores:
-        compute *= plan.split.world / hw.cores  # oversubscribed CPU: ranks take turns
+    if hw.cores and plan.layout.world > hw.cores:
+        compute *= plan.layout.world / hw.cores  # oversubscribed CPU: ranks take turns
     comm_s = 0.0
     for (kind, group), c in plan.comm.items():
         spans = any(len({r // hw.ranks_per_node for r in members}) > 1
-                    for members in group_members(plan.split, geo, group))
+                    for members in plan.layout.group_members(group))
         bw, lat = (hw.inter_bw, hw.inter_latency) if spans else (hw.intra_bw, hw.intra_latency)
         steps = LATENCY_STEPS.get(kind, lambda p: p - 1)(c.group_size)
         comm_s += c.calls * steps * lat + c.wire_bytes / bw
@@ -483,20 +362,20 @@ def predict(plan: SplitPlan, geo: Geometry, hw: Hardware) -> SplitPlan:
 # The command
 
 
-def plan_world(cfg, world: int, hw: Optional[Hardware]) -> tuple[list[SplitPlan], list[tuple[Split, str]]]:
+def plan_world(cfg, world: int, hw: Optional[Hardware]) -> tuple[list[SplitPlan], list[tuple[Layout, str]]]:
     shape = model_shape(cfg.model, cfg.seed)
     t = cfg.train
     plans, invalid = [], []
-    for split, geo, why in splits_of(world, cfg):
-        if geo is None:
-            invalid.append((split, why))
+    for layout, why in splits_of(world, cfg):
+        if why is not None:
+            invalid.append((layout, why))
             continue
         try:
-            p = plan_split(shape, split, geo, t.batch_size, t.seq_len, t.grad_accum)
+            p = plan_split(shape, layout, t.batch_size, t.seq_len, t.grad_accum)
         except ValueError as e:
-            invalid.append((split, str(e)))
+            invalid.append((layout, str(e)))
             continue
-        plans.append(predict(p, geo, hw) if hw else p)
+        plans.append(predict(p, hw) if hw else p)
     if hw:  # the fastest first, among those that fit in memory
         plans.sort(key=lambda p: (not p.fits, p.step_time_s))
     return plans, invalid

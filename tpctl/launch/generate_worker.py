@@ -16,7 +16,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .worker import die_with_parent, init_distributed, setup_logging
+from .worker import die_with_parent, start_worker
 
 OPTIONS = "generate.json"
 RESULT = "generated.json"
@@ -24,27 +24,23 @@ RESULT = "generated.json"
 
 @record
 def run(argv: list[str] | None = None) -> None:
-    from tpctl.config import load_worker_config
     from tpctl.models import build_model
-    from tpctl.parallel import init_parallel
     from tpctl.parallel.base import parallelize
     from tpctl.training import checkpoint
     from tpctl.training.generation import TextStream, Tokenizer, generate, stop_ids
-    from tpctl.training.loop import autocast
+    from tpctl.training.step import autocast
 
     config_path = Path((argv if argv is not None else sys.argv[1:])[0])
     run_dir = config_path.parent
-    cfg = load_worker_config(config_path)
     opts = json.loads((run_dir / OPTIONS).read_text())
-    device = init_distributed(cfg.device, cfg.launcher.collective_timeout_s)
-    setup_logging(run_dir, dist.get_rank())
-    mode = init_parallel(cfg.mode, cfg.size, cfg.depth, cfg.dp, cfg.seed, False, device)
-    mesh = mode.mesh
+    # Decoding feeds whole sequences: no sequence parallelism.
+    cfg, par = start_worker(config_path, adjust=lambda layout: layout.replace(seq_parallel=False))
+    mode, mesh, device = par.mode, par.mesh, par.mesh.device
     model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode, cfg.model.get("plan")).to(device)
     if opts.get("checkpoint"):
         path = Path(opts["checkpoint"])
         # The command has verified the checksums once; the ranks read.
-        checkpoint.load(path, model, None, mesh, checkpoint.verify(path, checksums=False), cfg.seed)
+        checkpoint.load(path, model, None, par, checkpoint.verify(path, checksums=False), cfg.seed)
     tokenizer = Tokenizer(cfg.data.tokenizer)
     stream = TextStream(tokenizer)
     quiet = opts.get("quiet", False)

@@ -26,6 +26,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from tpctl.parallel.layout import Layout
+
 WORKER_MODULE = "tpctl.launch.worker"
 WORKER_MODULE_ENV = "TPCTL_WORKER_MODULE"
 # Seconds the workers get to exit after SIGINT/SIGTERM before SIGKILL.
@@ -48,7 +50,7 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
         print(f"tpctl: error: worker module {module!r} not found (check {WORKER_MODULE_ENV})", file=sys.stderr)
         return 1
     lc = cfg.launcher
-    nproc = cfg.size * cfg.dp // lc.nnodes
+    nproc = Layout.from_config(cfg).world // lc.nnodes
     if lc.nnodes > 1 or lc.rdzv_endpoint:
         endpoint = lc.rdzv_endpoint
         # Every node must name the same job; the endpoint is the same on all.
@@ -176,7 +178,7 @@ def node_layout(cfg: Any) -> str:
     consecutive ranks (rank = dp_rank*size + tp_rank), so a group stays
     inside one node exactly when the node's worker count divides by size."""
     lc = cfg.launcher
-    per_node = cfg.size * cfg.dp // lc.nnodes
+    per_node = Layout.from_config(cfg).world // lc.nnodes
     head = f"node {lc.node_rank} of {lc.nnodes}: {per_node} workers"
     if per_node % cfg.size == 0:
         return f"{head}, {per_node // cfg.size} whole tensor-parallel group(s) of {cfg.size}; only data-parallel traffic crosses nodes"

@@ -130,12 +130,11 @@ def _release_groups() -> None:
     gc.collect()
 
 
-def mode_of(mode: str, size: int, depth: int = 1, dp: int = 1, seq_parallel: bool = False):
-    """The ParallelMode of this mesh on a pool rank, built on first use."""
-    key = (mode, size, depth, dp, seq_parallel)
-    if key not in _modes:
-        from tpctl.parallel.mesh import init_mesh
-        from tpctl.parallel import get_mode
+def parallelism_of(layout):
+    """The Parallelism of `layout` (a parallel.layout.Layout) on a pool
+    rank, built on first use: its process groups are made once per process."""
+    if layout not in _modes:
+        from tpctl.parallel.parallelism import parallelism
 
-        _modes[key] = get_mode(init_mesh(mode, size, depth, dp, seed=0), seq_parallel=seq_parallel)
-    return _modes[key]
+        _modes[layout] = parallelism(layout, seed=0)
+    return _modes[layout]

@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tpctl.parallel.layout import Layout
+
 SUBMITIT_MISSING = "launcher=slurm submits through submitit, which is not installed: pip install 'tpctl[slurm]' (or pip install submitit)"
 
 
@@ -76,7 +78,7 @@ def dry_run(cfg: Any, run_dir: Path) -> str:
     lines = [f"tpctl: dry run: would submit to Slurm (nothing submitted); the job reads {run_dir / 'config.yaml'}",
              "submitit.SlurmExecutor parameters: " + json.dumps(executor_parameters(cfg), sort_keys=True),
              f"each of the {cfg.launcher.nnodes} tasks calls: tpctl.launch.slurm.run_node({str(run_dir / 'config.yaml')!r}) -> "
-             f"{cfg.size * cfg.dp // cfg.launcher.nnodes} workers, rendezvous at <first node>:{cfg.launcher.master_port}"]
+             f"{Layout.from_config(cfg).world // cfg.launcher.nnodes} workers, rendezvous at <first node>:{cfg.launcher.master_port}"]
     script = sbatch_script(cfg, run_dir)
     if script is None:
         lines.append("(install submitit to see the sbatch script: pip install 'tpctl[slurm]')")

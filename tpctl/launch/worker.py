@@ -90,54 +90,68 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     Console().print(table)
 
 
+def start_worker(config_path: Path, adjust=None):
+    """What every worker does first, train and generate alike: read the
+    resolved config, join the process group (launcher.backend), log to
+    logs/rank<r>.log, seed torch's own generator from (seed, rank) and
+    build this rank's parallel machinery. Returns (cfg, Parallelism);
+    `adjust` (Layout -> Layout) may change the config's layout."""
+    from tpctl.config import load_worker_config
+    from tpctl.parallel.layout import Layout
+    from tpctl.parallel.parallelism import parallelism
+    from tpctl.seeding import derive_seed
+
+    cfg = load_worker_config(config_path)
+    device = init_distributed(cfg.device, cfg.launcher.collective_timeout_s, cfg.launcher.get("backend", "auto"))
+    setup_logging(config_path.parent, dist.get_rank())
+    layout = Layout.from_config(cfg)
+    par = parallelism(adjust(layout) if adjust else layout, cfg.seed, device)
+    # torch seeds its global generator at random in each process; from
+    # (seed, rank) instead, so that two runs of one config write the same
+    # checkpoints, byte for byte (tpctl's own draws use their own generators).
+    torch.manual_seed(derive_seed(cfg.seed, "torch", dist.get_rank()))
+    log.info("mesh: %s, rank %d at %s dp_rank=%d", par.layout.label(), par.mesh.rank, par.mesh.coords, par.mesh.dp_rank)
+    return cfg, par
+
+
 @record
 def run(argv: list[str] | None = None) -> None:
-    from tpctl.parallel import init_parallel
     from tpctl.parallel.verify import parallelize_verified
-    from tpctl.config import load_worker_config
     from tpctl.training.data import TokenData, prepare_data
     from tpctl.models import build_model
     from tpctl.training.loop import Trainer
 
     config_path = Path((argv if argv is not None else sys.argv[1:])[0])
     run_dir = config_path.parent
-    cfg = load_worker_config(config_path)
-    device = init_distributed(cfg.device, cfg.launcher.collective_timeout_s, cfg.launcher.get("backend", "auto"))
-    setup_logging(run_dir, dist.get_rank())
-    mode = init_parallel(cfg.mode, cfg.size, cfg.depth, cfg.dp, cfg.seed, cfg.seq_parallel, device)
-    # torch seeds its global generator at random in each process; from
-    # (seed, rank) instead, so that two runs of one config write the same
-    # checkpoints, byte for byte (tpctl's own draws use their own generators).
-    from tpctl.seeding import derive_seed
-
-    torch.manual_seed(derive_seed(cfg.seed, "torch", dist.get_rank()))
-    mesh = mode.mesh
-    log.info("mesh: mode=%s coords=%s dp_rank=%d", mesh.mode, mesh.coords, mesh.dp_rank)
+    cfg, par = start_worker(config_path)
+    mesh = par.mesh
     # Lazy: each rank makes one parameter whole at a time, to slice its shard.
     # The rewrite, proven equal to the original before step 1 unless
     # train.verify_rewrite=false (RewriteRefused: exit 2, see main).
-    model, verified = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), mode, cfg.model.get("plan"),
+    model, verified = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), par, cfg.model.get("plan"),
                                            cfg.train.verify_rewrite)
     if verified is not None:
-        log.info("verify: %s", verified.line(mode))
+        log.info("verify: %s", verified.line(par.mode))
         if mesh.rank == 0:
-            print(f"tpctl: {verified.line(mode)}", flush=True)
+            print(f"tpctl: {verified.line(par.mode)}", flush=True)
     data = TokenData(cfg, prepare_data(cfg))
     log.info("data: %s", data.describe())
     if mesh.rank == 0:
         whole = sum(math.prod(p.tpctl_spec.full_shape) for p in model.parameters())
         print(f"tpctl: mode={cfg.mode} size={cfg.size} dp={cfg.dp} ({mesh.world_size} ranks), "
               f"{cfg.model.get('_target_') or cfg.model.arch} with {whole / 1e6:.2f}M parameters, {data.describe()}", flush=True)
-    trainer = Trainer(cfg, model, mode, data, run_dir)
+    trainer = Trainer(cfg, model, par, data, run_dir)
     found = find_resume(cfg, run_dir, mesh.rank)
     if found is not None:
         trainer.resume(*found)
         if mesh.rank == 0:
-            m = found[1]
+            from tpctl.training.checkpoint import manifest_layout
+
+            m, saved = found[1], manifest_layout(found[1])
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             after = f" after restart {restart} of {cfg.launcher.max_restarts}" if restart else ""
-            print(f"tpctl: resumed from {found[0]}{after} (step {m['step']}, written in mode={m['mode']} "
-                  f"size={m['size']} dp={m['dp']})", flush=True)
+            print(f"tpctl: resumed from {found[0]}{after} (step {m['step']}, written in mode={saved.mode} "
+                  f"size={saved.size} dp={saved.dp})", flush=True)
     if trainer.start_step >= cfg.train.steps:
         if mesh.rank == 0:
             print(f"tpctl: nothing to train: the checkpoint is at step {trainer.start_step}, train.steps={cfg.train.steps}")
@@ -147,7 +161,7 @@ def run(argv: list[str] | None = None) -> None:
     summary = trainer.summary(records)
     log.info("summary: %s", summary)
     if mesh.rank == 0:
-        from tpctl.training.loop import json_safe
+        from tpctl.training.metrics import json_safe
 
         (run_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1) + "\n")
         print_summary(summary, run_dir)

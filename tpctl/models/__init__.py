@@ -113,8 +113,8 @@ def check_model(cfg: Any) -> RolePlan:
     ConfigError naming the module and the reason, before any worker starts.
     Returns the plan."""
     from tpctl.errors import ConfigError
-    from tpctl.parallel.geometry import geometry
     from tpctl.parallel.base import check_plan
+    from tpctl.parallel.layout import Layout
 
     m = cfg.model
     what = m.get("_target_") or m.get("pretrained") or m.arch
@@ -123,8 +123,7 @@ def check_model(cfg: Any) -> RolePlan:
         plan = resolve_plan(model, m.get("plan"))
     except (ValueError, TypeError, RuntimeError) as e:
         raise ConfigError("model", what, f"tracing the model's forward failed: {type(e).__name__}: {e}") from None
-    geo = geometry(cfg.mode, cfg.size, cfg.depth)
-    problems = check_plan(plan, model, geo)
+    problems = check_plan(plan, model, Layout.from_config(cfg).geo)
     if problems:
         name, reason = next(iter(problems.items()))
         raise ConfigError("model", what, f"mode={cfg.mode} size={cfg.size} cannot shard module {name}: {reason}")

@@ -1,31 +1,15 @@
-"""Tensor-parallel modes, one module each, behind `base.ParallelMode`."""
+"""The parallel machinery, independent of any model or command: the layout
+of a run (layout.py), its process mesh (mesh.py), the tensor-parallel modes
+(one module each, registry.py), data parallelism (data_parallel.py), and
+their composition on one rank (parallelism.py)."""
 
 from __future__ import annotations
 
 
-def get_mode(mesh, seq_parallel: bool = False):
-    """The ParallelMode object for `mesh.mode`."""
-    if mesh.mode == "none":
-        from .none import NoParallel
-        return NoParallel(mesh)
-    if mesh.mode == "1d":
-        from .one_d import OneD
-        return OneD(mesh, seq_parallel=seq_parallel)
-    if mesh.mode == "2d":
-        from .two_d import TwoD
-        return TwoD(mesh)
-    if mesh.mode == "2.5d":
-        from .two_p5_d import TwoPointFiveD
-        return TwoPointFiveD(mesh)
-    if mesh.mode == "3d":
-        from .three_d import ThreeD
-        return ThreeD(mesh)
-    raise ValueError(f"unknown mode {mesh.mode!r}")
+def init_parallel(layout=None, *, seed: int = 0, device: str = "cpu", **dims):
+    """The parallel machinery of an initialised process group: a
+    `Layout`, or its fields as keywords (mode=..., size=..., dp=...)."""
+    from .layout import Layout
+    from .parallelism import parallelism
 
-
-def init_parallel(mode: str = "none", size: int = 1, depth: int = 1, dp: int = 1, seed: int = 0,
-                  seq_parallel: bool = False, device: str = "cpu"):
-    """The mesh of an initialised process group, and the mode acting on it."""
-    from .mesh import init_mesh
-
-    return get_mode(init_mesh(mode, size, depth, dp, seed, device), seq_parallel=seq_parallel)
+    return parallelism(layout or Layout(**dims), seed, device)

@@ -12,16 +12,17 @@ A mode answers three questions:
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import comm
+from .data_parallel import all_reduce_coalesced
 from .mesh import Mesh
-from .geometry import padded_vocab
+from .geometry import Geometry, padded_vocab
 from .layers import embedding_semantics, norm_offset
 from .loss import vocab_parallel_cross_entropy
 from .roles import RolePlan, resolve_plan
@@ -59,9 +60,42 @@ class RewriteContext:
 
 
 class ParallelMode:
-    """Base class of the modes; subclasses fill in the role converters."""
+    """Base class of the modes; subclasses fill in the role converters and
+    declare their grid. A mode registers itself (`registry.register`)."""
 
-    name = "none"
+    name = ""
+    # The tensor grid: its axes, slowest first (rank inside the grid =
+    # mixed radix over them, last fastest), and its named groups: name ->
+    # the axes in which the group's members differ.
+    axes: tuple[str, ...] = ("p",)
+    grid_groups: dict[str, tuple[str, ...]] = {}
+    # Whether `depth` shapes the grid (2.5d) and whether sequence
+    # parallelism applies (1d).
+    uses_depth = False
+    sequence_parallel = False
+    # Activations between layers are whole on every rank of the grid (none,
+    # 1d), so a parameter no role places can stay whole: its gradient is the
+    # same on every rank.
+    replicated_activations = False
+    # Whether the rewrite replaces any layer (mode=none's does not: there is
+    # nothing to verify).
+    rewrites = True
+
+    @classmethod
+    def geometry(cls, size: int, depth: int = 1) -> Geometry:
+        """The grid of `size` ranks (ConfigError naming the key that does not fit)."""
+        raise NotImplementedError
+
+    @classmethod
+    def grid_shape(cls, geo: Geometry) -> tuple[int, ...]:
+        """The extent of each of `axes`."""
+        return (geo.size,)
+
+    @classmethod
+    def variants(cls, size: int) -> list[dict]:
+        """The layouts of a grid of `size` ranks this mode offers the
+        planner, as Layout keyword arguments ([] for none)."""
+        return [{}] if size > 1 else []
 
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
@@ -86,24 +120,13 @@ class ParallelMode:
         blocks (the residual stream), given the rows it reads."""
         return rows
 
-    def read_rows(self, batch_size: int, grad_accum: int, micro: int) -> range:
-        """Rows of the global batch this rank reads for micro-batch `micro`."""
-        per_micro = batch_size // grad_accum
-        per_dp = per_micro // self.mesh.dp_size
+    def read_rows(self, share: range) -> range:
+        """This rank's rows of `share`, its replica's rows of a micro-batch
+        (data_parallel.DataParallel.share): row block `read_block()`."""
         index, count = self.read_block()
-        per_rank = per_dp // count
-        start = micro * per_micro + self.mesh.dp_rank * per_dp + index * per_rank
+        per_rank = len(share) // count
+        start = share.start + index * per_rank
         return range(start, start + per_rank)
-
-    def shard_batch(self, batch: torch.Tensor, micro: int = 0, grad_accum: int = 1) -> torch.Tensor:
-        """This rank's model input from a whole global batch of token ids."""
-        rows = self.read_rows(batch.shape[0], grad_accum, micro)
-        return self.split_input(batch[rows.start:rows.stop])
-
-    def shard_targets(self, batch: torch.Tensor, micro: int = 0, grad_accum: int = 1) -> torch.Tensor:
-        """This rank's targets (the rows its logits hold) from a global batch."""
-        rows = self.read_rows(batch.shape[0], grad_accum, micro)
-        return self.split_target(batch[rows.start:rows.stop])
 
     # ---- loss ---------------------------------------------------------
     # How many tensor-parallel ranks hold (a replica of) each row's loss.
@@ -128,38 +151,51 @@ class ParallelMode:
             vocab_size, self.loss_group(), label_smoothing,
         )
 
-    def global_mean(self, local_sum: torch.Tensor, count: int) -> float:
-        """The mean over the whole global batch of a per-row quantity, from
-        each rank's sum over its rows (each row lives on `loss_replicas`
-        ranks of its group, and every data-parallel replica has other rows)."""
-        return self.global_mean_tensor(local_sum, count).item()
-
-    def global_mean_tensor(self, local_sum: torch.Tensor, count: int) -> torch.Tensor:
-        """`global_mean` as a 0-dim float64 tensor on the device: no host sync
-        (a training loop fetches it with the step's other numbers, once)."""
-        total = local_sum.detach().double().reshape(1).clone()
-        comm.all_reduce(total, dist.group.WORLD)
-        return total[0] / (self.loss_replicas * count)
-
     # ---- gradients ------------------------------------------------------
     def sync_grads(self, model: nn.Module) -> None:
-        sync_grads(model, self.mesh)
+        """Sum the gradients of the grid's own replicas (per ShardSpec)."""
+        sync_replicas(model)
 
-    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float:
-        """Clip to `max_norm` on the true global norm; returns that norm."""
-        return self.clip_grads(model, max_norm).item()
+    # ---- cost: the planner's model of one micro-batch on this rank -----
+    # cost/planner.py calls these with `add(kind, group, numel, times=1)`,
+    # which counts a collective over the named mesh group; they return the
+    # activation elements kept for the backward (an estimate). Comm counts
+    # are exact: tests/test_plan.py checks them against comm.STATS. The
+    # defaults are mode=none's: nothing is split, nothing is sent.
+    # The group of the vocab-parallel cross entropy (loss_group), by name.
+    loss_group_name: Optional[str] = None
 
-    def clip_grads(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """`clip_grad_norm_` without a host sync: returns the global norm as
-        a 0-dim tensor on the device, and scales the gradients by
-        min(1, max_norm / (norm + 1e-6)) on the device (a factor of exactly
-        1 leaves them bit for bit, as torch.nn.utils.clip_grad_norm_ does)."""
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = grad_norm(model, self.mesh)
-        if max_norm > 0 and grads:
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            _scale_(grads, coef)
-        return norm
+    def cost_rows(self, tokens: int) -> int:
+        """Token rows of a micro-batch this rank computes on (of `tokens`,
+        its replica's)."""
+        return tokens
+
+    def cost_hidden(self, hidden: int) -> int:
+        """This rank's features of a hidden (or vocabulary) dimension where
+        activations hold it."""
+        return hidden
+
+    def cost_vocab(self, vocab: int) -> int:
+        """This rank's columns of the (padded) logits."""
+        return self.cost_hidden(vocab)
+
+    def cost_embedding(self, add, tokens: int, vocab: int, dim: int) -> None:
+        """The lookup of `tokens` ids in a (padded) `vocab` x `dim` table."""
+
+    def cost_norm(self, add, tokens: int, hidden: int) -> int:
+        return 2 * self.cost_rows(tokens) * self.cost_hidden(hidden)
+
+    def cost_linear(self, add, role: str, tokens: int, n: int, k: int) -> int:
+        """A Linear of role `role`, k -> n features, on `tokens` rows."""
+        return tokens * k
+
+    def cost_loss(self, add, tokens: int) -> None:
+        """The vocab-parallel cross entropy: the row max, then (sum-exp,
+        target logit, sum) over the ranks that share the rows."""
+        if self.loss_group_name:
+            rows = self.cost_rows(tokens)
+            add("all_reduce", self.loss_group_name, rows)
+            add("all_reduce", self.loss_group_name, 3 * rows)
 
     # ---- layers -------------------------------------------------------
     def convert(self, role: str, module: nn.Module, ctx: RewriteContext) -> nn.Module:
@@ -194,7 +230,7 @@ class ParallelMode:
         whole heads; its weight sees only those heads (and rows), so its
         gradient is a partial sum over the tensor-parallel group."""
         for param in module.parameters():
-            self.replicated(param, "tp", partial=self.name != "none")
+            self.replicated(param, "tp", partial=self.rewrites)
         return module
 
     def padded_vocab(self, vocab_size: int) -> int:
@@ -228,37 +264,71 @@ def module_roles(model: nn.Module, plan: Optional[dict[str, str]] = None) -> dic
     return resolve_plan(model, plan).roles
 
 
-def parallelize(model: nn.Module, mode: ParallelMode, plan=None) -> nn.Module:
-    """Replace the model's layers, by role, with `mode`'s parallel layers.
+def as_mode(tp) -> ParallelMode:
+    """The tensor-parallel mode of `tp`: a ParallelMode, or a
+    parallelism.Parallelism holding one."""
+    return tp if isinstance(tp, ParallelMode) else tp.mode
+
+
+@dataclass
+class Rewritten:
+    """What the rewrite did to one module that has a role: the original,
+    what replaced it (the same object where the mode keeps it and only
+    shards its parameters), and -- in a dry run -- why the mode cannot
+    shard it (it is then left as it was)."""
+
+    name: str
+    role: str
+    original: nn.Module
+    new: nn.Module
+    problem: str = ""
+
+
+def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool = False) -> nn.Module:
+    """Replace the model's layers, by role, with `mode`'s parallel layers
+    (`mode`: a ParallelMode or a Parallelism).
 
     `plan`: a parallel.roles.RolePlan, or module-name patterns (fnmatch) -> roles;
     by default the model's own `tp_plan`, else roles traced from its forward.
     The model's code is untouched: only submodules are swapped, each new layer
     holds just this rank's shard of the weights, and attention modules that
     store a head count get this rank's.
+
+    dry_run: shapes only (every shard on the meta device, nothing read or
+    made), on any mesh (a process-group-free one: parallelism(..., groups=False));
+    a module the mode cannot shard is recorded with its problem instead of
+    refused, `model.tpctl_rewritten` lists every module's `Rewritten` record
+    and `model.tpctl_problems` what the mode cannot shard (check_plan). `tpctl inspect` shows them; the planner reads every parameter's
+    local shape and replicas from the ShardSpecs it leaves.
     """
     from .layers import linearize
 
+    mode = as_mode(mode)
     if getattr(model, "tpctl_mode", None) is not None:
         raise ValueError(f"{type(model).__name__} is already parallelized ({model.tpctl_mode.name})")
     linearize(model)  # GPT-2's Conv1D: a Linear with a transposed weight
     if not isinstance(plan, RolePlan):
         plan = resolve_plan(model, plan)
     problems = check_plan(plan, model, mode.geo)
-    if problems:
+    if problems and not dry_run:
         name, reason = next(iter(problems.items()))
         raise ValueError(f"cannot parallelize {name} in mode {mode.name} (size {mode.geo.size}): {reason}")
     head = next((name for name, role in plan.roles.items() if role == "lm_head"), None)
     if head is not None:  # the real vocabulary, before a mode pads it
         model.tpctl_vocab_size = model.get_submodule(head).out_features
-    init = getattr(model, "tpctl_init", None)
-    ctx = RewriteContext(mode.mesh, init)
+    init = None if dry_run else getattr(model, "tpctl_init", None)
+    ctx = RewriteContext(mode.mesh, init, shapes_only=dry_run)
     mode.layouts = dict(getattr(plan, "layouts", {}))
     mode.prepare(model, plan)
+    rewritten = []
     for name, role in plan.roles.items():
         module = model.get_submodule(name)
+        if name in problems:
+            rewritten.append(Rewritten(name, role, module, module, problems[name]))
+            continue
         ctx.name = name
         new = mode.convert(role, module, ctx)
+        rewritten.append(Rewritten(name, role, module, new))
         if new is not module:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
@@ -273,14 +343,16 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None) -> nn.Module:
         init.materialize(model)  # what no layer sharded: norms, replicated tables, ...
     for name, param in model.named_parameters():
         if spec_of(param) is None:
-            if mode.name in ("none", "1d"):
+            if mode.replicated_activations:
                 # Replicated over the group and fed replicated activations:
                 # every rank computes the same gradient.
                 mode.replicated(param, "tp", partial=False)
-            else:
+            elif not dry_run:
                 raise ValueError(f"parameter {name!r} has no role in the plan; mode {mode.name} cannot leave it whole")
     model.tpctl_mode = mode  # marks the model as rewritten (and by which mode)
     model.tpctl_plan = plan
+    if dry_run:  # (a real rewrite keeps no reference to the originals: their memory goes)
+        model.tpctl_rewritten, model.tpctl_problems = rewritten, problems
     return model
 
 
@@ -336,7 +408,10 @@ def check_plan(plan, model: nn.Module, geo) -> dict[str, str]:
     """{module name: why mode `geo` cannot shard it}: what the role tracer
     could not place (fatal unless nothing is split), and head counts or
     matrix sizes the split does not divide."""
-    if geo.mode == "none":
+    from .registry import mode_class
+
+    mode = mode_class(geo.mode)
+    if not mode.rewrites:
         return {}
     problems = dict(plan.problems)
     for owner, heads in plan.heads.items():
@@ -355,18 +430,18 @@ def check_plan(plan, model: nn.Module, geo) -> dict[str, str]:
         module = model.get_submodule(name)
         if role in ("qkv", "attn_in", "mlp_in", "attn_out", "mlp_out"):
             dims = {"out": module.out_features, "in": module.in_features}
-            if geo.mode == "1d":  # only the split dimension
+            if mode.replicated_activations:  # only the split dimension
                 dims = {"out": module.out_features} if role not in ("attn_out", "mlp_out") else {"in": module.in_features}
             for which, size in dims.items():
                 if size % split:
                     problems.setdefault(name, f"{size} {which} features do not split {split} ways (mode {geo.mode}, size {geo.size})")
-        elif role in ("embedding", "pos_embedding") and geo.mode != "1d" and module.embedding_dim % geo.q:
+        elif role in ("embedding", "pos_embedding") and not mode.replicated_activations and module.embedding_dim % geo.q:
             problems.setdefault(name, f"{module.embedding_dim} embedding features do not split {geo.q} ways")
         elif role == "embedding" and (reason := _refused(embedding_semantics, module)):
             problems.setdefault(name, reason)
-        elif role == "lm_head" and geo.mode != "1d" and module.in_features % split:
+        elif role == "lm_head" and not mode.replicated_activations and module.in_features % split:
             problems.setdefault(name, f"{module.in_features} in features do not split {split} ways (mode {geo.mode}, size {geo.size})")
-        elif role == "norm" and geo.mode != "1d":
+        elif role == "norm" and not mode.replicated_activations:
             weight = getattr(module, "weight", None)
             if weight is not None and weight.shape[-1] % geo.q:
                 problems.setdefault(name, f"{weight.shape[-1]} features do not split {geo.q} ways")
@@ -387,52 +462,15 @@ def _refused(measure, module: nn.Module) -> Optional[str]:
 
 # ---- gradients ----------------------------------------------------------
 
-def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
-    flat = _flatten_dense_tensors(grads)
-    comm.all_reduce(flat, group)
-    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        g.copy_(synced)
-
-
-def sync_grads(model: nn.Module, mesh: Mesh) -> None:
-    """Sum every gradient that is a partial sum, over exactly the ranks that
-    hold its other parts, once: replicas inside the tensor-parallel group
-    (per the parameter's ShardSpec), then the data-parallel replicas."""
+def sync_replicas(model: nn.Module) -> None:
+    """Sum every gradient that is a partial sum, over exactly the ranks of
+    the tensor-parallel grid that hold its other parts, once (per the
+    parameter's ShardSpec). Data-parallel replicas are not this function's:
+    data_parallel.DataParallel reduces across them."""
     buckets: dict[int, tuple[object, list[torch.Tensor]]] = {}
-    params = [p for p in model.parameters() if p.grad is not None]
-    for p in params:
-        spec = spec_of(p)
-        if spec is not None and spec.partial_grad and len(spec.replica_ranks) > 1:
-            buckets.setdefault(id(spec.replica_group), (spec.replica_group, []))[1].append(p.grad)
-    for group, grads in buckets.values():
-        _all_reduce_coalesced(grads, group)
-    if mesh.dp_size > 1:
-        _all_reduce_coalesced([p.grad for p in params], mesh.dp_group)
-
-
-def grad_norm(model: nn.Module, mesh: Mesh) -> torch.Tensor:
-    """The L2 norm of the whole model's gradient, as one process would
-    compute it: each shard counted once however many ranks replicate it.
-    Per-tensor norms in one foreach call (no copy of any gradient), their
-    squares summed in float64 and over the group."""
-    grads = []
     for p in model.parameters():
         spec = spec_of(p)
-        if p.grad is not None and (spec is None or spec.is_canonical):
-            grads.append(p.grad)
-    if grads:
-        norms = torch._foreach_norm(grads) if hasattr(torch, "_foreach_norm") else [g.norm() for g in grads]
-        total = torch.stack(norms).double().pow(2).sum()
-    else:
-        total = torch.zeros((), dtype=torch.float64, device=mesh.device)
-    comm.all_reduce(total, mesh.tp_group)
-    return total.sqrt()
-
-
-def _scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
-    """grads *= coef (a 0-dim device tensor), grouped by dtype as foreach needs."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for dtype, group in by_dtype.items():
-        torch._foreach_mul_(group, coef.to(dtype))
+        if p.grad is not None and spec is not None and spec.partial_grad and len(spec.replica_ranks) > 1:
+            buckets.setdefault(id(spec.replica_group), (spec.replica_group, []))[1].append(p.grad)
+    for group, grads in buckets.values():
+        all_reduce_coalesced(grads, group)

@@ -117,6 +117,28 @@ def reduce(tensor: torch.Tensor, dst: int, group: Group, async_op: bool = False)
     return dist.reduce(tensor, dst=dst, group=group, async_op=async_op)
 
 
+# ---- the control plane: Python objects and barriers between steps (not
+# counted: no training step sends them). `group` None is the whole world here,
+# as in torch.distributed: these are never issued over a layer's group.
+
+def barrier(group: Group = None) -> None:
+    dist.barrier(group=group)
+
+
+def all_gather_object(obj, group: Group = None) -> list:
+    """Every rank's `obj`, in rank order."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj, src: int = 0, group: Group = None):
+    """Rank `src`'s `obj`, on every rank (the others pass anything)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
 _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 
 

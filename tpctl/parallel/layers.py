@@ -197,17 +197,6 @@ def embedding_semantics(module: nn.Module) -> tuple[float, Optional[int]]:
     return (1.0 if abs(scale - 1.0) < 1e-7 else scale), (pad if isinstance(pad, int) else None)
 
 
-class Lookup(nn.Module):
-    """An embedding table holding a (sharded) parameter as given."""
-
-    def __init__(self, weight):
-        super().__init__()
-        self.weight = weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.embedding(ids, self.weight)
-
-
 def vocab_block_lookup(ids: torch.Tensor, table: torch.Tensor, vocab_start: int,
                        padding_idx: Optional[int] = None) -> torch.Tensor:
     """Embeddings of `ids` from a table holding rows [vocab_start,

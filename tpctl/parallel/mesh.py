@@ -1,132 +1,45 @@
-"""The process mesh: each rank's coordinates and process groups for a mode.
+"""The process mesh: where this rank sits in its run's `Layout` and the
+process groups it talks over, named by purpose.
 
-World ranks are laid out data-parallel outermost, tensor-parallel innermost
-(rank = dp_rank * size + tp_rank), so a tensor-parallel group is a run of
-consecutive ranks (one node, fast links). Inside the tensor-parallel group the
-rank is decomposed into the mode's grid coordinates, last axis fastest:
+`build_mesh` is the one constructor. With process groups (an initialised
+default group) it is what a worker trains on; without (`groups=False`) it
+is the same mesh with every group None and the member ranks real: what
+`inspect` and the planner lay out shapes and replicas with, never
+communicating.
 
-    1d    (p,)          p < size
-    2d    (i, j)        row i, column j of a q x q grid
-    2.5d  (h, i, j)     depth layer h of d, then a q x q grid
-    3d    (i, j, l)     a q x q x q cube
-
-Groups are created once here and passed to layers explicitly; nothing is kept
-in module-level state.
+Groups: the purposes of `layout.GROUP_AXES` (`tp`, `dp`, `pp`, `world`,
+`batch`, `grad_norm`) and the mode's own grid groups (2d's `row`/`col`, 3d's
+cube lines and planes, ...). A group of one rank is None (comm.py treats it
+as free); groups with the same members are one process group. They are
+created once here and passed to layers explicitly; nothing is kept in
+module-level state.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from .geometry import Geometry, geometry
+from .geometry import Geometry
+from .layout import GROUP_AXES, Layout
 from tpctl.seeding import derive_seed
-
-# Grid axes of each mode, slowest first.
-AXES = {
-    "none": ("p",),
-    "1d": ("p",),
-    "2d": ("i", "j"),
-    "2.5d": ("h", "i", "j"),
-    "3d": ("i", "j", "l"),
-}
-
-# Named groups of each mode: name -> the grid axes its ranks differ in.
-# (All other axes, and the data-parallel rank, are equal inside a group.)
-GROUPS = {
-    "none": {},
-    "1d": {},
-    # row_group: ranks that hold the same activation rows (one grid row);
-    # col_group: ranks that hold the same hidden block (one grid column).
-    "2d": {"row": ("j",), "col": ("i",)},
-    # depth: the replicas of one weight block; hidden_replica: every rank
-    # holding the same hidden block (a grid column through all layers).
-    "2.5d": {"row": ("j",), "col": ("i",), "depth": ("h",), "hidden_replica": ("h", "i")},
-    # Lines along each cube axis, and the two planes over which a
-    # hidden-split parameter is replicated in each 3d layout.
-    "3d": {"i": ("i",), "j": ("j",), "l": ("l",), "ij": ("i", "j"), "il": ("i", "l")},
-}
-
-
-def _grid_shape(geo: Geometry) -> tuple[int, ...]:
-    if geo.mode in ("none", "1d"):
-        return (geo.size,)
-    if geo.mode == "2d":
-        return (geo.q, geo.q)
-    if geo.mode == "2.5d":
-        return (geo.depth, geo.q, geo.q)
-    return (geo.q, geo.q, geo.q)
-
-
-def _new_groups(world: int, tp_size: int, shape: tuple[int, ...], varying: tuple[int, ...]) -> list[list[int]]:
-    """Rank lists of all groups whose members differ only in the grid axes
-    `varying` (positions into `shape`); the dp rank is fixed inside a group."""
-    fixed = [a for a in range(len(shape)) if a not in varying]
-    groups = []
-    for dp_rank in range(world // tp_size):
-        for fixed_coords in itertools.product(*(range(shape[a]) for a in fixed)):
-            members = []
-            for var_coords in itertools.product(*(range(shape[a]) for a in varying)):
-                coords = [0] * len(shape)
-                for a, c in zip(fixed, fixed_coords):
-                    coords[a] = c
-                for a, c in zip(varying, var_coords):
-                    coords[a] = c
-                tp_index = 0
-                for a, c in enumerate(coords):
-                    tp_index = tp_index * shape[a] + c
-                members.append(dp_rank * tp_size + tp_index)
-            groups.append(members)
-    return groups
-
-
-def group_members(geo: Geometry, dp: int, group: str) -> list[list[int]]:
-    """Global ranks of every group named `group` (a GROUPS name, "tp", "dp"
-    or "world") in a world of geo.size x dp ranks, without a process group."""
-    size, world = geo.size, geo.size * dp
-    if group == "world":
-        return [list(range(world))]
-    if group == "dp":
-        return [[r * size + t for r in range(dp)] for t in range(size)]
-    if group == "tp":
-        return [[r * size + t for t in range(size)] for r in range(dp)]
-    axes, shape = AXES[geo.mode], _grid_shape(geo)
-    varying = tuple(axes.index(a) for a in GROUPS[geo.mode][group])
-    return _new_groups(world, size, shape, varying)
-
-
-def _subgroup(rank_lists: list[list[int]], rank: int) -> tuple[Optional[dist.ProcessGroup], list[int]]:
-    """Create every group in `rank_lists` (all ranks must call this in the
-    same order) and return the one holding `rank`, with its member ranks."""
-    if len(rank_lists[0]) == dist.get_world_size():
-        return dist.group.WORLD, rank_lists[0]
-    mine, members = None, None
-    for ranks in rank_lists:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine, members = group, ranks
-    return mine, members
 
 
 @dataclass
 class Mesh:
     """Where this rank sits and whom it talks to."""
 
-    geo: Geometry
+    layout: Layout
     rank: int
-    world_size: int
-    dp_size: int
-    dp_rank: int
-    tp_rank: int
-    coords: dict[str, int]
     device: torch.device
-    dp_group: Optional[dist.ProcessGroup] = None
-    tp_group: Optional[dist.ProcessGroup] = None
-    groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
+    # This rank's coordinate on each of the tensor grid's axes (the mode's).
+    coords: dict[str, int]
+    dp_rank: int = 0
+    pp_rank: int = 0
+    groups: dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)
     # Global ranks of each group's members, in group-rank order.
     group_ranks: dict[str, list[int]] = field(default_factory=dict)
     # Dropout generators: `shared` draws the same numbers on every rank of the
@@ -136,75 +49,77 @@ class Mesh:
     rng_local: Optional[torch.Generator] = None
 
     @property
+    def geo(self) -> Geometry:
+        return self.layout.geo
+
+    @property
     def mode(self) -> str:
-        return self.geo.mode
+        return self.layout.mode
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world
 
     @property
     def tp_size(self) -> int:
-        return self.geo.size
+        return self.layout.size
 
-    def group(self, name: str) -> dist.ProcessGroup:
-        return self.groups[name]
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.tp_index(self.rank)
 
-    def src_rank(self, name: str, index: int) -> int:
-        """Global rank of the member at position `index` of group `name`."""
-        return self.group_ranks[name][index]
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
 
-
-def _coords(geo: Geometry, tp_rank: int) -> dict[str, int]:
-    axes, shape = AXES[geo.mode], _grid_shape(geo)
-    coords, rest = {}, tp_rank
-    for name, extent in reversed(list(zip(axes, shape))):
-        coords[name] = rest % extent
-        rest //= extent
-    return {a: coords[a] for a in axes}
+    @property
+    def tp_group(self) -> Optional[dist.ProcessGroup]:
+        return self.groups["tp"]
 
 
-def layout_mesh(mode: str, size: int, depth: int = 1, dp: int = 1, rank: int = 0) -> Mesh:
-    """The mesh rank `rank` would have, without any process group (groups
-    are None, member ranks are real): for tools that look at layouts and
-    shapes -- inspect, the planner -- and never communicate."""
-    geo = geometry(mode, size, depth)
-    world, shape = size * dp, _grid_shape(geo)
-    mesh = Mesh(geo=geo, rank=rank, world_size=world, dp_size=dp, dp_rank=rank // size,
-                tp_rank=rank % size, coords=_coords(geo, rank % size), device=torch.device("cpu"))
-    mesh.group_ranks["dp"] = [d * size + mesh.tp_rank for d in range(dp)]
-    mesh.group_ranks["tp"] = [mesh.dp_rank * size + t for t in range(size)]
-    mesh.groups.update(tp=None, dp=None)
-    for name, var_axes in GROUPS[mode].items():
-        varying = tuple(AXES[mode].index(a) for a in var_axes)
-        mesh.group_ranks[name] = next(g for g in _new_groups(world, size, shape, varying) if rank in g)
-        mesh.groups[name] = None
-    return mesh
-
-
-def init_mesh(mode: str, size: int, depth: int = 1, dp: int = 1, seed: int = 0,
-              device: str | torch.device = "cpu") -> Mesh:
-    """Build the mesh for `mode` on an initialised default process group."""
-    if not dist.is_initialized():
-        raise RuntimeError("init_mesh needs torch.distributed to be initialised (see tpctl.launch.worker.init_distributed)")
-    geo = geometry(mode, size, depth)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world != size * dp:
-        raise ValueError(f"world size {world} != size {size} x dp {dp}")
-    shape = _grid_shape(geo)
-    axes = AXES[mode]
-    tp_rank = rank % size
-    coords = _coords(geo, tp_rank)
-
-    mesh = Mesh(geo=geo, rank=rank, world_size=world, dp_size=dp, dp_rank=rank // size,
-                tp_rank=tp_rank, coords=coords, device=torch.device(device))
-    # Data-parallel groups: same tp_rank, different dp rank.
-    dp_lists = [[d * size + t for d in range(dp)] for t in range(size)]
-    mesh.dp_group, mesh.group_ranks["dp"] = _subgroup(dp_lists, rank)
-    tp_lists = [[d * size + t for t in range(size)] for d in range(dp)]
-    mesh.tp_group, mesh.group_ranks["tp"] = _subgroup(tp_lists, rank)
-    mesh.groups["tp"], mesh.groups["dp"] = mesh.tp_group, mesh.dp_group
-    for name, var_axes in GROUPS[mode].items():
-        varying = tuple(axes.index(a) for a in var_axes)
-        mesh.groups[name], mesh.group_ranks[name] = _subgroup(_new_groups(world, size, shape, varying), rank)
-
+def build_mesh(layout: Layout, rank: Optional[int] = None, device: str | torch.device = "cpu", seed: int = 0,
+               groups: bool = True) -> Mesh:
+    """The mesh of `rank` (default: this process's) in `layout`; with
+    `groups`, every group's process group is created (all ranks must call
+    this alike, as torch.distributed.new_group requires)."""
+    if groups:
+        if not dist.is_initialized():
+            raise RuntimeError("build_mesh needs torch.distributed to be initialised "
+                               "(see tpctl.launch.worker.init_distributed), or groups=False")
+        if dist.get_world_size() != layout.world:
+            raise ValueError(f"world size {dist.get_world_size()} != {layout.label()} ({layout.world} ranks)")
+        rank = dist.get_rank() if rank is None else rank
+    rank = rank or 0
+    layout.validate()
+    coords = layout.coords(rank)
+    grid = dict(layout.grid_axes)
+    mesh = Mesh(layout=layout, rank=rank, device=torch.device(device),
+                coords={a: c for a, c in coords.items() if a in grid}, dp_rank=coords["dp"], pp_rank=coords["pp"])
+    made: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {}
+    for name in (*GROUP_AXES, *layout.mode_class.grid_groups):
+        members = layout.group_of(name, rank)
+        mesh.group_ranks[name] = members
+        mesh.groups[name] = _process_group(layout, name, made) if groups else None
     mesh.rng_shared = torch.Generator(device=mesh.device).manual_seed(derive_seed(seed, "dropout-shared", mesh.dp_rank))
     mesh.rng_local = torch.Generator(device=mesh.device).manual_seed(derive_seed(seed, "dropout-local", rank))
     return mesh
 
+
+def _process_group(layout: Layout, name: str, made: dict) -> Optional[dist.ProcessGroup]:
+    """This rank's process group among every group named `name` (created
+    on every rank in the same order; members equal to an earlier group's
+    reuse it; the whole world is WORLD; one rank is None)."""
+    mine = None
+    rank = dist.get_rank()
+    for members in layout.group_members(name):
+        key = tuple(sorted(members))
+        if key not in made:
+            if len(key) == 1:
+                made[key] = None
+            elif len(key) == layout.world:
+                made[key] = dist.group.WORLD
+            else:
+                made[key] = dist.new_group(list(key))
+        if rank in key:
+            mine = made[key]
+    return mine

@@ -6,12 +6,29 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from tpctl.errors import ConfigError
+
 from .base import ParallelMode
+from .geometry import Geometry
 from .layers import ParallelDropout
+from .registry import register
 
 
+@register
 class NoParallel(ParallelMode):
     name = "none"
+    replicated_activations = True
+    rewrites = False
+
+    @classmethod
+    def geometry(cls, size: int, depth: int = 1) -> Geometry:
+        if size != 1:
+            raise ConfigError("size", size, "mode=none runs one tensor-parallel rank: expected size=1 (use dp for replicas)")
+        return Geometry(cls.name, 1, 1, 1, 1, 1, 1, 1)
+
+    @classmethod
+    def variants(cls, size: int) -> list[dict]:
+        return [{}] if size == 1 else []
 
     def _keep(self, module: nn.Module, ctx) -> nn.Module:
         return module

@@ -16,7 +16,10 @@ import torch.nn.functional as F
 
 from . import comm
 from .base import ParallelMode, RewriteContext
+from .geometry import Geometry
 from .layers import ParallelDropout, embedding_semantics, to_compute, vocab_block_lookup
+from .registry import register
+from .roles import COLUMN_ROLES
 from .shard import ShardSpec, block
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
@@ -91,12 +94,23 @@ class SeqShardPosEmbedding(nn.Module):
         return comm.split_block(F.embedding(pos, self.weight), self.group, 0)
 
 
+@register
 class OneD(ParallelMode):
     name = "1d"
+    replicated_activations = True
+    sequence_parallel = True
 
-    def __init__(self, mesh, seq_parallel: bool = False):
+    @classmethod
+    def geometry(cls, size: int, depth: int = 1) -> Geometry:
+        return Geometry(cls.name, size, 1, 1, 1, size, size, size)
+
+    @classmethod
+    def variants(cls, size: int) -> list[dict]:
+        return [{}, {"seq_parallel": True}] if size > 1 else []
+
+    def __init__(self, mesh):
         super().__init__(mesh)
-        self.seq_parallel = seq_parallel
+        self.seq_parallel = mesh.layout.seq_parallel
         self.group = mesh.tp_group
         self.p, self.world = mesh.tp_rank, mesh.tp_size
         # With sequence parallelism the residual stream is split along the
@@ -107,6 +121,38 @@ class OneD(ParallelMode):
         # that module list; None: the first way.
         self.blocks: str | None = None
         self.gathered: set[str] = set()  # Linears whose input a module's entry hook gathered
+
+    # ---- cost (base.ParallelMode) -----------------------------------------
+    loss_group_name = "tp"
+
+    def cost_vocab(self, vocab: int) -> int:
+        return vocab // self.world
+
+    def cost_norm(self, add, tokens: int, hidden: int) -> int:
+        return 2 * (tokens // self.world if self.seq_parallel else tokens) * hidden
+
+    def cost_embedding(self, add, tokens: int, vocab: int, dim: int) -> None:
+        self._cost_reduce_out(add, tokens * dim)
+
+    def cost_linear(self, add, role: str, tokens: int, n: int, k: int) -> int:
+        if role in COLUMN_ROLES:
+            if self.seq_parallel:  # gather the input's sequence shards; backward: reduce-scatter its gradient
+                add("all_gather", "tp", tokens * k)
+                add("reduce_scatter", "tp", tokens * k)
+            else:
+                add("all_reduce", "tp", tokens * k)  # backward of copy_to_group
+            return tokens * k
+        self._cost_reduce_out(add, tokens * n)
+        return tokens * k // self.world
+
+    def _cost_reduce_out(self, add, numel: int) -> None:
+        """A partial output summed over the group: all-reduce, or with
+        sequence parallelism reduce-scatter (and the backward's all-gather)."""
+        if self.seq_parallel:
+            add("reduce_scatter", "tp", numel)
+            add("all_gather", "tp", numel)
+        else:
+            add("all_reduce", "tp", numel)
 
     def prepare(self, model, plan) -> None:
         self.blocks, self.gathered = None, set()

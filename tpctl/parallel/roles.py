@@ -37,15 +37,15 @@ from torch.overrides import TorchFunctionMode
 from .fused import ProbeError, attention_layout, mlp_layout
 from .layers import is_norm, on_cpu
 
-# Roles whose Linear splits its output features (fed the residual stream)
-# and whose Linear splits its input features (fed a split activation).
 # The vocabulary every mode maps to its layers.
 ROLES = (
     "embedding", "pos_embedding", "qkv", "attn_in", "attn_out", "mlp_in", "mlp_out",
     "norm", "lm_head", "dropout", "attn_dropout", "head_norm",
 )
+# Roles whose Linear is fed the residual stream and produces a split
+# activation (Megatron's column-parallel ones); the other Linears are fed a
+# split activation and produce the stream.
 COLUMN_ROLES = ("qkv", "attn_in", "mlp_in", "lm_head")
-ROW_ROLES = ("attn_out", "mlp_out")
 # Attributes of an attention module that hold a head count or a width, which
 # the rewrite divides by the head split (so `view(b, t, self.num_heads, d)`
 # works on a rank's heads). A ratio like num_key_value_groups stays.

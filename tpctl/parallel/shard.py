@@ -10,7 +10,6 @@ reference's slice) and, later, resharding checkpoints.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -43,15 +42,6 @@ class ShardSpec:
     def slice(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the whole tensor `full` (padding zero-filled)."""
         return self.read(lambda box: full[tuple(slice(a, b) for a, b in box)], full.dtype)
-
-    def boxes(self) -> list[tuple[tuple[int, int], ...]]:
-        """The blocks of the full tensor this shard is made of, padding
-        clipped: one (start, stop) per dim, in the order they are stacked."""
-        per_dim = []
-        for full, ranges in zip(self.full_shape, self.index):
-            ranges = ((0, full),) if ranges is None else ranges
-            per_dim.append([(a, min(b, full)) for a, b in ranges if a < full])
-        return list(itertools.product(*per_dim))
 
     def read(self, read_box: Callable[[tuple], torch.Tensor], dtype=None) -> torch.Tensor:
         """This rank's shard, assembled from `read_box(((start, stop), ...))`

@@ -24,9 +24,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tpctl.errors import ConfigError
+
 from . import comm
 from .base import ParallelMode, RewriteContext
+from .geometry import Geometry, exact_root
 from .layers import ParallelDropout, SplitNorm, embedding_semantics, to_compute, vocab_block_lookup
+from .registry import register
 from .shard import ShardSpec, block
 
 
@@ -88,13 +92,60 @@ class Embedding3D(nn.Module):
         return comm.reduce_scatter_along(out, self.rows_group, 0)
 
 
+@register
 class ThreeD(ParallelMode):
     name = "3d"
+    axes = ("i", "j", "l")
+    # Lines along each cube axis, and the two planes over which a
+    # hidden-split parameter is replicated in each layout.
+    grid_groups = {"i": ("i",), "j": ("j",), "l": ("l",), "ij": ("i", "j"), "il": ("i", "l")}
+
+    @classmethod
+    def geometry(cls, size: int, depth: int = 1) -> Geometry:
+        q = exact_root(size, 3)
+        if q is None:
+            raise ConfigError("size", size, "mode=3d needs a cube number of ranks (1, 8, 27, ...)")
+        # A weight's output dim is stored in q*q blocks, so linears need q*q.
+        return Geometry(cls.name, size, 1, q, q * q, q * q, q, q * q)
+
+    @classmethod
+    def grid_shape(cls, geo: Geometry) -> tuple[int, ...]:
+        return (geo.q, geo.q, geo.q)
 
     def __init__(self, mesh):
         super().__init__(mesh)
         self.q = mesh.geo.q
         self.c = mesh.coords
+
+    # ---- cost (base.ParallelMode) -------------------------------------------
+    loss_group_name = LAYOUT_B.hidden
+
+    def cost_rows(self, tokens: int) -> int:
+        return tokens // (self.q * self.q)
+
+    def cost_hidden(self, hidden: int) -> int:
+        return hidden // self.q
+
+    def cost_embedding(self, add, tokens: int, vocab: int, dim: int) -> None:
+        q = self.q
+        add("all_gather", "i", vocab // q * (dim // q))
+        add("reduce_scatter", "i", vocab // q * (dim // q))
+        add("reduce_scatter", LAYOUT_A.rows, tokens // q * (dim // q))
+        add("all_gather", LAYOUT_A.rows, tokens // q * (dim // q))
+
+    def cost_norm(self, add, tokens: int, hidden: int) -> int:
+        add("all_reduce", LAYOUT_A.hidden, 2 * self.cost_rows(tokens), times=2)
+        return super().cost_norm(add, tokens, hidden)
+
+    def cost_linear(self, add, role: str, tokens: int, n: int, k: int) -> int:
+        q, layout = self.q, ROLE_LAYOUT[role]
+        x, w, y = tokens // q * (k // q), (n // q) * (k // q), tokens // q * (n // q)
+        for group, numel in ((layout.rows, x), ("i", w)):  # X and W gathered; backward: reduce-scattered
+            add("all_gather", group, numel)
+            add("reduce_scatter", group, numel)
+        add("reduce_scatter", layout.hidden, y)
+        add("all_gather", layout.hidden, y)
+        return x + w
 
     # ---- data: read rows block i; feed it whole (the embedding scatters
     # it to rows (i, j)); score rows (i, l), where the LM head's logits land.

@@ -22,9 +22,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tpctl.errors import ConfigError
+
 from . import comm
 from .base import ParallelMode, RewriteContext
+from .geometry import Geometry, exact_root
 from .layers import ParallelDropout, SplitNorm, embedding_semantics, to_compute
+from .registry import register
 from .shard import ShardSpec, block
 
 
@@ -142,8 +146,24 @@ class Embedding2D(nn.Module):
         return out * torch.tensor(self.scale, dtype=out.dtype) if self.scale != 1.0 else out
 
 
+@register
 class TwoD(ParallelMode):
     name = "2d"
+    axes = ("i", "j")
+    # row: ranks holding the same activation rows (one grid row); col: the
+    # same hidden block (one grid column).
+    grid_groups = {"row": ("j",), "col": ("i",)}
+
+    @classmethod
+    def geometry(cls, size: int, depth: int = 1) -> Geometry:
+        q = exact_root(size, 2)
+        if q is None:
+            raise ConfigError("size", size, "mode=2d needs a square number of ranks (1, 4, 9, 16, ...)")
+        return Geometry(cls.name, size, 1, q, q, q, q, q)
+
+    @classmethod
+    def grid_shape(cls, geo: Geometry) -> tuple[int, ...]:
+        return (geo.q, geo.q)
     # The group of ranks holding the same hidden block: their copies of a
     # hidden-split parameter (bias, norm, position table) see other rows.
     hidden_replica = "col"
@@ -153,6 +173,33 @@ class TwoD(ParallelMode):
         c = mesh.coords
         self.grid = Grid(mesh.geo.q, c["i"], c["j"], mesh.groups["row"], mesh.groups["col"],
                          mesh.group_ranks["row"], mesh.group_ranks["col"])
+
+    # ---- cost (base.ParallelMode) -------------------------------------------
+    loss_group_name = "row"
+
+    def cost_rows(self, tokens: int) -> int:
+        return tokens // self.geo.batch_split
+
+    def cost_hidden(self, hidden: int) -> int:
+        return hidden // self.grid.q
+
+    def cost_embedding(self, add, tokens: int, vocab: int, dim: int) -> None:
+        # the column's vocabulary blocks of this hidden block gathered; backward: reduce-scattered
+        add("all_gather", "col", vocab * (dim // self.grid.q))
+        add("reduce_scatter", "col", vocab * (dim // self.grid.q))
+
+    def cost_norm(self, add, tokens: int, hidden: int) -> int:
+        add("all_reduce", "row", 2 * self.cost_rows(tokens), times=2)  # the moments forward, their gradient backward
+        return super().cost_norm(add, tokens, hidden)
+
+    def cost_linear(self, add, role: str, tokens: int, n: int, k: int) -> int:
+        q, rows = self.grid.q, self.cost_rows(tokens)
+        w, y = (n // q) * (k // q), rows * (n // q)
+        add("broadcast", "col", w, times=2 * q)  # W, forward and backward
+        add("broadcast", "row", y, times=q)  # dY, backward
+        add("reduce", "row", y, times=q)  # Y, forward
+        add("reduce", "col", w, times=q)  # dW, backward
+        return rows * (k // q)
 
     # ---- data: rows block i, hidden block j --------------------------------
     def read_block(self):

@@ -138,9 +138,10 @@ def parallelize_verified(model: nn.Module, mode, plan=None, verify: bool = True)
     """`parallelize(model, mode, plan)`, moved to the mesh's device, and (if
     `verify`) proven against the original model: returns the model and the
     report; RewriteRefused (on every rank alike) when they differ."""
-    from .base import parallelize
+    from .base import as_mode, parallelize
 
-    if not verify or mode.name == "none":  # mode none replaces nothing
+    mode = as_mode(mode)
+    if not verify or not mode.rewrites:  # mode none replaces nothing
         return parallelize(model, mode, plan).to(mode.mesh.device), None
     linearize(model)
     if not isinstance(plan, RolePlan):

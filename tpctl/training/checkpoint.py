@@ -48,6 +48,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from tpctl.parallel.layout import Layout
 from tpctl.parallel.shard import ShardSpec, spec_of
 
 log = logging.getLogger("tpctl.checkpoint")
@@ -253,11 +254,6 @@ def _reader(path: Path):
 # --------------------------------------------------------------------------
 
 
-def _writes(spec: Optional[ShardSpec], mesh) -> bool:
-    """One rank per replica set: the first replica, in dp replica 0."""
-    return mesh.dp_rank == 0 and (spec is None or not spec.replica_ranks or mesh.rank == spec.replica_ranks[0])
-
-
 def _adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
     """AdamW's state of `p`, created as AdamW would create it (zeros, step 0)
     when the parameter has not been stepped yet, so it can be loaded into."""
@@ -297,14 +293,18 @@ def _set_rng(gen, state: torch.Tensor) -> None:
         gen.set_state(state)
 
 
-def state_entries(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], mesh,
+def state_entries(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], par,
                   step: int, first_loss: float) -> dict[str, Entry]:
+    """A run's state as entries: the model's parameters and AdamW's moments
+    (boxes of the full tensors, written once by the data-parallel component's
+    choice of rank), the step, and the generators."""
+    mesh = par.mesh
     entries: dict[str, Entry] = {}
     for name, p in model.named_parameters():
         spec = spec_of(p)
         boxes = shard_boxes(spec, tuple(p.shape))
         full = tuple(spec.full_shape) if spec is not None else tuple(p.shape)
-        write = _writes(spec, mesh)
+        write = par.dp.writes(spec)
         entries[f"model.{name}"] = Entry(p.data, full, boxes, write)
         if optimizer is None:
             continue
@@ -397,7 +397,7 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def save(root: Path, step: int, model, optimizer, mesh, cfg, first_loss: float = float("nan"),
+def save(root: Path, step: int, model, optimizer, par, cfg, first_loss: float = float("nan"),
          keep: int = 0) -> Path:
     """Write checkpoint `root/step_<step>` collectively (every rank calls
     this); returns its path. Keeps the newest `keep` valid ones (0: all).
@@ -412,7 +412,8 @@ def save(root: Path, step: int, model, optimizer, mesh, cfg, first_loss: float =
     root = Path(root)
     final, tmp = root / f"step_{step}", root / f".tmp_step_{step}"
     started = time.perf_counter()
-    entries = state_entries(model, optimizer, mesh, step, first_loss)
+    mesh = par.mesh
+    entries = state_entries(model, optimizer, par, step, first_loss)
     mine = sum(e.view(b).numel() * e.tensor.element_size() for e in entries.values() if e.write for b in e.boxes)
     sizes = [0] * mesh.world_size
     dist.all_gather_object(sizes, mine)
@@ -455,10 +456,8 @@ def save(root: Path, step: int, model, optimizer, mesh, cfg, first_loss: float =
         files = {name: info for _, part in gathered for name, info in part.items()}
         meta = tmp / ".metadata"
         files[".metadata"] = {"bytes": meta.stat().st_size, "sha256": _sha256(meta)}
-        geo = mesh.geo
         manifest = {
-            "format": FORMAT, "step": step, "mode": geo.mode, "size": geo.size, "depth": getattr(geo, "depth", 1),
-            "dp": mesh.dp_size, "seed": int(cfg.seed), "model": model_config(cfg), "config_hash": config_hash(cfg),
+            "format": FORMAT, "step": step, "layout": mesh.layout.to_dict(), "seed": int(cfg.seed), "model": model_config(cfg), "config_hash": config_hash(cfg),
             "data": {"name": cfg.data.name, "path": cfg.data.path, "next_batch": step},
             "config": _plain(cfg),
             "torch": torch.__version__, "files": files,
@@ -675,7 +674,13 @@ def resolve_resume(cfg, run_dir: Path, restarted: bool = False, warn: Callable[[
 # --------------------------------------------------------------------------
 
 
-def load(path: Path, model, optimizer, mesh, manifest: dict, seed: int) -> tuple[int, float]:
+def manifest_layout(manifest: dict) -> Layout:
+    """The layout a checkpoint was written in (manifests before the
+    `layout` block held its keys at the top level)."""
+    return Layout.from_config(manifest.get("layout", manifest))
+
+
+def load(path: Path, model, optimizer, par, manifest: dict, seed: int) -> tuple[int, float]:
     """Load checkpoint `path` into this rank's shards (collectively); return
     (step, first_loss). Generators come back exactly when the layout is the
     same; in another layout there is no "same" local generator, so they are
@@ -684,11 +689,13 @@ def load(path: Path, model, optimizer, mesh, manifest: dict, seed: int) -> tuple
 
     started = time.perf_counter()
     _, LoadPlanner = _planners()
-    entries = state_entries(model, optimizer, mesh, 0, 0.0)
-    geo = mesh.geo
-    same_layout = (manifest["mode"], manifest["size"], manifest.get("depth", 1), manifest["dp"]) == \
-                  (geo.mode, geo.size, getattr(geo, "depth", 1), mesh.dp_size)
-    same_shared = manifest["dp"] == mesh.dp_size
+    mesh = par.mesh
+    entries = state_entries(model, optimizer, par, 0, 0.0)
+    saved = manifest_layout(manifest)
+    # Generators are per rank: the same ones exist only in the same layout
+    # (sequence parallelism and ZeRO change no generator).
+    same_layout = saved.replace(seq_parallel=False, zero=0) == mesh.layout.replace(seq_parallel=False, zero=0)
+    same_shared = saved.dp == mesh.layout.dp
     rng = {k: v for k, v in _rng_keys(mesh).items()}
     for key in list(rng):
         if not (same_layout or (key.startswith("rng.shared") and same_shared)):
@@ -746,19 +753,3 @@ class Checkpointer:
 
     def due(self, done: int, total: int) -> bool:
         return (self.every > 0 and done % self.every == 0) or (self.at_end and done == total)
-
-
-def truncate_metrics(path: Path, step: int) -> None:
-    """Keep the records of steps <= `step` (a resumed run logs the rest again)."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                kept.append(line)
-        except ValueError:  # a line cut by a crash
-            continue
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)

@@ -1,0 +1,301 @@
+"""The layout of a run: how its world of ranks is split into data-parallel
+replicas, pipeline stages and one tensor-parallel grid per stage, as one
+frozen object (torchtitan's `ParallelDims`).
+
+    world = dp x pp x size        rank = (dp_rank * pp + pp_rank) * size + tp_index
+
+Data parallelism is the outermost axis and the tensor grid the innermost, so
+a tensor-parallel group is a run of consecutive ranks (one node, the fastest
+links) and pipeline stages and replicas are what cross nodes. Inside the grid
+the mode's axes follow, last axis fastest (`ParallelMode.axes`).
+
+Everything here is arithmetic: no process group, no tensor. The launcher
+validates a config with it before any worker starts, the planner and
+`inspect` lay out ranks with it, and `mesh.build_mesh` turns it into process
+groups named by purpose (`GROUP_AXES`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from typing import Any
+
+from tpctl.errors import ConfigError
+
+from .geometry import Geometry
+
+# Stages of ZeRO (docs/DESIGN.md, "Data parallelism"): 0 none, 1 optimizer
+# state, 2 + gradients, 3 + parameters sharded over the dp group.
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One run's parallel dimensions. `mode`, `size` and `depth` shape the
+    tensor grid (the mode's geometry); `pp` and `dp` repeat it."""
+
+    mode: str = "none"
+    size: int = 1
+    depth: int = 1
+    dp: int = 1
+    pp: int = 1
+    zero: int = 0
+    seq_parallel: bool = False
+
+    # ---- from and to configs -----------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: Any) -> "Layout":
+        """The layout of a run config (or of any mapping with its top-level
+        keys; `pp` and `zero` default to 1 and 0 where a config predates them)."""
+        get = cfg.get if hasattr(cfg, "get") else lambda k, d=None: getattr(cfg, k, d)
+        return cls(mode=get("mode", cls.mode), size=int(get("size", 1)), depth=int(get("depth", 1) or 1),
+                   dp=int(get("dp", 1)), pp=int(get("pp", 1) or 1), zero=int(get("zero", 0) or 0),
+                   seq_parallel=bool(get("seq_parallel", False)))
+
+    @classmethod
+    def parse(cls, name: str) -> "Layout":
+        """The layout of a short name (`name`): the mode, then its size and
+        the other fields that differ from the defaults, joined by '-':
+        `none-dp8`, `1d-2-sp-dp4`, `2.5d-8-d2`, `3d-8-pp2-dp2-z1`."""
+        mode, *parts = name.split("-")
+        fields: dict[str, Any] = {"mode": mode}
+        for part in parts:
+            for prefix, key in (("dp", "dp"), ("pp", "pp"), ("d", "depth"), ("z", "zero"), ("", "size")):
+                if part.startswith(prefix) and part[len(prefix):].isdigit():
+                    fields[key] = int(part[len(prefix):])
+                    break
+            else:
+                if part != "sp":
+                    raise ValueError(f"layout name {name!r}: {part!r} is not a size, d<depth>, sp, pp<N>, dp<N> or z<stage>")
+                fields["seq_parallel"] = True
+        return cls(**fields)
+
+    @property
+    def name(self) -> str:
+        """The short name `parse` reads."""
+        parts = [self.mode] + ([str(self.size)] if self.size > 1 else []) + ([f"d{self.depth}"] if self.depth > 1 else [])
+        parts += ["sp"] if self.seq_parallel else []
+        parts += [f"{key}{getattr(self, key)}" for key in ("pp", "dp") if getattr(self, key) > 1]
+        return "-".join(parts + ([f"z{self.zero}"] if self.zero else []))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def write_to(self, cfg: Any) -> Any:
+        """Set a run config's layout keys to this layout; returns `cfg`."""
+        for key, value in self.to_dict().items():
+            cfg[key] = value
+        return cfg
+
+    def overrides(self) -> list[str]:
+        """The `tpctl train` overrides that select this layout (defaults left out)."""
+        default = Layout()
+        return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.to_dict().items()
+                if k == "mode" or v != getattr(default, k)]
+
+    def replace(self, **changes: Any) -> "Layout":
+        from dataclasses import replace
+
+        return replace(self, **changes)
+
+    # ---- what it is ----------------------------------------------------------
+    @property
+    def world(self) -> int:
+        """Ranks of the whole run: the one place this product is formed."""
+        return self.dp * self.pp * self.size
+
+    @cached_property
+    def mode_class(self) -> type:
+        from .registry import mode_class
+
+        return mode_class(self.mode)
+
+    @cached_property
+    def geo(self) -> Geometry:
+        """The tensor grid's geometry (ConfigError if `size`/`depth` do not fit the mode)."""
+        if self.size < 1:
+            raise ConfigError("size", self.size, "expected a positive number of tensor-parallel ranks")
+        return self.mode_class.geometry(self.size, self.depth)
+
+    @property
+    def grid_axes(self) -> tuple[tuple[str, int], ...]:
+        """The tensor grid's (axis, extent), slowest first."""
+        return tuple(zip(self.mode_class.axes, self.mode_class.grid_shape(self.geo)))
+
+    @property
+    def axes(self) -> tuple[tuple[str, int], ...]:
+        """Every axis of the world, slowest first: dp, pp, then the grid's."""
+        return (("dp", self.dp), ("pp", self.pp), *self.grid_axes)
+
+    def label(self) -> str:
+        """What tells layouts apart, briefly: `2d size=4`, `2.5d size=8
+        depth=2 dp=2`, `1d size=2 sp`, `3d size=8 pp=2 dp=2 zero=1`."""
+        parts = [self.mode, f"size={self.size}"]
+        if self.mode_class.uses_depth:
+            parts.append(f"depth={self.depth}")
+        parts += [f"{key}={getattr(self, key)}" for key in ("pp", "dp") if getattr(self, key) > 1]
+        if self.seq_parallel:
+            parts.append("sp")
+        if self.zero:
+            parts.append(f"zero={self.zero}")
+        return " ".join(parts)
+
+    # ---- validation ------------------------------------------------------------
+    def validate(self, cfg: Any = None) -> Geometry:
+        """Check the layout, and with a run config everything that depends on
+        it (head and hidden sizes, the batch split); ConfigError names the
+        first bad key. Returns the geometry."""
+        geo = self.geo
+        cls = self.mode_class
+        if not cls.uses_depth and self.depth != 1:
+            raise ConfigError("depth", self.depth, f"depth is only used by mode=2.5d; expected depth=1 with mode={self.mode}")
+        for key in ("dp", "pp"):
+            if getattr(self, key) < 1:
+                what = "data-parallel replicas" if key == "dp" else "pipeline stages"
+                raise ConfigError(key, getattr(self, key), f"expected a positive number of {what}")
+        if self.zero not in ZERO_STAGES:
+            raise ConfigError("zero", self.zero, "expected 0, 1, 2 or 3 (the ZeRO stage)")
+        # The layout has room for these; the training step does not yet.
+        if self.pp != 1:
+            raise ConfigError("pp", self.pp, "pipeline parallelism is not built yet: expected pp=1")
+        if self.zero != 0:
+            raise ConfigError("zero", self.zero, "ZeRO is not built yet: expected zero=0")
+        if cfg is not None:
+            self._check_model(cfg, geo)
+        if self.seq_parallel and not cls.sequence_parallel:
+            raise ConfigError("seq_parallel", True, f"sequence parallelism is for mode=1d; expected seq_parallel=false with mode={self.mode}")
+        if cfg is None:
+            return geo
+        if self.seq_parallel and cfg.train.seq_len % self.size:
+            raise ConfigError("train.seq_len", cfg.train.seq_len, f"seq_parallel splits the sequence {self.size} ways: expected a multiple of {self.size}")
+        t = cfg.train
+        if t.grad_accum < 1:
+            raise ConfigError("train.grad_accum", t.grad_accum, "expected a positive number of micro-batches")
+        split = t.grad_accum * self.dp * geo.batch_split
+        if t.batch_size < 1 or t.batch_size % split:
+            raise ConfigError(
+                "train.batch_size", t.batch_size,
+                f"the global batch is split into grad_accum({t.grad_accum}) x dp({self.dp}) x {geo.batch_split} row blocks "
+                f"(mode={self.mode}): expected a positive multiple of {split}",
+            )
+        return geo
+
+    def _check_model(self, cfg: Any, geo: Geometry) -> None:
+        """Head and hidden sizes the config states (a built-in or size-keyed
+        model); any model is checked module by module too, once built
+        (models.check_model)."""
+        m = cfg.model
+        if m.arch == "custom" or m.get("pretrained"):
+            return
+        where = f"mode={self.mode} size={self.size}"
+        for key, heads in (("model.n_head", m.n_head), ("model.n_kv_head", m.get("n_kv_head"))):
+            if heads is not None and heads % geo.head_split:
+                raise ConfigError(key, heads, f"{where} splits heads {geo.head_split} ways: expected a multiple of {geo.head_split}")
+        if m.n_embd % m.n_head:
+            raise ConfigError("model.n_embd", m.n_embd, f"expected a multiple of model.n_head={m.n_head}")
+        inner = ("model.intermediate_size", m.intermediate_size) if m.get("intermediate_size") else ("model.mlp_ratio", m.n_embd * m.mlp_ratio)
+        for key, dim in (("model.n_embd", m.n_embd), inner):
+            if dim % geo.hidden_split:
+                raise ConfigError(key, m[key.split(".")[1]], f"{where} splits the hidden dim {geo.hidden_split} ways: hidden size {dim} does not divide")
+
+    # ---- ranks -------------------------------------------------------------------
+    def coords(self, rank: int) -> dict[str, int]:
+        """Every axis's coordinate of global rank `rank`."""
+        out, rest = {}, rank
+        for name, extent in reversed(self.axes):
+            out[name] = rest % extent
+            rest //= extent
+        return {name: out[name] for name, _ in self.axes}
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        rank = 0
+        for name, extent in self.axes:
+            rank = rank * extent + coords.get(name, 0)
+        return rank
+
+    def tp_index(self, rank: int) -> int:
+        """The rank's position inside its tensor-parallel grid."""
+        return rank % self.size
+
+    def groups_over(self, varying: tuple[str, ...]) -> list[list[int]]:
+        """Every group of ranks that differ only in the axes `varying` (all
+        other axes fixed), each in order of its members' coordinates."""
+        names = [name for name, _ in self.axes]
+        unknown = set(varying) - set(names)
+        if unknown:
+            raise ValueError(f"{self.mode} has no axes {sorted(unknown)} (axes: {names})")
+        extent = dict(self.axes)
+        fixed = [n for n in names if n not in varying]
+        groups = []
+        for fixed_coords in itertools.product(*(range(extent[n]) for n in fixed)):
+            base = dict(zip(fixed, fixed_coords))
+            groups.append([self.rank_of({**base, **dict(zip(varying, var))})
+                           for var in itertools.product(*(range(extent[n]) for n in varying))])
+        return groups
+
+    def group_axes(self, name: str) -> tuple[str, ...]:
+        """The axes the members of group `name` differ in: a purpose
+        (GROUP_AXES) or one of the mode's own grid groups."""
+        grid = self.mode_class.axes
+        if name in self.mode_class.grid_groups:
+            return self.mode_class.grid_groups[name]
+        if name not in GROUP_AXES:
+            valid = sorted({*GROUP_AXES, *self.mode_class.grid_groups})
+            raise ValueError(f"no group {name!r} in mode {self.mode} (groups: {', '.join(valid)})")
+        return GROUP_AXES[name](self, grid)
+
+    def group_members(self, name: str) -> list[list[int]]:
+        """The member ranks of every group named `name`."""
+        return self.groups_over(self.group_axes(name))
+
+    def group_of(self, name: str, rank: int) -> list[int]:
+        """The members of the group `name` that holds `rank`."""
+        coords, varying, extent = self.coords(rank), self.group_axes(name), dict(self.axes)
+        return [self.rank_of({**coords, **dict(zip(varying, var))})
+                for var in itertools.product(*(range(extent[n]) for n in varying))]
+
+
+# Groups named by purpose -> the axes their members differ in.
+GROUP_AXES = {
+    "world": lambda layout, grid: ("dp", "pp", *grid),
+    # The tensor-parallel grid of one stage of one replica.
+    "tp": lambda layout, grid: grid,
+    "dp": lambda layout, grid: ("dp",),
+    "pp": lambda layout, grid: ("pp",),
+    # The mean over the global batch: every rank holding other rows of it (or
+    # a replica of them; the mode divides by its replicas) -- the last
+    # stage's ranks of every replica.
+    "batch": lambda layout, grid: ("dp", *grid),
+    # The global gradient norm sums each distinct shard once: over the grid
+    # and the stages, and over dp once ZeRO shards gradients between replicas.
+    "grad_norm": lambda layout, grid: (("dp",) if layout.zero else ()) + ("pp", *grid),
+}
+
+
+def geometry(mode: str, size: int, depth: int = 1) -> Geometry:
+    """The geometry of a tensor grid (ConfigError naming the bad key)."""
+    return Layout(mode, size, depth).geo
+
+
+def layouts_of(world: int, pp: int = 1) -> list[Layout]:
+    """Every layout of `world` ranks with `pp` stages that the registered
+    modes offer (for the planner): each divisor as the grid size, the rest
+    data-parallel replicas; invalid grids (a non-square 2d) left out."""
+    from .registry import mode_classes
+
+    out = []
+    for size in range(1, world // pp + 1):
+        if (world // pp) % size:
+            continue
+        dp = world // (pp * size)
+        for cls in mode_classes():
+            for variant in cls.variants(size):
+                layout = Layout(cls.name, size, dp=dp, pp=pp, **variant)
+                try:
+                    layout.geo
+                except ConfigError:
+                    continue
+                out.append(layout)
+    return out

@@ -1,0 +1,132 @@
+"""A run's parallel machinery on one rank, composed: the mesh, the tensor-
+parallel mode acting on its grid and the data-parallel component across
+replicas. What a training step (training/step.py) or a custom loop
+(`tpctl.init_parallel`) works with; each part knows only its own axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from . import comm
+from .base import ParallelMode
+from .data_parallel import DataParallel
+from .geometry import Geometry
+from .layout import Layout
+from .mesh import Mesh, build_mesh
+from .shard import spec_of
+
+
+@dataclass
+class Parallelism:
+    mode: ParallelMode
+    dp: DataParallel = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self):
+        if self.dp is None:
+            self.dp = DataParallel(self.mode.mesh)
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.mode.mesh
+
+    @property
+    def layout(self) -> Layout:
+        return self.mesh.layout
+
+    @property
+    def geo(self) -> Geometry:
+        return self.mesh.geo
+
+    # ---- data ----------------------------------------------------------------
+    def rows(self, batch_size: int, grad_accum: int = 1, micro: int = 0) -> range:
+        """Rows of the global batch this rank reads for micro-batch `micro`:
+        its replica's share, then its row block inside the grid."""
+        return self.mode.read_rows(self.dp.share(batch_size, grad_accum, micro))
+
+    def shard_batch(self, batch: torch.Tensor, micro: int = 0, grad_accum: int = 1) -> torch.Tensor:
+        """This rank's model input from a whole global batch of token ids."""
+        rows = self.rows(batch.shape[0], grad_accum, micro)
+        return self.mode.split_input(batch[rows.start:rows.stop])
+
+    def shard_targets(self, batch: torch.Tensor, micro: int = 0, grad_accum: int = 1) -> torch.Tensor:
+        """This rank's targets (the rows its logits hold) from a global batch."""
+        rows = self.rows(batch.shape[0], grad_accum, micro)
+        return self.mode.split_target(batch[rows.start:rows.stop])
+
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                      label_smoothing: float = 0.0) -> torch.Tensor:
+        return self.mode.cross_entropy(logits, targets, vocab_size, label_smoothing)
+
+    # ---- the mean over the global batch ----------------------------------------
+    def global_mean_tensor(self, local_sum: torch.Tensor, count: int) -> torch.Tensor:
+        """The mean over the whole global batch of a per-row quantity, from
+        each rank's sum over its rows, as a 0-dim float64 tensor on the
+        device (no host sync): summed over the `batch` group, where each row
+        lives on `loss_replicas` ranks of its grid."""
+        total = local_sum.detach().double().reshape(1).clone()
+        comm.all_reduce(total, self.mesh.groups["batch"])
+        return total[0] / (self.mode.loss_replicas * count)
+
+    def global_mean(self, local_sum: torch.Tensor, count: int) -> float:
+        return self.global_mean_tensor(local_sum, count).item()
+
+    # ---- gradients ---------------------------------------------------------------
+    def sync_grads(self, model: nn.Module) -> None:
+        """Every gradient summed once over the ranks that hold its other
+        parts: the grid's replicas (the mode), then the data-parallel
+        replicas."""
+        self.mode.sync_grads(model)
+        self.dp.reduce_grads(model.parameters())
+
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """The L2 norm of the whole model's gradient, as one process would
+        compute it: each shard counted once however many ranks replicate it
+        (ShardSpec.is_canonical), summed over the `grad_norm` group.
+        Per-tensor norms in one foreach call (no copy of any gradient),
+        their squares summed in float64."""
+        grads = [p.grad for p in model.parameters()
+                 if p.grad is not None and (spec_of(p) is None or spec_of(p).is_canonical)]
+        if grads:
+            norms = torch._foreach_norm(grads) if hasattr(torch, "_foreach_norm") else [g.norm() for g in grads]
+            total = torch.stack(norms).double().pow(2).sum()
+        else:
+            total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        comm.all_reduce(total, self.mesh.groups["grad_norm"])
+        return total.sqrt()
+
+    def clip_grads(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """`clip_grad_norm_` without a host sync: returns the global norm as
+        a 0-dim tensor on the device, and scales the gradients by
+        min(1, max_norm / (norm + 1e-6)) on the device (a factor of exactly
+        1 leaves them bit for bit, as torch.nn.utils.clip_grad_norm_ does)."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = self.grad_norm(model)
+        if max_norm > 0 and grads:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            _scale_(grads, coef)
+        return norm
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float:
+        """Clip to `max_norm` on the true global norm; returns that norm."""
+        return self.clip_grads(model, max_norm).item()
+
+
+def _scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """grads *= coef (a 0-dim device tensor), grouped by dtype as foreach needs."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, group in by_dtype.items():
+        torch._foreach_mul_(group, coef.to(dtype))
+
+
+def parallelism(layout: Layout, seed: int = 0, device: str | torch.device = "cpu", groups: bool = True,
+                rank: int | None = None) -> Parallelism:
+    """The parallel machinery of `layout` on this rank (groups=False: the
+    process-group-free version, for tools that only look at layouts)."""
+    mesh = build_mesh(layout, rank, device, seed, groups)
+    return Parallelism(layout.mode_class(mesh))

@@ -1,0 +1,58 @@
+"""The registry of tensor-parallel modes: name -> `ParallelMode` subclass.
+
+A mode is one module holding one `ParallelMode` subclass, which declares
+its grid (axes, named groups, geometry) and registers itself with
+`@register`. The built-in modes are the modules listed in `BUILTIN`; adding a
+mode is a new module plus its line there (or, from outside the package, one
+`register(MyMode)` call before the mode is named).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from tpctl.errors import ConfigError
+
+# Modules of the built-in modes, imported on the first lookup. In the order
+# the modes are listed (and planned).
+BUILTIN = ("none", "one_d", "two_d", "two_p5_d", "three_d")
+
+_MODES: dict[str, type] = {}
+_loaded = False
+
+
+def register(cls: type) -> type:
+    """Make `cls` (a ParallelMode subclass) the mode named `cls.name`."""
+    _MODES[cls.name] = cls
+    return cls
+
+
+def unregister(name: str) -> None:
+    """Forget mode `name` (a test's own mode, when the test ends)."""
+    _MODES.pop(name, None)
+
+
+def _load() -> None:
+    global _loaded
+    if not _loaded:
+        for module in BUILTIN:
+            importlib.import_module(f"{__package__}.{module}")
+        _loaded = True
+
+
+def mode_classes() -> list[type]:
+    _load()
+    return list(_MODES.values())
+
+
+def mode_names() -> tuple[str, ...]:
+    _load()
+    return tuple(_MODES)
+
+
+def mode_class(name: str) -> type:
+    """The class of mode `name`, or ConfigError naming the valid ones."""
+    _load()
+    if name not in _MODES:
+        raise ConfigError("mode", name, f"expected one of {', '.join(_MODES)}")
+    return _MODES[name]

@@ -1,0 +1,173 @@
+"""One optimizer step, cut where a pipeline schedule takes over.
+
+    forward_backward(micro_batches) -> loss_sum     what a schedule replaces
+    finish(loss_sum, step)          -> numbers      gradient sync, clip, the
+                                                    non-finite policy, lr, optimizer
+
+The trainer, `tpctl bench` (cost/measure.py) and the planner's test call
+this one step. It holds `model_parts` (one part today: the whole model;
+a pipeline stage's parts later) and works against `Parallelism`, so it is
+the same for every layout.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+from tpctl.parallel.parallelism import Parallelism
+from tpctl.parallel.roles import logits_of
+from tpctl.parallel.shard import spec_of
+
+
+@dataclass
+class Schedule:
+    """The learning rate of each step: linear warm-up, then cosine decay to min_lr."""
+
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    total_steps: int
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (self.lr - self.min_lr)
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], optim) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (embeddings, linears), as in
+    GPT-2. Decided from the *full* shape, so a shard decays like its whole."""
+    decay, no_decay = [], []
+    for p in params:
+        spec = spec_of(p)
+        ndim = len(spec.full_shape) if spec is not None else p.dim()
+        (decay if ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": optim.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+
+
+def autocast(device: torch.device, precision: str):
+    """The autocast context of `precision` ("fp32": disabled)."""
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss or the gradient norm of a step is NaN or infinite
+    (train.on_nonfinite=stop); the message names the step."""
+
+
+class NonFinitePolicy:
+    """train.on_nonfinite. `skip` must know before the update, so it reads
+    the step's two numbers every step (one host sync per step, the price of
+    choosing it). `stop` records the first bad step on the device and is
+    told when the numbers are next fetched (a logged step, or before a
+    checkpoint is written), so no checkpoint after the bad step is ever
+    written and the run ends naming that step."""
+
+    def __init__(self, setting: str, say_warning: bool):
+        self.skip = setting == "skip"
+        self.say_warning = say_warning
+        self.skipped_steps = 0
+        # stop: (the first bad step, 0 while none was; its loss; its norm), on the device.
+        self.first_bad: Optional[torch.Tensor] = None
+
+    def allows_update(self, step: int, loss: torch.Tensor, norm: torch.Tensor) -> bool:
+        """Whether the optimizer may step (both numbers are global: every
+        rank decides alike)."""
+        finite = torch.isfinite(loss) & torch.isfinite(norm)
+        if self.skip:
+            if bool(finite):
+                return True
+            self.skipped_steps += 1
+            if self.say_warning:
+                print(f"tpctl: warning: step {step + 1}: the loss is {float(loss)} and the gradient norm {float(norm)}; "
+                      "the update is skipped (train.on_nonfinite=skip)", file=sys.stderr, flush=True)
+            return False
+        here = torch.stack([torch.full((), step + 1, dtype=torch.float64, device=loss.device), loss.double(), norm.double()])
+        if self.first_bad is None:
+            self.first_bad = torch.zeros(3, dtype=torch.float64, device=loss.device)
+        keep = self.first_bad[0] > 0
+        self.first_bad = torch.where(keep | finite, self.first_bad, here)
+        return True
+
+    def check(self, fetched: list[float]) -> None:
+        """With `first_bad`'s fetched values: raise NonFiniteLoss naming the
+        first bad step, if there was one."""
+        bad_step, bad_loss, bad_norm = fetched
+        if bad_step > 0:
+            raise NonFiniteLoss(f"step {int(bad_step)}: the loss is {bad_loss} and the gradient norm {bad_norm} "
+                                f"(train.on_nonfinite=stop; the checkpoints written before step {int(bad_step)} are kept)")
+
+
+class TrainStep:
+    def __init__(self, par: Parallelism, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
+                 cfg, schedule: Optional[Schedule] = None):
+        self.par, self.model_parts, self.optimizer, self.cfg = par, model_parts, optimizer, cfg
+        self.schedule = schedule or (lambda step: cfg.optim.lr)
+        self.device = par.mesh.device
+        self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
+        self.nonfinite = NonFinitePolicy(cfg.train.get("on_nonfinite", "stop"), say_warning=par.mesh.rank == 0)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The whole model (one part: no pipeline)."""
+        (model,) = self.model_parts
+        return model
+
+    def loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The summed loss of this rank's rows of one micro-batch.
+
+        precision=bf16: the forward runs under autocast (matmuls in bf16)
+        while parameters, their gradients and the optimizer state stay fp32;
+        norms and the cross entropy compute in fp32. The backward runs
+        outside autocast, as torch recommends: it follows the forward's dtypes."""
+        with autocast(self.device, self.cfg.precision):
+            logits = logits_of(self.model(x))
+            # The real vocabulary (the LM head's width before any padding).
+            vocab = getattr(self.model, "tpctl_vocab_size", None) or self.cfg.model.vocab_size
+            return self.par.cross_entropy(logits, y, vocab, self.cfg.train.label_smoothing).sum()
+
+    def forward_backward(self, micro_batches) -> torch.Tensor:
+        """Forward and backward of every micro-batch; the summed loss of this
+        rank's rows (detached, on the device). Each micro-batch's *sum* is
+        divided by the global batch's token count, so the accumulated
+        gradients are those of the global mean, whatever the split."""
+        total = None
+        for x, y in micro_batches:
+            loss_sum = self.loss_sum(x, y)
+            (loss_sum / self.tokens_per_step).backward()
+            total = loss_sum.detach() if total is None else total + loss_sum.detach()
+        return total
+
+    def finish(self, loss_sum: torch.Tensor, step: int) -> dict:
+        """Sync, clip, the non-finite policy, the learning rate and the
+        optimizer: the loss and the gradient norm come back as 0-dim device
+        tensors (nothing here waits for the device, unless `skip` must)."""
+        for part in self.model_parts:
+            self.par.sync_grads(part)
+        norm = self.par.clip_grads(self._whole(), self.cfg.optim.grad_clip)
+        lr = self.schedule(step)
+        loss = self.par.global_mean_tensor(loss_sum, self.tokens_per_step)
+        if not self.nonfinite.allows_update(step, loss, norm):
+            return {"loss": float(loss), "lr": lr, "grad_norm": float(norm), "skipped": True}
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        return {"loss": loss, "lr": lr, "grad_norm": norm}
+
+    def __call__(self, micro_batches, step: int) -> dict:
+        for part in self.model_parts:
+            part.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self.finish(self.forward_backward(micro_batches), step)
+
+    def _whole(self) -> torch.nn.Module:
+        return self.model if len(self.model_parts) == 1 else torch.nn.ModuleList(self.model_parts)

@@ -7,9 +7,9 @@ and read back with model.pretrained: the logits against from_pretrained's.
     python benchmarks/hf_all_families.py qwen2 opt    # some
 
 Families run 20 to a process with a 6 GB address-space limit (some
-families' defaults are large; a family that kills its process is retried
-alone), and each prints one line: OK with the largest logit difference, or
-FAIL with the stage and the first line of the error.
+families' defaults are large; a family that kills its process, or runs out
+of memory, is retried alone), and each prints one line: OK with the largest
+logit difference, or FAIL with the stage and the first line of the error.
 """
 
 from __future__ import annotations
@@ -81,12 +81,13 @@ def main(families: list[str]) -> None:
     families = families or list(causal_lm_types())
     start = time.perf_counter()
     # Chunks of families share one process (imports cost seconds); a
-    # family that kills its process is retried alone.
+    # family that kills its process, or runs out of the memory the others
+    # left it, is retried alone.
     lines: dict[str, str] = {}
     for i in range(0, len(families), 20):
         lines.update(run(families[i:i + 20], 120 * 20))
     for family in families:
-        if family not in lines:
+        if family not in lines or any(m in lines[family] for m in ("can't allocate memory", "Cannot allocate memory")):
             lines.update(run([family], 300))
         print(lines.get(family, f"FAIL {family}: its process died (out of memory?) or ran over 300 s"), flush=True)
     ok = sum(line.startswith("OK") for line in lines.values())

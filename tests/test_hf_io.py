@@ -171,7 +171,7 @@ def _in_and_out(key: str, family: str, directory: str, decode: bool, run_dir: st
 
     cfg = _cfg(key, family, directory)
     par = parallelism_of(MESHES[key])
-    model, _ = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), par.mode)
+    model, _ = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), par)
     out = {"loaded": _logits_gap(model, par, directory)}
     if decode:
         out["tokens"] = _greedy(model, par)
@@ -251,7 +251,7 @@ def _loaded(key: str, family: str, directory: str) -> dict:
 
     cfg = _cfg(key, family, directory)
     par = parallelism_of(MESHES[key])
-    model, _ = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), par.mode)
+    model, _ = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), par)
     return {"loaded": _logits_gap(model, par, directory), "tokens": _greedy(model, par)}
 
 

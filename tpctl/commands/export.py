@@ -111,6 +111,7 @@ def export(checkpoint_dir: Path, out: Path) -> dict:
 
 def main(args: list[str]) -> int:
     from tpctl.training.checkpoint import CheckpointError, verify
+    from tpctl.training.corpus import respect_umask
 
     if any(a in ("-h", "--help") for a in args):
         print(USAGE, end="")
@@ -153,5 +154,6 @@ def main(args: list[str]) -> int:
     except CheckpointError as e:
         print(f"tpctl: error: export CHECKPOINT={str(ckpt)!r}: {e}", file=sys.stderr)
         return 2
+    respect_umask(out)  # safetensors writes 0600: a shared file system's other users must read it
     print(f"tpctl: wrote {out}: {done['tensors']} tensors, {done['parameters'] / 1e6:.2f}M parameters (step {done['step']})")
     return 0

@@ -147,6 +147,10 @@ def check(cfg, opts: dict) -> list[int]:
     if not ids:
         raise ConfigError("prompt", opts["prompt"], "encodes to no tokens: expected some text")
     limit = max_positions(build_model(cfg.model, cfg.seed, lazy=True))
+    if limit is not None and len(ids) >= limit:  # not even one new token fits
+        shown = opts["prompt"] if len(opts["prompt"]) <= 40 else opts["prompt"][:37] + "..."
+        raise ConfigError("prompt", shown, f"{len(ids)} tokens, but the model has {limit} positions for the prompt and "
+                          f"the new tokens: expected a prompt of at most {limit - 1} tokens")
     if limit is not None and len(ids) + opts["max_new_tokens"] > limit:
         raise ConfigError("max_new_tokens", opts["max_new_tokens"],
                           f"the prompt's {len(ids)} tokens plus the new ones exceed the model's {limit} positions: "
@@ -184,6 +188,9 @@ def run(cfg, ckpt, ids: list[int], opts: dict) -> int:
     worker_opts = {k: opts[k] for k in OPTIONS} | {"prompt_ids": ids, "checkpoint": ckpt, "quiet": opts["json"]}
     (run_dir / OPTIONS_FILE).write_text(json.dumps(worker_opts))
     status = launch(cfg, run_dir, worker_module="tpctl.launch.generate_worker")
+    if status > 128:  # interrupted: the launcher has said so, in one line
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return status
     if status != EXIT_OK:
         print(f"tpctl: error: generation failed; the workers' logs are in {run_dir}", file=sys.stderr)
         return status

@@ -140,8 +140,11 @@ def inspect_model(cfg):
         local += nbytes
         if record is None and own and not note:
             note = "kept whole (replicated)" if par.mode.replicated_activations else "no role"
-        if name in plan.layouts and not note:
-            note = f"fused: {plan.layouts[name].describe()}"
+        if name in plan.layouts and not note:  # a fused projection's parts, or a projection's heads (maybe shared)
+            layout = plan.layouts[name]
+            note = f"{'fused' if len(layout.names) > 1 else 'heads'}: {layout.describe()}"
+            if layout.shares(par.mode.geo.head_split):
+                note += f", key/value heads shared by {par.mode.geo.head_split // min(layout.units)} ranks"
         rows.append((name, type(module).__name__, record.role if record else "",
                      type(new).__name__ if new is not module else "(unchanged)", ", ".join(shapes), nbytes, note))
     summary = {"roles from": {"inferred": "traced forward", "tp_plan": "the model's tp_plan", "plan": "model.plan"}[plan.source],
@@ -167,7 +170,8 @@ def _print(cfg, rows, verdicts: dict, summary) -> None:
     for name, kind, role, becomes, shapes, nbytes, note in rows:
         note = escape(note)  # a fused layout's "[q|k|v]" is not markup
         cells = [name, kind, role, becomes, shapes, mib(nbytes) if nbytes else "",
-                 f"[red]{note}[/red]" if note and note != "kept whole (replicated)" and not note.startswith("fused:") else note]
+                 f"[red]{note}[/red]" if note and note != "kept whole (replicated)" and not note.startswith(("fused:", "heads:"))
+                 else note]
         if verdicts:
             cells.insert(6, verdicts.get(name, ""))
         table.add_row(*cells)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from tpctl.errors import ConfigError
+from tpctl.errors import ConfigError, interrupt_on_termination, interrupted_status
 
 EXIT_OK, EXIT_USAGE = 0, 2
 
@@ -104,16 +104,21 @@ def main(args: list[str]) -> int:
     if any(a in ("-h", "--help") for a in args):
         print(USAGE.format(cores=_cores()), end="")
         return EXIT_OK
-    from tpctl.training.corpus import DataError, prepare
-
+    interrupt_on_termination()
+    opts: dict = {}
     try:
+        from tpctl.training.corpus import DataError, prepare
+
         sources, opts = parse(args)
         result = prepare(sources, progress=True, **opts)
     except (ConfigError, DataError, OSError) as e:  # OSError: a path it cannot read or write
         print(f"tpctl: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP: prepare has removed its temporary files
+        name, status = interrupted_status(e)
+        out = f"; out={opts['out']} is as it was" if opts.get("out") else ""
+        print(f"tpctl: prepare-data interrupted by {name}{out}", file=sys.stderr)
+        return status
     index = result.index
     n_sources, tokens, docs = len(index["sources"]), index["tokens"], index["documents"]
     total = tokens["train"] + tokens["val"]

@@ -85,6 +85,10 @@ class ParamInit(ParamSource):
         self._std = std or getattr(model, "init_std", lambda name: 0.02)
         self._fallback = fallback
 
+    def _randn(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, name))
+        return torch.randn(shape, generator=generator).mul_(self._std(name))
+
     def full(self, param: torch.Tensor) -> torch.Tensor:
         names, module, _ = self._params[id(param)]
         name = names[0]
@@ -98,13 +102,14 @@ class ParamInit(ParamSource):
             except ValueError:  # a norm of another kind: its model's own init, if it has one
                 if self._fallback is None:
                     return torch.ones(shape)
-        if isinstance(module, (nn.Linear, nn.Embedding)) and attr == "weight":
-            generator = torch.Generator().manual_seed(derive_seed(self.seed, name))
-            return torch.randn(shape, generator=generator).mul_(self._std(name))
         if isinstance(module, nn.Linear) and attr == "bias":
             return torch.zeros(shape)
-        if self._fallback is not None:
+        if isinstance(module, (nn.Linear, nn.Embedding)) and attr == "weight":
+            return self._randn(name, shape)
+        if self._fallback is not None:  # the family's own init (stacked experts)
             return self._fallback(name, module, attr)
+        if len(shape) >= 2:  # a matrix of another layer (experts' 3-d weights, a router's experts x hidden)
+            return self._randn(name, shape)
         raise ValueError(f"no initial value rule for {name} ({type(module).__name__}.{attr})")
 
 

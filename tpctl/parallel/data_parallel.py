@@ -54,7 +54,10 @@ class DataParallel:
     def writes(self, spec: Optional[ShardSpec]) -> bool:
         """Whether this rank writes a tensor described by `spec` into a
         checkpoint: replica 0 alone (the others hold the same values), and
-        there the first of the grid's copies."""
+        there the first of the grid's copies (rows with replicas of their
+        own are decided box by box: ShardSpec.writes_rows)."""
+        if spec is not None and spec.row_replicas:
+            return self.rank == 0
         return self.rank == 0 and (spec is None or not spec.replica_ranks or self.mesh.rank == spec.replica_ranks[0])
 
 

@@ -20,6 +20,7 @@ from typing import Iterable, Optional
 import torch
 
 from tpctl.parallel.parallelism import Parallelism
+from tpctl.parallel.layers import CacheOff
 from tpctl.parallel.roles import logits_of
 from tpctl.parallel.shard import spec_of
 
@@ -115,6 +116,8 @@ class TrainStep:
         self.device = par.mesh.device
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
         self.nonfinite = NonFinitePolicy(cfg.train.get("on_nonfinite", "stop"), say_warning=par.mesh.rank == 0)
+        # Training forwards never build a key/value cache, whatever the config says.
+        self.cache_off = CacheOff(torch.nn.ModuleList(model_parts))
 
     @property
     def model(self) -> torch.nn.Module:
@@ -129,7 +132,7 @@ class TrainStep:
         while parameters, their gradients and the optimizer state stay fp32;
         norms and the cross entropy compute in fp32. The backward runs
         outside autocast, as torch recommends: it follows the forward's dtypes."""
-        with autocast(self.device, self.cfg.precision):
+        with autocast(self.device, self.cfg.precision), self.cache_off:
             logits = logits_of(self.model(x))
             # The real vocabulary (the LM head's width before any padding).
             vocab = getattr(self.model, "tpctl_vocab_size", None) or self.cfg.model.vocab_size

@@ -41,6 +41,7 @@ TRAINED = {
     "gemma": dict(n_kv_head=2),  # x_hat * (1 + w), embedding * sqrt(hidden), tied
     "qwen3": dict(n_kv_head=2),  # per-head q/k norms
     "starcoder2": dict(n_kv_head=2),  # grouped-query attention with biases, LayerNorm
+    "opt": dict(),  # model.decoder.*, learned positions with an offset, a key bias with a zero gradient
 }
 # Read (and decoded) only: stored names of other shapes.
 LOADED = {
@@ -48,7 +49,6 @@ LOADED = {
     "bloom": dict(),  # transformer.*, alibi
     "falcon": dict(n_kv_head=2, config={"new_decoder_architecture": True}),  # Falcon-40B style
     "gpt_bigcode": dict(config={"multi_query": False}),  # StarCoder, multi-head
-    "opt": dict(),  # model.decoder.*, learned positions with an offset
 }
 # Read in one process (test_stored_names...): experts stored one tensor each.
 MOE = {"mixtral": dict(n_kv_head=2, config={"num_local_experts": 3})}
@@ -255,10 +255,7 @@ def _loaded(key: str, family: str, directory: str) -> dict:
     return {"loaded": _logits_gap(model, par, directory), "tokens": _greedy(model, par)}
 
 
-# OPT's 1d and 2d rewrites are refused by the start-up check today (its key
-# bias's gradient is round-off, its position table has no feature rule:
-# issue 24, point 3): read and decoded in mode=none here.
-@pytest.mark.parametrize("family, key", [(f, k) for f in LOADED for k in ROUND_TRIP if f != "opt" or k == "none-dp8"])
+@pytest.mark.parametrize("family, key", [(f, k) for f in LOADED for k in ROUND_TRIP])
 def test_pretrained_directory_loads_and_generates(pool, saved, family, key):
     directory, want = saved[family]
     for r in pool.run(_loaded, key, family, directory):
@@ -515,7 +512,7 @@ def measure() -> None:
             want = _reference_tokens(directory)
             row, runs = {}, {}
             for key in ("none-dp8", "1d-2-dp4", "2d-4-dp2"):
-                if family in LOADED and key == "1d-2-dp4" or family == "opt" and key != "none-dp8":
+                if family in LOADED and key == "1d-2-dp4":
                     continue
                 run_dir = None
                 if family in TRAINED and key in ROUND_TRIP:

@@ -12,9 +12,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-from tpctl.errors import import_torch, interrupted_status
+from tpctl.errors import EXIT_OK, EXIT_USAGE, fail, import_torch, interrupted_status
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 USAGE = """\
 usage: tpctl <command> [arguments]
@@ -88,12 +87,7 @@ def main(argv: list[str] | None = None) -> None:
             name, status = interrupted_status(e)
             print(f"tpctl: {command} interrupted by {name}", file=sys.stderr)
             sys.exit(status)
-    sys.exit(_usage_error(f"unknown command {command!r}; expected one of: {', '.join(COMMANDS)} (see tpctl --help)"))
-
-
-def _usage_error(message: str) -> int:
-    print(f"tpctl: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
+    sys.exit(fail(f"unknown command {command!r}; expected one of: {', '.join(COMMANDS)} (see tpctl --help)"))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,23 @@
-"""Errors with a contract: a bad config exits 2 with one line naming the key,
-the value and what would be valid (see docs/DESIGN.md, section 3)."""
+"""tpctl's error vocabulary: the exit statuses of every command, the one
+line an error is printed as, and the base of tpctl's exception classes.
+
+A bad config exits 2 with one line naming the key, the value and what would
+be valid, before any worker starts (see docs/DESIGN.md, section 3). Commands
+print through `error`/`warning` here, so the prefix a user (or a script)
+greps for is written in one place."""
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 
+# Exit statuses (README, "Exit status").
+EXIT_OK = 0
+# The work failed: a rank, a checkpoint, a recipe's goal.
+EXIT_FAILED = 1
+# Refused before anything ran: a config value, an argument, a rewrite that
+# does not prove itself, data the model cannot read.
+EXIT_USAGE = 2
 # The exit status of a command stopped by Ctrl-C (128 + SIGINT), and of each
 # rank it stopped.
 EXIT_INTERRUPTED = 130
@@ -14,8 +27,39 @@ EXIT_INTERRUPTED = 130
 LAUNCHER_PID_ENV = "TPCTL_LAUNCHER_PID"
 
 
-class ConfigError(ValueError):
+def error(message: str) -> None:
+    """Print `message` as tpctl's one-line error on stderr."""
+    print(f"tpctl: error: {message}", file=sys.stderr, flush=True)
+
+
+def warning(message: str) -> None:
+    """Print `message` as tpctl's one-line warning on stderr."""
+    print(f"tpctl: warning: {message}", file=sys.stderr, flush=True)
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> int:
+    """Print the error and return the exit status: `return fail(...)`."""
+    error(message)
+    return code
+
+
+def one_line(exc: BaseException) -> str:
+    """`<ExceptionType>: <first line of its message>`."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+class TpctlError(Exception):
+    """Base of tpctl's own errors: the message is one line a user can act
+    on; `exit_code` is the status the command ends with."""
+
+    exit_code = EXIT_FAILED
+
+
+class ConfigError(TpctlError, ValueError):
     """An invalid configuration value, found before any worker starts."""
+
+    exit_code = EXIT_USAGE
 
     def __init__(self, key: str, value: object, valid: str):
         self.key, self.value, self.valid = key, value, valid

@@ -30,9 +30,8 @@ import tempfile
 from pathlib import Path
 
 from tpctl.commands.options import integer, parse_options, text
-from tpctl.errors import ConfigError
+from tpctl.errors import ConfigError, EXIT_OK, error, fail
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 # Model keys a checkpoint's model may be given differently here: they do not
 # change its weights.
 FREE_MODEL_KEYS = ("dropout", "plan")
@@ -163,7 +162,7 @@ def main(args: list[str]) -> int:
         print(__doc__, end="")
         return EXIT_OK
     if not args or "=" in args[0] or args[0].startswith("-"):
-        return _error("tpctl generate takes SOURCE first (a checkpoint or a save_pretrained directory), "
+        return fail("tpctl generate takes SOURCE first (a checkpoint or a save_pretrained directory), "
                       "then key=value settings (see tpctl generate --help)")
     source = Path(args[0])
     try:
@@ -172,7 +171,7 @@ def main(args: list[str]) -> int:
         cfg, ckpt = compose(source, kind, overrides)
         ids = check(cfg, opts)
     except ConfigError as e:
-        return _error(str(e))
+        return fail(str(e))
     return run(cfg, ckpt, ids, opts)
 
 
@@ -192,7 +191,7 @@ def run(cfg, ckpt, ids: list[int], opts: dict) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
         return status
     if status != EXIT_OK:
-        print(f"tpctl: error: generation failed; the workers' logs are in {run_dir}", file=sys.stderr)
+        error(f"generation failed; the workers' logs are in {run_dir}")
         return status
     result = json.loads((run_dir / RESULT).read_text())
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -204,6 +203,3 @@ def run(cfg, ckpt, ids: list[int], opts: dict) -> int:
     return EXIT_OK
 
 
-def _error(message: str) -> int:
-    print(f"tpctl: error: {message}", file=sys.stderr)
-    return EXIT_USAGE

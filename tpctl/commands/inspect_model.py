@@ -12,12 +12,10 @@ model, as `tpctl train` would refuse it.
 
 from __future__ import annotations
 
-import sys
 
-from tpctl.errors import ConfigError
+from tpctl.errors import ConfigError, EXIT_OK, fail
 from tpctl.parallel.layout import Layout
 
-EXIT_OK, EXIT_USAGE = 0, 2
 
 
 def main(args: list[str]) -> int:
@@ -34,8 +32,7 @@ def main(args: list[str]) -> int:
         validate(cfg, model_check=False)
         rows, summary, problems = inspect_model(cfg)
     except ConfigError as e:
-        print(f"tpctl: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(e)
     refusal, checks = None, None
     if not problems and cfg.train.verify_rewrite and Layout.from_config(cfg).mode_class.rewrites:
         refusal, checks = verify_in_pool(cfg)
@@ -43,12 +40,9 @@ def main(args: list[str]) -> int:
     if problems:
         name, reason = next(iter(problems.items()))
         what = cfg.model.get("_target_") or cfg.model.get("pretrained") or cfg.model.arch
-        print(f"tpctl: error: invalid config: model={what!r}: mode={cfg.mode} size={cfg.size} cannot shard module {name}: {reason}",
-              file=sys.stderr)
-        return EXIT_USAGE
+        return fail(f"invalid config: model={what!r}: mode={cfg.mode} size={cfg.size} cannot shard module {name}: {reason}")
     if refusal is not None:
-        print(f"tpctl: error: {refusal}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(refusal)
     return EXIT_OK
 
 

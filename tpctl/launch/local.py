@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from tpctl.errors import LAUNCHER_PID_ENV
+from tpctl.errors import EXIT_FAILED, LAUNCHER_PID_ENV, error, fail, warning
 from tpctl.parallel.layout import Layout
 
 WORKER_MODULE = "tpctl.launch.worker"
@@ -48,8 +48,7 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
     run_dir = Path(run_dir)
     module = worker_module or os.environ.get(WORKER_MODULE_ENV) or WORKER_MODULE
     if not _module_exists(module):  # else every rank would fail with the same ImportError
-        print(f"tpctl: error: worker module {module!r} not found (check {WORKER_MODULE_ENV})", file=sys.stderr)
-        return 1
+        return fail(f"worker module {module!r} not found (check {WORKER_MODULE_ENV})", EXIT_FAILED)
     lc = cfg.launcher
     nproc = Layout.from_config(cfg).world // lc.nnodes
     if lc.nnodes > 1 or lc.rdzv_endpoint:
@@ -65,8 +64,7 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
     if lc.node_rank > 0:
         problem = wait_for_rendezvous_host(endpoint, lc.rdzv_timeout_s)
         if problem:
-            print(f"tpctl: error: node {lc.node_rank} of {lc.nnodes}: {problem}", file=sys.stderr)
-            return 1
+            return fail(f"node {lc.node_rank} of {lc.nnodes}: {problem}", EXIT_FAILED)
     if cfg.device == "cuda" and lc.get("backend", "auto") == "gloo":
         print(f"tpctl: launcher.backend=gloo with device=cuda: {nproc} ranks share this machine's GPU(s); "
               "for testing every mode on few GPUs, not for speed", file=sys.stderr, flush=True)
@@ -102,15 +100,14 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
     except ChildFailedError as e:
         refusal = refused(e.failures)
         if refusal is not None:  # the workers refused to train (e.g. an unproven rewrite): as a bad config
-            print(f"tpctl: error: {refusal}", file=sys.stderr)
-            return 2
+            return fail(refusal)
         finished = finished_ranks(e.failures, agent_dir)
         if finished == set(e.failures):
             # Every rank's work is complete and its files are written; what
             # ended a process after that (a signal in its teardown) took
             # nothing from the run, and is said, not hidden.
             for line in failure_lines(split_failures(e.failures)[0], finished):
-                print(f"tpctl: warning: {line}; the run is complete and its files are intact", file=sys.stderr)
+                warning(f"{line}; the run is complete and its files are intact")
             return 0
         report_failures(e.failures, run_dir, finished)
         return 1
@@ -124,8 +121,7 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
         else:
             what = (f"lost the rendezvous at {endpoint}" + (" (did node 0 stop?)" if lc.node_rank > 0 else ""))
         reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"tpctl: error: node {lc.node_rank} of {lc.nnodes}: {what}: {type(e).__name__}: {reason}", file=sys.stderr)
-        return 1
+        return fail(f"node {lc.node_rank} of {lc.nnodes}: {what}: {type(e).__name__}: {reason}", EXIT_FAILED)
     except SignalException as e:
         print(f"tpctl: interrupted by {signal.Signals(e.sigval).name}; workers stopped", file=sys.stderr)
         return 128 + int(e.sigval)
@@ -134,8 +130,8 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
         return 128 + signal.SIGINT
     except Exception as e:  # the agent itself failed (e.g. node 0 cannot listen at the endpoint): one line
         reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"tpctl: error: node {lc.node_rank} of {lc.nnodes}: starting the workers failed at {endpoint}: "
-              f"{type(e).__name__}: {reason}", file=sys.stderr)
+        error(f"node {lc.node_rank} of {lc.nnodes}: starting the workers failed at {endpoint}: "
+              f"{type(e).__name__}: {reason}")
         return 1
     finally:
         shutil.rmtree(agent_dir, ignore_errors=True)
@@ -214,7 +210,7 @@ def report_failures(failures: dict[int, Any], run_dir: Path | None = None, finis
     failed, stopped = split_failures(failures)
     lines = failure_lines(failed, finished)
     for line in lines:
-        print(f"tpctl: error: {line}", file=sys.stderr)
+        error(line)
     if stopped:
         print(f"tpctl: stopped the other ranks: {', '.join(map(str, stopped))}", file=sys.stderr)
     if any(lost in line for line in lines for lost in LOST_PEER_MESSAGES):
@@ -268,7 +264,7 @@ def refused(failures: dict[int, Any]) -> str | None:
     """The reason, when the workers refused to train (exit 2, e.g. a
     rewrite that is not the original model) and no rank failed otherwise
     (the agent stops the rest with SIGTERM): one line for all ranks."""
-    from .worker import EXIT_REFUSED
+    from tpctl.errors import EXIT_USAGE as EXIT_REFUSED
 
     codes = {f.exitcode for f in failures.values()}
     if EXIT_REFUSED not in codes or not codes <= {EXIT_REFUSED, -signal.SIGTERM}:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tpctl.parallel.layout import Layout
+from tpctl.errors import EXIT_FAILED, fail
 
 SUBMITIT_MISSING = "launcher=slurm submits through submitit, which is not installed: pip install 'tpctl[slurm]' (or pip install submitit)"
 
@@ -92,12 +93,10 @@ def submit(cfg: Any, run_dir: Path) -> int:
     try:
         executor = _executor(cfg, Path(run_dir))
         if executor is None:
-            print(f"tpctl: error: {SUBMITIT_MISSING}", file=sys.stderr)
-            return 1
+            return fail(f"{SUBMITIT_MISSING}", EXIT_FAILED)
         job = executor.submit(run_node, str(Path(run_dir) / "config.yaml"))
     except Exception as e:  # no srun/sbatch here, or Slurm refusing: one line
-        print(f"tpctl: error: Slurm submission failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}", file=sys.stderr)
-        return 1
+        return fail(f"Slurm submission failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}", EXIT_FAILED)
     print(f"tpctl: submitted Slurm job {job.job_id} ({cfg.launcher.nnodes} nodes); its output: {Path(run_dir) / 'slurm'}")
     return 0
 

@@ -26,12 +26,11 @@ import sys
 from pathlib import Path
 from typing import Callable, NoReturn
 
-from tpctl.errors import EXIT_INTERRUPTED, LAUNCHER_PID_ENV, import_torch
+from tpctl.errors import EXIT_INTERRUPTED, EXIT_USAGE, LAUNCHER_PID_ENV, import_torch
 
 log = logging.getLogger("tpctl.worker")
 # The exit status of a rank that refuses to train a rewrite that differs
 # from the original (the launcher passes it on, as for a bad config).
-EXIT_REFUSED = 2
 # Written beside the rank's torchelastic error file (its pid) once its work
 # is complete (its files written and closed): the launcher tells a rank
 # that died after that from one that failed (launch/local.py, `finished_ranks`).
@@ -216,8 +215,8 @@ def find_resume(cfg, run_dir: Path, rank: int):
     """(checkpoint path, manifest) to resume from, or None. Rank 0 picks and
     verifies it (after a restart by torchrun: the newest valid one of the run
     dir) and tells the others, so a bad checkpoint fails every rank alike."""
-    import torch.distributed as dist
 
+    from tpctl.parallel import comm
     from tpctl.training.checkpoint import CheckpointError, resolve_resume
 
     choice: list = [None]
@@ -231,7 +230,7 @@ def find_resume(cfg, run_dir: Path, rank: int):
             choice = [(str(found[0]), found[1]) if found else None]
         except Exception as e:  # the other ranks wait in the broadcast: always tell them
             choice = [f"train.resume={cfg.train.resume!r}: {e}"]
-    dist.broadcast_object_list(choice, src=0)
+    choice[0] = comm.broadcast_object(choice[0])
     if isinstance(choice[0], str):
         raise CheckpointError(choice[0])
     return None if choice[0] is None else (Path(choice[0][0]), choice[0][1])
@@ -279,7 +278,7 @@ def failed(error: BaseException, argv: list[str]) -> int:
     if isinstance(error, RewriteRefused):
         # Every rank refuses alike; the launcher prints the one line
         # (@record has kept it) and exits 2 as for a bad config.
-        return EXIT_REFUSED
+        return EXIT_USAGE
     if not isinstance(error, Exception):  # e.g. DCP's CheckpointException: @record only records Exceptions
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 

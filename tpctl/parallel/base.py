@@ -352,13 +352,6 @@ class ParallelMode:
 
 # ---- the rewrite --------------------------------------------------------
 
-def module_roles(model: nn.Module, plan: Optional[dict[str, str]] = None) -> dict[str, str]:
-    """{module name: role} for every module the rewrite replaces, in
-    definition order: from `plan` (module-name patterns -> roles), the
-    model's `tp_plan`, or traced from its forward (parallel.roles)."""
-    return resolve_plan(model, plan).roles
-
-
 def as_mode(tp) -> ParallelMode:
     """The tensor-parallel mode of `tp`: a ParallelMode, or a
     parallelism.Parallelism holding one."""

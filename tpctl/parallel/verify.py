@@ -60,6 +60,7 @@ from . import comm
 from .layers import CacheOff, is_norm, linearize, norm_width
 from .roles import RolePlan, logits_of, repeated_blocks, resolve_plan, trace
 from .shard import ShardSpec, spec_of
+from tpctl.errors import EXIT_USAGE, TpctlError
 
 # fp32 round-off: a reordered sum of k terms is off by about sqrt(k) * 6e-8
 # of its scale (k = the widths summed over, up to ~1e4 here: ~1e-5 at worst,
@@ -75,9 +76,11 @@ SKIPPED_ROLES = ("dropout", "attn_dropout")  # identity in eval: nothing to comp
 BLOCK_ONLY_ROLES = ("experts", "router")
 
 
-class RewriteRefused(Exception):
+class RewriteRefused(TpctlError):
     """The rewritten model differs from the original: refuse to train.
     str() is the one-line verdict; `report` holds every check."""
+
+    exit_code = EXIT_USAGE
 
     def __init__(self, line: str, report: Optional["Report"] = None):
         super().__init__(line)
@@ -832,8 +835,7 @@ def _agree(units: list, mode) -> None:
     diffs = torch.nan_to_num(diffs, nan=math.inf, posinf=math.inf)
     by_rank = comm.all_gather(diffs.unsqueeze(0), dist.group.WORLD).cpu()  # (world, units)
     # Start-up only: the names are short strings, one object gather.
-    names: list = [None] * dist.get_world_size()
-    dist.all_gather_object(names, [u.check.what for u in units])
+    names = comm.all_gather_object([u.check.what for u in units], dist.group.WORLD)
     worst, owner = by_rank.max(dim=0)  # max picks the first rank among equals
     for i, unit in enumerate(units):
         if not unit.check.note:

@@ -47,10 +47,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
+from tpctl.parallel import comm
 from tpctl.parallel.layout import Layout
 from tpctl.parallel.shard import ShardSpec, spec_of
+from tpctl.errors import TpctlError
 
 log = logging.getLogger("tpctl.checkpoint")
 
@@ -60,7 +61,7 @@ CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointError(Exception):
+class CheckpointError(TpctlError):
     """A checkpoint that cannot be used; the message is one line."""
 
 
@@ -424,8 +425,7 @@ def save(root: Path, step: int, model, optimizer, par, cfg, first_loss: float = 
     started = time.perf_counter()
     mesh = par.mesh
     entries = state_entries(model, optimizer, par, step, first_loss)
-    sizes = [0] * mesh.world_size
-    dist.all_gather_object(sizes, bytes_to_write(entries))
+    sizes = comm.all_gather_object(bytes_to_write(entries))
 
     def fail(why: str) -> CheckpointError:
         return CheckpointError(f"checkpoint step {step} not written to {root}: {why}; "
@@ -455,13 +455,12 @@ def save(root: Path, step: int, model, optimizer, par, cfg, first_loss: float = 
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         error = root_cause(writer.failure or e)
-    gathered = [None] * mesh.world_size
-    dist.all_gather_object(gathered, (error, files))
+    gathered = comm.all_gather_object((error, files))
     errors = [e for e, _ in gathered if e]
     if errors:
         if mesh.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
+        comm.barrier()
         raise fail(errors[0])
 
     def commit() -> None:
@@ -491,7 +490,7 @@ def save(root: Path, step: int, model, optimizer, par, cfg, first_loss: float = 
     _on_rank0(mesh, commit, fail, tmp)
     if mesh.rank == 0:
         rotate(root, keep)
-    dist.barrier()
+    comm.barrier()
     log.info("checkpoint %s written in %.2fs", final, time.perf_counter() - started)
     return final
 
@@ -565,7 +564,7 @@ def _on_rank0(mesh, action: Callable[[], None], fail: Callable[[str], Checkpoint
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             outcome = [str(e) if isinstance(e, CheckpointError) else root_cause(e)]
-    dist.broadcast_object_list(outcome, src=0)
+    outcome[0] = comm.broadcast_object(outcome[0])
     if outcome[0] is not None:
         raise fail(outcome[0])
 

@@ -43,7 +43,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from tpctl.errors import die_with_parent, signals_held, stop_signals
+from tpctl.errors import EXIT_USAGE, TpctlError, die_with_parent, signals_held, stop_signals
 
 FORMAT = "tpctl-corpus"
 # Part of the no-op key: bump it when the bytes written for the same input change.
@@ -55,8 +55,10 @@ _TASK_BYTES = 1 << 22  # raw text per task (4 MiB): small enough to balance, lar
 _ARROW_ROWS = 4096  # rows per task from a `datasets` directory
 
 
-class DataError(ValueError):
+class DataError(TpctlError, ValueError):
     """Bad input (a file, a line, a row): one line for the user, exit 2."""
+
+    exit_code = EXIT_USAGE
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

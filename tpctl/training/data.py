@@ -46,7 +46,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import numpy as np
 import torch
 
-from tpctl.errors import ConfigError
+from tpctl.errors import ConfigError, TpctlError
 
 from . import corpus
 
@@ -435,7 +435,7 @@ def _open_tokens(info: DataInfo):
     return corpus.ShardedTokens(paths, np.dtype(info.dtype))
 
 
-class TokenOutOfRange(ValueError):
+class TokenOutOfRange(TpctlError, ValueError):
     """A batch holds a token id the model's vocabulary does not."""
 
     def __init__(self, split: str, step: int, token: int, vocab_size: int, where: str):

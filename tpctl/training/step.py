@@ -13,7 +13,6 @@ the same for every layout.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -23,6 +22,7 @@ from tpctl.parallel.parallelism import Parallelism
 from tpctl.parallel.layers import CacheOff
 from tpctl.parallel.roles import logits_of
 from tpctl.parallel.shard import spec_of
+from tpctl.errors import TpctlError, warning
 
 
 @dataclass
@@ -60,7 +60,7 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
-class NonFiniteLoss(RuntimeError):
+class NonFiniteLoss(TpctlError, RuntimeError):
     """The loss or the gradient norm of a step is NaN or infinite
     (train.on_nonfinite=stop); the message names the step."""
 
@@ -89,8 +89,8 @@ class NonFinitePolicy:
                 return True
             self.skipped_steps += 1
             if self.say_warning:
-                print(f"tpctl: warning: step {step + 1}: the loss is {float(loss)} and the gradient norm {float(norm)}; "
-                      "the update is skipped (train.on_nonfinite=skip)", file=sys.stderr, flush=True)
+                warning(f"step {step + 1}: the loss is {float(loss)} and the gradient norm {float(norm)}; "
+                      "the update is skipped (train.on_nonfinite=skip)")
             return False
         here = torch.stack([torch.full((), step + 1, dtype=torch.float64, device=loss.device), loss.double(), norm.double()])
         if self.first_bad is None:

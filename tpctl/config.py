@@ -107,10 +107,11 @@ def _raise(error: Exception):
 # --------------------------------------------------------------------------
 
 
-def validate(cfg: Any, model_check: bool = True) -> None:
+def validate(cfg: Any, model_check: bool = True, training: bool = True) -> None:
     """Raise ConfigError for the first invalid value in a composed config.
     model_check=False skips building the model (tpctl inspect shows what a
-    mode cannot shard instead of refusing it)."""
+    mode cannot shard instead of refusing it); training=False: a config
+    that is only decoded (tpctl generate)."""
     _check_resolvable(cfg)
     _check_known_keys(cfg, OmegaConf.structured(TrainConfig), "")
     _check_finite(cfg, "")
@@ -177,7 +178,7 @@ def validate(cfg: Any, model_check: bool = True) -> None:
     if model_check:
         from .models import check_model  # imports torch: after every cheap check
 
-        check_model(cfg)
+        check_model(cfg, training)
 
 
 def _check_hf_arch(model: Any) -> None:

@@ -132,7 +132,7 @@ def check(cfg, opts: dict) -> list[int]:
     # No training: a batch of the rows the mode splits (the prompt,
     # replicated: training/generation.py), nothing resumed.
     cfg.train.batch_size, cfg.train.grad_accum, cfg.train.seq_len, cfg.train.resume = geo.batch_split, 1, 1, None
-    validate(cfg)
+    validate(cfg, training=False)
     if opts["prompt"] is None:
         raise ConfigError("prompt", None, 'expected prompt="some text"')
     from tpctl.models import build_model

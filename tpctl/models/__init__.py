@@ -107,7 +107,7 @@ def build_checked(m: Any, seed: int) -> torch.nn.Module:
                           f"building the model failed: {type(e).__name__}: {first}") from None
 
 
-def check_model(cfg: Any) -> RolePlan:
+def check_model(cfg: Any, training: bool = True) -> RolePlan:
     """Build `cfg.model` as the workers will (on the meta device where it
     can be), find its roles and check that `cfg.mode` can shard every one:
     ConfigError naming the module and the reason, before any worker starts.
@@ -123,7 +123,7 @@ def check_model(cfg: Any) -> RolePlan:
         plan = resolve_plan(model, m.get("plan"))
     except (ValueError, TypeError, RuntimeError) as e:
         raise ConfigError("model", what, f"tracing the model's forward failed: {type(e).__name__}: {e}") from None
-    problems = check_plan(plan, model, Layout.from_config(cfg).geo)
+    problems = check_plan(plan, model, Layout.from_config(cfg).geo, training)
     if cfg.seq_parallel and "experts" in plan.roles.values():
         raise ConfigError("seq_parallel", True, "sequence parallelism with a mixture-of-experts block is not supported "
                           "(its routed experts and shared expert would need one sum over the sequence shards after "

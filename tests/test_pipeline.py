@@ -79,7 +79,7 @@ def _reference(pool, arch: str) -> list:
 
 
 def _arch(arch: str) -> dict:
-    return {"gpt": {}, "llama": {"model.arch": "llama", "model.n_kv_head": 2}, "gpt2": {"model.arch": "gpt2"}}[arch]
+    return {"gpt": {}, "llama": {"model.arch": "llama", "model.n_kv_head": 2}, "gpt2": {"model.arch": "gpt2", "model.bias": None}}[arch]
 
 
 @pytest.mark.timeout(900)

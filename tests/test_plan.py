@@ -36,7 +36,7 @@ def _train_step(key: str, tied: bool):
     from tpctl.models import build_model
     from tpctl.parallel import comm
     from tpctl.parallel.base import parallelize
-    from tpctl.training.step import TrainStep, build_optimizer
+    from tpctl.training.step import TrainStep
 
     layout, accum = MESHES[key]
     par = parallelism_of(layout)
@@ -44,7 +44,7 @@ def _train_step(key: str, tied: bool):
     cfg.model = OmegaConf.structured(_model_cfg(tied))
     cfg.train.batch_size, cfg.train.seq_len, cfg.train.grad_accum = BATCH, SEQ, accum
     model = parallelize(build_model(cfg.model, seed=0, lazy=True), par)
-    step = TrainStep(par, [model], build_optimizer(model.parameters(), cfg.optim), cfg)
+    step = TrainStep(par, [model], cfg)
     ids = torch.randint(0, cfg.model.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     x, y = ids[:, :-1], ids[:, 1:]
     comm.STATS.reset()

@@ -143,12 +143,13 @@ class Comm:
 @dataclass
 class SplitPlan:
     layout: Layout
-    param_bytes: int
-    grad_bytes: int
+    param_bytes: int  # held between steps (under ZeRO: the chunks, padding included)
+    grad_bytes: int  # kept after the backward for the optimizer
     optim_bytes: int
     activation_bytes: int
     flops: float
     comm: dict[tuple[str, str], Comm]  # (kind, group) -> Comm
+    gathered_bytes: int = 0  # ZeRO-3: parameters gathered whole at once (the root and the largest block)
     step_time_s: Optional[float] = None
     compute_s: Optional[float] = None
     comm_s: Optional[float] = None
@@ -176,12 +177,12 @@ class SplitPlan:
 
     @property
     def memory_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optim_bytes + self.activation_bytes
+        return self.param_bytes + self.grad_bytes + self.optim_bytes + self.activation_bytes + self.gathered_bytes
 
     def to_json(self) -> dict[str, Any]:
         d = self.layout.to_dict()
         d.update(label=self.label, param_bytes=self.param_bytes, grad_bytes=self.grad_bytes,
-                 optim_bytes=self.optim_bytes, activation_bytes=self.activation_bytes,
+                 optim_bytes=self.optim_bytes, activation_bytes=self.activation_bytes, gathered_bytes=self.gathered_bytes,
                  memory_bytes=self.memory_bytes, flops=self.flops, comm_bytes=self.comm_bytes,
                  wire_bytes=self.wire_bytes, step_time_s=self.step_time_s, compute_s=self.compute_s,
                  comm_s=self.comm_s, fits=self.fits, by_kind=self.by_kind(),
@@ -227,8 +228,12 @@ def _replica_group(layout: Layout, spec) -> Optional[str]:
     return next((name for name in names if sorted(layout.group_of(name, 0)) == members), None)
 
 
-def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int, grad_accum: int = 1) -> SplitPlan:
-    """Memory, FLOPs and communication of one optimizer step on rank 0 of `layout`."""
+def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int, grad_accum: int = 1,
+               bucket_bytes: Optional[int] = None) -> SplitPlan:
+    """Memory, FLOPs and communication of one optimizer step on rank 0 of
+    `layout` (`bucket_bytes`: the data-parallel gradient buckets' size,
+    zero.BUCKET_BYTES unless given)."""
+    from tpctl.parallel import zero
     from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.shard import spec_of
 
@@ -237,11 +242,20 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     vp = padded_vocab(shape.vocab_size, layout.geo.vocab_multiple)
     tokens = batch_size // (grad_accum * layout.dp) * seq_len  # token rows of a micro-batch per replica
 
-    # ---- parameters: this rank's shard of each (ShardSpec), and the
-    # replica buckets sync_replicas all-reduces (one coalesced call per group).
+    # ---- parameters: this rank's shard of each (ShardSpec); with data
+    # parallelism the buckets and ZeRO chunks the training step makes of
+    # them (parallel/zero.py, the same plan); and the replica buckets
+    # sync_replicas all-reduces (one coalesced call per group).
+    model = shape.rewritten(par)
+    named = list(model.named_parameters())  # tied parameters once
+    stage = layout.zero if layout.dp > 1 else 0
+    dp_plan = None
+    if layout.dp > 1:
+        units = zero.units_of([model], [p for _, p in named]) if stage == 3 else None
+        dp_plan = zero.plan(named, layout.dp, stage, bucket_bytes or zero.BUCKET_BYTES, units)
     param_numel = 0
     buckets: dict[str, int] = defaultdict(int)
-    for name, p in shape.rewritten(par).named_parameters():  # tied parameters once
+    for i, (name, p) in enumerate(named):
         spec = spec_of(p)
         numel = math.prod(spec.local_shape())
         param_numel += numel
@@ -249,7 +263,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
             group = _replica_group(layout, spec)
             if group is None:
                 raise ValueError(f"parameter {name!r}: its replicas {spec.replica_ranks} are no group of the mesh")
-            buckets[group] += numel
+            buckets[group] += dp_plan.grad_numel(i) if dp_plan else numel
 
     # ---- forward and backward of one micro-batch, layer by layer (the mode's own counts)
     counter, micro = _Counter(layout), _Counter(layout)
@@ -274,16 +288,19 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     counter.merge(micro, grad_accum)
     flops *= 3 * grad_accum  # backward = two products per forward product
 
-    # ---- after backward (training/step.py's finish): the grid's replica
-    # sums, the data-parallel reduction, the global norm, the logged loss
+    # ---- the data-parallel buckets (during the backward, and ZeRO's
+    # gathers); after the backward (training/step.py's finish): the grid's
+    # replica sums, the global norm, the logged loss
+    if dp_plan:
+        dp_plan.count(counter.add, grad_accum)
     for group, numel in buckets.items():
         counter.add("all_reduce", group, numel)
-    counter.add("all_reduce", "dp", param_numel)
     counter.add("all_reduce", "grad_norm", 1, elem=F64)
     counter.add("all_reduce", "batch", 1, elem=F64)
-    n_tensors = len(shape.params)
-    return SplitPlan(layout, param_numel * F32, param_numel * F32, 2 * param_numel * F32 + n_tensors * F32,
-                     act * F32, flops, counter.comm)
+    held = dp_plan.held_numel() if dp_plan else {"param": param_numel, "grad": param_numel, "moment": param_numel}
+    n_tensors = len(shape.params)  # AdamW's step counts (one fp32 scalar each)
+    return SplitPlan(layout, held["param"] * F32, held["grad"] * F32, 2 * held["moment"] * F32 + n_tensors * F32,
+                     act * F32, flops, counter.comm, gathered_bytes=(dp_plan.unit_numel() if dp_plan else 0) * F32)
 
 
 # --------------------------------------------------------------------------

@@ -130,11 +130,16 @@ def _release_groups() -> None:
     gc.collect()
 
 
-def parallelism_of(layout):
+def parallelism_of(layout, bucket_bytes: int | None = None):
     """The Parallelism of `layout` (a parallel.layout.Layout) on a pool
-    rank, built on first use: its process groups are made once per process."""
-    if layout not in _modes:
-        from tpctl.parallel.parallelism import parallelism
+    rank: its process groups are made once per process (on first use), the
+    mode and data-parallel objects, which a model's rewrite and training
+    step fill in, anew for each call."""
+    from tpctl.parallel.data_parallel import DataParallel
+    from tpctl.parallel.parallelism import Parallelism, parallelism
 
+    if layout not in _modes:
         _modes[layout] = parallelism(layout, seed=0)
-    return _modes[layout]
+    mesh = _modes[layout].mesh
+    mode = layout.mode_class(mesh)
+    return Parallelism(mode, DataParallel(mesh, bucket_bytes) if bucket_bytes else None)

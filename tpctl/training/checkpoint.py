@@ -22,7 +22,9 @@ metadata, which is read with an allow-list unpickler):
   rng.shared.dp<d>, rng.local.rank<r>, rng.torch.rank<r>[, rng.cuda.rank<r>]
                                dropout and global generators
 Only one rank writes each box: the first of its replicas (ShardSpec
-.replica_ranks[0]) in data-parallel replica 0.
+.replica_ranks[0]) in data-parallel replica 0; under ZeRO each replica
+writes the chunk it owns (a sub-box of the shard), so every byte is
+written once, by whichever replica holds it (DataParallel.held).
 
 Atomic: written to `checkpoints/.tmp_step_<N>`, renamed to `step_<N>` once
 every file and the manifest are on disk; a crash mid-write leaves only a
@@ -49,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from tpctl.parallel.layout import Layout
-from tpctl.parallel.shard import ShardSpec, spec_of
+from tpctl.parallel.shard import ShardSpec
 
 log = logging.getLogger("tpctl.checkpoint")
 
@@ -296,21 +298,21 @@ def _set_rng(gen, state: torch.Tensor) -> None:
 def state_entries(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], par,
                   step: int, first_loss: float) -> dict[str, Entry]:
     """A run's state as entries: the model's parameters and AdamW's moments
-    (boxes of the full tensors, written once by the data-parallel component's
-    choice of rank), the step, and the generators."""
+    (boxes of the full tensors, as the data-parallel component says this
+    rank holds and writes them), the step, and the generators."""
     mesh = par.mesh
     entries: dict[str, Entry] = {}
-    for name, p in model.named_parameters():
-        spec = spec_of(p)
-        boxes = shard_boxes(spec, tuple(p.shape))
-        full = tuple(spec.full_shape) if spec is not None else tuple(p.shape)
-        write = par.dp.writes(spec)
-        entries[f"model.{name}"] = Entry(p.data, full, boxes, write)
+    for name, p, values, spec, write in par.dp.held(model):
+        boxes = shard_boxes(spec, tuple(values.shape))
+        full = tuple(spec.full_shape) if spec is not None else tuple(values.shape)
+        entries[f"model.{name}"] = Entry(values, full, boxes, write)
         if optimizer is None:
             continue
         state = _adam_state(optimizer, p)
         for moment in ("exp_avg", "exp_avg_sq"):
-            entries[f"optim.{name}.{moment}"] = Entry(state[moment], full, boxes, write)
+            # (under ZeRO a chunk's padding rows, past `values`, are never saved)
+            entries[f"optim.{name}.{moment}"] = Entry(state[moment][:len(values)] if values.dim() else state[moment],
+                                                      full, boxes, write)
         # One writer among the shards: the one holding the global origin.
         origin = write and any(all(o == 0 for o in b.offsets) for b in boxes)
         entries[f"optim.{name}.step"] = whole(state["step"].detach().reshape(1).double().cpu(), origin)
@@ -696,9 +698,10 @@ def load(path: Path, model, optimizer, par, manifest: dict, seed: int) -> tuple[
             del entries[key]
     dcp_load(entries, storage_reader=_reader(Path(path)), planner=LoadPlanner(optional=lambda k: k.startswith("rng.")))
     step = int(entries["train.step"].tensor.item())
-    for name, p in model.named_parameters():
-        if optimizer is not None:
+    if optimizer is not None:
+        for name, p, *_ in par.dp.held(model):
             optimizer.state[p]["step"].fill_(entries[f"optim.{name}.step"].tensor.item())
+    par.dp.after_load()
     from tpctl.seeding import derive_seed
 
     for key, gen in rng.items():

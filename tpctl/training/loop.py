@@ -19,15 +19,10 @@ from tpctl.parallel import comm
 from tpctl.parallel.parallelism import Parallelism
 from .data import TokenData
 from .metrics import MetricsLog
-from .step import NonFiniteLoss, Schedule, TrainStep, autocast, build_optimizer
+from .step import NonFiniteLoss, Schedule, TrainStep, autocast
 
 log = logging.getLogger("tpctl.train")
-__all__ = ["Trainer", "NonFiniteLoss", "param_bytes", "peak_rss_bytes"]
-
-
-def param_bytes(model: torch.nn.Module) -> int:
-    """Bytes of parameters this rank holds (tied parameters once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+__all__ = ["Trainer", "NonFiniteLoss", "peak_rss_bytes"]
 
 
 def peak_rss_bytes() -> int:
@@ -55,14 +50,13 @@ class Trainer:
             apply_activation_checkpointing(model)
         # The model's parts: one (the whole model) without a pipeline.
         self.model_parts = [model]
-        self.optimizer = build_optimizer(model.parameters(), cfg.optim)
+        o = cfg.optim
+        self.step = TrainStep(par, self.model_parts, cfg, Schedule(o.lr, o.min_lr, o.warmup_steps, cfg.train.steps))
+        self.optimizer = self.step.optimizer
         from .compile import compile_model, compile_setting
 
         self.compiled = compile_model(model, compile_setting(cfg), self.mesh.device.type,
                                       say=lambda line: print(line, flush=True) if self.mesh.rank == 0 else None)
-        o = cfg.optim
-        self.step = TrainStep(par, self.model_parts, self.optimizer, cfg,
-                              Schedule(o.lr, o.min_lr, o.warmup_steps, cfg.train.steps))
         self.tokens_per_step = self.step.tokens_per_step
         self.is_logger = self.mesh.rank == 0
         # Where training starts (a resumed run: the checkpoint's step).
@@ -193,11 +187,14 @@ class Trainer:
         steps_run = last["step"] - self.start_step
         rss = peak_rss_bytes()
         out = {
-            "mode": self.mesh.mode, "size": self.mesh.tp_size, "dp": self.mesh.dp_size,
+            "mode": self.mesh.mode, "size": self.mesh.tp_size, "dp": self.mesh.dp_size, "zero": self.mesh.layout.zero,
             "steps": last["step"], "first_loss": self.first_loss, "final_loss": last["loss"],
             "val_loss": next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None),
             "tokens_per_s": steps_run * self.tokens_per_step / self.elapsed_s,
-            "time_s": self.elapsed_s, "param_bytes": param_bytes(self.model),
+            "time_s": self.elapsed_s,
+            # Counted from the tensors this rank holds after the last step
+            # (gradients: those kept for the optimizer).
+            **self.step.memory(),
             "comm_bytes_per_step": self.comm_train_bytes / steps_run,
             "comm_wire_bytes_per_step": self.comm_train_wire_bytes / steps_run,
             "peak_rss_bytes": rss,
@@ -205,7 +202,8 @@ class Trainer:
         }
         if self.mesh.device.type == "cuda":
             out["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
-        out.update(_max_over_ranks(out, ("param_bytes", "peak_rss_bytes", "peak_cuda_bytes")))
+        out.update(_max_over_ranks(out, ("param_bytes", "grad_bytes", "optimizer_bytes", "peak_rss_bytes",
+                                         "peak_cuda_bytes")))
         return out
 
 

@@ -7,7 +7,9 @@
 The trainer, `tpctl bench` (cost/measure.py) and the planner's test call
 this one step. It holds `model_parts` (one part today: the whole model;
 a pipeline stage's parts later) and works against `Parallelism`, so it is
-the same for every layout.
+the same for every layout. It builds the optimizer itself, over what the
+data-parallel component hands it: the parameters, or under ZeRO this
+replica's chunks of them (parallel/zero.py).
 """
 
 from __future__ import annotations
@@ -108,9 +110,11 @@ class NonFinitePolicy:
 
 
 class TrainStep:
-    def __init__(self, par: Parallelism, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
-                 cfg, schedule: Optional[Schedule] = None):
-        self.par, self.model_parts, self.optimizer, self.cfg = par, model_parts, optimizer, cfg
+    def __init__(self, par: Parallelism, model_parts: list[torch.nn.Module], cfg, schedule: Optional[Schedule] = None):
+        self.par, self.model_parts, self.cfg = par, model_parts, cfg
+        # From here on the replicas' gradients are reduced in buckets during
+        # each backward; the optimizer steps what this replica owns.
+        self.optimizer = build_optimizer(par.dp.attach(model_parts, cfg.train.grad_accum), cfg.optim)
         self.schedule = schedule or (lambda step: cfg.optim.lr)
         self.device = par.mesh.device
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
@@ -151,9 +155,9 @@ class TrainStep:
         """Sync, clip, the non-finite policy, the learning rate and the
         optimizer: the loss and the gradient norm come back as 0-dim device
         tensors (nothing here waits for the device, unless `skip` must)."""
-        for part in self.model_parts:
-            self.par.sync_grads(part)
-        norm = self.par.clip_grads(self._whole(), self.cfg.optim.grad_clip)
+        params = self.par.dp.finish_grads(self.model_parts)
+        self.par.mode.sync_grads(params)
+        norm = self.par.clip_grads(params, self.cfg.optim.grad_clip)
         lr = self.schedule(step)
         loss = self.par.global_mean_tensor(loss_sum, self.tokens_per_step)
         if not self.nonfinite.allows_update(step, loss, norm):
@@ -161,13 +165,15 @@ class TrainStep:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        self.par.dp.after_step()
         return {"loss": loss, "lr": lr, "grad_norm": norm}
 
     def __call__(self, micro_batches, step: int) -> dict:
         for part in self.model_parts:
             part.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.par.dp.zero_grad(self.optimizer)
         return self.finish(self.forward_backward(micro_batches), step)
 
-    def _whole(self) -> torch.nn.Module:
-        return self.model if len(self.model_parts) == 1 else torch.nn.ModuleList(self.model_parts)
+    def memory(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank holds."""
+        return self.par.dp.memory(self.model_parts, self.optimizer)

@@ -1,8 +1,9 @@
 """The planner against reality: a whole GPT through one full train step
 (forward, vocab-parallel loss, backward, sync_grads, clip_grad_norm_, the
-logged global mean) in every mode, with data parallelism, on real gloo
-ranks. The bytes and calls comm.STATS counts per collective kind, and the
-parameter bytes each rank holds, must equal `tpctl plan`'s exactly."""
+logged global mean) in every mode, with data parallelism and each ZeRO
+stage, on real gloo ranks. The bytes and calls comm.STATS counts per
+collective kind, and the parameter, gradient and AdamW bytes each rank
+holds, must equal `tpctl plan`'s exactly."""
 
 from __future__ import annotations
 
@@ -10,11 +11,25 @@ import pytest
 import torch
 
 from conftest import LAYOUTS, layouts
+from tpctl.parallel.layout import Layout
 
-# id: (layout, grad_accum)
-MESHES = {**{k: (v, 1) for k, v in layouts("none-dp8", "1d-2-dp4", "1d-4-sp-dp2").items()},
-          "2d-4-dp2-accum2": (LAYOUTS["2d-4-dp2"], 2),
-          **{k: (v, 1) for k, v in layouts("2.5d-8-d2", "3d-8").items()}}
+# id: (layout, grad_accum, data-parallel bucket bytes: None the default, one
+# bucket for this model; 2048 several, filled and started during the backward)
+MESHES = {**{k: (v, 1, None) for k, v in layouts("none-dp8", "1d-2-dp4", "1d-4-sp-dp2").items()},
+          "2d-4-dp2-accum2": (LAYOUTS["2d-4-dp2"], 2, None),
+          **{k: (v, 1, None) for k, v in layouts("2.5d-8-d2", "3d-8").items()},
+          # ZeRO: every stage, in every mode with dp > 1 on 8 ranks (2.5d and
+          # 3d with q = 2 and dp = 2 need 16: tests/test_zero.py's CLI runs
+          # check their bytes); 2.5d-2-d2 has depth replicas, q = 1.
+          "none-dp8-z1-buckets": (Layout.parse("none-dp8-z1"), 1, 2048),
+          "1d-2-dp4-z2-buckets": (Layout.parse("1d-2-dp4-z2"), 1, 2048),
+          "1d-4-sp-dp2-z3": (Layout.parse("1d-4-sp-dp2-z3"), 1, None),
+          "2d-4-dp2-z3-accum2": (Layout.parse("2d-4-dp2-z3"), 2, 2048),
+          "2d-4-dp2-z2-accum2": (Layout.parse("2d-4-dp2-z2"), 2, None),
+          "2.5d-2-d2-dp4-z1": (Layout.parse("2.5d-2-d2-dp4-z1"), 1, 2048),
+          "2.5d-2-d2-dp4-z3": (Layout.parse("2.5d-2-d2-dp4-z3"), 1, None),
+          "3d-1-dp8-z2": (Layout.parse("3d-1-dp8-z2"), 1, 2048),
+          "none-dp8-buckets": (LAYOUTS["none-dp8"], 1, 2048)}
 BATCH, SEQ = 16, 8
 
 
@@ -38,8 +53,8 @@ def _train_step(key: str, tied: bool):
     from tpctl.parallel.base import parallelize
     from tpctl.training.step import TrainStep
 
-    layout, accum = MESHES[key]
-    par = parallelism_of(layout)
+    layout, accum, bucket_bytes = MESHES[key]
+    par = parallelism_of(layout, bucket_bytes)
     cfg = default_config()
     cfg.model = OmegaConf.structured(_model_cfg(tied))
     cfg.train.batch_size, cfg.train.seq_len, cfg.train.grad_accum = BATCH, SEQ, accum
@@ -51,24 +66,25 @@ def _train_step(key: str, tied: bool):
     step([(par.shard_batch(x, micro, accum), par.shard_targets(y, micro, accum)) for micro in range(accum)], 0)
     s = comm.STATS
     kinds = {k: {"calls": s.calls[k], "bytes": s.bytes[k], "wire_bytes": s.wire_bytes[k]} for k in s.calls}
-    return kinds, sum(p.numel() * p.element_size() for p in model.parameters())
+    return kinds, step.memory()
 
 
 def _planned(key: str, tied: bool):
     from tpctl.cost.planner import model_shape, plan_split
 
-    layout, accum = MESHES[key]
-    plan = plan_split(model_shape(_model_cfg(tied)), layout, BATCH, SEQ, accum)
-    return plan.by_kind(), plan.param_bytes
+    layout, accum, bucket_bytes = MESHES[key]
+    plan = plan_split(model_shape(_model_cfg(tied)), layout, BATCH, SEQ, accum, bucket_bytes)
+    return plan.by_kind(), {"param_bytes": plan.param_bytes, "grad_bytes": plan.grad_bytes,
+                            "optimizer_bytes": plan.optim_bytes}
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("key", list(MESHES))
 def test_counted_equals_planned(pool, key, tied):
-    want_kinds, want_params = _planned(key, tied)
-    for rank, (kinds, param_bytes) in enumerate(pool.run(_train_step, key, tied)):
-        assert param_bytes == want_params, f"rank {rank}"
+    want_kinds, want_memory = _planned(key, tied)
+    for rank, (kinds, memory) in enumerate(pool.run(_train_step, key, tied)):
+        assert memory == want_memory, f"rank {rank}"
         assert {k: (v["calls"], v["bytes"]) for k, v in kinds.items()} == \
             {k: (v["calls"], v["bytes"]) for k, v in want_kinds.items()}, f"rank {rank}"
         for k, v in kinds.items():  # wire bytes also check each group's size

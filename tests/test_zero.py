@@ -81,3 +81,56 @@ def test_every_stage_trains_as_mode_none(pool, name, zero):
     # Small buckets: several per step, reduced while the backward goes on.
     result = pool.run(_curve, layout, 4096, timeout_s=600)[0]
     _assert_equal_to_none(result, reference(), layout.label())
+
+
+@pytest.mark.timeout(900)
+def test_each_stage_holds_a_quarter_of_its_figure_at_dp4(pool):
+    """summary.json's bytes of the largest rank, counted from the tensors it
+    holds: optimizer state from stage 1, gradients from stage 2, parameters
+    from stage 3, each at most 0.30 of zero=0's at dp=4 (1/4 and padding)."""
+    from tpctl.parallel.layout import Layout
+
+    held = [pool.run(_curve, Layout.parse("1d-2-dp4").replace(zero=zero), timeout_s=600,
+                     **{"train.steps": 2})[0]["summary"] for zero in range(4)]
+    for zero, figure in ((1, "optimizer_bytes_max_rank"), (2, "grad_bytes_max_rank"), (3, "param_bytes_max_rank")):
+        assert held[zero][figure] <= 0.30 * held[0][figure], (zero, figure, held[zero][figure], held[0][figure])
+        for later in range(zero, 4):  # and stays sharded in the later stages
+            assert held[later][figure] <= held[zero][figure], (later, figure)
+    for figure in ("grad_bytes_max_rank", "param_bytes_max_rank"):  # stage 1 shards only the optimizer state
+        assert held[1][figure] >= held[0][figure]
+
+
+def _coverage(path) -> dict[str, tuple[int, int]]:
+    """{tensor: (elements the saved chunks hold, elements of the tensor)}
+    of a checkpoint's model and moments, from DCP's metadata."""
+    import math
+
+    from tpctl.training.checkpoint import _reader
+
+    saved = _reader(Path(path)).read_metadata().state_dict_metadata
+    return {fqn: (sum(math.prod(c.sizes) for c in md.chunks), math.prod(md.size))
+            for fqn, md in saved.items() if fqn.startswith("model.") or fqn.endswith(("exp_avg", "exp_avg_sq"))}
+
+
+@pytest.mark.timeout(900)
+def test_a_zero2_checkpoint_resumes_in_other_stages_and_modes(pool, tmp_path):
+    """1d dp=2 zero=2 saves at step 4 (every replica writes its chunks);
+    2d zero=0, none dp=8 zero=3 and 1d dp=4 zero=1 load it and continue the
+    uninterrupted curve. Each byte is written once: the saved chunks of
+    every tensor add up to the tensor, as zero=0's do."""
+    from test_checkpoint import _fit
+
+    from tpctl.parallel.layout import Layout
+
+    source = Layout.parse("1d-4-dp2-z2")
+    curve = pool.run(_fit, source, str(tmp_path / "z2"), timeout_s=600)[0]
+    assert len({loss for _, loss in curve}) > 1
+    step4 = tmp_path / "z2" / "checkpoints" / "step_4"
+    for name in ("2d-4-dp2", "none-dp8-z3", "1d-2-dp4-z1", "1d-4-dp2-z2"):
+        resumed = pool.run(_fit, Layout.parse(name), str(tmp_path / name), resume=str(step4), timeout_s=600)[0]
+        assert [s for s, _ in resumed] == [5, 6, 7, 8], name
+        rel = 1e-6 if name == source.name else REL  # the same layout: the same numbers
+        for (step, want), (_, got) in zip(curve[4:], resumed):
+            assert got == pytest.approx(want, rel=rel), f"{source.name} -> {name} step {step}"
+    coverage = _coverage(step4)
+    assert len(coverage) > 10 and all(held == whole for held, whole in coverage.values()), coverage

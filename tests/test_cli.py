@@ -169,7 +169,7 @@ def test_sweep_skips_invalid_combinations_and_writes_a_comparison(tpctl):
     assert jobs[3]["param_bytes_per_rank"] == 2**20 / 4
     table = (sweep / "comparison.md").read_text()
     assert "Every job: `data=synthetic`" in table
-    assert "| 3 | `mode=2d size=4` | fake ×4 | ok | 4.0000 | 0.0e+00 | 4,000 | 4.00 | 0.250 | 256 |" in table
+    assert "| 3 | `mode=2d size=4` | fake ×4 | ok | 4.0000 | 0.0e+00 | 4,000 | 4.00 | 0.250 |  |  | 256 |" in table
     assert "- job 2 (`mode=2d size=2`) skipped: invalid config: size=2" in table
     assert tpctl.leftover_pids() == []
 

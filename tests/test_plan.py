@@ -121,8 +121,36 @@ def test_plan_json_ranks_every_valid_split(capsys):
     assert any("1d size=8" in s["label"] and "n_head" in s["reason"] for s in doc["invalid"])
 
 
+@pytest.mark.timeout(300)
+def test_plan_ranks_zero_stages_and_says_which_fit_only_with_them(capsys):
+    """gpt-small on 64 ranks: every layout with replicas in each ZeRO stage;
+    with 0.3 GiB per rank, 1d size=4 dp=16 needs a stage to fit, and the
+    table says so."""
+    import json
+
+    args = ["model=gpt-small", "world=64", "hardware=h100", "memory=0.3"]
+    status, out, _ = _plan_cli([*args, "--json"], capsys)
+    assert status == 0
+    splits = {s["label"]: s for s in json.loads(out)["splits"]}
+    for zero in (1, 2, 3):
+        assert f"2d size=16 dp=4 zero={zero}" in splits
+    assert "3d size=64 dp=1 zero=1" not in splits  # one replica: nothing to shard
+    base = splits["1d size=4 dp=16"]
+    assert base["fits"] is False and not base["fits_by_zero"]
+    for zero in (1, 2, 3):
+        s = splits[f"1d size=4 dp=16 zero={zero}"]
+        assert s["fits"] and s["fits_by_zero"] and s["memory_bytes"] < base["memory_bytes"]
+    # Each stage shards its figure 16 ways (a few % of padding aside).
+    for zero, figure in ((1, "optim_bytes"), (2, "grad_bytes"), (3, "param_bytes")):
+        assert splits[f"1d size=4 dp=16 zero={zero}"][figure] == pytest.approx(base[figure] / 16, rel=0.05)
+    status, out, _ = _plan_cli(args, capsys)
+    assert status == 0 and "ZeRO makes 6 split(s) fit in 0.3 GiB per rank that do not with zero=0" in out
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args,key", [
+    (["model=gpt-tiny", "world=8", "memory=0"], "memory"),
+    (["model=gpt-tiny", "world=8", "memory=1"], "memory"),
     (["model=gpt-tiny"], "world"),
     (["model=gpt-tiny", "world=0"], "world"),
     (["model=gpt-tiny", "world=8", "hardware=tpu"], "hardware"),

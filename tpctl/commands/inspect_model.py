@@ -146,6 +146,13 @@ def inspect_model(cfg):
                      type(new).__name__ if new is not module else "(unchanged)", ", ".join(shapes), nbytes, note))
     summary = {"roles from": {"inferred": "traced forward", "tp_plan": "the model's tp_plan", "plan": "model.plan"}[plan.source],
                "whole model": whole, "per rank": local, "heads": {k: (h.heads, h.kv_heads, h.head_dim) for k, h in plan.heads.items()}}
+    layout = par.layout
+    if layout.dp > 1 and not problems:  # what a replica holds between steps (parallel/zero.py)
+        from tpctl.parallel.zero import plan_of
+
+        held = plan_of([model], layout.dp, layout.zero).held_numel()
+        summary["held"] = {what: held[key] * 4 * (2 if what == "AdamW moments" else 1)
+                           for what, key in (("parameters", "param"), ("gradients", "grad"), ("AdamW moments", "moment"))}
     return rows, summary, problems
 
 
@@ -157,8 +164,13 @@ def _print(cfg, rows, verdicts: dict, summary) -> None:
     what = cfg.model.get("_target_") or cfg.model.get("pretrained") or cfg.model.arch
     mib = lambda n: f"{n / 2**20:,.2f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"  # noqa: E731
     title = f"{what}: mode={Layout.from_config(cfg).label()} -- rank 0, roles from {summary['roles from']}"
-    table = Table(title=title, caption=f"parameters: {mib(summary['whole model'])} whole, {mib(summary['per rank'])} on rank 0 "
-                  f"({summary['whole model'] / max(summary['per rank'], 1):.2f}x less)")
+    caption = (f"parameters: {mib(summary['whole model'])} whole, {mib(summary['per rank'])} on rank 0 "
+               f"({summary['whole model'] / max(summary['per rank'], 1):.2f}x less)")
+    if "held" in summary:
+        layout = Layout.from_config(cfg)
+        caption += (f"; rank 0 holds between steps with dp={layout.dp} zero={layout.zero}: "
+                    + ", ".join(f"{what} {mib(n)}" for what, n in summary["held"].items()))
+    table = Table(title=title, caption=caption)
     columns = ["module", "type", "role", "becomes", "shard shape on rank 0", "bytes", "note"]
     if verdicts:  # the start-up verification's largest difference, relative to the tensor's scale
         columns.insert(6, "verified")

@@ -167,7 +167,8 @@ def one_line(error: BaseException) -> str:
 
 
 def _layout(cfg) -> str:
-    return f"mode={cfg.mode} size={cfg.size}" + (f" depth={cfg.depth}" if cfg.depth != 1 else "") + (f" dp={cfg.dp}" if cfg.dp != 1 else "")
+    return (f"mode={cfg.mode} size={cfg.size}" + (f" depth={cfg.depth}" if cfg.depth != 1 else "")
+            + (f" dp={cfg.dp}" if cfg.dp != 1 else "") + (f" zero={cfg.zero}" if cfg.get("zero") else ""))
 
 
 def _check_resume(cfg, run_dir: Path) -> None:

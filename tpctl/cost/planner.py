@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from tpctl.errors import ConfigError
 from tpctl.parallel.geometry import WIRE_FACTOR, padded_vocab
-from tpctl.parallel.layout import Layout, layouts_of
+from tpctl.parallel.layout import ZERO_STAGES, Layout, layouts_of
 
 from tpctl.config import CONFIG_DIR
 
@@ -154,6 +154,8 @@ class SplitPlan:
     compute_s: Optional[float] = None
     comm_s: Optional[float] = None
     fits: Optional[bool] = None  # memory_bytes within the hardware's memory per rank
+    # A ZeRO stage that fits where the same layout with zero=0 does not.
+    fits_by_zero: bool = False
 
     @property
     def label(self) -> str:
@@ -185,7 +187,7 @@ class SplitPlan:
                  optim_bytes=self.optim_bytes, activation_bytes=self.activation_bytes, gathered_bytes=self.gathered_bytes,
                  memory_bytes=self.memory_bytes, flops=self.flops, comm_bytes=self.comm_bytes,
                  wire_bytes=self.wire_bytes, step_time_s=self.step_time_s, compute_s=self.compute_s,
-                 comm_s=self.comm_s, fits=self.fits, by_kind=self.by_kind(),
+                 comm_s=self.comm_s, fits=self.fits, fits_by_zero=self.fits_by_zero, by_kind=self.by_kind(),
                  comm=[{"kind": k, "group": g, **dataclasses.asdict(c)} for (k, g), c in sorted(self.comm.items())])
         return d
 
@@ -248,11 +250,9 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     # sync_replicas all-reduces (one coalesced call per group).
     model = shape.rewritten(par)
     named = list(model.named_parameters())  # tied parameters once
-    stage = layout.zero if layout.dp > 1 else 0
     dp_plan = None
     if layout.dp > 1:
-        units = zero.units_of([model], [p for _, p in named]) if stage == 3 else None
-        dp_plan = zero.plan(named, layout.dp, stage, bucket_bytes or zero.BUCKET_BYTES, units)
+        dp_plan = zero.plan_of([model], layout.dp, layout.zero, bucket_bytes or zero.BUCKET_BYTES)
     param_numel = 0
     buckets: dict[str, int] = defaultdict(int)
     for i, (name, p) in enumerate(named):
@@ -308,13 +308,14 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
 
 
 def splits_of(world: int, cfg) -> list[tuple[Layout, Optional[str]]]:
-    """Every layout of `world` ranks the modes offer, with None or the
-    reason it is invalid for `cfg` (heads, hidden sizes, the batch)."""
+    """Every layout of `world` ranks the modes offer, each ZeRO stage of
+    those with replicas, with None or the reason it is invalid for `cfg`
+    (heads, hidden sizes, the batch)."""
     out = []
     for layout in layouts_of(world):
         try:
             layout.validate(cfg)
-            out.append((layout, None))
+            out += [(layout.replace(zero=zero), None) for zero in (ZERO_STAGES if layout.dp > 1 else (0,))]
         except ConfigError as e:
             out.append((layout, str(e).removeprefix("invalid config: ")))
     return out
@@ -375,6 +376,14 @@ def predict(plan: SplitPlan, hw: Hardware) -> SplitPlan:
     return plan
 
 
+def mark_fits_by_zero(plans: list[SplitPlan]) -> None:
+    """Mark each ZeRO split that fits in memory where its layout with zero=0 does not."""
+    without = {p.layout: p for p in plans if p.layout.zero == 0}
+    for p in plans:
+        base = without.get(p.layout.replace(zero=0))
+        p.fits_by_zero = bool(p.layout.zero and p.fits and base is not None and base.fits is False)
+
+
 # --------------------------------------------------------------------------
 # The command
 
@@ -394,5 +403,6 @@ def plan_world(cfg, world: int, hw: Optional[Hardware]) -> tuple[list[SplitPlan]
             continue
         plans.append(predict(p, hw) if hw else p)
     if hw:  # the fastest first, among those that fit in memory
+        mark_fits_by_zero(plans)
         plans.sort(key=lambda p: (not p.fits, p.step_time_s))
     return plans, invalid

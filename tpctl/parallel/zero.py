@@ -198,6 +198,25 @@ def plan(named: list[tuple[str, torch.Tensor]], dp: int, stage: int, bucket_byte
     return out
 
 
+def plan_of(model_parts: list[nn.Module], dp: int, stage: int, bucket_bytes: int = BUCKET_BYTES) -> Plan:
+    """The Plan of a model's parts (a dry run's will do: tpctl inspect and
+    the planner lay out the chunks a rank would hold)."""
+    named = named_parameters(model_parts)
+    units = units_of(model_parts, [p for _, p in named]) if stage == 3 else None
+    return plan(named, dp, stage, bucket_bytes, units)
+
+
+def named_parameters(model_parts: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """Every parameter of the parts in definition order, tied ones once."""
+    named, seen = [], set()
+    for part in model_parts:
+        for name, p in part.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                named.append((name, p))
+    return named
+
+
 def units_of(model_parts: list[nn.Module], params: list[torch.Tensor]) -> list[list[int]]:
     """Stage 3's units as indices into `params`: the root (everything no
     single block owns: embeddings, the last norm, the head, tied weights;
@@ -231,16 +250,9 @@ class Zero:
     def attach(self, model_parts: list[nn.Module], micro_batches: int) -> list[nn.Parameter]:
         """Install the buckets (and, by stage, the chunks) on the model's
         parameters; returns what the optimizer steps."""
-        named, seen = [], set()
-        for part in model_parts:
-            for name, p in part.named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    named.append((name, p))
-        self.params = [p for _, p in named]
+        self.plan = plan_of(model_parts, self.dp, self.stage, self.bucket_bytes)
+        self.params = [p for _, p in named_parameters(model_parts)]
         self.index = {id(p): i for i, p in enumerate(self.params)}
-        units = units_of(model_parts, self.params) if self.stage == 3 else None
-        self.plan = plan(named, self.dp, self.stage, self.bucket_bytes, units)
         self.micro_batches = micro_batches
         self.bucket_of = {i: k for k, b in enumerate(self.plan.buckets) for i in b.members}
         self.specs = [spec_of(p) for p in self.params]

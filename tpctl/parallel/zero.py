@@ -289,17 +289,15 @@ class Zero:
             cut = cuts[i]
             full = torch.zeros((cut.padded_rows, *p.shape[1:]), dtype=p.dtype, device=p.device)
             full[:cut.rows].copy_(p.data)
-            start = self.rank * cut.per_rank
-            if self.stage == 3:
-                k = self.bucket_of[i]
-                b = self.plan.buckets[k]
-                off = b.chunk_offsets[b.members.index(i)]
-                chunk = self.param_chunks[k][off:off + cut.chunk_numel].view(cut.per_rank, *p.shape[1:])
-                chunk.copy_(full[start:start + cut.per_rank])
-            else:
-                chunk = full[start:start + cut.per_rank]
-            p.data = full[:cut.rows]
+            p.data = full[:cut.rows]  # (the unpadded storage goes)
             self.full[i] = full
+            mine = full[self.rank * cut.per_rank:(self.rank + 1) * cut.per_rank]
+            if self.stage == 3:  # the chunk moves to the unit's segment; the whole is gathered before each use
+                chunk = self._slot(self.param_chunks, i)
+                chunk.copy_(mine)
+                full.untyped_storage().resize_(0)
+            else:
+                chunk = mine
             main = nn.Parameter(chunk, requires_grad=p.requires_grad)
             if self.specs[i] is not None:
                 main.tpctl_spec = self.specs[i].rows(*cut.held(self.rank))
@@ -312,9 +310,7 @@ class Zero:
         on its outputs' gradients). The root stays gathered from the
         model's forward to the end of the step's backward (FSDP2 does the
         same: its backward starts at once)."""
-        self.gathered = [True] * len(self.plan.buckets)
-        for k in range(len(self.plan.buckets)):
-            self._reshard(k)
+        self.gathered = [False] * len(self.plan.buckets)
         if self.plan.buckets and self.plan.buckets[0].root:
             for part in model_parts:
                 part.register_forward_pre_hook(lambda module, args: self._unshard(0))
@@ -504,15 +500,24 @@ class Zero:
         return self.whole[k][off:off + cut.padded_rows * cut.row_numel].view(cut.padded_rows, *p.shape[1:])[:cut.rows]
 
     def _main_grad_view(self, i: int) -> torch.Tensor:
+        """Stages 1-3: the gradient of this replica's chunk of parameter i."""
+        if self.stage > 1:
+            return self._slot(self.grad_chunks, i)
         k = self.bucket_of[i]
         b = self.plan.buckets[k]
         cut, shape = self.plan.cuts[i], self.params[i].shape[1:]
-        if self.stage == 1:
-            off = b.whole_offsets[b.members.index(i)]
-            padded = self.whole[k][off:off + cut.padded_rows * cut.row_numel].view(cut.padded_rows, *shape)
-            return padded[self.rank * cut.per_rank:(self.rank + 1) * cut.per_rank]
+        off = b.whole_offsets[b.members.index(i)]
+        padded = self.whole[k][off:off + cut.padded_rows * cut.row_numel].view(cut.padded_rows, *shape)
+        return padded[self.rank * cut.per_rank:(self.rank + 1) * cut.per_rank]
+
+    def _slot(self, segments: list[torch.Tensor], i: int) -> torch.Tensor:
+        """Parameter i's chunk in its bucket's segment of `segments` (one flat
+        buffer per bucket), shaped as the chunk."""
+        k = self.bucket_of[i]
+        b = self.plan.buckets[k]
+        cut = self.plan.cuts[i]
         off = b.chunk_offsets[b.members.index(i)]
-        return self.grad_chunks[k][off:off + cut.chunk_numel].view(cut.per_rank, *shape)
+        return segments[k][off:off + cut.chunk_numel].view(cut.per_rank, *self.params[i].shape[1:])
 
     # ---- what a rank holds ------------------------------------------------------
     def held(self, i: int) -> tuple[nn.Parameter, torch.Tensor, Optional[ShardSpec]]:

@@ -237,3 +237,15 @@ def test_a_1d_zero2_checkpoint_resumes_as_none_dp4_zero3(cli_run):
     assert [r["step"] for r in resumed["metrics"]] == list(range(6, STEPS + 1))
     for want, got in zip(first["metrics"][5:], resumed["metrics"]):
         assert got["loss"] == pytest.approx(want["loss"], rel=REL), got["step"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_zero_with_one_replica_changes_nothing_and_says_so(cli_run):
+    """zero=2 with dp=1: accepted, one line saying why nothing changes, and
+    the curve of zero=0 to the bit."""
+    got, want = cli_run("none-z2"), cli_run("none")
+    notes = [line for line in got["stdout"].splitlines() if "zero=2 with dp=1" in line]
+    assert len(notes) == 1 and "nothing to share" in notes[0], got["stdout"]
+    assert [r["loss"] for r in got["metrics"]] == [r["loss"] for r in want["metrics"]]
+    assert [r["grad_norm"] for r in got["metrics"]] == [r["grad_norm"] for r in want["metrics"]]

@@ -14,7 +14,8 @@ Per stage, the largest rank's:
     chunks' padding rows are real bytes);
   * peak RSS while the model is built, sharded and trained (Linux's VmHWM;
     each stage in fresh processes, so nothing an earlier stage freed is
-    reused), and its rise above the idle process;
+    reused; glibc's mmap threshold fixed at 1 MiB, so freed tensors leave
+    the resident set), and its rise above the idle process;
   * the median step time relative to zero=0 in the same run.
 """
 
@@ -86,6 +87,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A fixed mmap threshold (inherited by the pool's processes) turns off
+    # glibc's sliding one, under which a freed tensor's pages stay in the
+    # heap and the resident set would never show what a stage frees.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**20))
 
     from rich.console import Console
     from rich.table import Table

@@ -54,6 +54,11 @@ from .shard import ShardSpec, spec_of
 # DDP's default bucket size: big enough for few calls, small enough that the
 # first buckets' reductions overlap with the rest of the backward.
 BUCKET_BYTES = 25 * 2**20
+# Buckets in flight at once in the reduce-scatters of stages 2 and 3 and the
+# all-gathers after the optimizer of stages 1 and 2: each holds a bucket's
+# whole gradient (or weights) in its buffer, so an unbounded queue would
+# hold the whole model's worth again (FSDP2 bounds its reduce-scatters too).
+IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -415,6 +420,10 @@ class Zero:
                 p.grad = None  # the whole gradient goes: only the chunk is kept
         self.works.append(comm.reduce_scatter_flat(self.grad_chunks[k], send.view(-1), self.group, async_op=True))
         self.launched[k] = True
+        while len(self.works) > IN_FLIGHT:  # the oldest send buffer goes once its reduction is done
+            work = self.works.pop(0)
+            if work is not None:
+                work.wait()
 
     def finish(self) -> list[nn.Parameter]:
         """Wait for every bucket's reduction (starting those the backward did
@@ -446,10 +455,18 @@ class Zero:
 
     def after_step(self) -> None:
         """Stages 1 and 2: every replica's updated chunks, all-gathered into
-        every parameter (bucket by bucket, the gathers in flight together)."""
+        every parameter (bucket by bucket, IN_FLIGHT gathers at a time)."""
         if self.stage not in (1, 2):
             return
         cuts, pending = self.plan.cuts, []
+
+        def place(b: Bucket, recv: torch.Tensor, work) -> None:
+            if work is not None:
+                work.wait()
+            recv = recv.view(self.dp, b.chunk_numel)
+            for i, off in zip(b.members, b.chunk_offsets):
+                self.full[i].view(self.dp, -1).copy_(recv[:, off:off + cuts[i].chunk_numel])
+
         for b in self.plan.buckets:
             segment = torch.empty(b.chunk_numel, dtype=self.params[b.members[0]].dtype,
                                   device=self.params[b.members[0]].device)
@@ -457,12 +474,10 @@ class Zero:
                 segment[off:off + cuts[i].chunk_numel].copy_(self.main[i].detach().reshape(-1))
             recv = torch.empty(self.dp * b.chunk_numel, dtype=segment.dtype, device=segment.device)
             pending.append((b, recv, comm.all_gather_flat(recv, segment, self.group, async_op=True)))
-        for b, recv, work in pending:
-            if work is not None:
-                work.wait()
-            recv = recv.view(self.dp, b.chunk_numel)
-            for i, off in zip(b.members, b.chunk_offsets):
-                self.full[i].view(self.dp, -1).copy_(recv[:, off:off + cuts[i].chunk_numel])
+            if len(pending) > IN_FLIGHT:
+                place(*pending.pop(0))
+        for gathered in pending:
+            place(*gathered)
 
     def zero_grad(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
         """Before a step's first backward: gradients zero, views in place,

@@ -11,13 +11,14 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	# torch first and pinned, so pip takes the local CPU wheel and never
-	# resolves `torch>=2.3` to a (much larger) CUDA build.
+	# resolves `torch>=2.5` to a (much larger) CUDA build.
 	$(PIP) install torch==2.13.0
 	# Editable: configs/ lives at the repo root and is found next to the package.
 	# Optional extras the tests cover: hf (transformers), report (matplotlib),
-	# data (pyarrow, datasets: prepare-data's parquet and datasets sources);
-	# tensorboard and slurm (submitit) stay optional: their tests skip without them.
-	$(PIP) install -e '.[test,hf,report,data]'
+	# data (pyarrow, datasets: prepare-data's parquet and datasets sources),
+	# tensorboard (logger=tensorboard), slurm (submitit: launcher=slurm, whose
+	# tests run it end to end through submitit's local executor).
+	$(PIP) install -e '.[test,hf,report,data,tensorboard,slurm]'
 	touch $@
 
 demo: install

@@ -5,6 +5,8 @@ sets RANK/WORLD_SIZE) without training anything, so the launcher can be
 tested alone. Behaviour comes from environment variables:
   FAKE_WORKER_FAIL_RANK=r  rank r raises RuntimeError("fake failure on rank r")
   FAKE_WORKER_SLEEP=s      every other rank sleeps s seconds before finishing
+  FAKE_WORKER_ABORT=r:when rank r aborts (SIGABRT) `before` or `after` marking
+                           its work complete (tpctl.launch.worker.mark_done)
 Rank 0 writes a summary.json with made-up numbers (for sweep comparisons).
 Each rank writes its pid to <run dir>/fake_worker_rank<r>.pid first, so a test
 can check afterwards that no worker is left alive.
@@ -42,5 +44,26 @@ def main() -> None:
     print(f"fake worker rank {rank} of {os.environ['WORLD_SIZE']} done", flush=True)
 
 
-if __name__ == "__main__":
+def run() -> None:
+    from tpctl.launch.worker import mark_done
+
+    abort_rank, _, when = os.environ.get("FAKE_WORKER_ABORT", "").partition(":")
+    aborts = abort_rank == os.environ["RANK"]
     main()
+    if aborts and when == "before":
+        os.abort()
+    mark_done()
+    if aborts:
+        # Once every rank of this node has marked its work complete: the
+        # agent stops the ranks still running when one dies.
+        from tpctl.launch.worker import DONE_MARKER
+
+        attempt = Path(os.environ["TORCHELASTIC_ERROR_FILE"]).parent.parent
+        deadline = time.monotonic() + 60
+        while len(list(attempt.glob(f"*/{DONE_MARKER}"))) < int(os.environ["LOCAL_WORLD_SIZE"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.abort()
+
+
+if __name__ == "__main__":
+    run()

@@ -26,10 +26,18 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64)),
     # LayerNorms without weight or bias.
     "olmo": ("OlmoConfig", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)),
+    # One key/value head, fewer than any split: shared by the ranks whose query heads read it.
+    "qwen2_kv1": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=1, intermediate_size=64)),
+    # One RMSNorm over all heads' q, another over all heads' k.
+    "olmo2": ("Olmo2Config", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)),
+    # Mixture of experts: a router, 4 experts (top 2) as 3-d weights, a gated shared expert.
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                         moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                                         num_experts=4, num_experts_per_tok=2)),
 }
-WIDTH_KEYS = ("hidden_size", "n_embd")
-DEPTH_KEYS = ("num_hidden_layers", "n_layer")
-POSITION_KEYS = ("max_position_embeddings", "n_positions")
+WIDTH_KEYS = ("hidden_size", "n_embd", "d_model")
+DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len")
 
 
 def config(family: str, vocab_size: int = 256, width: int = 32, depth: int = 2, max_len: int = 64):
@@ -38,7 +46,7 @@ def config(family: str, vocab_size: int = 256, width: int = 32, depth: int = 2, 
     name, sizes = FAMILIES[family]
     cls = getattr(transformers, name)
     keys = set(cls().to_dict())
-    kwargs = dict(sizes, vocab_size=vocab_size, use_cache=False)
+    kwargs = dict(sizes, vocab_size=vocab_size)
     for group, value in ((WIDTH_KEYS, width), (DEPTH_KEYS, depth), (POSITION_KEYS, max_len)):
         key = next((k for k in group if k in keys), None)
         if key is not None:  # BLOOM has no position table (alibi)
@@ -47,12 +55,11 @@ def config(family: str, vocab_size: int = 256, width: int = 32, depth: int = 2, 
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # a default id outside a byte vocabulary
         if isinstance(getattr(defaults, key, None), int) and getattr(defaults, key) >= vocab_size:
             kwargs[key] = None
-    for key in ("hidden_dropout", "attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout"):
+    for key in ("hidden_dropout", "attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout",
+                "hidden_dropout_prob", "attention_probs_dropout_prob", "activation_dropout"):
         if key in keys:
             kwargs[key] = 0.0
-    cfg = cls(**kwargs)
-    cfg._attn_implementation = "eager"
-    return cfg
+    return cls(**kwargs)
 
 
 def build(family: str, vocab_size: int = 256, width: int = 32, depth: int = 2, max_len: int = 64):

@@ -6,6 +6,8 @@ SIGKILL, corrupted checkpoints, export."""
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 
 import pytest
@@ -37,7 +39,7 @@ def _full(name: str, what: str, shape) -> torch.Tensor:
     return torch.randn(shape, generator=g).abs()  # abs: exp_avg_sq stays non-negative
 
 
-def _model(layout, n_layer=1):
+def _model(layout, n_layer=1, mechanism=None):
     from omegaconf import OmegaConf
 
     import tpctl
@@ -48,11 +50,17 @@ def _model(layout, n_layer=1):
     tp = tpctl.init_parallel(layout)
     # 37: a vocabulary that pads in every mode.
     cfg = OmegaConf.structured(ModelConfig(n_layer=n_layer, n_embd=16, n_head=4, block_size=8, vocab_size=37))
-    model = tpctl.parallelize(build_model(cfg, seed=1, lazy=True), tp)
+    if mechanism is None:
+        model = build_model(cfg, seed=1, lazy=True)
+    else:  # a traced model of tests/verify_models.py (multi-query: a key/value head several ranks share)
+        from tests.verify_models import mechanism as build
+
+        model = build(mechanism, 37, 16, 4, n_layer)
+    model = tpctl.parallelize(model, tp)
     return tp, model, build_optimizer(model.parameters(), OptimConfig()), cfg
 
 
-def _save_then_load(tmp: str, src, dst) -> dict:
+def _save_then_load(tmp: str, src, dst, mechanism=None) -> dict:
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
@@ -60,7 +68,7 @@ def _save_then_load(tmp: str, src, dst) -> dict:
     from tpctl.parallel.shard import spec_of
     from tpctl.config import default_config
 
-    tp, model, opt, mcfg = _model(src)
+    tp, model, opt, mcfg = _model(src, mechanism=mechanism)
     for name, p in model.named_parameters():  # every value known from its global index
         spec = spec_of(p)
         state = checkpoint._adam_state(opt, p)
@@ -72,7 +80,7 @@ def _save_then_load(tmp: str, src, dst) -> dict:
     path = checkpoint.save(Path(tmp), 7, model, opt, tp, cfg, first_loss=5.5)
     manifest = checkpoint.verify(path)
 
-    tp2, model2, opt2, _ = _model(dst)
+    tp2, model2, opt2, _ = _model(dst, mechanism=mechanism)
     step, first = checkpoint.load(path, model2, opt2, tp2, manifest, seed=0)
     assert (step, first) == (7, 5.5)
     checked = 0
@@ -85,7 +93,12 @@ def _save_then_load(tmp: str, src, dst) -> dict:
             assert torch.equal(t, expect), f"{name} {what}"
             checked += 1
     dist.barrier()
-    return {"checked": checked, "bytes": sum(f["bytes"] for n, f in manifest["files"].items() if n.endswith(".distcp"))}
+    with open(path / ".metadata", "rb") as f:  # every element of every tensor saved once: chunks never overlap
+        saved = checkpoint._SafeUnpickler(f).load().state_dict_metadata
+    elements = {key: (sum(math.prod(c.sizes) for c in md.chunks), math.prod(md.size)) for key, md in saved.items()
+                if key.startswith(("model.", "optim.")) and not key.endswith(".step")}
+    return {"checked": checked, "elements": elements,
+            "bytes": sum(f["bytes"] for n, f in manifest["files"].items() if n.endswith(".distcp"))}
 
 
 @pytest.mark.timeout(400)
@@ -110,6 +123,22 @@ def test_save_in_one_layout_load_in_another(pool, tmp_path, src, dst):
     assert list(weights) == [name for name, _ in whole.named_parameters()]
     for name, tensor in weights.items():
         assert torch.equal(tensor, _full(name, "param", tensor.shape)), name
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("src,dst,mechanism", [("2d", "3d", "mqa"), ("1d", "none", "mqa"), ("2d", "1d", "fused_mqa"),
+                                                ("3d", "2.5d", "fused_mqa"), ("2d", "1d", "head_norm_list")])
+def test_a_shared_key_value_head_is_written_once_and_loads_in_any_layout(pool, tmp_path, src, dst, mechanism):
+    """One key/value head held by every rank whose query heads read it (and,
+    in a fused projection, rows of its own next to rows of the shared head);
+    per-head norms of which a rank holds its heads' only: the same slice
+    written once, read back in another layout."""
+    results = pool.run(_save_then_load, str(tmp_path / "ckpt"), LAYOUTS[src], LAYOUTS[dst], mechanism)
+    assert all(r["checked"] > 0 for r in results)
+    elements = results[0]["elements"]
+    assert {"model.blocks.0.attn.k.weight", "model.blocks.0.attn.qkv.bias", "model.blocks.0.attn.q_norms.3.weight"} \
+        & set(elements)
+    assert all(saved == whole for saved, whole in elements.values()), elements  # no replica written twice
 
 
 # ---- training resumes: in the pool, through Trainer (no process start-up) --
@@ -240,8 +269,13 @@ def test_invalid_checkpoints_are_skipped_by_auto_and_refused_by_path(tpctl):
     from safetensors.torch import load_file
 
     out = tpctl.cwd / "model.safetensors"
-    exported = tpctl.run(["export", str(ckpts / "step_6"), str(out)])
+    umask = os.umask(0o027)  # the export inherits it, and gives OUT what open() would: 0640
+    try:
+        exported = tpctl.run(["export", str(ckpts / "step_6"), str(out)])
+    finally:
+        os.umask(umask)
     assert exported.returncode == 0, exported.stderr
+    assert out.stat().st_mode & 0o777 == 0o640
     weights = load_file(str(out))
     assert "wte.weight" in weights and "lm_head.weight" not in weights  # tied: once
     assert weights["wte.weight"].shape == (256, 64)

@@ -22,12 +22,9 @@ pytest.importorskip("transformers")
 MESHES = layouts("none-dp8", "1d-2-dp4", "2d-4-dp2", "3d-8")
 STEPS, BATCH, SEQ = 10, 8, 8
 FAMILIES = ("gpt_neox", "bloom", "gpt_bigcode", "gpt_bigcode_mha", "falcon", "falcon_gqa", "phi3", "gemma",
-            "opt", "qwen3", "olmo")
-# (family, mode) -> a phrase the refusal must contain. Multi-query attention
-# has one key/value head, which tpctl does not replicate across the ranks
-# that split the query heads.
-REFUSED = {(f, m): "1 key/value heads do not split 2 ways" for f in ("gpt_bigcode", "falcon")
-           for m in ("1d", "2d", "3d")}
+            "opt", "qwen3", "olmo", "qwen2_kv1", "olmo2", "qwen2_moe")
+# (family, mode) -> a phrase the refusal must contain.
+REFUSED: dict = {}
 
 
 def _cfg(key: str, family: str):
@@ -49,15 +46,15 @@ def _cfg(key: str, family: str):
 def _curve(key: str, family: str):
     """[(loss, grad norm)] of every step, or ("refused", reason)."""
     from tpctl.models import build_model
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.verify import RewriteRefused, parallelize_verified
     from tpctl.training.data import TokenData, prepare_data
     from tpctl.training.loop import Trainer
 
     cfg = _cfg(key, family)
     mode = parallelism_of(MESHES[key])
-    try:
-        model = parallelize(build_model(cfg.model, cfg.seed), mode)
-    except ValueError as e:
+    try:  # as a worker does it: rewritten, then proven against the original
+        model, _ = parallelize_verified(build_model(cfg.model, cfg.seed), mode)
+    except (ValueError, RewriteRefused) as e:
         return ("refused", str(e))
     counts = {k: v for k, v in vars(model.config).items() if "head" in k and isinstance(v, int)}
     assert counts == {k: v for k, v in vars(build_model(cfg.model, cfg.seed).config).items() if k in counts}, \
@@ -116,6 +113,8 @@ def _layout(plan, suffix: str):
     ("gpt_neox", "layers.0.attention.query_key_value", "[q|k|v] 4+4+4 units, interleaved"),
     ("bloom", "h.0.self_attention.query_key_value", "[q|k|v] 4+4+4 units, interleaved"),
     ("gpt_bigcode", "h.0.attn.c_attn", "[q|k|v] 4+1+1 units, contiguous"),
+    ("qwen2_kv1", "layers.0.self_attn.k_proj", "[k] 1 heads"),
+    ("qwen2_moe", "layers.0.mlp.experts", "[gate|up] 16+16 units, contiguous"),
     ("falcon_gqa", "h.0.self_attention.query_key_value", "[q|k|v] 4+2+2 units, interleaved"),
     ("phi3", "layers.0.self_attn.qkv_proj", "[q|k|v] 4+2+2 units, contiguous"),
     ("phi3", "layers.0.mlp.gate_up_proj", "[gate|up] 64+64 units, contiguous"),
@@ -138,6 +137,11 @@ def test_a_rank_holds_whole_heads_of_every_part_in_their_original_order():
     assert gate_up.ranges(2, 2, 0) == ((0, 32), (64, 96))
     _, plan = _plan("falcon_gqa")  # per key/value group: q q k v
     assert _layout(plan, "h.0.self_attention.query_key_value").ranges(2, 2, 1) == ((32, 64),)
+    _, plan = _plan("gpt_bigcode")  # [q (4 heads) | k (1) | v (1)]: the one key/value head on every shard
+    mqa = _layout(plan, "h.0.attn.c_attn")
+    assert mqa.ranges(2, 2, 0) == ((0, 16), (32, 48)) and mqa.ranges(2, 2, 1) == ((16, 48),)
+    assert mqa.holders(2).tolist() == [1] * 32 + [2] * 16
+    assert mqa.ranges(2, 4, 1) == mqa.ranges(2, 4, 3) == ((32, 48),)  # 3d: a shard stored in q sub-blocks
 
 
 def test_a_fused_projection_that_is_no_set_of_heads_is_refused_with_what_was_seen():
@@ -222,12 +226,11 @@ FAMILY = ["model=custom", "model._target_=tests.hf_families.build", "+model.voca
 
 
 @pytest.mark.timeout(120)
-def test_multi_query_attention_is_refused_before_any_worker_starts(tpctl):
-    result = tpctl.run(["train", *FAMILY, "+model.family=gpt_bigcode", "mode=1d", "size=2"])
+def test_a_mixture_of_experts_with_sequence_parallelism_is_refused_before_any_worker_starts(tpctl):
+    result = tpctl.run(["train", *FAMILY, "+model.family=qwen2_moe", "mode=1d", "size=2", "seq_parallel=true"])
     assert result.returncode == 2, result.stdout + result.stderr
     line = result.stderr.strip().splitlines()[-1]
-    assert line.startswith("tpctl: error: invalid config: ") and "cannot shard module transformer.h.0.attn" in line
-    assert "1 key/value heads do not split 2 ways" in line and "multi-query" in line, line
+    assert line.startswith("tpctl: error: invalid config: seq_parallel=True: ") and "mixture-of-experts" in line, line
     assert not (tpctl.cwd / "outputs").exists()
 
 
@@ -246,3 +249,40 @@ def test_a_family_trains_from_the_command_line_like_mode_none(tpctl):
 
     want = losses(["mode=none"], "none")
     assert losses(["mode=2d", "size=4"], "2d") == pytest.approx(want, rel=1e-4)
+
+
+def test_random_draws_in_the_forward_are_refused_with_what_draws_them():
+    """A forward that draws from torch's global generator in training (a
+    router sampling its experts, jitter, functional dropout) cannot be
+    reproduced by a split mode; Dropout modules (replaced by tpctl's) and a
+    functional dropout with p=0 draw nothing."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from tpctl.parallel.base import check_plan
+    from tpctl.parallel.layout import geometry
+    from tpctl.parallel.roles import infer_plan
+
+    class Noisy(nn.Module):
+        def __init__(self, jitter: float, dropout: float):
+            super().__init__()
+            self.jitter, self.dropout = jitter, dropout
+            self.emb, self.fc, self.out, self.head = nn.Embedding(37, 16), nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 37)
+            self.drop = nn.Dropout(0.1)
+
+        def forward(self, ids):
+            h = self.drop(self.emb(ids))
+            if self.training and self.jitter:
+                h = h * torch.empty_like(h).uniform_(1 - self.jitter, 1 + self.jitter)
+            h = h + self.out(F.dropout(F.gelu(self.fc(h)), p=self.dropout, training=self.training))
+            return self.head(h)
+
+    for jitter, dropout, found in ((0.0, 0.0, None), (0.01, 0.0, "uniform_"), (0.0, 0.1, "dropout(p=0.1)")):
+        model = Noisy(jitter, dropout)
+        problems = check_plan(infer_plan(model), model, geometry("2d", 4))
+        if found is None:
+            assert not problems, problems
+        else:
+            assert found in problems["<forward>"] and "global generator" in problems["<forward>"], problems
+            assert not check_plan(infer_plan(model), model, geometry("none", 1))  # mode=none is the reference

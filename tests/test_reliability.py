@@ -155,14 +155,16 @@ def test_a_bad_resume_path_is_a_config_error():
     assert e.value.key == "train.resume"
 
 
-def test_rotation_counts_only_valid_checkpoints_and_keeps_the_newest_valid_one(tmp_path):
+def test_rotation_counts_only_valid_checkpoints_and_keeps_the_newest_valid_one(tmp_path, capsys):
     root = tmp_path / "checkpoints"
     for step in (3, 6, 9):
         fake_checkpoint(root / f"step_{step}", step)
     (root / "step_6" / ckpt.MANIFEST).write_text("{corrupt")  # the newest but one is corrupt
-    warnings = []
-    assert ckpt.rotate(root, keep=2, warn=warnings.append) == []  # 9 and 3 are the two valid ones
-    assert [s for s, _ in ckpt.step_dirs(root)] == [9, 6, 3] and "step_6" in warnings[0]
+    assert ckpt.rotate(root, keep=2) == []  # 9 and 3 are the two valid ones
+    assert [s for s, _ in ckpt.step_dirs(root)] == [9, 6, 3]
+    # The warning reaches the terminal (rank 0's stderr), not only its log.
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 1 and warnings[0].startswith(f"tpctl: warning: invalid checkpoint {root / 'step_6'} "), warnings
 
     (root / "step_9" / ckpt.MANIFEST).write_text("{corrupt")  # now only step_3 is valid
     assert ckpt.rotate(root, keep=1, warn=warnings.append) == []  # never the newest valid one
@@ -190,6 +192,8 @@ def _config_error(overrides: list[str], model_check: bool = False) -> ConfigErro
     ("optim.lr=inf", "optim.lr", "finite"),
     ("optim.lr=nan", "optim.lr", "finite"),
     ("optim.weight_decay=-inf", "optim.weight_decay", "finite"),
+    ("optim.lr=1e300", "optim.lr", "fp32 holds"),  # inf in each rank's AdamW, after the workers started
+    ("optim.eps=1e-50", "optim.eps", "fp32 holds"),  # 0 in fp32
     ("seed=99999999999999999999", "seed", "[0, 2**63)"),
     ("seed=-1", "seed", "[0, 2**63)"),
     ("train.on_nonfinite=ignore", "train.on_nonfinite", "stop, skip"),
@@ -205,6 +209,15 @@ def test_a_directory_that_is_no_tokenizer_is_a_config_error(tmp_path):
     (tmp_path / "notes.txt").write_text("not a tokenizer")
     error = _config_error(["data=text", f"data.tokenizer={tmp_path}"])
     assert error.key == "data.tokenizer" and "not a Hugging Face tokenizer directory" in str(error)
+    # What is missing is named (transformers' own message lists nothing).
+    assert str(error).endswith("the directory holds no tokenizer (none of tokenizer.json, tokenizer_config.json, "
+                               "tokenizer.model, vocab.json, vocab.txt, spiece.model; a tokenizer's save_pretrained "
+                               "writes them)"), str(error)
+    # prepare-data says the same.
+    from tpctl.training.corpus import DataError, load_tokenizer
+
+    with pytest.raises(DataError, match=r"^tokenizer=.*: the directory holds no tokenizer \(none of tokenizer.json"):
+        load_tokenizer(str(tmp_path))
 
 
 def test_inputs_a_worker_would_fail_on_are_config_errors(tmp_path):
@@ -307,7 +320,7 @@ def _closed_port() -> int:
         return s.getsockname()[1]  # closed again on return: nothing listens there
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_rendezvous_problems_are_named_within_the_timeout():
     from tpctl.launch.local import wait_for_rendezvous_host
 
@@ -316,10 +329,18 @@ def test_rendezvous_problems_are_named_within_the_timeout():
     assert "within launcher.rdzv_timeout_s=2" in refused and "connection refused: is node 0" in refused
     assert 2 <= time.monotonic() - start < 10
     assert "does not resolve" in wait_for_rendezvous_host("notahost.invalid:29500", timeout_s=2)
-    with socket.socket() as server:  # node 0 listening: no complaint
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # node 0's rendezvous store
+    assert wait_for_rendezvous_host(f"127.0.0.1:{store.port}", timeout_s=10) is None
+    with socket.socket() as server:  # something that accepts connections and never answers
         server.bind(("127.0.0.1", 0))
         server.listen()
-        assert wait_for_rendezvous_host(f"127.0.0.1:{server.getsockname()[1]}", timeout_s=2) is None
+        start = time.monotonic()
+        silent = wait_for_rendezvous_host(f"127.0.0.1:{server.getsockname()[1]}", timeout_s=6)
+        assert "accepts connections but does not answer as node 0's rendezvous store would within " \
+               "launcher.rdzv_timeout_s=6" in silent
+        assert time.monotonic() - start < 60  # 6 s, and a child's import of torch
 
 
 # --------------------------------------------------------------------------
@@ -467,3 +488,13 @@ def test_a_node_whose_node_0_is_missing_gives_up_after_the_rendezvous_timeout_in
     assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) <= 4, result.stderr
     assert not list((tpctl.cwd / "node1").glob("fake_worker_rank*.pid"))  # no worker started
     assert tpctl.leftover_pids() == []
+
+
+def test_two_recipes_that_include_each_other_are_named(recipe_dir):
+    (recipe_dir / "recipe" / "ping.yaml").write_text("# @package _global_\ndefaults:\n  - /recipe/pong\n  - _self_\n")
+    (recipe_dir / "recipe" / "pong.yaml").write_text("# @package _global_\ndefaults:\n  - ping\n  - _self_\n")
+    with pytest.raises(ConfigError) as e:
+        compose_jobs(["recipe=ping"], config_dir=str(recipe_dir))
+    ping, pong = (str(recipe_dir / "recipe" / f"{n}.yaml") for n in ("ping", "pong"))
+    assert str(e.value).endswith(f"the defaults lists include each other in a cycle: {ping} -> {pong} -> {ping}: "
+                                 "remove one of those entries"), str(e.value)

@@ -81,8 +81,39 @@ def test_a_slurm_task_launches_its_nodes_workers(tpctl, tmp_path):
     env.update(SUBMITIT_EXECUTOR="slurm", SLURM_JOB_ID="4242", SLURM_NODEID="0", SLURM_JOB_NODELIST="localhost",
                SLURM_JOB_NUM_NODES="1", SLURM_NTASKS="1", SLURM_PROCID="0", SLURM_LOCALID="0",
                TPCTL_WORKER_MODULE="tests.fake_worker")
-    node = subprocess.run([sys.executable, "-c", f"from tpctl.slurm import run_node; run_node({str(run_dir / 'config.yaml')!r})"],
+    node = subprocess.run([sys.executable, "-c", f"from tpctl.launch.slurm import run_node; run_node({str(run_dir / 'config.yaml')!r})"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=100)
     assert node.returncode == 0, node.stderr
     assert sorted(p.name for p in run_dir.glob("fake_worker_rank*.pid")) == ["fake_worker_rank0.pid", "fake_worker_rank1.pid"]
     assert tpctl.leftover_pids() == []
+
+
+@pytest.mark.skipif(not HAVE_SUBMITIT, reason="submitit not installed (pip install 'tpctl[slurm]')")
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_submitit_runs_the_slurm_path_end_to_end_without_a_cluster(tpctl, tmp_path):
+    # What `launcher=slurm` submits (run_node on the config the dry run
+    # wrote), handed to submitit's local executor instead of sbatch: the
+    # job environment, the node's place, the launcher, real workers training.
+    import json
+
+    import submitit
+
+    run_dir = tmp_path / "run"
+    result = tpctl.run(["train", "--dry-run", "launcher=slurm", "mode=1d", "size=2", "data=synthetic", "train.steps=2",
+                        f"launcher.master_port={free_port('127.0.0.1')}",
+                        f"hydra.run.dir={run_dir}"])
+    assert result.returncode == 0, result.stderr
+    executor = submitit.LocalExecutor(folder=str(tmp_path / "submitit"))
+    executor.update_parameters(timeout_min=4)
+    from tpctl.launch.slurm import run_node
+
+    job = executor.submit(run_node, str(run_dir / "config.yaml"))
+    try:
+        job.result()
+    finally:
+        if not job.done():
+            job.cancel()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["mode"] == "1d", summary
+    assert sorted(p.name for p in (run_dir / "logs").glob("rank*.log")) == ["rank0.log", "rank1.log"]

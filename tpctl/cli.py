@@ -12,7 +12,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+from tpctl.errors import EXIT_OK, EXIT_USAGE, fail, import_torch, interrupted_status
+
 
 USAGE = """\
 usage: tpctl <command> [arguments]
@@ -60,6 +61,10 @@ COMMANDS = {
     "generate": "tpctl.commands.generate",
 }
 
+# Commands that never import torch (prepare-data forks its workers from a
+# light process); the others import it first, safely (errors.import_torch).
+WITHOUT_TORCH = ("prepare-data", "recipes", "report")
+
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
@@ -71,13 +76,18 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE, end="")
         sys.exit(EXIT_OK)
     if command in COMMANDS:
-        sys.exit(importlib.import_module(COMMANDS[command]).main(rest))
-    sys.exit(_usage_error(f"unknown command {command!r}; expected one of: {', '.join(COMMANDS)} (see tpctl --help)"))
-
-
-def _usage_error(message: str) -> int:
-    print(f"tpctl: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
+        try:
+            if command not in WITHOUT_TORCH:
+                import_torch()
+            sys.exit(importlib.import_module(COMMANDS[command]).main(rest))
+        except KeyboardInterrupt as e:
+            # Ctrl-C (or a command's SIGTERM, errors.Interrupted) where the
+            # command does not say it itself: while torch is imported, the
+            # config composed, the model built. One line, no traceback.
+            name, status = interrupted_status(e)
+            print(f"tpctl: {command} interrupted by {name}", file=sys.stderr)
+            sys.exit(status)
+    sys.exit(fail(f"unknown command {command!r}; expected one of: {', '.join(COMMANDS)} (see tpctl --help)"))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from .errors import ConfigError
+from .parallel.layout import Layout
 from .schema import ARCHS, ModelConfig, TrainConfig
 
 # configs/ lives at the repository root, next to the package (the install is
@@ -110,8 +111,6 @@ def validate(cfg: Any, model_check: bool = True) -> None:
     """Raise ConfigError for the first invalid value in a composed config.
     model_check=False skips building the model (tpctl inspect shows what a
     mode cannot shard instead of refusing it)."""
-    from tpctl.parallel.layout import Layout
-
     _check_resolvable(cfg)
     _check_known_keys(cfg, OmegaConf.structured(TrainConfig), "")
     _check_finite(cfg, "")
@@ -181,10 +180,20 @@ def validate(cfg: Any, model_check: bool = True) -> None:
         check_model(cfg)
 
 
+# fp32's largest finite value and its smallest normal one: the settings
+# reach tensors and optimizers (AdamW's lr, eps) as fp32.
+FP32_MAX, FP32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
+
+
 def _check_finite(node: Any, prefix: str) -> None:
-    """Every number of the config is finite: no setting means NaN or
-    infinity, and one would only show as a diverged or silent run."""
+    """Every number of the config is finite and fp32 holds it: no setting
+    means NaN or infinity, or becomes one (1e300) or 0 (1e-50) in fp32, and
+    one would only show as a diverged or silent run, or as each rank's
+    failure after the workers started."""
     import math
+
+    def bad(v) -> bool:
+        return isinstance(v, float) and (not math.isfinite(v) or abs(v) > FP32_MAX or 0 < abs(v) < FP32_TINY)
 
     for key in node.keys():
         value = node._get_node(key)
@@ -195,22 +204,26 @@ def _check_finite(node: Any, prefix: str) -> None:
             continue
         raw = node[key]
         values = list(raw) if OmegaConf.is_list(raw) else [raw]
-        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
-            raise ConfigError(f"{prefix}{key}", values if OmegaConf.is_list(raw) else raw, "expected a finite number")
+        if any(bad(v) for v in values):
+            raise ConfigError(f"{prefix}{key}", values if OmegaConf.is_list(raw) else raw,
+                              f"expected a finite number fp32 holds: 0 or {FP32_TINY:.2g} <= |x| <= {FP32_MAX:.3g}")
 
 
 def _check_tokenizer(path: str) -> None:
     """The tokenizer directory loads (else every worker would fail on it)."""
+    import importlib.util
+
+    from tpctl.training.corpus import DataError, hf_tokenizer
+
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError("data.tokenizer", path, "needs transformers: pip install 'tpctl[hf]'")
+
     try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise ConfigError("data.tokenizer", path, "needs transformers: pip install 'tpctl[hf]'") from None
-    try:
-        AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ConfigError("data.tokenizer", path, "not a Hugging Face tokenizer directory (save_pretrained writes one): "
-                          f"{type(e).__name__}: {first}") from None
+        hf_tokenizer(path)
+    except DataError as e:
+        raise ConfigError("data.tokenizer", path, f"not a Hugging Face tokenizer directory: {e}") from None
+
+
 BACKENDS = ("auto", "nccl", "gloo")
 
 
@@ -226,7 +239,7 @@ def _check_backend(cfg: Any) -> None:
     # torch is imported only here: a CPU config check stays fast.
     import torch
 
-    world = cfg.size * cfg.dp // cfg.launcher.nnodes  # this node's share
+    world = Layout.from_config(cfg).world // cfg.launcher.nnodes  # this node's share
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have == 0:
         raise ConfigError("device", "cuda", "this machine has no CUDA device (torch.cuda.is_available() is False"
@@ -250,7 +263,7 @@ def _check_compile(cfg: Any) -> None:
 
 def _check_nodes(cfg: Any) -> None:
     """ConfigError for a launcher or multi-node setting that cannot work."""
-    lc, world = cfg.launcher, cfg.size * cfg.dp
+    lc, world = cfg.launcher, Layout.from_config(cfg).world
     if lc.name not in LAUNCHERS:
         raise ConfigError("launcher.name", lc.name, f"expected one of {', '.join(LAUNCHERS)} (launcher=local or launcher=slurm)")
     if lc.nnodes < 1:
@@ -457,32 +470,58 @@ def _file_error(error: Exception, job: list[str], config_dir: str | None) -> Con
         problem = getattr(error, "problem", None) or _one_line(str(error))
         return ConfigError("config file", name, f"not valid YAML{where}: {problem}")
     if isinstance(error, RecursionError):
+        roots = ([Path(config_dir)] if config_dir else []) + [CONFIG_DIR]
         for override in job:
             group, _, option = override.partition("=")
-            for root in ([Path(config_dir)] if config_dir else []) + [CONFIG_DIR]:
-                path = root / group.lstrip("+~/") / f"{option}.yaml"
-                if option and path.is_file() and _includes_itself(path, group.lstrip("+~/"), option):
-                    return ConfigError("config file", _config_file(str(path)),
-                                       f"its defaults list includes itself ({group}/{option}): remove that entry")
+            cycle = _defaults_cycle([(group.lstrip("+~/"), option)], roots) if option else None
+            if cycle is None:
+                continue
+            files = [_config_file(str(path)) for path in cycle]
+            if len(files) == 1:
+                return ConfigError("config file", files[0], f"its defaults list includes itself ({group}/{option}): remove that entry")
+            return ConfigError("config file", files[0], "the defaults lists include each other in a cycle: "
+                               + " -> ".join(files + files[:1]) + ": remove one of those entries")
         return ConfigError("overrides", " ".join(job), "the defaults lists of the chosen configs include each other in a cycle")
     return ConfigError("overrides", " ".join(job), f"{type(error).__name__}: {_one_line(str(error))}")
 
 
-def _includes_itself(path: Path, group: str, option: str) -> bool:
+def _defaults_cycle(chain: list[tuple[str, str]], roots: list[Path]) -> list[Path] | None:
+    """The config files of a cycle of defaults lists reached from the last
+    (group, option) of `chain` (Hydra recurses forever on one), or None."""
+    path = _group_file(*chain[-1], roots)
+    if path is None:
+        return None
+    for included in _defaults_of(path, chain[-1][0]):
+        if included in chain:
+            return [f for f in (_group_file(*c, roots) for c in chain[chain.index(included):]) if f is not None]
+        cycle = _defaults_cycle(chain + [included], roots)
+        if cycle is not None:
+            return cycle
+    return None
+
+
+def _group_file(group: str, option: str, roots: list[Path]) -> Path | None:
+    return next((r / group / f"{option}.yaml" for r in roots if (r / group / f"{option}.yaml").is_file()), None)
+
+
+def _defaults_of(path: Path, group: str) -> list[tuple[str, str]]:
+    """The (group, option) pairs a config file's defaults list names (a
+    plain name is of the file's own group)."""
     import yaml
 
     try:
         defaults = (yaml.safe_load(path.read_text()) or {}).get("defaults") or []
     except (OSError, yaml.YAMLError, AttributeError):
-        return False
-    names = {option, f"/{group}/{option}", f"{group}/{option}"}
+        return []
+    pairs = []
     for entry in defaults:
-        if isinstance(entry, str) and entry.removeprefix("override ").strip() in names:
-            return True
-        if isinstance(entry, dict) and any(str(k).removeprefix("override ").strip().strip("/") == group and v == option
-                                           for k, v in entry.items()):
-            return True
-    return False
+        if isinstance(entry, str) and entry.strip() != "_self_":
+            name = entry.removeprefix("override ").strip().strip("/")
+            pairs.append(tuple(name.rsplit("/", 1)) if "/" in name else (group, name))
+        elif isinstance(entry, dict):
+            pairs += [(str(k).removeprefix("override ").strip().strip("/"), str(v)) for k, v in entry.items()
+                      if isinstance(v, str)]
+    return pairs
 
 
 def run_dir_setting(overrides: list[str], multirun: bool = False, config_name: str = CONFIG_NAME,

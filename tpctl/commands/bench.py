@@ -33,12 +33,11 @@ measured one.
 
 from __future__ import annotations
 
-import sys
 
 from tpctl.commands.options import integer, name_list, parse_options, refused, text
 from tpctl.cost.measure import (BASELINE, DEFAULT_MODES, PLAIN, REFERENCE, bench, check, is_layout_name, layout_of, mfu,
                                 one_rank, predicted_ms)
-from tpctl.errors import ConfigError
+from tpctl.errors import ConfigError, fail
 
 
 def boolean(key: str, value: str) -> bool:
@@ -84,8 +83,7 @@ def main(args: list[str]) -> int:
             if problem:
                 raise ConfigError("compile", "true", f"{problem}: run without compile=true")
     except ConfigError as e:
-        print(f"tpctl: error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     size = opts["size"]
     results = bench(cfg, modes, size, opts["steps"], opts["rounds"], opts["warmup"], opts["depth"], compile=opts["compile"])
     predicted = predicted_ms(cfg, [m for m in modes], size, opts["depth"], opts["hardware"])

@@ -26,16 +26,15 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from tpctl.errors import ConfigError
+from tpctl.errors import ConfigError, EXIT_FAILED, EXIT_OK, EXIT_USAGE, TpctlError, fail
 from .recipes import compose_recipe, recipe_names, recipe_path
 from .run_dir import read_metrics, train_command
 
-EXIT_OK, EXIT_MISSED, EXIT_USAGE = 0, 1, 2
 # A recipe run that takes longer than this is a miss (a hang must not hang CI).
 RUN_TIMEOUT_S = {"fast": 300, "full": 3600}
 
 
-class RecipeError(Exception):
+class RecipeError(TpctlError):
     """A recipe that cannot run: (file, one-line reason)."""
 
 
@@ -177,26 +176,26 @@ def main(args: list[str]) -> int:
     parser.add_argument("--fast", action="store_true", help="the short form of each recipe (its recipe.fast overrides), for CI")
     parser.add_argument("--config-dir", "-cd", help="a config dir whose recipe/*.yaml are recipes too")
     parser.add_argument("--out", help="where the runs go (default: outputs/check-recipes/<date>_<time>)")
-    parser.error = lambda message: sys.exit(_error(f"tpctl check-recipes: {message}", EXIT_USAGE))
+    parser.error = lambda message: sys.exit(fail(f"tpctl check-recipes: {message}", EXIT_USAGE))
     flags = parser.parse_args(args)
 
     known = recipe_names(flags.config_dir)
     for name in flags.names:
         if name not in known:
-            return _error(f"invalid config: recipe={name!r}: no such recipe; available: {', '.join(known)}", EXIT_USAGE)
+            return fail(f"invalid config: recipe={name!r}: no such recipe; available: {', '.join(known)}", EXIT_USAGE)
     bad: list[str] = []
     if flags.names:  # asked for by name: all or nothing
         try:
             planned = recipe_runs(flags.names, flags.fast, flags.config_dir)
         except RecipeError as e:
-            return _error(str(e), EXIT_USAGE)
+            return fail(str(e), EXIT_USAGE)
     else:  # every recipe: a broken file is named, and the others still run
         planned = {}
         for name in known:
             try:
                 planned.update(recipe_runs([name], flags.fast, flags.config_dir))
             except RecipeError as e:
-                _error(str(e), EXIT_USAGE)
+                fail(str(e), EXIT_USAGE)
                 bad.append(name)
         if not planned:
             return EXIT_USAGE
@@ -224,15 +223,12 @@ def main(args: list[str]) -> int:
         else:
             print(_summary_line(name, cfg, curves, seconds), flush=True)
     if missed:
-        _error(f"check-recipes: {len(missed)} of {len(planned)} recipes missed: {', '.join(missed)}", EXIT_MISSED)
+        fail(f"check-recipes: {len(missed)} of {len(planned)} recipes missed: {', '.join(missed)}", EXIT_FAILED)
     if bad:
-        return _error(f"check-recipes: {len(bad)} recipe(s) could not be checked (see above): {', '.join(bad)}", EXIT_USAGE)
+        return fail(f"check-recipes: {len(bad)} recipe(s) could not be checked (see above): {', '.join(bad)}", EXIT_USAGE)
     if missed:
-        return EXIT_MISSED
+        return EXIT_FAILED
     print(f"check-recipes: all {len(planned)} recipes met their goals")
     return EXIT_OK
 
 
-def _error(message: str, status: int) -> int:
-    print(f"tpctl: error: {message}", file=sys.stderr)
-    return status

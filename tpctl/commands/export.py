@@ -13,6 +13,7 @@ names and layouts (see EXPORTERS), `write_safetensors` writes.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -20,17 +21,9 @@ from typing import Callable
 
 import torch
 
-USAGE = """\
-usage: tpctl export CHECKPOINT OUT [--force]
+from tpctl.errors import fail
 
-  CHECKPOINT  a checkpoint directory (<run dir>/checkpoints/step_<N>)
-  OUT         the safetensors file to write (its directory must exist); for a
-              Hugging Face model (model=hf) a directory, written with
-              save_pretrained so that from_pretrained(OUT) loads it
-  --force     overwrite OUT if it exists (else an existing OUT is refused)
-
-exit status: 0 written, 2 bad arguments or an invalid checkpoint
-"""
+EPILOG = "exit status: 0 written, 2 bad arguments or an invalid checkpoint"
 
 
 def full_weights(checkpoint_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -75,37 +68,36 @@ def export(checkpoint_dir: Path, out: Path) -> dict:
 
 def main(args: list[str]) -> int:
     from tpctl.training.checkpoint import CheckpointError, verify
+    from tpctl.training.corpus import respect_umask
 
-    if any(a in ("-h", "--help") for a in args):
-        print(USAGE, end="")
-        return 0
-    force = "--force" in args
-    args = [a for a in args if a != "--force"]
-    if len(args) != 2:
-        print(f"tpctl: error: tpctl export takes CHECKPOINT and OUT, got {len(args)} argument(s) (see tpctl export --help)",
-              file=sys.stderr)
-        return 2
-    ckpt, out = Path(args[0]), Path(args[1])
+    parser = argparse.ArgumentParser(prog="tpctl export", description="Write a checkpoint's whole weights as safetensors "
+                                     "(a save_pretrained directory for model=hf).", epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, metavar="CHECKPOINT",
+                        help="a checkpoint directory (<run dir>/checkpoints/step_<N>)")
+    parser.add_argument("out", type=Path, metavar="OUT", help="the safetensors file to write (its directory must exist); "
+                        "for a Hugging Face model (model=hf) a directory, written with save_pretrained so that "
+                        "from_pretrained(OUT) loads it")
+    parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists (else an existing OUT is refused)")
+    parser.error = lambda message: sys.exit(fail(f"tpctl export: {message} (see tpctl export --help)"))
+    flags = parser.parse_args(args)
+    ckpt, out, force = flags.checkpoint, flags.out, flags.force
     try:
         arch = verify(ckpt)["model"].get("arch")
     except CheckpointError as e:
-        print(f"tpctl: error: export CHECKPOINT={str(ckpt)!r}: {e}", file=sys.stderr)
-        return 2
+        return fail(f"export CHECKPOINT={str(ckpt)!r}: {e}")
     if out.exists() and not force:
-        print(f"tpctl: error: export OUT={str(out)!r}: already exists; pass --force to overwrite it", file=sys.stderr)
-        return 2
+        return fail(f"export OUT={str(out)!r}: already exists; pass --force to overwrite it")
     if arch in EXPORTERS:  # a directory
         if out.exists() and not out.is_dir():
-            print(f"tpctl: error: export OUT={str(out)!r}: a file; model.arch={arch} exports a directory", file=sys.stderr)
-            return 2
+            return fail(f"export OUT={str(out)!r}: a file; model.arch={arch} exports a directory")
     elif out.is_dir() or not out.absolute().parent.is_dir():
         why = "is a directory" if out.is_dir() else f"its directory {out.absolute().parent} does not exist"
-        print(f"tpctl: error: export OUT={str(out)!r}: {why}; expected a file path", file=sys.stderr)
-        return 2
+        return fail(f"export OUT={str(out)!r}: {why}; expected a file path")
     try:
         done = export(ckpt, out)
     except CheckpointError as e:
-        print(f"tpctl: error: export CHECKPOINT={str(ckpt)!r}: {e}", file=sys.stderr)
-        return 2
+        return fail(f"export CHECKPOINT={str(ckpt)!r}: {e}")
+    respect_umask(out)  # safetensors writes 0600: a shared file system's other users must read it
     print(f"tpctl: wrote {out}: {done['tensors']} tensors, {done['parameters'] / 1e6:.2f}M parameters (step {done['step']})")
     return 0

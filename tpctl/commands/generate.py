@@ -30,9 +30,8 @@ import tempfile
 from pathlib import Path
 
 from tpctl.commands.options import integer, parse_options, text
-from tpctl.errors import ConfigError
+from tpctl.errors import ConfigError, EXIT_OK, error, fail
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 # Model keys a checkpoint's model may be given differently here: they do not
 # change its weights.
 FREE_MODEL_KEYS = ("dropout", "plan")
@@ -141,6 +140,10 @@ def check(cfg, opts: dict) -> list[int]:
     if not ids:
         raise ConfigError("prompt", opts["prompt"], "encodes to no tokens: expected some text")
     limit = max_positions(build_model(cfg.model, cfg.seed, lazy=True))
+    if limit is not None and len(ids) >= limit:  # not even one new token fits
+        shown = opts["prompt"] if len(opts["prompt"]) <= 40 else opts["prompt"][:37] + "..."
+        raise ConfigError("prompt", shown, f"{len(ids)} tokens, but the model has {limit} positions for the prompt and "
+                          f"the new tokens: expected a prompt of at most {limit - 1} tokens")
     if limit is not None and len(ids) + opts["max_new_tokens"] > limit:
         raise ConfigError("max_new_tokens", opts["max_new_tokens"],
                           f"the prompt's {len(ids)} tokens plus the new ones exceed the model's {limit} positions: "
@@ -153,7 +156,7 @@ def main(args: list[str]) -> int:
         print(__doc__, end="")
         return EXIT_OK
     if not args or "=" in args[0] or args[0].startswith("-"):
-        return _error("tpctl generate takes SOURCE first (a checkpoint or a save_pretrained directory), "
+        return fail("tpctl generate takes SOURCE first (a checkpoint or a save_pretrained directory), "
                       "then key=value settings (see tpctl generate --help)")
     source = Path(args[0])
     try:
@@ -162,7 +165,7 @@ def main(args: list[str]) -> int:
         cfg, ckpt = compose(source, kind, overrides)
         ids = check(cfg, opts)
     except ConfigError as e:
-        return _error(str(e))
+        return fail(str(e))
     return run(cfg, ckpt, ids, opts)
 
 
@@ -178,8 +181,11 @@ def run(cfg, ckpt, ids: list[int], opts: dict) -> int:
     worker_opts = {k: opts[k] for k in OPTIONS} | {"prompt_ids": ids, "checkpoint": ckpt, "quiet": opts["json"]}
     (run_dir / OPTIONS_FILE).write_text(json.dumps(worker_opts))
     status = launch(cfg, run_dir, worker_module="tpctl.launch.generate_worker")
+    if status > 128:  # interrupted: the launcher has said so, in one line
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return status
     if status != EXIT_OK:
-        print(f"tpctl: error: generation failed; the workers' logs are in {run_dir}", file=sys.stderr)
+        error(f"generation failed; the workers' logs are in {run_dir}")
         return status
     result = json.loads((run_dir / RESULT).read_text())
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -191,6 +197,3 @@ def run(cfg, ckpt, ids: list[int], opts: dict) -> int:
     return EXIT_OK
 
 
-def _error(message: str) -> int:
-    print(f"tpctl: error: {message}", file=sys.stderr)
-    return EXIT_USAGE

@@ -12,12 +12,10 @@ model, as `tpctl train` would refuse it.
 
 from __future__ import annotations
 
-import sys
 
-from tpctl.errors import ConfigError
+from tpctl.errors import ConfigError, EXIT_OK, fail
 from tpctl.parallel.layout import Layout
 
-EXIT_OK, EXIT_USAGE = 0, 2
 
 
 def main(args: list[str]) -> int:
@@ -34,8 +32,7 @@ def main(args: list[str]) -> int:
         validate(cfg, model_check=False)
         rows, summary, problems = inspect_model(cfg)
     except ConfigError as e:
-        print(f"tpctl: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(e)
     refusal, checks = None, None
     if not problems and cfg.train.verify_rewrite and Layout.from_config(cfg).mode_class.rewrites:
         refusal, checks = verify_in_pool(cfg)
@@ -43,12 +40,9 @@ def main(args: list[str]) -> int:
     if problems:
         name, reason = next(iter(problems.items()))
         what = cfg.model.get("_target_") or cfg.model.get("pretrained") or cfg.model.arch
-        print(f"tpctl: error: invalid config: model={what!r}: mode={cfg.mode} size={cfg.size} cannot shard module {name}: {reason}",
-              file=sys.stderr)
-        return EXIT_USAGE
+        return fail(f"invalid config: model={what!r}: mode={cfg.mode} size={cfg.size} cannot shard module {name}: {reason}")
     if refusal is not None:
-        print(f"tpctl: error: {refusal}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(refusal)
     return EXIT_OK
 
 
@@ -140,8 +134,11 @@ def inspect_model(cfg):
         local += nbytes
         if record is None and own and not note:
             note = "kept whole (replicated)" if par.mode.replicated_activations else "no role"
-        if name in plan.layouts and not note:
-            note = f"fused: {plan.layouts[name].describe()}"
+        if name in plan.layouts and not note:  # a fused projection's parts, or a projection's heads (maybe shared)
+            layout = plan.layouts[name]
+            note = f"{'fused' if len(layout.names) > 1 else 'heads'}: {layout.describe()}"
+            if layout.shares(par.mode.geo.head_split):
+                note += f", key/value heads shared by {par.mode.geo.head_split // min(layout.units)} ranks"
         rows.append((name, type(module).__name__, record.role if record else "",
                      type(new).__name__ if new is not module else "(unchanged)", ", ".join(shapes), nbytes, note))
     summary = {"roles from": {"inferred": "traced forward", "tp_plan": "the model's tp_plan", "plan": "model.plan"}[plan.source],
@@ -179,7 +176,8 @@ def _print(cfg, rows, verdicts: dict, summary) -> None:
     for name, kind, role, becomes, shapes, nbytes, note in rows:
         note = escape(note)  # a fused layout's "[q|k|v]" is not markup
         cells = [name, kind, role, becomes, shapes, mib(nbytes) if nbytes else "",
-                 f"[red]{note}[/red]" if note and note != "kept whole (replicated)" and not note.startswith("fused:") else note]
+                 f"[red]{note}[/red]" if note and note != "kept whole (replicated)" and not note.startswith(("fused:", "heads:"))
+                 else note]
         if verdicts:
             cells.insert(6, verdicts.get(name, ""))
         table.add_row(*cells)

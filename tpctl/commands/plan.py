@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from typing import Optional
 
 from tpctl.cost.planner import KIND_ABBREV, Hardware, SplitPlan, load_hardware, plan_label, plan_world
 from tpctl.commands.options import integer, parse_options, text
-from tpctl.errors import ConfigError
+from tpctl.errors import ConfigError, fail
 
 
 def _parse(args: list[str]):
@@ -83,14 +82,11 @@ def main(args: list[str]) -> int:
                 raise ConfigError("memory", opts["memory"], "plans against a hardware profile's memory: add hardware=NAME")
             hw = dataclasses.replace(hw, memory_bytes=opts["memory"] * 2**30)
     except ConfigError as e:
-        print(f"tpctl: error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     plans, invalid = plan_world(cfg, world, hw)
     if not plans:  # an empty table would read as "nothing to say"
         why = "; ".join(f"{plan_label(s)}: {reason}" for s, reason in invalid) or "no mode has a size that divides it"
-        print(f"tpctl: error: invalid config: world={world}: no split of {world} ranks is valid for this model and batch: {why}",
-              file=sys.stderr)
-        return 2
+        return fail(f"invalid config: world={world}: no split of {world} ranks is valid for this model and batch: {why}")
     if as_json:
         print(json.dumps({"world": world, "hardware": dataclasses.asdict(hw) if hw else None,
                           "model": dict(cfg.model), "batch_size": cfg.train.batch_size,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import sys
 
-from tpctl.errors import ConfigError
+from tpctl.errors import ConfigError, EXIT_OK, fail, interrupt_on_termination, interrupted_status
+from .options import parse_options
 
-EXIT_OK, EXIT_USAGE = 0, 2
 
 USAGE = """\
 usage: tpctl prepare-data SRC... out=DIR tokenizer=DIR|bytes [options]
@@ -80,16 +80,12 @@ OPTIONS = {
 def parse(args: list[str]) -> tuple[list[str], dict]:
     """(the sources, the options); ConfigError for a bad or missing option.
     An argument `key=value` is an option unless it names an existing file."""
-    values = {key: default for key, (default, _) in OPTIONS.items()}
-    sources = []
-    for arg in args:
+    values, rest = parse_options([a for a in args if not os.path.exists(a)], OPTIONS)
+    for arg in rest:
         key, eq, text = arg.partition("=")
-        if eq and not os.path.exists(arg):
-            if key not in OPTIONS:
-                raise ConfigError(key, text, f"not an option of prepare-data; expected one of: {', '.join(OPTIONS)}")
-            values[key] = OPTIONS[key][1](key, text)
-        else:
-            sources.append(arg)
+        if eq:
+            raise ConfigError(key, text, f"not an option of prepare-data; expected one of: {', '.join(OPTIONS)}")
+    sources = [a for a in args if os.path.exists(a) or a in rest]
     if not sources:
         raise ConfigError("SRC", None, "give at least one source file, directory or glob")
     for key in ("out", "tokenizer"):
@@ -104,16 +100,20 @@ def main(args: list[str]) -> int:
     if any(a in ("-h", "--help") for a in args):
         print(USAGE.format(cores=_cores()), end="")
         return EXIT_OK
-    from tpctl.training.corpus import DataError, prepare
-
+    interrupt_on_termination()
+    opts: dict = {}
     try:
+        from tpctl.training.corpus import DataError, prepare
+
         sources, opts = parse(args)
         result = prepare(sources, progress=True, **opts)
     except (ConfigError, DataError, OSError) as e:  # OSError: a path it cannot read or write
-        print(f"tpctl: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        return 130
+        return fail(e)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP: prepare has removed its temporary files
+        name, status = interrupted_status(e)
+        out = f"; out={opts['out']} is as it was" if opts.get("out") else ""
+        print(f"tpctl: prepare-data interrupted by {name}{out}", file=sys.stderr)
+        return status
     index = result.index
     n_sources, tokens, docs = len(index["sources"]), index["tokens"], index["documents"]
     total = tokens["train"] + tokens["val"]

@@ -9,13 +9,12 @@ reach (tpctl.schema.RecipeConfig); `tpctl check-recipes` checks it.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from tpctl.config import RECIPE_DIR, compose_jobs
-from tpctl.errors import ConfigError
+from tpctl.errors import ConfigError, error
 from tpctl.parallel.layout import Layout
 
 
@@ -75,6 +74,6 @@ def main(args: list[str]) -> int:
         try:
             print(describe(compose_recipe(name, config_dir=flags.config_dir)))
         except ConfigError as e:
-            print(f"tpctl: error: {recipe_path(name, flags.config_dir)}: {e}", file=sys.stderr)
+            error(f"{recipe_path(name, flags.config_dir)}: {e}")
             status = 2
     return status

@@ -25,11 +25,11 @@ from typing import Optional
 from tpctl.parallel.layout import Layout
 
 from .run_dir import read_metrics, read_summary
+from tpctl.errors import EXIT_OK, TpctlError, fail
 
-EXIT_OK, EXIT_USAGE = 0, 2
 
 
-class ReportError(Exception):
+class ReportError(TpctlError):
     """Bad input: printed as one line, exit 2."""
 
 
@@ -150,22 +150,19 @@ def main(args: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tpctl report", description="Plot the metrics of tpctl run dirs as PNGs.")
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run dirs of tpctl train")
     parser.add_argument("--out", type=Path, default=Path("report"), help="directory for the PNGs (default: ./report)")
-    parser.error = lambda message: sys.exit(_usage(f"tpctl report: {message} (see tpctl report --help)"))
+    parser.error = lambda message: sys.exit(fail(f"tpctl report: {message} (see tpctl report --help)"))
     flags = parser.parse_args(args)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        return _usage("tpctl report needs matplotlib: pip install 'tpctl[report]' (or pip install matplotlib)")
+        return fail("tpctl report needs matplotlib: pip install 'tpctl[report]' (or pip install matplotlib)")
     try:
         runs = [load_run(path) for path in flags.run_dirs]
     except ReportError as e:
-        return _usage(str(e))
+        return fail(str(e))
     _unique_labels(runs)
     for path in write_report(runs, flags.out):
         print(path)
     return EXIT_OK
 
 
-def _usage(message: str) -> int:
-    print(f"tpctl: error: {message}", file=sys.stderr)
-    return EXIT_USAGE

@@ -19,10 +19,10 @@ from pathlib import Path
 
 from tpctl.config import (CONFIG_DIR, CONFIG_NAME, check_writable_dir, compose_jobs, load_worker_config, register_configs,
                           run_dir_setting, validate)
-from tpctl.errors import ConfigError
+from tpctl.errors import ConfigError, EXIT_FAILED, EXIT_OK, EXIT_USAGE, error, fail, one_line
+from tpctl.parallel.layout import Layout
 from tpctl.launch.run_lock import RunDirBusy, RunDirLock, probe
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def main(args: list[str]) -> int:
@@ -35,10 +35,10 @@ def main(args: list[str]) -> int:
     args = [a for a in args if a != "--dry-run"]
 
     parser = get_args_parser()  # Hydra's own flags, so nothing differs
-    parser.error = lambda message: sys.exit(_usage_error(f"tpctl train: {message} (see tpctl train --help)"))
+    parser.error = lambda message: sys.exit(fail(f"tpctl train: {message} (see tpctl train --help)"))
     flags = parser.parse_args(args)
     if flags.config_path:
-        return _usage_error("--config-path/-cp is not supported; add a config directory with --config-dir/-cd")
+        return fail("--config-path/-cp is not supported; add a config directory with --config-dir/-cd")
     informational = flags.help or flags.hydra_help or flags.shell_completion or flags.info
     owner = None
     if not informational:
@@ -51,7 +51,7 @@ def main(args: list[str]) -> int:
             try:
                 owner, args = _own_run_dir(args, flags.overrides, checked.run_dir, checked.node_rank)
             except RunDirBusy as e:
-                return _usage_error(str(e))
+                return fail(str(e))
 
     sys.argv = ["tpctl train", *args]  # Hydra parses sys.argv
     try:
@@ -66,8 +66,7 @@ def main(args: list[str]) -> int:
         write_comparison(sweep_dir, run.sweep_jobs)
         print(f"tpctl: compared {len(run.sweep_jobs)} jobs in {sweep_dir / 'comparison.md'}")
     if run.failed_runs:
-        print(f"tpctl: error: training failed in {', '.join(map(str, run.failed_runs))}", file=sys.stderr)
-        return EXIT_FAILED
+        return fail(f"training failed in {', '.join(map(str, run.failed_runs))}", EXIT_FAILED)
     if run.refused_runs:  # the launcher has printed the one line
         return EXIT_USAGE
     return EXIT_OK
@@ -113,14 +112,14 @@ def _check_jobs(overrides: list[str], multirun: bool, config_name: str, config_d
             run_dir = run_dir_setting(overrides, multirun, config_name, config_dir)
             check_writable_dir(*run_dir)
     except ConfigError as e:
-        return _Checked(_config_error(e))
+        return _Checked(fail(str(e)))
     if not validate_values:
         return _Checked(EXIT_OK)
     node_rank = int(jobs[0].launcher.node_rank) if jobs[0].launcher.nnodes > 1 else 0
     try:  # refused at once (before the slow checks) when another run owns the dir
         probe(run_dir[1], node_rank)
     except RunDirBusy as e:
-        return _Checked(_usage_error(str(e)))
+        return _Checked(fail(str(e)))
     errors = []
     for cfg in jobs:
         try:
@@ -134,13 +133,12 @@ def _check_jobs(overrides: list[str], multirun: bool, config_name: str, config_d
         except ConfigError as e:
             errors.append(e)
         except Exception as e:  # e.g. the data cache cannot be written (ENOSPC): not the config's fault
-            print(f"tpctl: error: preparing the data failed: {one_line(e)}", file=sys.stderr)
-            return _Checked(EXIT_FAILED)
+            return _Checked(fail(f"preparing the data failed: {one_line(e)}", EXIT_FAILED))
     if all(errors):  # nothing would run: the first reason, as for one job
-        return _Checked(_config_error(errors[0]))
-    for job, (cfg, error) in enumerate(zip(jobs, errors)):
-        if error is not None:
-            print(f"tpctl: skipping job {job} ({_layout(cfg)}): {error}", file=sys.stderr)
+        return _Checked(fail(str(errors[0])))
+    for job, (cfg, refusal) in enumerate(zip(jobs, errors)):
+        if refusal is not None:
+            print(f"tpctl: skipping job {job} ({_layout(cfg)}): {refusal}", file=sys.stderr)
     return _Checked(EXIT_OK, run_dir, node_rank)
 
 
@@ -158,12 +156,6 @@ def check_run_inputs(cfg, dry_run: bool) -> None:
     from tpctl.training.data import prepare_data  # imported late: --cfg never needs it
 
     prepare_data(cfg)
-
-
-def one_line(error: BaseException) -> str:
-    """`<ExceptionType>: <first line of its message>`."""
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def _layout(cfg) -> str:
@@ -191,11 +183,6 @@ def _check_resume(cfg, run_dir: Path) -> None:
         changes = config_changes(found[1], cfg)
         if changes:  # allowed, but the curve will not be the uninterrupted one
             print(f"tpctl: note: resuming {found[0]} with other settings: {'; '.join(changes)}", file=sys.stderr)
-
-
-def _config_error(error: ConfigError) -> int:
-    print(f"tpctl: error: {error}", file=sys.stderr)
-    return EXIT_USAGE
 
 
 class TrainRun:
@@ -259,9 +246,9 @@ class TrainRun:
             prepare_data(run_cfg)  # builds the tokenised corpus cache once, here
             _check_compiler(run_cfg)
         except ConfigError as e:
-            sys.exit(_config_error(e))
+            sys.exit(fail(str(e)))
         except Exception as e:  # not the config's fault (a full disk): one line
-            print(f"tpctl: error: preparing the run failed: {one_line(e)}", file=sys.stderr)
+            error(f"preparing the run failed: {one_line(e)}")
             self.failed_runs.append(run_dir)
             if job is not None:
                 job.update(status="failed", reason=f"preparing the run failed: {e}")
@@ -273,7 +260,7 @@ class TrainRun:
             if c.every > 0 or c.at_end:  # else the first save would fail, mid-run
                 check_writable_dir("hydra.run.dir", run_dir / "checkpoints")
         except ConfigError as e:
-            sys.exit(_config_error(e))
+            sys.exit(fail(str(e)))
         if run_cfg.launcher.name == "slurm":
             from tpctl.launch import slurm
 
@@ -283,7 +270,7 @@ class TrainRun:
             status = slurm.submit(run_cfg, run_dir)
         elif self.dry_run:
             lc = run_cfg.launcher
-            print(f"tpctl: dry run: would start {run_cfg.size * run_cfg.dp // lc.nnodes} workers here "
+            print(f"tpctl: dry run: would start {Layout.from_config(run_cfg).world // lc.nnodes} workers here "
                   f"(node {lc.node_rank} of {lc.nnodes}) reading {run_dir / 'config.yaml'}; nothing started")
             return
         else:
@@ -306,6 +293,3 @@ def _check_compiler(cfg) -> None:
         raise ConfigError("train.compile", "true", f"{problem}: use train.compile=false, or auto to fall back to eager")
 
 
-def _usage_error(message: str) -> int:
-    print(f"tpctl: error: {message}", file=sys.stderr)
-    return EXIT_USAGE

@@ -4,33 +4,36 @@ training worker. It reads the resolved config and, beside it, generate.json
 (the prompt's ids and the sampling settings the command checked); builds and
 rewrites the model as training does, loads the checkpoint into this layout
 (or reads the pretrained shards), and decodes (training/generation.py).
-Rank 0 streams the text to stdout as tokens come and writes generated.json."""
+Rank 0 streams the text to stdout as tokens come and writes generated.json.
+The process starts and ends as a training rank's does (`worker.serve`)."""
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first of all (see `serve`)
+    from tpctl.errors import quiet_interrupts
+
+    quiet_interrupts()
+
 import json
-import sys
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
-
-from .worker import die_with_parent, start_worker
+from .worker import serve, start_worker
 
 OPTIONS = "generate.json"
 RESULT = "generated.json"
 
 
-@record
-def run(argv: list[str] | None = None) -> None:
+def run(argv: list[str]) -> None:
+    import torch.distributed as dist
+
     from tpctl.models import build_model
     from tpctl.parallel.base import parallelize
     from tpctl.training import checkpoint
     from tpctl.training.generation import TextStream, Tokenizer, generate, stop_ids
     from tpctl.training.step import autocast
 
-    config_path = Path((argv if argv is not None else sys.argv[1:])[0])
+    config_path = Path(argv[0])
     run_dir = config_path.parent
     opts = json.loads((run_dir / OPTIONS).read_text())
     # Decoding feeds whole sequences: no sequence parallelism.
@@ -70,11 +73,7 @@ def run(argv: list[str] | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    die_with_parent()
-    try:
-        run(argv)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    serve(run, argv)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from tpctl.errors import EXIT_FAILED, LAUNCHER_PID_ENV, error, fail, warning
+from tpctl.parallel.layout import Layout
+
 WORKER_MODULE = "tpctl.launch.worker"
 WORKER_MODULE_ENV = "TPCTL_WORKER_MODULE"
 # Seconds the workers get to exit after SIGINT/SIGTERM before SIGKILL.
@@ -45,10 +48,9 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
     run_dir = Path(run_dir)
     module = worker_module or os.environ.get(WORKER_MODULE_ENV) or WORKER_MODULE
     if not _module_exists(module):  # else every rank would fail with the same ImportError
-        print(f"tpctl: error: worker module {module!r} not found (check {WORKER_MODULE_ENV})", file=sys.stderr)
-        return 1
+        return fail(f"worker module {module!r} not found (check {WORKER_MODULE_ENV})", EXIT_FAILED)
     lc = cfg.launcher
-    nproc = cfg.size * cfg.dp // lc.nnodes
+    nproc = Layout.from_config(cfg).world // lc.nnodes
     if lc.nnodes > 1 or lc.rdzv_endpoint:
         endpoint = lc.rdzv_endpoint
         # Every node must name the same job; the endpoint is the same on all.
@@ -62,8 +64,7 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
     if lc.node_rank > 0:
         problem = wait_for_rendezvous_host(endpoint, lc.rdzv_timeout_s)
         if problem:
-            print(f"tpctl: error: node {lc.node_rank} of {lc.nnodes}: {problem}", file=sys.stderr)
-            return 1
+            return fail(f"node {lc.node_rank} of {lc.nnodes}: {problem}", EXIT_FAILED)
     if cfg.device == "cuda" and lc.get("backend", "auto") == "gloo":
         print(f"tpctl: launcher.backend=gloo with device=cuda: {nproc} ranks share this machine's GPU(s); "
               "for testing every mode on few GPUs, not for speed", file=sys.stderr, flush=True)
@@ -90,15 +91,25 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
     # torch installs its own SIGINT/SIGTERM handlers while workers run
     # (they raise SignalException and stop the workers); put ours back after.
     saved_handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    # The workers check that this process is their parent (worker.die_with_parent).
+    saved_pid = os.environ.get(LAUNCHER_PID_ENV)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
         elastic_launch(config, sys.executable)("-u", "-m", module, str(run_dir / "config.yaml"))
         return 0
     except ChildFailedError as e:
         refusal = refused(e.failures)
         if refusal is not None:  # the workers refused to train (e.g. an unproven rewrite): as a bad config
-            print(f"tpctl: error: {refusal}", file=sys.stderr)
-            return 2
-        report_failures(e.failures, run_dir)
+            return fail(refusal)
+        finished = finished_ranks(e.failures, agent_dir)
+        if finished == set(e.failures):
+            # Every rank's work is complete and its files are written; what
+            # ended a process after that (a signal in its teardown) took
+            # nothing from the run, and is said, not hidden.
+            for line in failure_lines(split_failures(e.failures)[0], finished):
+                warning(f"{line}; the run is complete and its files are intact")
+            return 0
+        report_failures(e.failures, run_dir, finished)
         return 1
     except RendezvousError as e:
         # Another node never came (timeout) or the rendezvous host (node 0)
@@ -110,8 +121,7 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
         else:
             what = (f"lost the rendezvous at {endpoint}" + (" (did node 0 stop?)" if lc.node_rank > 0 else ""))
         reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"tpctl: error: node {lc.node_rank} of {lc.nnodes}: {what}: {type(e).__name__}: {reason}", file=sys.stderr)
-        return 1
+        return fail(f"node {lc.node_rank} of {lc.nnodes}: {what}: {type(e).__name__}: {reason}", EXIT_FAILED)
     except SignalException as e:
         print(f"tpctl: interrupted by {signal.Signals(e.sigval).name}; workers stopped", file=sys.stderr)
         return 128 + int(e.sigval)
@@ -120,11 +130,15 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
         return 128 + signal.SIGINT
     except Exception as e:  # the agent itself failed (e.g. node 0 cannot listen at the endpoint): one line
         reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"tpctl: error: node {lc.node_rank} of {lc.nnodes}: starting the workers failed at {endpoint}: "
-              f"{type(e).__name__}: {reason}", file=sys.stderr)
+        error(f"node {lc.node_rank} of {lc.nnodes}: starting the workers failed at {endpoint}: "
+              f"{type(e).__name__}: {reason}")
         return 1
     finally:
         shutil.rmtree(agent_dir, ignore_errors=True)
+        if saved_pid is None:
+            os.environ.pop(LAUNCHER_PID_ENV, None)
+        else:
+            os.environ[LAUNCHER_PID_ENV] = saved_pid
         for sig, handler in saved_handlers.items():
             signal.signal(sig, handler)
 
@@ -176,7 +190,7 @@ def node_layout(cfg: Any) -> str:
     consecutive ranks (rank = dp_rank*size + tp_rank), so a group stays
     inside one node exactly when the node's worker count divides by size."""
     lc = cfg.launcher
-    per_node = cfg.size * cfg.dp // lc.nnodes
+    per_node = Layout.from_config(cfg).world // lc.nnodes
     head = f"node {lc.node_rank} of {lc.nnodes}: {per_node} workers"
     if per_node % cfg.size == 0:
         return f"{head}, {per_node // cfg.size} whole tensor-parallel group(s) of {cfg.size}; only data-parallel traffic crosses nodes"
@@ -187,26 +201,59 @@ def node_layout(cfg: Any) -> str:
             "and their collectives cross the network")
 
 
-def report_failures(failures: dict[int, Any], run_dir: Path | None = None) -> None:
+def report_failures(failures: dict[int, Any], run_dir: Path | None = None, finished: set[int] = frozenset()) -> None:
     """One line per rank that failed on its own, `rank R: <Type>: <message>`
     (ranks that failed with the same message share it); one line for the
     ranks the agent then stopped with SIGTERM (torch lists those as failures
-    too). The tracebacks stay in logs/rank<r>.log."""
-    stopped = [r for r, f in failures.items() if f.exitcode == -signal.SIGTERM]
-    failed = [r for r in failures if r not in stopped] or stopped
-    by_reason: dict[str, list[int]] = {}
-    for rank in sorted(failed):
-        by_reason.setdefault(failure_reason(failures[rank]), []).append(rank)
-    for reason, ranks in by_reason.items():
-        also = f" (ranks {', '.join(map(str, ranks[1:]))} too)" if len(ranks) > 1 else ""
-        print(f"tpctl: error: rank {ranks[0]}: {reason}{also}", file=sys.stderr)
-    if stopped and failed != stopped:
-        print(f"tpctl: stopped the other ranks: {', '.join(map(str, sorted(stopped)))}", file=sys.stderr)
-    if any(_LOST_PEER in reason for reason in by_reason for _LOST_PEER in LOST_PEER_MESSAGES):
+    too). The tracebacks stay in logs/rank<r>.log. `finished`: ranks whose
+    work was complete before their process ended (said on their line)."""
+    failed, stopped = split_failures(failures)
+    lines = failure_lines(failed, finished)
+    for line in lines:
+        error(line)
+    if stopped:
+        print(f"tpctl: stopped the other ranks: {', '.join(map(str, stopped))}", file=sys.stderr)
+    if any(lost in line for line in lines for lost in LOST_PEER_MESSAGES):
         print("tpctl: a rank lost its connection to a peer: another rank, or another node's tpctl, died first "
               "(see its logs)", file=sys.stderr)
     elif run_dir is not None:
         print(f"tpctl: the tracebacks are in {run_dir / 'logs'}/rank<r>.log", file=sys.stderr)
+
+
+def split_failures(failures: dict[int, Any]) -> tuple[dict[int, Any], list[int]]:
+    """(the ranks that failed on their own, the ranks the agent stopped
+    with SIGTERM because of them); all are "failed" when all were stopped."""
+    stopped = sorted(r for r, f in failures.items() if f.exitcode == -signal.SIGTERM)
+    failed = {r: f for r, f in failures.items() if r not in stopped}
+    return (failed, stopped) if failed else (failures, [])
+
+
+def failure_lines(failures: dict[int, Any], finished: set[int] = frozenset()) -> list[str]:
+    """`rank R: <why>` for each distinct reason (ranks with the same one
+    share a line)."""
+    by_reason: dict[str, list[int]] = {}
+    for rank in sorted(failures):
+        reason = failure_reason(failures[rank])
+        if rank in finished:
+            reason += " after its work was complete"
+        by_reason.setdefault(reason, []).append(rank)
+    return [f"rank {ranks[0]}: {reason}" + (f" (ranks {', '.join(map(str, ranks[1:]))} too)" if len(ranks) > 1 else "")
+            for reason, ranks in by_reason.items()]
+
+
+def finished_ranks(failures: dict[int, Any], agent_dir: str | os.PathLike) -> set[int]:
+    """The ranks among `failures` whose process had marked its work
+    complete (worker.mark_done: its pid, beside its error file in the
+    agent's dir) before it ended."""
+    from .worker import DONE_MARKER
+
+    done = set()
+    for marker in Path(agent_dir).rglob(DONE_MARKER):
+        try:
+            done.add(int(marker.read_text()))
+        except (OSError, ValueError):
+            pass
+    return {r for r, f in failures.items() if f.pid in done}
 
 
 # What gloo says when the rank at the other end of a connection is gone.
@@ -217,7 +264,7 @@ def refused(failures: dict[int, Any]) -> str | None:
     """The reason, when the workers refused to train (exit 2, e.g. a
     rewrite that is not the original model) and no rank failed otherwise
     (the agent stops the rest with SIGTERM): one line for all ranks."""
-    from .worker import EXIT_REFUSED
+    from tpctl.errors import EXIT_USAGE as EXIT_REFUSED
 
     codes = {f.exitcode for f in failures.values()}
     if EXIT_REFUSED not in codes or not codes <= {EXIT_REFUSED, -signal.SIGTERM}:
@@ -229,6 +276,10 @@ def refused(failures: dict[int, Any]) -> str | None:
 def failure_reason(failure: Any) -> str:
     """One line on why a rank died: `<ExceptionType>: <message>` of what its
     @record'ed main raised, or the signal that killed it."""
+    if failure.exitcode == -signal.SIGALRM:
+        from .worker import ALARM_REASON
+
+        return ALARM_REASON
     if failure.exitcode < 0:
         return f"killed by {failure.signal_name()}"
     message = failure.message
@@ -242,18 +293,20 @@ def failure_reason(failure: Any) -> str:
 
 
 def wait_for_rendezvous_host(endpoint: str, timeout_s: float) -> str | None:
-    """None once something listens at `endpoint` (node 0's rendezvous
-    store), trying until `timeout_s` has passed; else one line on why not:
-    the host does not resolve, is unreachable, or refuses the port (node 0
-    not started). torch's own client would retry for its store timeout and
-    then fail with a C++ stack."""
+    """None once node 0's rendezvous store answers at `endpoint`, trying
+    until `timeout_s` has passed; else one line on why not: the host does
+    not resolve, is unreachable, refuses the port (node 0 not started), or
+    accepts connections and never answers (something else listens there).
+    torch's own client would retry for its store timeout and then fail
+    with a C++ stack, or wait for ever on a silent endpoint."""
     host, _, port = endpoint.rpartition(":")
     deadline = time.monotonic() + timeout_s
     why = "nothing answered"
     while True:
         try:
             with socket.create_connection((host, int(port)), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
-                return None
+                pass
+            return store_answers(host, int(port), deadline, timeout_s)
         except socket.gaierror as e:
             return f"the rendezvous host {host!r} of launcher.rdzv_endpoint={endpoint} does not resolve ({e.strerror})"
         except ConnectionRefusedError:
@@ -263,6 +316,48 @@ def wait_for_rendezvous_host(endpoint: str, timeout_s: float) -> str | None:
         if time.monotonic() >= deadline:
             return f"cannot reach the rendezvous at {endpoint} within launcher.rdzv_timeout_s={timeout_s}: {why}"
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
+# Connects to a c10d store as a rendezvous client does, in a child process:
+# torch's client ignores its timeout when the other end accepts and stays
+# silent, and a call blocked in it cannot be interrupted. "1" once torch is
+# imported (not counted in the rendezvous time), "2" once the store answered.
+_STORE_PROBE = """import datetime, sys
+from torch.distributed import TCPStore
+print(1, flush=True)
+TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, wait_for_workers=False,
+         timeout=datetime.timedelta(seconds=float(sys.argv[3])))
+print(2, flush=True)
+"""
+
+
+def store_answers(host: str, port: int, deadline: float, timeout_s: float) -> str | None:
+    """None when a c10d store answers at host:port before `deadline` (at
+    least a few seconds from now), else why not."""
+    import subprocess
+
+    endpoint = f"{host}:{port}"
+    left = max(5.0, deadline - time.monotonic())
+    probe = subprocess.Popen([sys.executable, "-c", _STORE_PROBE, host, str(port), str(left)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        imported = probe.stdout.readline()
+        try:
+            out, err = probe.communicate(timeout=left)
+        except subprocess.TimeoutExpired:
+            out, err = "", ""
+        if "2" in out:
+            return None
+        if not imported:
+            reason = err.strip().splitlines()[-1] if err.strip() else f"exit status {probe.returncode}"
+            return f"cannot check the rendezvous at {endpoint}: {reason}"
+        return (f"the rendezvous endpoint {endpoint} accepts connections but does not answer as node 0's rendezvous "
+                f"store would within launcher.rdzv_timeout_s={timeout_s}: is launcher.rdzv_endpoint node 0's address "
+                "and port, with nothing else listening there?")
+    finally:
+        if probe.poll() is None:
+            probe.kill()
+            probe.wait()
 
 
 def _module_exists(name: str) -> bool:

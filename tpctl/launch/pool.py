@@ -38,6 +38,9 @@ def _serve(rank: int, world: int, port: int, tasks, results, timeout_s: float) -
         except BaseException:  # report everything; the pool decides
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
+    from .worker import leave
+
+    leave(0)  # as a worker leaves: never through finalisation with gloo's threads alive
 
 
 class DistPool:

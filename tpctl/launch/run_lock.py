@@ -19,11 +19,12 @@ import fcntl
 import os
 import time
 from pathlib import Path
+from tpctl.errors import TpctlError
 
 LOCK_NAME = ".lock"
 
 
-class RunDirBusy(Exception):
+class RunDirBusy(TpctlError):
     """The run dir is locked by another live process; the message is one line."""
 
 

@@ -23,6 +23,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tpctl.parallel.layout import Layout
+from tpctl.errors import EXIT_FAILED, fail
+
 SUBMITIT_MISSING = "launcher=slurm submits through submitit, which is not installed: pip install 'tpctl[slurm]' (or pip install submitit)"
 
 
@@ -76,7 +79,7 @@ def dry_run(cfg: Any, run_dir: Path) -> str:
     lines = [f"tpctl: dry run: would submit to Slurm (nothing submitted); the job reads {run_dir / 'config.yaml'}",
              "submitit.SlurmExecutor parameters: " + json.dumps(executor_parameters(cfg), sort_keys=True),
              f"each of the {cfg.launcher.nnodes} tasks calls: tpctl.launch.slurm.run_node({str(run_dir / 'config.yaml')!r}) -> "
-             f"{cfg.size * cfg.dp // cfg.launcher.nnodes} workers, rendezvous at <first node>:{cfg.launcher.master_port}"]
+             f"{Layout.from_config(cfg).world // cfg.launcher.nnodes} workers, rendezvous at <first node>:{cfg.launcher.master_port}"]
     script = sbatch_script(cfg, run_dir)
     if script is None:
         lines.append("(install submitit to see the sbatch script: pip install 'tpctl[slurm]')")
@@ -90,12 +93,10 @@ def submit(cfg: Any, run_dir: Path) -> int:
     try:
         executor = _executor(cfg, Path(run_dir))
         if executor is None:
-            print(f"tpctl: error: {SUBMITIT_MISSING}", file=sys.stderr)
-            return 1
+            return fail(f"{SUBMITIT_MISSING}", EXIT_FAILED)
         job = executor.submit(run_node, str(Path(run_dir) / "config.yaml"))
     except Exception as e:  # no srun/sbatch here, or Slurm refusing: one line
-        print(f"tpctl: error: Slurm submission failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}", file=sys.stderr)
-        return 1
+        return fail(f"Slurm submission failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}", EXIT_FAILED)
     print(f"tpctl: submitted Slurm job {job.job_id} ({cfg.launcher.nnodes} nodes); its output: {Path(run_dir) / 'slurm'}")
     return 0
 

@@ -1,10 +1,22 @@
 """One rank of a run; started by the launcher through torchrun as
 `python -m tpctl.launch.worker <run dir>/config.yaml`. It reads the resolved config
-and never runs Hydra. Each arrow of a run's flow is one call in `main`."""
+and never runs Hydra. Each arrow of a run's flow is one call in `run`.
+
+Every worker entry point (this one, `generate_worker`) runs through `serve`:
+it ties the rank's life to the launcher's before anything heavy is
+imported, maps what `run` raised to the exit status, and leaves with
+`leave`, never through interpreter finalisation (see `leave` for why). So
+nothing heavy is imported at module level here: torch comes after
+`die_with_parent`.
+"""
 
 from __future__ import annotations
 
-import datetime
+if __name__ == "__main__":  # first of all (see `serve`)
+    from tpctl.errors import quiet_interrupts
+
+    quiet_interrupts()
+
 import json
 import logging
 import math
@@ -12,35 +24,55 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Callable, NoReturn
 
-import torch
-import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
+from tpctl.errors import EXIT_INTERRUPTED, EXIT_USAGE, LAUNCHER_PID_ENV, import_torch
 
 log = logging.getLogger("tpctl.worker")
 # The exit status of a rank that refuses to train a rewrite that differs
 # from the original (the launcher passes it on, as for a bad config).
-EXIT_REFUSED = 2
+# Written beside the rank's torchelastic error file (its pid) once its work
+# is complete (its files written and closed): the launcher tells a rank
+# that died after that from one that failed (launch/local.py, `finished_ranks`).
+DONE_MARKER = "tpctl-done"
 
 
-def init_distributed(device: str, timeout_s: float, backend: str = "auto") -> torch.device:
+def init_distributed(device: str, timeout_s: float, backend: str = "auto"):
     """Join the process group torchrun set up: `backend` "auto" is nccl on
     CUDA and gloo on CPU; gloo with device=cuda lets ranks share GPUs (rank
     r on GPU LOCAL_RANK mod the GPU count). The timeout bounds every
-    collective, so a dead rank fails the run."""
+    collective, so a dead rank fails the run, and joining the group: torch's
+    store client ignores its timeout when the store's end accepts the
+    connection and never answers, so an alarm ends the process then
+    (SIGALRM, which the launcher names: `ALARM_REASON`)."""
+    import datetime
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = resolve_backend(backend, device)
+    device_id = None
     if device == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        gpu = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(gpu)
+        device_id = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device_id)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(max(1, math.ceil(timeout_s)) + 5)  # the store's own timeout first, where it keeps it
+    try:
         if backend == "nccl":
-            dist.init_process_group("nccl", timeout=timeout, device_id=gpu)
+            dist.init_process_group("nccl", timeout=timeout, device_id=device_id)
         else:
             dist.init_process_group(backend, timeout=timeout)
-        return gpu
-    dist.init_process_group(backend, timeout=timeout)
-    return torch.device("cpu")
+    finally:
+        signal.alarm(0)
+    return device_id if device_id is not None else torch.device("cpu")
+
+
+# How the launcher names a rank ended by init_distributed's alarm.
+ALARM_REASON = ("did not join the process group within launcher.collective_timeout_s: its store (rank 0's, or "
+                "the launcher's) accepted the connection and never answered")
 
 
 def resolve_backend(backend: str, device: str) -> str:
@@ -51,17 +83,23 @@ def resolve_backend(backend: str, device: str) -> str:
 
 
 def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this worker if the launcher dies, even by
-    SIGKILL, so no orphaned rank keeps waiting in a collective."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
+    """Tie this rank's life to the launcher's: Linux SIGTERMs it when the
+    launcher dies, even by SIGKILL, so no orphaned rank waits in a
+    rendezvous or a collective. Called before anything heavy is imported,
+    because a launcher killed while its ranks import torch must not leave
+    them behind; and since the signal only covers a death after the call,
+    a launcher already gone (this process has another parent than the pid
+    the launcher exported) ends the rank here."""
+    import signal
 
-        PR_SET_PDEATHSIG = 1
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        except OSError:
-            pass
+    from tpctl.errors import die_with_parent as signal_on_parent_death
+
+    signal_on_parent_death(signal.SIGTERM)
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher and os.getppid() != int(launcher):
+        print(f"tpctl: rank {os.environ.get('RANK', '?')}: the launcher (pid {launcher}) is gone; not starting",
+              file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGTERM)
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:
@@ -96,6 +134,9 @@ def start_worker(config_path: Path, adjust=None):
     logs/rank<r>.log, seed torch's own generator from (seed, rank) and
     build this rank's parallel machinery. Returns (cfg, Parallelism);
     `adjust` (Layout -> Layout) may change the config's layout."""
+    import torch
+    import torch.distributed as dist
+
     from tpctl.config import load_worker_config
     from tpctl.parallel.layout import Layout
     from tpctl.parallel.parallelism import parallelism
@@ -114,27 +155,29 @@ def start_worker(config_path: Path, adjust=None):
     return cfg, par
 
 
-@record
-def run(argv: list[str] | None = None) -> None:
+def run(argv: list[str]) -> None:
+    import torch.distributed as dist
+
     from tpctl.parallel.verify import parallelize_verified
     from tpctl.training.data import TokenData, prepare_data
     from tpctl.models import build_model
     from tpctl.training.loop import Trainer
 
-    config_path = Path((argv if argv is not None else sys.argv[1:])[0])
+    config_path = Path(argv[0])
     run_dir = config_path.parent
     cfg, par = start_worker(config_path)
     mesh = par.mesh
     # Lazy: each rank makes one parameter whole at a time, to slice its shard.
     # The rewrite, proven equal to the original before step 1 unless
-    # train.verify_rewrite=false (RewriteRefused: exit 2, see main).
+    # train.verify_rewrite=false (RewriteRefused: exit 2, see `failed`).
     model, verified = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), par, cfg.model.get("plan"),
                                            cfg.train.verify_rewrite)
     if verified is not None:
         log.info("verify: %s", verified.line(par.mode))
         if mesh.rank == 0:
             print(f"tpctl: {verified.line(par.mode)}", flush=True)
-    data = TokenData(cfg, prepare_data(cfg))
+    # The launcher has scanned the data's ids; each batch read is checked (Trainer).
+    data = TokenData(cfg, prepare_data(cfg, scan_ids=False))
     log.info("data: %s", data.describe())
     if mesh.rank == 0:
         whole = sum(math.prod(p.tpctl_spec.full_shape) for p in model.parameters())
@@ -174,6 +217,8 @@ def find_resume(cfg, run_dir: Path, rank: int):
     """(checkpoint path, manifest) to resume from, or None. Rank 0 picks and
     verifies it (after a restart by torchrun: the newest valid one of the run
     dir) and tells the others, so a bad checkpoint fails every rank alike."""
+
+    from tpctl.parallel import comm
     from tpctl.training.checkpoint import CheckpointError, resolve_resume
 
     choice: list = [None]
@@ -187,44 +232,115 @@ def find_resume(cfg, run_dir: Path, rank: int):
             choice = [(str(found[0]), found[1]) if found else None]
         except Exception as e:  # the other ranks wait in the broadcast: always tell them
             choice = [f"train.resume={cfg.train.resume!r}: {e}"]
-    dist.broadcast_object_list(choice, src=0)
+    choice[0] = comm.broadcast_object(choice[0])
     if isinstance(choice[0], str):
         raise CheckpointError(choice[0])
     return None if choice[0] is None else (Path(choice[0][0]), choice[0][1])
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Run this rank; on failure exit 1 with the full traceback in
+def serve(run: Callable[[list[str]], None], argv: list[str] | None = None) -> NoReturn:
+    """Run one rank of a worker entry point, `run(argv)` (argv[0]: the run's
+    config.yaml), and end the process with its exit status: 0 done (its
+    work complete: `mark_done`), 130 interrupted, 2 refused (a rewrite
+    that is not the model), 1 failed, with the full traceback in
     logs/rank<r>.log and nothing on the terminal: the launcher prints one
-    line per failed rank from the error @record has written."""
-    from tpctl.parallel.verify import RewriteRefused
+    line per failed rank from the error @record has written. Ctrl-C, which
+    the launcher forwards to its ranks, ends a rank quietly while its
+    module starts (errors.quiet_interrupts, the entry module's first
+    statement), and as KeyboardInterrupt from here on."""
+    import signal
 
     die_with_parent()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        run(argv)
+        # Ctrl-C (the launcher forwards it) from here on: KeyboardInterrupt,
+        # so that what the rank has written is flushed (`leave`).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        import_torch()
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        record(run)(argv)
+        mark_done()
+        status = 0
     except KeyboardInterrupt:
-        # Ctrl-C reaches every rank; the launcher reports it once.
-        sys.exit(130)
-    except RewriteRefused:
+        # Ctrl-C reaches every rank (and may come while torch is imported);
+        # the launcher reports it once.
+        status = EXIT_INTERRUPTED
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException as e:
+        status = failed(e, argv)
+    leave(status)
+
+
+def failed(error: BaseException, argv: list[str]) -> int:
+    """The exit status of a rank that raised `error`, once it is recorded."""
+    from tpctl.parallel.verify import RewriteRefused
+
+    if isinstance(error, RewriteRefused):
         # Every rank refuses alike; the launcher prints the one line
         # (@record has kept it) and exits 2 as for a bad config.
-        sys.exit(EXIT_REFUSED)
-    except SystemExit:
-        raise
-    except BaseException as e:
-        if not isinstance(e, Exception):  # e.g. DCP's CheckpointException: @record only records Exceptions
-            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+        return EXIT_USAGE
+    if not isinstance(error, Exception):  # e.g. DCP's CheckpointException: @record only records Exceptions
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-            ErrorHandler().record_exception(e)
-        config_path = Path((argv if argv is not None else sys.argv[1:])[0])
-        log_traceback(config_path.parent, os.environ.get("RANK", "?"))
-        # Another rank died (and the launcher names it): one line here, not
-        # a traceback per surviving rank.
-        lost = LOST_PEER.search(str(e))
-        if lost:
-            print(f"tpctl: rank {os.environ.get('RANK', '?')}: a peer rank is gone ({lost.group(0).strip()})",
-                  file=sys.stderr, flush=True)
-        sys.exit(1)
+        ErrorHandler().record_exception(error)
+    rank = os.environ.get("RANK", "?")
+    log_traceback(Path(argv[0]).parent, rank)
+    # Another rank died (and the launcher names it): one line here, not
+    # a traceback per surviving rank.
+    lost = LOST_PEER.search(str(error))
+    if lost:
+        print(f"tpctl: rank {rank}: a peer rank is gone ({lost.group(0).strip()})", file=sys.stderr, flush=True)
+    return 1
+
+
+def mark_done() -> None:
+    """Record that this rank's work is complete, beside its error file
+    (outside the run dir, whose disk may be full): whatever happens to the
+    process after this, its outputs are written and closed."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            (Path(error_file).parent / DONE_MARKER).write_text(str(os.getpid()))
+        except OSError:
+            pass
+
+
+def leave(status: int) -> NoReturn:
+    """End this process now with `status`, after what a normal exit does
+    before finalising the interpreter (the atexit handlers: logging's
+    flush and close, torch's cache writes and pool shutdowns, the
+    multiprocessing finalisers), but without finalising it.
+
+    Why: gloo runs each collective on a worker thread that lets go of the
+    collective's tensors only after the caller has returned from it, and
+    those threads outlive `destroy_process_group` (gloo's shutdown does
+    nothing; the group lives on while anything holds it: the mesh, the
+    modules, torch.distributed.nn.functional's default arguments, which
+    captured the world group when DCP imported it). Dropping the last
+    reference to a tensor Python has seen needs the GIL. A rank that exits
+    milliseconds after its last collective can reach finalisation first;
+    a thread that asks for the GIL then is ended by Python with
+    pthread_exit, whose unwinding crosses gloo's noexcept destructor:
+    std::terminate, SIGABRT, a finished run reported as failed
+    (tests/teardown_race.py reproduces it; `os._exit` leaves no such
+    window: the kernel ends every thread at once)."""
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: nothing more can be said
+                pass
+        os._exit(status)
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    serve(run, argv)
 
 
 # gloo's words for a connection whose other end died, with the peer's

@@ -124,6 +124,10 @@ def check_model(cfg: Any) -> RolePlan:
     except (ValueError, TypeError, RuntimeError) as e:
         raise ConfigError("model", what, f"tracing the model's forward failed: {type(e).__name__}: {e}") from None
     problems = check_plan(plan, model, Layout.from_config(cfg).geo)
+    if cfg.seq_parallel and "experts" in plan.roles.values():
+        raise ConfigError("seq_parallel", True, "sequence parallelism with a mixture-of-experts block is not supported "
+                          "(its routed experts and shared expert would need one sum over the sequence shards after "
+                          "the block flattens its rows); expected seq_parallel=false")
     if problems:
         name, reason = next(iter(problems.items()))
         raise ConfigError("model", what, f"mode={cfg.mode} size={cfg.size} cannot shard module {name}: {reason}")

@@ -87,11 +87,13 @@ class ParamInit(ParamSource):
         shape = tuple(param.shape)
         if is_norm(module):
             return torch.ones(shape) if attr == "weight" else torch.zeros(shape)
-        if isinstance(module, (nn.Linear, nn.Embedding)) and attr == "weight":
-            generator = torch.Generator().manual_seed(derive_seed(self.seed, name))
-            return torch.randn(shape, generator=generator).mul_(self._std(name))
         if isinstance(module, nn.Linear) and attr == "bias":
             return torch.zeros(shape)
+        # A Linear's or Embedding's weight, or a matrix of another layer
+        # (experts' 3-d weights, a router's experts x hidden).
+        if isinstance(module, (nn.Linear, nn.Embedding)) and attr == "weight" or len(shape) >= 2:
+            generator = torch.Generator().manual_seed(derive_seed(self.seed, name))
+            return torch.randn(shape, generator=generator).mul_(self._std(name))
         raise ValueError(f"no initial value rule for {name} ({type(module).__name__}.{attr})")
 
 

@@ -12,6 +12,8 @@ A mode answers three questions:
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -23,10 +25,12 @@ from . import comm
 from .data_parallel import all_reduce_coalesced
 from .mesh import Mesh
 from .geometry import Geometry, padded_vocab
-from .layers import embedding_semantics, norm_offset
+from .experts import DenseExperts, experts_layout
+from .fused import held_units
+from .layers import SplitNorm, embedding_semantics, norm_offset, norm_width
 from .loss import vocab_parallel_cross_entropy
-from .roles import RolePlan, resolve_plan
-from .shard import ShardSpec, make_param, spec_of
+from .roles import GROUP_ATTRS, KV_ATTRS, RolePlan, resolve_plan
+from .shard import RowReplicas, ShardSpec, make_param, spec_of
 
 
 
@@ -102,6 +106,10 @@ class ParallelMode:
         self.geo = mesh.geo
         # Fused Linear name -> its FusedLayout (parallel/fused.py), from the plan.
         self.layouts: dict = {}
+        # proj_norm -> the Linear it normalises, and that Linear -> its role (from the plan).
+        self.sources: dict = {}
+        self.source_roles: dict = {}
+        self.head_rows: dict = {}  # per-head norms with one weight row per head (from the plan)
 
     # ---- data ---------------------------------------------------------
     def read_block(self) -> tuple[int, int]:
@@ -226,10 +234,97 @@ class ParallelMode:
             layout = FusedLayout.equal(module.out_features, ("q", "k", "v"))
         return layout
 
+    def convert_proj_norm(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """A norm over all heads of q or k (OLMo-2): its features are the
+        output features of the projection it normalises, held as that
+        projection's are (where its bias would land), the moments summed
+        over the ranks splitting them; a shared key/value head, held by
+        several of them, is counted once."""
+        source = self.sources[ctx.name]
+        role, layout = self.source_roles[source], self.layouts.get(source)
+        spec = lambda p: self.output_spec(p, role, layout)  # noqa: E731
+        features = spec(torch.empty(norm_width(module), device="meta")).index[0]
+        copies = 1
+        if layout is not None and layout.shares(self.geo.head_split):
+            counts = layout.holders(self.geo.head_split)
+            if not bool((counts == counts[0]).all()):
+                raise ValueError(f"{ctx.name}: one norm over features held by different numbers of ranks")
+            copies = int(counts[0])
+        return SplitNorm.like(module, features, lambda p, f: ctx.shard(p, spec(p)), self.output_group(role), copies)
+
+    def output_spec(self, tensor: torch.Tensor, role: str, layout=None, n: Optional[int] = None) -> ShardSpec:
+        """Where a Linear of `role` puts its output features (its bias's
+        ShardSpec): they follow its weight's `layout` if it has one."""
+        return self.split_spec(tensor)
+
+    def output_group(self, role: str):
+        """The ranks splitting the output features of a Linear of `role`
+        (the same rows): what a norm over them sums over."""
+        return None
+
+    def splits_stream(self, ctx: RewriteContext) -> bool:
+        """Whether the residual stream where the module being converted
+        sits is split between ranks (rows, hidden or sequence)."""
+        return False
+
+    def convert_pos_table(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """A table of constants as wide as the stream (sinusoidal
+        positions): its output, computed whole, cut to this rank's piece."""
+        if self.splits_stream(ctx):
+            module.register_forward_hook(lambda mod, args, out: self.shard_hidden(out))
+        return module
+
+    def stream_group(self):
+        """The ranks holding the other hidden features of this rank's rows
+        of the residual stream (None: a rank holds whole rows)."""
+        return None
+
+    def convert_router(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """A mixture-of-experts router (or a per-row gate beside it) scores
+        a row from its whole hidden vector, and every rank holding the row
+        must route it alike: it runs as written on the row gathered over
+        the ranks holding its other features, its weight whole on every
+        rank. Its output feeds split activations, so each rank's gradient is
+        a partial sum over the group (and the gather's backward sums the
+        input's)."""
+        group = self.stream_group()
+        if group is None:  # whole rows, replicated: every rank computes the same gradient
+            return module
+        for param in module.parameters():
+            self.replicated(param, "tp", partial=True)
+        module.register_forward_pre_hook(functools.partial(_gather_hidden, group=group), with_kwargs=True)
+        return module
+
+    def convert_experts(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """Every expert's MLP sharded like any MLP, run by the mode's own
+        Linear layers on every row this rank holds (parallel/experts.py)."""
+        gate_up, down, layout = experts_layout(module)
+        weights = {}
+        for name, role, fused in ((gate_up, "mlp_in", layout), (down, "mlp_out", None)):
+            full = getattr(module, name)
+            plane = self.weight_spec(full[0], role, fused)  # one expert's (out, in) matrix, as a Linear's
+            weights[name] = ctx.shard(full, dataclasses.replace(plane, full_shape=tuple(full.shape),
+                                                                index=(None,) + plane.index))
+        return DenseExperts(module, gate_up, down, weights, self.linear_fn("mlp_in"), self.linear_fn("mlp_out"))
+
+    def weight_spec(self, weight: torch.Tensor, role: str, layout=None, n: Optional[int] = None) -> ShardSpec:
+        """The ShardSpec of a Linear's (out, in) weight for `role`."""
+        raise ValueError(f"mode {self.name} has no weight layout for role {role!r}")
+
+    def linear_fn(self, role: str) -> Callable:
+        """(x, this rank's weight shard) -> y: the mode's Linear for `role`."""
+        raise ValueError(f"mode {self.name} has no Linear for role {role!r}")
+
     def convert_head_norm(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
         """A norm over each head of q or k runs as written on this rank's
         whole heads; its weight sees only those heads (and rows), so its
-        gradient is a partial sum over the tensor-parallel group."""
+        gradient is a partial sum over the tensor-parallel group. A weight
+        holding one row per head (Cohere) keeps this rank's heads' rows."""
+        if ctx.name in self.head_rows and self.geo.head_split > 1:
+            for attr, param in list(module.named_parameters(recurse=False)):
+                held = held_units(param.shape[0], self.geo.head_split, self.head_block())
+                setattr(module, attr, ctx.shard(param, self.split_spec(param, 0, ((held.start, held.stop),))))
+            return module
         for param in module.parameters():
             self.replicated(param, "tp", partial=self.rewrites)
         return module
@@ -257,13 +352,6 @@ class ParallelMode:
 
 
 # ---- the rewrite --------------------------------------------------------
-
-def module_roles(model: nn.Module, plan: Optional[dict[str, str]] = None) -> dict[str, str]:
-    """{module name: role} for every module the rewrite replaces, in
-    definition order: from `plan` (module-name patterns -> roles), the
-    model's `tp_plan`, or traced from its forward (parallel.roles)."""
-    return resolve_plan(model, plan).roles
-
 
 def as_mode(tp) -> ParallelMode:
     """The tensor-parallel mode of `tp`: a ParallelMode, or a
@@ -320,6 +408,9 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
     init = None if dry_run else getattr(model, "tpctl_init", None)
     ctx = RewriteContext(mode.mesh, init, shapes_only=dry_run)
     mode.layouts = dict(getattr(plan, "layouts", {}))
+    mode.sources = dict(getattr(plan, "sources", {}))
+    mode.source_roles = {linear: plan.roles[linear] for linear in mode.sources.values()}
+    mode.head_rows = dict(getattr(plan, "head_rows", {}))
     mode.prepare(model, plan)
     rewritten = []
     for name, role in plan.roles.items():
@@ -333,11 +424,15 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
         if new is not module:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    for block, attrs in getattr(plan, "widths", {}).items():  # the stream's width as this rank holds it
+        for attr, full in attrs.items():
+            setattr(model.get_submodule(block), attr, full // mode.geo.q)
+    split = mode.geo.head_split
     for owner, heads in plan.heads.items():
         module = model.get_submodule(owner)
         for attr, full in heads.attrs.items():
-            setattr(module, attr, full // mode.geo.head_split)
-        per_rank_counts(module, heads, mode.geo.head_split)
+            setattr(module, attr, heads.local(attr, full, split))
+        per_rank_counts(module, heads, split)
         if heads.per_head_args and mode.geo.head_split > 1:
             module.register_forward_pre_hook(PerHeadSlice(heads, mode), with_kwargs=True)
     if init is not None:
@@ -350,6 +445,18 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
                 mode.replicated(param, "tp", partial=False)
             elif not dry_run:
                 raise ValueError(f"parameter {name!r} has no role in the plan; mode {mode.name} cannot leave it whole")
+    for name in plan.head_lists if split > 1 else ():
+        whole = model.get_submodule(name)
+        held = held_units(len(whole), split, mode.head_block())
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, HeldHeads({i: whole[i] for i in held}))
+    # Parameters several ranks hold alike with partial gradients, beyond the
+    # mode's own groups: shared key/value heads, and this rank's per-head norms.
+    shared = [name for name, layout in plan.layouts.items() if layout.shares(split)]
+    shared += [norm for norm, source in mode.sources.items() if source in shared]
+    shared += list(plan.head_lists) + list(plan.head_rows) if split > 1 else []
+    if shared and not dry_run:  # (which rank shares what is learnt by communicating)
+        share_slices(model, shared, mode.mesh)
     model.tpctl_mode = mode  # marks the model as rewritten (and by which mode)
     model.tpctl_plan = plan
     if dry_run:  # (a real rewrite keeps no reference to the originals: their memory goes)
@@ -359,8 +466,7 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
 
 # Head counts a model's config may hold, which an attention module reads at
 # run time (Phi-3: config.num_attention_heads * head_dim).
-CONFIG_COUNTS = ("num_attention_heads", "num_key_value_heads", "num_heads", "n_head", "n_heads", "num_kv_heads",
-                 "n_kv_head", "n_kv_heads", "multi_query_group_num")
+CONFIG_COUNTS = ("num_attention_heads", "num_heads", "n_head", "n_heads", *KV_ATTRS)
 
 
 def per_rank_counts(module: nn.Module, heads, split: int) -> None:
@@ -375,8 +481,90 @@ def per_rank_counts(module: nn.Module, heads, split: int) -> None:
     if counts:
         local = copy.copy(config)
         for attr, full in counts.items():  # (aliases of one count, e.g. n_head, get the same value)
-            setattr(local, attr, full // split)
+            setattr(local, attr, heads.local(attr, full, split))
         module.config = local
+
+
+def share_slices(model: nn.Module, names: list[str], mesh: Mesh) -> None:
+    """The parameters of modules `names` hold key/value heads shared by
+    several ranks (fewer heads than the split): every rank of the
+    tensor-parallel group holding the same rows (output features) of the
+    same parameter, with the same other dimensions, is one of their
+    replicas, each with the gradient of its own query heads (and rows),
+    summed over exactly those ranks. A fused projection also holds rows of
+    its own (its query heads): its rows then carry their replicas run by run
+    (ShardSpec.row_replicas). Who holds what is learnt with one gather over
+    the group; the replica groups are made once per mesh."""
+    mine = {}
+    for owner in names:
+        for attr, p in model.get_submodule(owner).named_parameters():
+            mine[f"{owner}.{attr}"] = p
+    keys = {}
+    for name, p in mine.items():
+        spec = spec_of(p)
+        keys[name] = (spec.index[1:], spec.index[0] or ((0, spec.full_shape[0]),))
+    everyone = comm.all_gather_object(keys, mesh.tp_group)
+
+    def pieces(name: str, t: int) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(start, stop, holders) of tp rank t's rows of `name`, cut where
+        the set of ranks holding them changes."""
+        rest, rows = everyone[t][name]
+        others = [(u, theirs[name][1]) for u, theirs in enumerate(everyone) if theirs.get(name, (None,))[0] == rest]
+        cuts = sorted({x for _, ranges in others for a, b in ranges for x in (a, b)})
+        out = []
+        for a, b in rows:
+            points = [a] + [c for c in cuts if a < c < b] + [b]
+            for lo, hi in zip(points, points[1:]):
+                holders = tuple(u for u, ranges in others if any(x <= lo and hi <= y for x, y in ranges))
+                if out and out[-1][1] == lo and out[-1][2] == holders:
+                    out[-1] = (out[-1][0], hi, holders)
+                else:
+                    out.append((lo, hi, holders))
+        return out
+
+    # Every rank makes every set's group, in one order (process groups are collective).
+    sets = sorted({h for t, theirs in enumerate(everyone) for name in theirs for _, _, h in pieces(name, t)})
+    groups = mesh.tp_subgroups(sets)
+    for name, p in mine.items():
+        spec, mine_pieces = spec_of(p), pieces(name, mesh.tp_rank)
+        if len({h for _, _, h in mine_pieces}) == 1:  # one replica set for the whole shard
+            group, ranks = groups[mine_pieces[0][2]]
+            p.tpctl_spec = dataclasses.replace(spec, replica_ranks=tuple(ranks), partial_grad=len(ranks) > 1,
+                                               replica_group=group)
+            continue
+        runs, at = [], 0
+        for lo, hi, holders in mine_pieces:
+            group, ranks = groups[holders]
+            runs.append(RowReplicas(at, at + hi - lo, tuple(ranks), group))
+            at += hi - lo
+        index = (tuple((lo, hi) for lo, hi, _ in mine_pieces),) + spec.index[1:]
+        p.tpctl_spec = dataclasses.replace(spec, index=index, replica_ranks=(), partial_grad=False,
+                                           replica_group=None, row_replicas=tuple(runs))
+
+
+def _gather_hidden(module, args, kwargs, group):
+    """Pre-hook: the first argument (or hidden_states) gathered along its
+    last dimension over `group`: whole hidden vectors of this rank's rows."""
+    if args:
+        return (comm.gather_along(args[0], group, -1), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": comm.gather_along(kwargs["hidden_states"], group, -1)}
+
+
+class HeldHeads(nn.ModuleList):
+    """A list of per-head modules (one norm per head) holding this rank's
+    heads only, under their original indices (so parameter names, hence
+    checkpoints and the start-up check, are the whole model's); iterating
+    and indexing go over the held ones, as the module's forward on a rank's
+    heads expects (StableLM: zip(self.norms, heads))."""
+
+    def __init__(self, held: dict[int, nn.Module]):
+        nn.Module.__init__(self)
+        for i, module in held.items():
+            self.add_module(str(i), module)
+
+    def __getitem__(self, idx):
+        held = list(self._modules.values())
+        return nn.ModuleList(held[idx]) if isinstance(idx, slice) else held[idx]
 
 
 class PerHeadSlice:
@@ -390,6 +578,9 @@ class PerHeadSlice:
         self.row_block = mode.attention_row_block()
 
     def _slice(self, t: torch.Tensor, rows: int) -> torch.Tensor:
+        if t.shape[0] == self.heads:  # one slice per head, shared by every row (MPT's alibi)
+            local = self.heads // self.blocks
+            return t[self.block * local:(self.block + 1) * local]
         per = t.reshape(-1, self.heads, *t.shape[1:])
         local = per.shape[1] // self.blocks
         per = per[:, self.block * local:(self.block + 1) * local]
@@ -415,15 +606,25 @@ def check_plan(plan, model: nn.Module, geo) -> dict[str, str]:
     if not mode.rewrites:
         return {}
     problems = dict(plan.problems)
+    if getattr(plan, "draws", None):
+        problems["<forward>"] = (f"the model's forward draws random numbers in training from torch's global generator "
+                                 f"({', '.join(plan.draws)}: a router sampling its experts, jitter noise, functional "
+                                 "dropout): a mode that splits rows or features cannot reproduce mode=none's draws (use "
+                                 "mode=none, or a config of the model without that randomness)")
+    ways = geo.head_split
     for owner, heads in plan.heads.items():
-        for what, count in (("query heads", heads.heads), ("key/value heads", heads.kv_heads)):
-            if count % geo.head_split:
-                why = f"{count} {what} do not split {geo.head_split} ways (mode {geo.mode}, size {geo.size})"
-                if count < geo.head_split and what.startswith("key"):
-                    why += "; tpctl splits key/value heads between ranks, it does not replicate them (multi-query attention)"
-                problems.setdefault(owner, why)
-    for name, layout in getattr(plan, "layouts", {}).items():
-        reason = layout.split_problem(geo.head_split)
+        if heads.heads % ways:
+            problems.setdefault(owner, f"{heads.heads} query heads do not split {ways} ways (mode {geo.mode}, size {geo.size})")
+        elif groups := next(((a, v) for a, v in heads.attrs.items() if a in GROUP_ATTRS and v % ways), None):
+            problems.setdefault(owner, f"its forward reshapes the fused projection into {groups[0]}={groups[1]} groups "
+                                       f"of heads, which do not split {ways} ways (mode {geo.mode}, size {geo.size})")
+        elif heads.kv_heads % ways and (heads.kv_heads > ways or ways % heads.kv_heads):
+            # Fewer key/value heads than the split are shared (each by ways / kv_heads ranks).
+            problems.setdefault(owner, f"{heads.kv_heads} key/value heads neither split {ways} ways nor are shared "
+                                       f"evenly by {ways} blocks of query heads (mode {geo.mode}, size {geo.size})")
+    layouts = getattr(plan, "layouts", {})
+    for name, layout in layouts.items():
+        reason = layout.split_problem(ways, geo.hidden_split)
         if reason:
             problems.setdefault(name, f"{reason} (mode {geo.mode}, size {geo.size})")
     split = geo.hidden_split
@@ -433,6 +634,8 @@ def check_plan(plan, model: nn.Module, geo) -> dict[str, str]:
             dims = {"out": module.out_features, "in": module.in_features}
             if mode.replicated_activations:  # only the split dimension
                 dims = {"out": module.out_features} if role not in ("attn_out", "mlp_out") else {"in": module.in_features}
+            if name in layouts:  # its output features split by their layout (checked above)
+                dims.pop("out", None)
             for which, size in dims.items():
                 if size % split:
                     problems.setdefault(name, f"{size} {which} features do not split {split} ways (mode {geo.mode}, size {geo.size})")
@@ -443,9 +646,8 @@ def check_plan(plan, model: nn.Module, geo) -> dict[str, str]:
         elif role == "lm_head" and not mode.replicated_activations and module.in_features % split:
             problems.setdefault(name, f"{module.in_features} in features do not split {split} ways (mode {geo.mode}, size {geo.size})")
         elif role == "norm" and not mode.replicated_activations:
-            weight = getattr(module, "weight", None)
-            if weight is not None and weight.shape[-1] % geo.q:
-                problems.setdefault(name, f"{weight.shape[-1]} features do not split {geo.q} ways")
+            if norm_width(module) % geo.q:
+                problems.setdefault(name, f"{norm_width(module)} features do not split {geo.q} ways")
             elif reason := _refused(norm_offset, module):
                 problems.setdefault(name, reason)
     return problems
@@ -472,7 +674,9 @@ def sync_replicas(params) -> None:
     buckets: dict[int, tuple[object, list[torch.Tensor]]] = {}
     for p in (params.parameters() if isinstance(params, nn.Module) else params):
         spec = spec_of(p)
-        if p.grad is not None and spec is not None and spec.partial_grad and len(spec.replica_ranks) > 1:
-            buckets.setdefault(id(spec.replica_group), (spec.replica_group, []))[1].append(p.grad)
-    for group, grads in buckets.values():
+        for piece, group in spec.partial_parts(p.grad) if spec is not None and p.grad is not None else ():
+            buckets.setdefault(id(group), (group, []))[1].append(piece)
+    # One order on every rank (shared key/value heads give ranks different
+    # sets of groups, which must never be entered in crossing orders).
+    for group, grads in sorted(buckets.values(), key=lambda b: dist.get_process_group_ranks(b[0])):
         all_reduce_coalesced(grads, group)

@@ -108,6 +108,12 @@ class DataParallel:
             all_reduce_coalesced(grads, self.group)
 
     # ---- checkpoints and memory ------------------------------------------------------
+    def writes(self, spec: Optional[ShardSpec]) -> bool:
+        """Whether this rank writes a tensor described by `spec` into a
+        checkpoint without ZeRO: replica 0 alone (the others hold the same
+        values), and there the first of the grid's copies."""
+        return self.rank == 0 and _first_copy(self.mesh, spec)
+
     def held(self, model: nn.Module) -> Iterator[Held]:
         """Each parameter of `model` (tied ones once) as this rank holds it.
         Without ZeRO replica 0 writes (the others hold the same values), and
@@ -116,7 +122,7 @@ class DataParallel:
         for name, p in model.named_parameters():
             if self.zero is None or not self.stage:
                 param, values, spec = p, p.data, spec_of(p)
-                write = self.rank == 0 and _first_copy(self.mesh, spec)
+                write = self.writes(spec)
             else:
                 param, values, spec = self.zero.held(self.zero.index_of(p))
                 write = _first_copy(self.mesh, spec)
@@ -137,7 +143,10 @@ class DataParallel:
 
 def _first_copy(mesh: Mesh, spec: Optional[ShardSpec]) -> bool:
     """Whether this rank holds the first of the tensor-parallel grid's
-    identical copies of `spec` (or the only one)."""
+    identical copies of `spec` (or the only one); rows with replicas of
+    their own are decided box by box (ShardSpec.writes_rows)."""
+    if spec is not None and spec.row_replicas:
+        return True
     return spec is None or not spec.replica_ranks or mesh.rank == spec.replica_ranks[0]
 
 

@@ -30,7 +30,24 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
+from .layers import CacheOff
 from .shard import Ranges, _merge
+
+
+# Parts whose units are key/value heads: fewer of them than shards is
+# allowed (multi-query attention, 8 KV heads at a split of 16), each head
+# then held whole by every shard whose query heads read it, as Megatron
+# does; the copies' gradients are partial sums (parallel/base.py sums them).
+SHARED_PARTS = ("k", "v")
+
+
+def held_units(count: int, shards: int, s: int) -> range:
+    """Which of `count` heads (units) shard `s` of `shards` holds: its
+    share, or (fewer heads than shards: shared key/value heads) the one its
+    query heads read."""
+    if count >= shards:
+        return range(s * count // shards, (s + 1) * count // shards)
+    return range(s * count // shards, s * count // shards + 1)
 
 
 @dataclass(frozen=True)
@@ -56,18 +73,50 @@ class FusedLayout:
         size = n // k
         return cls(tuple(names), (size,) * k, tuple(f // size for f in range(n)), tuple(f % size for f in range(n)))
 
-    def split_problem(self, shards: int) -> Optional[str]:
-        """Why the layout cannot be split `shards` ways (None: it can)."""
+    @classmethod
+    def heads(cls, n: int, heads: int, name: str) -> "FusedLayout":
+        """A projection of `heads` contiguous heads (a separate k or v
+        projection of grouped-query attention): one part."""
+        size = n // heads
+        return cls((name,), (heads,), (0,) * n, tuple(f // size for f in range(n)))
+
+    def split_problem(self, shards: int, blocks: Optional[int] = None) -> Optional[str]:
+        """Why the layout cannot be split `shards` ways, each shard stored
+        in `blocks / shards` equal blocks (3d), or None: it can."""
         for name, count in zip(self.names, self.units):
-            if count % shards:
-                return f"{count} units ({name}) of the fused layout {self.describe()} do not split {shards} ways"
+            if count % shards == 0:
+                continue
+            if name in SHARED_PARTS and shards % count == 0:
+                continue  # fewer key/value heads than shards: each shared by shards / count of them
+            if name in SHARED_PARTS and count < shards:
+                return f"{count} key/value heads ({name}) cannot be shared evenly by {shards} blocks of query heads"
+            return f"{count} units ({name}) of the layout {self.describe()} do not split {shards} ways"
+        per = (blocks or shards) // shards
+        width = sum(b - a for a, b in self.shard_features(shards, 0))
+        if width % per:
+            return f"a shard's {width} features of the layout {self.describe()} do not split {per} ways"
         return None
+
+    def shares(self, shards: int) -> bool:
+        """Whether some shards hold the same key/value heads at this split."""
+        return any(name in SHARED_PARTS and count < shards for name, count in zip(self.names, self.units))
+
+    def held_units(self, p: int, shards: int, s: int) -> range:
+        return held_units(self.units[p], shards, s)
+
+    def holders(self, shards: int) -> torch.Tensor:
+        """Per feature, how many of `shards` shards hold it: 1, or for a
+        shared key/value head the shards whose query heads read it."""
+        count = torch.zeros(self.features)
+        for s in range(shards):
+            for a, b in self.shard_features(shards, s):
+                count[a:b] += 1
+        return count
 
     def shard_features(self, shards: int, s: int) -> Ranges:
         """Features of compute shard `s` of `shards`, in their original order."""
-        out = [(f, f + 1) for f in range(self.features)
-               if self.unit[f] * shards // self.units[self.part[f]] == s]
-        return _merge(out)
+        held = [self.held_units(p, shards, s) for p in range(len(self.names))]
+        return _merge([(f, f + 1) for f in range(self.features) if self.unit[f] in held[self.part[f]]])
 
     def ranges(self, shards: int, blocks: int, index: int) -> Ranges:
         """Block `index` of `blocks` of the output dimension: block b lies in
@@ -82,6 +131,8 @@ class FusedLayout:
     def describe(self) -> str:
         widths = "+".join(f"{u}" for u in self.units)
         parts = "|".join(self.names)
+        if len(self.names) == 1:
+            return f"[{parts}] {widths} heads"
         runs = 1 + sum(1 for f in range(1, self.features) if self.part[f] != self.part[f - 1])
         order = "contiguous" if runs == len(self.names) else "interleaved"
         return f"[{parts}] {widths} units, {order}"
@@ -164,7 +215,7 @@ def _run(owner: nn.Module, fused: str, args, kwargs, tap: Optional[str] = None, 
         handles.append(clone.get_submodule(tap).register_forward_pre_hook(grab))
     ops = _Ops()
     try:
-        with torch.enable_grad(), ops:
+        with torch.enable_grad(), CacheOff(clone), ops:
             clone(*args, **kwargs)
     finally:
         for h in handles:

@@ -61,7 +61,8 @@ def is_norm(module: nn.Module) -> bool:
     if weight is None:  # a norm without parameters (OLMo's LayerNorm): its width is its normalized_shape
         shape = getattr(module, "normalized_shape", None)
         return isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1
-    return isinstance(weight, torch.Tensor) and weight.dim() == 1
+    # (a 2-d weight: one row per head, Cohere's q/k LayerNorm over each head)
+    return isinstance(weight, torch.Tensor) and weight.dim() in (1, 2)
 
 
 def is_rms_norm(module: nn.Module) -> bool:
@@ -84,11 +85,15 @@ class SplitNorm(nn.Module):
     autocast runs nn.LayerNorm, so the residual stream's precision matches
     mode=none."""
 
-    def __init__(self, weight, bias, hidden: int, eps: float, group, rms: bool = False, offset: float = 0.0):
+    def __init__(self, weight, bias, hidden: int, eps: float, group, rms: bool = False, offset: float = 0.0,
+                 features=None):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.hidden, self.eps, self.group, self.rms = hidden, eps, group, rms
         self.offset = offset  # the weight enters as (offset + weight): Gemma's RMSNorm has 1
+        # The (start, stop) ranges of the hidden features this rank holds:
+        # what the start-up check compares, with or without a weight.
+        self.features = features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .comm import sum_shared
@@ -107,14 +112,52 @@ class SplitNorm(nn.Module):
         return y if self.bias is None else y + self.bias
 
     @classmethod
-    def like(cls, module: nn.Module, shard, group) -> "SplitNorm":
-        """The split version of `module` (a LayerNorm or RMSNorm), its
-        parameters sharded by `shard(param)`."""
+    def like(cls, module: nn.Module, features, shard, group, copies: int = 1) -> "SplitNorm":
+        """The split version of `module` (a LayerNorm or RMSNorm) holding
+        the hidden features `features` (ranges), its parameters sharded by
+        `shard(param, features)`. `copies`: how many ranks of `group` hold
+        each feature (a key/value head shared by several blocks of query
+        heads), so the summed moments count every feature that many times."""
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-        hidden = weight.shape[-1] if weight is not None else module.normalized_shape[-1]
         offset = norm_offset(module)
-        return cls(None if weight is None else shard(weight), None if bias is None else shard(bias),
-                   hidden, norm_eps(module), group, rms=is_rms_norm(module), offset=offset)
+        return cls(None if weight is None else shard(weight, features), None if bias is None else shard(bias, features),
+                   norm_width(module) * copies, norm_eps(module), group, rms=is_rms_norm(module), offset=offset,
+                   features=features)
+
+
+def norm_width(module: nn.Module) -> int:
+    """The features a norm normalises over: its weight's, or (a norm
+    without parameters, OLMo's LayerNorm) its normalized_shape."""
+    weight = getattr(module, "weight", None)
+    return weight.shape[-1] if weight is not None else module.normalized_shape[-1]
+
+
+class CacheOff:
+    """A model's key/value cache off while tpctl runs its own forwards
+    (tracing, measuring a layout, verifying, training), whatever its config
+    says: `transformers` reads `config.use_cache` at every call and, with it
+    on, threads one cache object through the layers, so a module called
+    twice sees the keys of the first call. Reusable; the user's setting is
+    put back on exit (generation turns the cache on explicitly)."""
+
+    def __init__(self, model: nn.Module):
+        found = {}
+        for module in model.modules():
+            config = getattr(module, "config", None)
+            if isinstance(getattr(config, "use_cache", None), bool):
+                found[id(config)] = config
+        self.configs = list(found.values())
+        self._saved: list[bool] = []
+
+    def __enter__(self) -> "CacheOff":
+        self._saved = [c.use_cache for c in self.configs]
+        for c in self.configs:
+            c.use_cache = False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for c, value in zip(self.configs, self._saved):
+            c.use_cache = value
 
 
 def on_cpu(probe):

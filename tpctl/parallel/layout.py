@@ -50,7 +50,7 @@ class Layout:
         """The layout of a run config (or of any mapping with its top-level
         keys; `pp` and `zero` default to 1 and 0 where a config predates them)."""
         get = cfg.get if hasattr(cfg, "get") else lambda k, d=None: getattr(cfg, k, d)
-        return cls(mode=get("mode", "none"), size=int(get("size", 1)), depth=int(get("depth", 1) or 1),
+        return cls(mode=get("mode", cls.mode), size=int(get("size", 1)), depth=int(get("depth", 1) or 1),
                    dp=int(get("dp", 1)), pp=int(get("pp", 1) or 1), zero=int(get("zero", 0) or 0),
                    seq_parallel=bool(get("seq_parallel", False)))
 

@@ -47,6 +47,12 @@ class Mesh:
     # every rank (for sharded activations). See docs/DESIGN.md, "Dropout".
     rng_shared: Optional[torch.Generator] = None
     rng_local: Optional[torch.Generator] = None
+    # Groups of some positions of the tensor grid (shared key/value heads),
+    # made on demand by tp_subgroups.
+    subgroups: dict = field(default_factory=dict)
+    # Groups of other sets of tensor-parallel ranks (the holders of a shared
+    # key/value head), made on first use: positions in the group -> (group, global ranks).
+    subgroups: dict = field(default_factory=dict)
 
     @property
     def geo(self) -> Geometry:
@@ -75,6 +81,27 @@ class Mesh:
     @property
     def tp_group(self) -> Optional[dist.ProcessGroup]:
         return self.groups["tp"]
+
+    def tp_subgroups(self, sets: list[tuple[int, ...]]) -> dict[tuple, tuple]:
+        """{positions: (process group, global ranks)}: for each set of
+        positions in the tensor-parallel grid, the group of those positions
+        in this rank's grid (None where this rank is not a member, or the
+        set is one rank). Collective: every rank passes the same sets in the
+        same order; each set's group is made for every grid (every dp
+        replica and stage) alike, once per mesh."""
+        grids = self.layout.group_members("tp")
+        mine = next(g for g in grids if self.rank in g)
+        for positions in sets:
+            if positions not in self.subgroups:
+                lists = [[grid[t] for t in positions] for grid in grids]
+                group = None
+                if len(positions) > 1 and self.groups["tp"] is not None:
+                    for members in lists:
+                        made = dist.new_group(members)
+                        if self.rank in members:
+                            group = made
+                self.subgroups[positions] = (group, [mine[t] for t in positions])
+        return {s: self.subgroups[s] for s in sets}
 
 
 def build_mesh(layout: Layout, rank: Optional[int] = None, device: str | torch.device = "cpu", seed: int = 0,

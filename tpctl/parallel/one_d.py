@@ -18,6 +18,7 @@ from . import comm
 from .base import ParallelMode, RewriteContext
 from .geometry import Geometry
 from .layers import ParallelDropout, embedding_semantics, to_compute, vocab_block_lookup
+from .experts import experts_layout, routing_weights_arg
 from .registry import register
 from .roles import COLUMN_ROLES
 from .shard import ShardSpec, block
@@ -156,6 +157,10 @@ class OneD(ParallelMode):
 
     def prepare(self, model, plan) -> None:
         self.blocks, self.gathered = None, set()
+        if self.seq_parallel and "experts" in plan.roles.values():
+            raise ValueError("sequence parallelism with a mixture-of-experts block is not supported (its routed "
+                             "experts and shared expert would need one sum over the sequence shards after the block "
+                             "flattens its rows); use seq_parallel=false")
         if self.seq_parallel and plan.source == "inferred" and plan.blocks:
             self.blocks = plan.blocks
             blocks = model.get_submodule(plan.blocks)
@@ -202,6 +207,9 @@ class OneD(ParallelMode):
         """Whether the module being converted sees a sequence shard."""
         return self.seq_parallel and (self.blocks is None or ctx.name.startswith(self.blocks + "."))
 
+    def splits_stream(self, ctx) -> bool:
+        return self._shards_sequence(ctx)
+
     def shard_hidden(self, rows: torch.Tensor) -> torch.Tensor:
         return comm.split_block(rows, self.group, SEQ_DIM) if self.seq_parallel else rows
 
@@ -222,11 +230,17 @@ class OneD(ParallelMode):
         ranges = layout.ranges(self.world, self.world, self.p) if layout else block(n, self.world, self.p)
         return self.split_spec(tensor, dim, ranges)
 
+    def output_spec(self, tensor, role: str, layout=None, n: int | None = None) -> ShardSpec:
+        return self._split(tensor, 0, n if n is not None else tensor.shape[0], layout)
+
+    def output_group(self, role: str):
+        return self.group
+
     def _column(self, linear: nn.Linear, ctx: RewriteContext, role: str, rows: int | None = None) -> ColumnLinear:
         n = rows if rows is not None else linear.out_features
         layout = self.fused_layout(role, linear, ctx)
         weight = ctx.shard(linear.weight, self._split(linear.weight, 0, n, layout))
-        bias = None if linear.bias is None else ctx.shard(linear.bias, self._split(linear.bias, 0, n, layout))
+        bias = None if linear.bias is None else ctx.shard(linear.bias, self.output_spec(linear.bias, role, layout, n))
         entry = "gathered" if ctx.name in self.gathered else "seq_shards" if self._shards_sequence(ctx) else "replicated"
         return ColumnLinear(weight, bias, self.group, entry)
 
@@ -266,6 +280,30 @@ class OneD(ParallelMode):
         for param in module.parameters():
             self.replicated(param, "tp", partial=self._shards_sequence(ctx))
         return module
+
+    def convert_experts(self, module: nn.Module, ctx):
+        """The experts module's own forward on this rank's slice of every
+        expert (its routed rows only): [gate | up] rows and down columns of
+        the hidden features it holds, as a column and a row Linear. Its
+        partial output is summed once over the group; the input's and the
+        routing weights' gradients (each rank's experts see a slice of the
+        hidden features) are summed over the group in the backward."""
+        gate_up, down, layout = experts_layout(module)
+        for name, dim, ranges in ((gate_up, 1, layout.ranges(self.world, self.world, self.p)),
+                                  (down, 2, block(getattr(module, down).shape[2], self.world, self.p))):
+            full = getattr(module, name)
+            setattr(module, name, ctx.shard(full, self.split_spec(full, dim, ranges)))
+        module.register_forward_pre_hook(self._experts_entry, with_kwargs=True)
+        module.register_forward_hook(lambda mod, args, out: comm.reduce_to_replicated(out, self.group))
+        return module
+
+    def _experts_entry(self, module, args, kwargs):
+        args, kwargs = list(args), dict(kwargs)
+        weights = routing_weights_arg(args, kwargs)
+        for where in (0 if args else "hidden_states", weights):
+            box = args if isinstance(where, int) else kwargs
+            box[where] = comm.copy_to_group(box[where], self.group)
+        return tuple(args), kwargs
 
     def convert_dropout(self, module: nn.Dropout, ctx):
         # Replicated activations need one mask on every rank; sequence shards

@@ -88,12 +88,16 @@ class Parallelism:
         """The L2 norm of the whole model's gradient, as one process would
         compute it, from `params` (a model, or the optimizer's parameters:
         under ZeRO each replica's chunks): each shard counted once however
-        many ranks replicate it (ShardSpec.is_canonical), summed over the
-        `grad_norm` group (the grid, and the replicas under ZeRO).
+        many ranks replicate it (ShardSpec.canonical_parts: whole tensors, or
+        the rows this rank owns of a tensor with row replicas), summed over
+        the `grad_norm` group (the grid, and the replicas under ZeRO).
         Per-tensor norms in one foreach call (no copy of any gradient),
         their squares summed in float64."""
-        grads = [p.grad for p in _params(params)
-                 if p.grad is not None and (spec_of(p) is None or spec_of(p).is_canonical)]
+        grads = []
+        for p in _params(params):
+            if p.grad is not None:
+                spec = spec_of(p)
+                grads.extend([p.grad] if spec is None else spec.canonical_parts(p.grad))
         if grads:
             norms = torch._foreach_norm(grads) if hasattr(torch, "_foreach_norm") else [g.norm() for g in grads]
             total = torch.stack(norms).double().pow(2).sum()

@@ -45,11 +45,6 @@ def mode_classes() -> list[type]:
     return list(_MODES.values())
 
 
-def mode_names() -> tuple[str, ...]:
-    _load()
-    return tuple(_MODES)
-
-
 def mode_class(name: str) -> type:
     """The class of mode `name`, or ConfigError naming the valid ones."""
     _load()

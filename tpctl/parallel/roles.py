@@ -25,6 +25,7 @@ still be traced.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -34,23 +35,33 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .fused import ProbeError, attention_layout, mlp_layout
-from .layers import is_norm, on_cpu
+from .experts import experts_layout, is_experts
+from .fused import FusedLayout, ProbeError, attention_layout, mlp_layout
+from .layers import CacheOff, is_norm, norm_width, on_cpu
 
 # The vocabulary every mode maps to its layers.
 ROLES = (
     "embedding", "pos_embedding", "qkv", "attn_in", "attn_out", "mlp_in", "mlp_out",
-    "norm", "lm_head", "dropout", "attn_dropout", "head_norm",
+    "norm", "lm_head", "dropout", "attn_dropout", "head_norm", "proj_norm", "experts", "router", "pos_table",
 )
 # Roles whose Linear is fed the residual stream and produces a split
 # activation (Megatron's column-parallel ones); the other Linears are fed a
 # split activation and produce the stream.
 COLUMN_ROLES = ("qkv", "attn_in", "mlp_in", "lm_head")
-# Attributes of an attention module that hold a head count or a width, which
-# the rewrite divides by the head split (so `view(b, t, self.num_heads, d)`
-# works on a rank's heads). A ratio like num_key_value_groups stays.
-HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
-              "n_kv_head", "n_kv_heads", "embed_dim", "split_size", "hidden_size", "all_head_size", "inner_dim")
+# Attributes of an attention module (or of the config it reads) that hold a
+# head count or a width, which the rewrite sets to this rank's (so
+# `view(b, t, self.num_heads, d)` works on a rank's heads): query counts and
+# widths divided by the split, key/value counts too unless fewer than the
+# split (a shared head: one per rank); the ratio of the two
+# (num_key_value_groups) changes only when key/value heads are shared.
+KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_head", "n_kv_heads", "multi_query_group_num")
+RATIO_ATTRS = ("num_key_value_groups", "num_kv_groups")
+# Counts of groups of heads a fused projection is reshaped into (CodeGen's
+# mp_num = 4: qkv viewed as 4 groups of [q | v | k]): a rank holds whole
+# groups, so the count is divided by the split, which must divide it.
+GROUP_ATTRS = ("mp_num",)
+HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", *KV_ATTRS[:4],
+              "embed_dim", "split_size", "hidden_size", "all_head_size", "inner_dim")
 TRACE_SEQ = 4
 TRACE_BATCH = 2
 
@@ -65,9 +76,26 @@ class Heads:
     # attribute -> its full value; the rewrite divides each by the split.
     attrs: dict[str, int] = field(default_factory=dict)
     # Arguments of the attention module holding one slice per (row, head),
-    # rows outermost (BLOOM's alibi: [batch * heads, 1, seq]): positions
-    # (ints) or keyword names; the rewrite passes each rank its heads' slices.
+    # rows outermost (BLOOM's alibi: [batch * heads, 1, seq]), or one per
+    # head (MPT's: [heads, 1, seq]): positions (ints) or keyword names; the
+    # rewrite passes each rank its heads' slices.
     per_head_args: list = field(default_factory=list)
+
+    def kv_local(self, split: int) -> int:
+        """Key/value heads a rank holds: its share, or one shared head."""
+        return max(self.kv_heads // split, 1)
+
+    def local(self, attr: str, full: int, split: int) -> int:
+        """This rank's value of a head count, width or ratio `attr`."""
+        kv = self.kv_local(split)
+        if attr in RATIO_ATTRS:
+            return (self.heads // split) // kv
+        if attr in GROUP_ATTRS:
+            return full // split
+        if attr in KV_ATTRS or full in (self.kv_heads, self.kv_heads * self.head_dim) \
+                and full not in (self.heads, self.heads * self.head_dim):
+            return kv if full == self.kv_heads else kv * self.head_dim
+        return full // split
 
 
 @dataclass
@@ -86,6 +114,20 @@ class RolePlan:
     # Fused Linears -> the measured layout of their output features
     # (parallel/fused.py); every other Linear splits its features in blocks.
     layouts: dict[str, Any] = field(default_factory=dict)
+    # Norms over all heads of q or k (`proj_norm`) -> the Linear whose output they normalise.
+    sources: dict[str, str] = field(default_factory=dict)
+    # ModuleLists holding one per-head norm per head (StableLM's q/k
+    # LayerNorms) -> their attention module; a rank keeps its heads' norms.
+    head_lists: dict[str, str] = field(default_factory=dict)
+    # Per-head norms whose weight holds one row per head (Cohere) -> their
+    # attention module; a rank keeps its heads' rows.
+    head_rows: dict[str, str] = field(default_factory=dict)
+    # Random functions the training forward calls on torch's global
+    # generator (outside Dropout modules): no split mode reproduces them.
+    draws: list[str] = field(default_factory=list)
+    # Mixture-of-experts blocks -> their attributes holding the hidden width
+    # (GraniteMoE views its output as input_size): set to the rank's.
+    widths: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def logits_of(output: Any) -> torch.Tensor:
@@ -117,7 +159,16 @@ def resolve_plan(model: nn.Module, plan: Optional[dict[str, str]] = None) -> Rol
         role = next((r for pattern, r in given.items() if fnmatch.fnmatchcase(name, pattern)), None)
         if role is not None and name:
             roles[name] = role
-    return RolePlan(roles, "plan" if plan is not None else "tp_plan")
+    # The draws are found by tracing on token ids: a model fed something else
+    # (a given plan is its only way in) is left to the start-up check.
+    fed_ids = any(isinstance(m, nn.Embedding) for m in model.modules())
+    draws = random_draws(model, _vocab(model)) if fed_ids else []
+    return RolePlan(roles, "plan" if plan is not None else "tp_plan", draws=draws)
+
+
+def _vocab(model: nn.Module) -> int:
+    """Token ids the model accepts: below its smallest embedding table."""
+    return min((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=2)
 
 
 # ---- tracing -------------------------------------------------------------
@@ -213,18 +264,66 @@ def _kind(module: nn.Module) -> Optional[str]:
         return "norm"
     if isinstance(module, nn.Dropout):
         return "dropout"
+    if is_experts(module):
+        return "experts"
     if any(True for _ in module.parameters(recurse=False)):
         return "layer"
+    if any(b.is_floating_point() for b in module.buffers(recurse=False)):
+        return "table"  # constants without parameters: rotary frequencies, a sinusoidal position table
     return None
 
 
+# Functions drawing random numbers (from torch's global generator unless
+# given one), and the dropouts among them (random only with p > 0).
+_RANDOM = {torch.rand, torch.rand_like, torch.randn, torch.randn_like, torch.randint, torch.randint_like,
+           torch.randperm, torch.bernoulli, torch.multinomial, torch.normal, torch.poisson, torch.Tensor.uniform_,
+           torch.Tensor.normal_, torch.Tensor.bernoulli_, torch.Tensor.exponential_, torch.Tensor.random_,
+           torch.Tensor.geometric_, torch.Tensor.log_normal_, torch.Tensor.cauchy_}
+_DROPOUTS = {F.dropout: 1, F.dropout1d: 1, F.dropout2d: 1, F.dropout3d: 1, F.alpha_dropout: 1,
+             F.feature_alpha_dropout: 1, torch.dropout: 1, F.scaled_dot_product_attention: 4}
+
+
+class _Draws(TorchFunctionMode):
+    """Records the random functions a training forward calls on torch's
+    global generator, outside Dropout modules (tpctl replaces those with
+    ones drawing from the mesh's generators)."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+        self.in_dropout = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.in_dropout:
+            if func in _RANDOM and kwargs.get("generator") is None:
+                self.found.append(getattr(func, "__name__", str(func)))
+            elif func in _DROPOUTS:
+                p = args[_DROPOUTS[func]] if len(args) > _DROPOUTS[func] else kwargs.get("dropout_p", kwargs.get("p", 0.0))
+                on = kwargs.get("training", args[2] if func is not F.scaled_dot_product_attention and len(args) > 2 else True)
+                if isinstance(p, (int, float)) and p > 0 and on:
+                    self.found.append(f"{getattr(func, '__name__', func)}(p={p})")
+        return func(*args, **kwargs)
+
+
+@on_cpu
+def random_draws(model: nn.Module, vocab_size: int = 2) -> list[str]:
+    """The random functions `model`'s forward calls in training on torch's
+    global generator (a router sampling its experts, jitter noise,
+    functional attention dropout), Dropout modules aside."""
+    draws = _Draws()
+    trace(model, vocab_size, draws=draws)
+    return sorted(set(draws.found))
+
+
 def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: Optional[dict] = None,
-          ids: Optional[torch.Tensor] = None):
+          ids: Optional[torch.Tensor] = None, draws: Optional[_Draws] = None):
     """Run `model` on `ids` (default: a batch of TRACE_BATCH x `seq` random
     token ids); return (nodes, the node ids the output came from, module
     name -> node ids of its calls). `inputs`, if given, is filled with module
     name -> (args, kwargs) of its first call (what a probe of the module's
-    own forward runs it on)."""
+    own forward runs it on). With `draws`, the forward runs in training mode
+    and `draws` records its random numbers."""
     originals, stand_ins = {}, {}
     for module in model.modules():  # meta parameters: zero-stride stand-ins
         for attr, p in list(module._parameters.items()):
@@ -243,10 +342,12 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
             mod._tpctl_in = tracer.prov((args, kwargs))
 
         def after(mod, args, kwargs, out):
-            node = tracer.add(_Node(kind, name, mod._tpctl_in))
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else ()
+            node = tracer.add(_Node(kind, name, mod._tpctl_in, shape=shape))
             calls.setdefault(name, []).append(node)
-            # Dropout passes its input's provenance on: it changes no layout.
-            tracer.tag(out, mod._tpctl_in if kind == "dropout" else frozenset({node}))
+            # Dropout and tables of constants pass their input's provenance
+            # on: they change no layout.
+            tracer.tag(out, mod._tpctl_in if kind in ("dropout", "table") else frozenset({node}))
         handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
         handles.append(module.register_forward_hook(after, with_kwargs=True))
 
@@ -261,14 +362,19 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
             hooks(name, module, kind)
         if inputs is not None:
             keep(name)
+    if draws is not None:
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                handles.append(module.register_forward_pre_hook(lambda *a: setattr(draws, "in_dropout", draws.in_dropout + 1)))
+                handles.append(module.register_forward_hook(lambda *a: setattr(draws, "in_dropout", draws.in_dropout - 1)))
     was_training = model.training
-    model.eval()
+    model.train(draws is not None)
     try:
         if ids is None:
             ids = torch.randint(0, vocab_size, (TRACE_BATCH, seq), generator=torch.Generator().manual_seed(0))
         input_node = tracer.add(_Node("input", "", frozenset()))
         tracer.tag(ids, frozenset({input_node}))
-        with torch.no_grad(), tracer:
+        with torch.no_grad(), CacheOff(model), tracer, draws if draws is not None else contextlib.nullcontext():
             logits = logits_of(model(ids))
         out = tracer.prov(logits)
     finally:
@@ -286,9 +392,8 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
 
 def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
     """Trace `model` and assign a role to every module that has one."""
-    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     if vocab_size is None:
-        vocab_size = min((m.num_embeddings for m in embeddings), default=2)
+        vocab_size = _vocab(model)
     first_inputs: dict[str, tuple] = {}  # module -> the inputs of its first call, for probes
     nodes, out, calls = trace(model, vocab_size, inputs=first_inputs)
     roles: dict[str, str] = {}
@@ -391,8 +496,13 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
             problems[owner] = "cannot tell the attention's head size from its forward"
             continue
         h, kv = q_width // head_dim, kv_width // head_dim
-        attrs = {a: v for a, v in vars(modules[owner]).items()
-                 if a in HEAD_ATTRS and isinstance(v, int) and not isinstance(v, bool) and v in (h, kv, q_width, kv_width)}
+        attrs = {a: v for a, v in vars(modules[owner]).items() if isinstance(v, int) and not isinstance(v, bool)
+                 and (a in HEAD_ATTRS and v in (h, kv, q_width, kv_width) or a in RATIO_ATTRS and kv and v == h // kv
+                      or a in GROUP_ATTRS)}
+        if kv < h:  # separate key/value projections: heads of their own, which may be shared
+            for name in feeders:
+                if name != q_name and name not in layouts and modules[name].out_features == kv_width:
+                    layouts[name] = FusedLayout.heads(kv_width, kv, "k" if name == k_name else "v")
         heads[owner] = Heads(h, kv, head_dim, attrs, _per_head_args(first_inputs.get(owner), h))
         units[owner] = feeders + [out_proj]
 
@@ -426,10 +536,6 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
                     problems[source] = f"a fused projection whose layout tpctl cannot measure: {layout}"
                 else:
                     layouts[source] = layout
-    for name in rest:
-        if name not in roles:
-            problems[name] = "a Linear outside the attention / MLP / LM head pattern"
-
     # Embeddings: token ids or positions.
     inner = {i for i, n in enumerate(nodes) if n.kind == "attention"
              or (n.kind == "linear" and roles.get(n.name) in ("qkv", "attn_in", "mlp_in"))}
@@ -444,23 +550,82 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
             assign(n.name, "embedding" if n.name in token else "pos_embedding")
     hidden = modules[token[0]].embedding_dim if token else None
 
+    # Mixture-of-experts blocks: the experts module, and beside it (in the
+    # module holding it) the routers: modules reading the whole residual
+    # stream with an (outputs x hidden) weight whose output feeds no Linear
+    # (the router proper, a shared expert's gate).
+    moe_blocks, widths = [], {}
+    for n in nodes:
+        if n.kind == "experts" and n.name not in roles:
+            layout = probe((type(modules[n.name]), n.name), lambda: experts_layout(modules[n.name])[2])
+            if isinstance(layout, ProbeError):
+                problems[n.name] = f"a mixture of experts tpctl cannot shard: {layout}"
+                continue
+            assign(n.name, "experts")
+            layouts[n.name] = layout
+            moe_blocks.append(n.name.rpartition(".")[0])
+            block = modules[moe_blocks[-1]]
+            widths[moe_blocks[-1]] = {a: v for a, v in vars(block).items()
+                                      if isinstance(v, int) and not isinstance(v, bool) and v == hidden}
+    for n in nodes:
+        weight = getattr(modules.get(n.name), "weight", None)
+        if n.kind in ("linear", "layer") and n.name not in roles and hidden is not None \
+                and any(n.name.startswith(f"{b}." if b else "") for b in moe_blocks) \
+                and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == hidden:
+            assign(n.name, "router")
+    feeding = {j for i, n in enumerate(nodes) if n.kind == "linear" and roles.get(n.name) in ("qkv", "attn_in")
+               for j in n.inputs | {k for m in n.inputs if kind_of[m] == "norm" for k in nodes[m].inputs}}
+    for name in rest:
+        if name in roles:
+            continue
+        if feeding & set(calls[name]):
+            problems[name] = ("a Linear feeding the attention's projections (a low-rank or latent projection, as "
+                              "DeepSeek's multi-head latent attention): tpctl splits attention by heads, and its "
+                              "output has none")
+        else:
+            problems[name] = "a Linear outside the attention / MLP / LM head pattern"
+
     head_dims = {h.head_dim for h in heads.values()}
     projections = {i for i, n in enumerate(nodes) if n.kind == "linear" and roles.get(n.name) in ("qkv", "attn_in")}
+    sources: dict[str, str] = {}
+    head_rows: dict[str, str] = {}
     for n in nodes:
         if n.kind == "norm":
-            size = modules[n.name].weight.shape[-1] if getattr(modules[n.name], "weight", None) is not None else None
-            if n.inputs and n.inputs <= projections and size in head_dims:
-                # A norm over each head of q or k (Qwen3, OLMo-2 style): whole
-                # heads live on one rank, so it runs as written.
+            size = norm_width(modules[n.name])
+            source = node_name[next(iter(n.inputs))] if len(n.inputs) == 1 and n.inputs <= projections else None
+            weight = getattr(modules[n.name], "weight", None)
+            if weight is not None and weight.dim() == 2:  # one row per head
+                owner = next((o for o in heads if n.name.startswith(o + ".")), None)
+                if owner is not None and n.inputs and n.inputs <= projections and size == heads[owner].head_dim \
+                        and weight.shape[0] in (heads[owner].heads, heads[owner].kv_heads):
+                    assign(n.name, "head_norm")
+                    head_rows[n.name] = owner
+                else:
+                    problems[n.name] = f"a norm with a {tuple(weight.shape)} weight that is not one row per head"
+            elif n.inputs and n.inputs <= projections and size in head_dims:
+                # A norm over each head of q or k (Qwen3 style): whole heads
+                # live on one rank, so it runs as written.
                 assign(n.name, "head_norm")
+            elif source is not None and size == modules[source].out_features:
+                # A norm over all heads of one projection's output (OLMo-2's
+                # q/k norms): split as that output is.
+                assign(n.name, "proj_norm")
+                if sources.setdefault(n.name, source) != source:
+                    problems[n.name] = f"one norm over the outputs of both {sources[n.name]} and {source}"
             elif n.inputs & inner or (hidden is not None and size not in (None, hidden)):
-                problems[n.name] = "a norm inside attention or the MLP (e.g. per-head q/k norms) is not supported"
+                problems[n.name] = (f"a norm over {size} features inside attention or the MLP: neither per head "
+                                    f"({', '.join(map(str, sorted(head_dims))) or 'no heads'}) nor over one projection's output")
             else:
                 assign(n.name, "norm")
         elif n.kind == "dropout":
             assign(n.name, "attn_dropout" if n.inputs & inner else "dropout")
-        elif n.kind == "layer":
-            problems[n.name] = f"an unsupported layer type ({type(modules[n.name]).__name__}) with parameters"
+        elif n.kind == "table" and n.inputs <= input_ids and hidden is not None and n.shape[-1:] == (hidden,):
+            # A table of constants indexed by positions and as wide as the
+            # stream, added to it (XGLM's sinusoidal positions): each rank
+            # keeps its piece of the stream's layout.
+            assign(n.name, "pos_table")
+        elif n.kind in ("layer", "experts") and n.name not in roles:
+            problems.setdefault(n.name, f"an unsupported layer type ({type(modules[n.name]).__name__}) with parameters")
 
     # Dropout modules the traced forward never called (used only in
     # training, or only for their `p`): split activations inside attention.
@@ -474,8 +639,23 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
         own = list(module.parameters(recurse=False))
         if name and name not in calls and own and not all(id(p) in called for p in own):
             problems.setdefault(name, "never called in the forward")
+    head_lists = {}  # one per-head norm per head, in a list: a rank keeps its heads'
+    for name, module in modules.items():
+        if isinstance(module, nn.ModuleList) and len(module) > 1 \
+                and all(roles.get(f"{name}.{i}") == "head_norm" for i in range(len(module))):
+            owner = next((o for o in heads if name.startswith(o + ".")), None)
+            if owner is not None and len(module) in (heads[owner].heads, heads[owner].kv_heads):
+                head_lists[name] = owner
+            else:
+                problems[name] = f"a list of {len(module)} per-head norms that matches no attention's head count"
     ordered = {name: roles[name] for name in modules if name in roles}
-    return RolePlan(ordered, "inferred", heads, problems, _blocks(model, ordered), units, layouts)
+    # A layer tpctl has no rule for says more than the Linears around it
+    # that fit no pattern because of it (a linear-attention mixer): first,
+    # the outermost first.
+    unsupported = lambda item: item[1].startswith("an unsupported layer type")  # noqa: E731
+    problems = dict(sorted(problems.items(), key=lambda item: (0, item[0].count(".")) if unsupported(item) else (1, 0)))
+    return RolePlan(ordered, "inferred", heads, problems, _blocks(model, ordered), units, layouts, sources, head_lists,
+                    head_rows, random_draws(model, vocab_size), widths)
 
 
 def _per_head_args(call, heads: int) -> list:
@@ -485,10 +665,12 @@ def _per_head_args(call, heads: int) -> list:
     if call is None or heads < 2:
         return []
     args, kwargs = call
-    found = [i for i, a in enumerate(args) if i and isinstance(a, torch.Tensor)
-             and a.is_floating_point() and a.dim() >= 2 and a.shape[0] == TRACE_BATCH * heads]
-    return found + [k for k, a in kwargs.items() if k != "hidden_states" and isinstance(a, torch.Tensor)
-                    and a.is_floating_point() and a.dim() >= 2 and a.shape[0] == TRACE_BATCH * heads]
+    def per_head(a) -> bool:  # [batch * heads, ...] (BLOOM), or [heads, ...] shared by every row (MPT)
+        return isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() >= 2 \
+            and a.shape[0] in (TRACE_BATCH * heads, heads)
+
+    found = [i for i, a in enumerate(args) if i and per_head(a)]
+    return found + [k for k, a in kwargs.items() if k != "hidden_states" and per_head(a)]
 
 
 def _common_parent(names: list[str]) -> str:
@@ -504,14 +686,18 @@ def _common_parent(names: list[str]) -> str:
 
 
 def repeated_blocks(model: nn.Module) -> Optional[nn.ModuleList]:
-    """The model's stack of blocks: the nn.ModuleList with the most children,
-    all of one class (ties: the first in definition order). None if the
-    model has no such list."""
+    """The model's stack of blocks: of the nn.ModuleLists whose children are
+    all of one class and that no such list holds (a list of per-head norms
+    inside a block is not the stack, however many heads), the one with the
+    most children (ties: the first in definition order). None if the model
+    has no such list."""
+    lists = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(child) for child in m}) == 1]
     best = None
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            if len({type(child) for child in module}) == 1 and (best is None or len(module) > len(best)):
-                best = module
+    for name, module in lists:
+        inside = any(other != name and name.startswith(f"{other}." if other else "") for other, _ in lists)
+        if not inside and (best is None or len(module) > len(best)):
+            best = module
     return best
 
 

@@ -20,6 +20,19 @@ import torch.distributed as dist
 Ranges = tuple[tuple[int, int], ...]
 
 
+@dataclass(frozen=True)
+class RowReplicas:
+    """Rows [start, stop) of a shard (local positions along dim 0) that the
+    global ranks `ranks` hold alike, each a partial gradient: a key/value
+    head shared by several blocks of query heads, next to rows of its own
+    in one fused projection."""
+
+    start: int
+    stop: int
+    ranks: tuple[int, ...]
+    group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+
+
 @dataclass
 class ShardSpec:
     full_shape: tuple[int, ...]
@@ -33,6 +46,11 @@ class ShardSpec:
     # replicas' gradients must be summed; False when they are already equal.
     partial_grad: bool = False
     replica_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+    # Where rows of one shard have different replicas (a fused projection
+    # holding its own query heads and a shared key/value head): every local
+    # row in exactly one entry, which then replaces replica_ranks and
+    # partial_grad for those rows.
+    row_replicas: tuple[RowReplicas, ...] = ()
 
     def local_shape(self) -> tuple[int, ...]:
         return tuple(
@@ -76,12 +94,38 @@ class ShardSpec:
             if lo < hi:
                 out.append((a + lo - pos, a + hi - pos))
             pos += b - a
-        return dataclasses.replace(self, index=(_merge(out),) + tuple(self.index[1:]))
+        # Rows with replicas of their own keep them, in the chunk's local rows.
+        row_replicas = tuple(dataclasses.replace(r, start=max(r.start, start) - start, stop=min(r.stop, stop) - start)
+                             for r in self.row_replicas if max(r.start, start) < min(r.stop, stop))
+        return dataclasses.replace(self, index=(_merge(out),) + tuple(self.index[1:]), row_replicas=row_replicas)
 
     @property
     def is_canonical(self) -> bool:
         """The one replica whose values count (e.g. for the gradient norm)."""
         return len(self.replica_ranks) <= 1 or dist.get_rank() == self.replica_ranks[0]
+
+    def partial_parts(self, grad: torch.Tensor) -> list[tuple[torch.Tensor, dist.ProcessGroup]]:
+        """(piece of `grad`, group) for each piece that is a partial sum over
+        its replicas: the pieces to all-reduce, each over its group, once."""
+        if self.row_replicas:
+            return [(grad.narrow(0, r.start, r.stop - r.start), r.group) for r in self.row_replicas if len(r.ranks) > 1]
+        if self.partial_grad and len(self.replica_ranks) > 1:
+            return [(grad, self.replica_group)]
+        return []
+
+    def canonical_parts(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """The pieces of this rank's `tensor` it counts (a gradient's norm):
+        each element once over all its replicas."""
+        if self.row_replicas:
+            me = dist.get_rank()
+            return [tensor.narrow(0, r.start, r.stop - r.start) for r in self.row_replicas if r.ranks[0] == me]
+        return [tensor] if self.is_canonical else []
+
+    def writes_rows(self, start: int) -> bool:
+        """Whether this rank is the one writing local row `start` (and the
+        box starting there) of a shard whose rows have different replicas."""
+        me = dist.get_rank()
+        return any(r.ranks[0] == me for r in self.row_replicas if r.start <= start < r.stop)
 
 
 def block(n: int, blocks: int, index: int) -> Ranges:

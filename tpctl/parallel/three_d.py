@@ -29,7 +29,7 @@ from tpctl.errors import ConfigError
 from . import comm
 from .base import ParallelMode, RewriteContext
 from .geometry import Geometry, exact_root
-from .layers import ParallelDropout, SplitNorm, embedding_semantics, to_compute, vocab_block_lookup
+from .layers import ParallelDropout, SplitNorm, embedding_semantics, norm_width, to_compute, vocab_block_lookup
 from .registry import register
 from .shard import ShardSpec, block
 
@@ -56,19 +56,22 @@ ROLE_LAYOUT = {"qkv": LAYOUT_A, "attn_in": LAYOUT_A, "mlp_in": LAYOUT_A, "lm_hea
                "attn_out": LAYOUT_B, "mlp_out": LAYOUT_B}
 
 
+def cube_linear(x: torch.Tensor, weight: torch.Tensor, layout: Layout3D, groups: dict) -> torch.Tensor:
+    """X W^T of this rank's blocks, X fed in `layout` (rows on dim 0)."""
+    # Under autocast, X and W are gathered (and Y reduce-scattered) in the compute dtype.
+    x = comm.gather_along(to_compute(x), groups[layout.rows], 0)
+    weight = comm.gather_along(to_compute(weight), groups["i"], 0)
+    return comm.reduce_scatter_along(F.linear(x, weight), groups[layout.hidden], 0)
+
+
 class Linear3D(nn.Module):
     def __init__(self, weight, bias, layout: Layout3D, groups: dict):
         super().__init__()
         self.weight, self.bias, self.layout = weight, bias, layout
-        self.rows_group = groups[layout.rows]
-        self.weight_group = groups["i"]
-        self.hidden_group = groups[layout.hidden]
+        self.groups = groups
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Under autocast, X and W are gathered (and Y reduce-scattered) in the compute dtype.
-        x = comm.gather_along(to_compute(x), self.rows_group, 0)
-        weight = comm.gather_along(to_compute(self.weight), self.weight_group, 0)
-        y = comm.reduce_scatter_along(F.linear(x, weight), self.hidden_group, 0)
+        y = cube_linear(x, self.weight, self.layout, self.groups)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -157,8 +160,13 @@ class ThreeD(ParallelMode):
 
     def shard_hidden(self, rows: torch.Tensor, layout: Layout3D = LAYOUT_A) -> torch.Tensor:
         """This rank's piece of an activation in `layout` (default: the
-        residual stream's), given rows block i."""
-        return rows.chunk(self.q, 0)[self.c[layout.rows]].chunk(self.q, -1)[self.c[layout.hidden]]
+        residual stream's), given rows block i (or one row, broadcast)."""
+        if rows.shape[0] > 1:
+            rows = rows.chunk(self.q, 0)[self.c[layout.rows]]
+        return rows.chunk(self.q, -1)[self.c[layout.hidden]]
+
+    def splits_stream(self, ctx) -> bool:
+        return True
 
     @property
     def loss_replicas(self) -> int:
@@ -191,20 +199,35 @@ class ThreeD(ParallelMode):
             ranges = block(full.shape[dim], self.q, self.c[layout.hidden])
         return self.split_spec(full, dim, ranges, replicas=layout.replica_plane)
 
+    def weight_spec(self, weight, role: str, layout=None, n: int | None = None) -> ShardSpec:
+        fed = ROLE_LAYOUT[role]
+        n = n if n is not None else weight.shape[0]
+        in_ranges = block(weight.shape[1], self.q, self.c[fed.hidden])
+        return ShardSpec(tuple(weight.shape), (self._weight_ranges(n, fed, layout), in_ranges))
+
+    def linear_fn(self, role: str):
+        return lambda x, weight: cube_linear(x, weight, ROLE_LAYOUT[role], self.mesh.groups)
+
+    def stream_group(self):
+        return self.mesh.groups[LAYOUT_A.hidden]
+
     def _linear(self, linear: nn.Linear, ctx: RewriteContext, role: str, out: int | None = None) -> Linear3D:
         layout = ROLE_LAYOUT[role]
         fused = self.fused_layout(role, linear, ctx)
         n = out if out is not None else linear.out_features
-        in_ranges = block(linear.in_features, self.q, self.c[layout.hidden])
-        spec = ShardSpec(tuple(linear.weight.shape), (self._weight_ranges(n, layout, fused), in_ranges))
-        weight = ctx.shard(linear.weight, spec)
-        bias = None
-        if linear.bias is not None:
-            out_layout = layout.flip()
-            ranges = (fused.ranges(self.q, self.q, self.c[out_layout.hidden]) if fused is not None
-                      else block(n, self.q, self.c[out_layout.hidden]))
-            bias = ctx.shard(linear.bias, self._hidden_spec(linear.bias, out_layout, ranges=ranges))
+        weight = ctx.shard(linear.weight, self.weight_spec(linear.weight, role, fused, n))
+        bias = None if linear.bias is None else ctx.shard(linear.bias, self.output_spec(linear.bias, role, fused, n))
         return Linear3D(weight, bias, layout, self.mesh.groups)
+
+    def output_spec(self, tensor, role: str, layout=None, n: int | None = None) -> ShardSpec:
+        """Output features land in the flipped layout of the Linear's input."""
+        out_layout, n = ROLE_LAYOUT[role].flip(), n if n is not None else tensor.shape[0]
+        b = self.c[out_layout.hidden]
+        ranges = layout.ranges(self.q, self.q, b) if layout is not None else block(n, self.q, b)
+        return self._hidden_spec(tensor, out_layout, ranges=ranges)
+
+    def output_group(self, role: str):
+        return self.mesh.groups[ROLE_LAYOUT[role].flip().hidden]
 
     # ---- roles ----------------------------------------------------------------
     def convert_qkv(self, module, ctx):
@@ -238,8 +261,9 @@ class ThreeD(ParallelMode):
         return module
 
     def convert_norm(self, module: nn.Module, ctx):
-        shard = lambda p: ctx.shard(p, self._hidden_spec(p, LAYOUT_A))  # noqa: E731
-        return SplitNorm.like(module, shard, self.mesh.groups[LAYOUT_A.hidden])
+        shard = lambda p, features: ctx.shard(p, self._hidden_spec(p, LAYOUT_A, ranges=features))  # noqa: E731
+        features = block(norm_width(module), self.q, self.c[LAYOUT_A.hidden])
+        return SplitNorm.like(module, features, shard, self.mesh.groups[LAYOUT_A.hidden])
 
     def convert_dropout(self, module: nn.Dropout, ctx):
         return ParallelDropout(module.p, self.mesh.rng_local)  # every activation is sharded

@@ -27,7 +27,7 @@ from tpctl.errors import ConfigError
 from . import comm
 from .base import ParallelMode, RewriteContext
 from .geometry import Geometry, exact_root
-from .layers import ParallelDropout, SplitNorm, embedding_semantics, to_compute
+from .layers import ParallelDropout, SplitNorm, embedding_semantics, norm_width, to_compute
 from .registry import register
 from .shard import ShardSpec, block
 
@@ -114,15 +114,20 @@ class _SummaLinear(torch.autograd.Function):
         return grad_x.to(x.dtype), partials[grid.i], None
 
 
+def summa_linear(x: torch.Tensor, weight: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """X W^T of this rank's blocks (rows of any leading shape)."""
+    # Under autocast: broadcasts and reduces in the compute dtype.
+    y = _SummaLinear.apply(to_compute(x.reshape(-1, x.shape[-1])), to_compute(weight), grid)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 class Linear2D(nn.Module):
     def __init__(self, weight, bias, grid: Grid):
         super().__init__()
         self.weight, self.bias, self.grid = weight, bias, grid
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Under autocast: broadcasts and reduces in the compute dtype.
-        y = _SummaLinear.apply(to_compute(x.reshape(-1, x.shape[-1])), to_compute(self.weight), self.grid)
-        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        y = summa_linear(x, self.weight, self.grid)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -208,6 +213,9 @@ class TwoD(ParallelMode):
     def shard_hidden(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.chunk(self.grid.q, -1)[self.grid.j]
 
+    def splits_stream(self, ctx) -> bool:
+        return True
+
     @property
     def loss_replicas(self) -> int:
         return self.grid.q
@@ -231,14 +239,32 @@ class TwoD(ParallelMode):
         ranks with other rows (whose gradients are partial)."""
         return self.split_spec(full, dim, ranges, replicas=self.hidden_replica)
 
+    def _out_ranges(self, n: int, layout, b: int):
+        """Output block `b` of q of a Linear's n output features (by its layout)."""
+        return layout.ranges(self.grid.q, self.grid.q, b) if layout else block(n, self.grid.q, b)
+
+    def output_spec(self, tensor, role: str, layout=None, n: int | None = None) -> ShardSpec:
+        n = n if n is not None else tensor.shape[0]
+        return self._hidden_spec(tensor, self._out_ranges(n, layout, self.grid.j))
+
+    def output_group(self, role: str):
+        return self.grid.row_group
+
+    def weight_spec(self, weight, role: str, layout=None, n: int | None = None) -> ShardSpec:
+        n = n if n is not None else weight.shape[0]
+        return self._weight_spec(weight, self._out_ranges(n, layout, self.grid.i), weight.shape[1])
+
+    def linear_fn(self, role: str):
+        return lambda x, weight: summa_linear(x, weight, self.grid)
+
+    def stream_group(self):
+        return self.grid.row_group
+
     def _linear(self, linear: nn.Linear, ctx: RewriteContext, role: str, out: int | None = None) -> Linear2D:
-        q, n = self.grid.q, out if out is not None else linear.out_features
+        n = out if out is not None else linear.out_features
         layout = self.fused_layout(role, linear, ctx)
-        out_ranges = lambda b: layout.ranges(q, q, b) if layout else block(n, q, b)  # noqa: E731
-        weight = ctx.shard(linear.weight, self._weight_spec(linear.weight, out_ranges(self.grid.i), linear.in_features))
-        bias = None
-        if linear.bias is not None:
-            bias = ctx.shard(linear.bias, self._hidden_spec(linear.bias, out_ranges(self.grid.j)))
+        weight = ctx.shard(linear.weight, self.weight_spec(linear.weight, role, layout, n))
+        bias = None if linear.bias is None else ctx.shard(linear.bias, self.output_spec(linear.bias, role, layout, n))
         return Linear2D(weight, bias, self.grid)
 
     # ---- roles -------------------------------------------------------------
@@ -272,9 +298,8 @@ class TwoD(ParallelMode):
         return module
 
     def convert_norm(self, module: nn.Module, ctx):
-        hidden = module.weight.shape[-1] if getattr(module, "weight", None) is not None else module.normalized_shape[-1]
-        shard = lambda p: ctx.shard(p, self._hidden_spec(p, block(hidden, self.grid.q, self.grid.j)))  # noqa: E731
-        return SplitNorm.like(module, shard, self.grid.row_group)
+        shard = lambda p, features: ctx.shard(p, self._hidden_spec(p, features))  # noqa: E731
+        return SplitNorm.like(module, block(norm_width(module), self.grid.q, self.grid.j), shard, self.grid.row_group)
 
     def convert_dropout(self, module: nn.Dropout, ctx):
         return ParallelDropout(module.p, self.mesh.rng_local)  # every activation is sharded

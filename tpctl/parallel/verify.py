@@ -57,9 +57,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
-from .layers import is_norm, linearize
+from .layers import CacheOff, is_norm, linearize, norm_width
 from .roles import RolePlan, logits_of, repeated_blocks, resolve_plan, trace
 from .shard import ShardSpec, spec_of
+from tpctl.errors import EXIT_USAGE, TpctlError
 
 # fp32 round-off: a reordered sum of k terms is off by about sqrt(k) * 6e-8
 # of its scale (k = the widths summed over, up to ~1e4 here: ~1e-5 at worst,
@@ -69,11 +70,17 @@ from .shard import ShardSpec, spec_of
 TOLERANCE = 1e-4
 SEED = 1234  # of the random inputs, the same on every rank
 SKIPPED_ROLES = ("dropout", "attn_dropout")  # identity in eval: nothing to compare
+# Checked in their block only: a mixture of experts' router and experts take
+# routing decisions and weights, which only real rows make (a module check
+# feeds every row one vector).
+BLOCK_ONLY_ROLES = ("experts", "router")
 
 
-class RewriteRefused(Exception):
+class RewriteRefused(TpctlError):
     """The rewritten model differs from the original: refuse to train.
     str() is the one-line verdict; `report` holds every check."""
+
+    exit_code = EXIT_USAGE
 
     def __init__(self, line: str, report: Optional["Report"] = None):
         super().__init__(line)
@@ -201,7 +208,11 @@ def capture_originals(model: nn.Module, plan: RolePlan, mode) -> Originals:
     """Before the rewrite: the distinct modules and blocks to check, a copy
     of one instance of each, and their real call arguments (one forward of
     the original with stand-in parameters)."""
-    names = [n for n, role in plan.roles.items() if role not in SKIPPED_ROLES]
+    # Per-head norms kept in a list, or holding one weight row per head, run
+    # as written on a rank's own heads: their block checks them.
+    lists = tuple(f"{name}." for name in getattr(plan, "head_lists", {}))
+    names = [n for n, role in plan.roles.items() if role not in SKIPPED_ROLES + BLOCK_ONLY_ROLES
+             and not (lists and n.startswith(lists)) and n not in getattr(plan, "head_rows", {})]
     blocks = _block_names(model)
     targets = {n: model.get_submodule(n) for n in dict.fromkeys(names + blocks)}
     calls = _capture_calls(targets, lambda: _trace_forward(model, mode))
@@ -391,7 +402,7 @@ def _eval_forward(model: nn.Module, ids: torch.Tensor) -> None:
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), CacheOff(model):
             model(ids)
     finally:
         model.train(was_training)
@@ -429,31 +440,31 @@ def _fingerprint(call: tuple) -> tuple:
 
 # ---- replaying a call with another first tensor --------------------------------
 
-def _first_tensor_path(call: tuple) -> Optional[tuple]:
+def _first_tensor_path(call: tuple, ids: bool = False) -> Optional[tuple]:
+    """Where the call's first tensor is (with `ids`: its first integer
+    tensor, what a table lookup indexes with: OPT's position table takes a
+    float mask first and the position ids as a keyword)."""
     args, kwargs = call
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            return ("args", i)
-    for k, v in kwargs.items():
-        if isinstance(v, torch.Tensor):
-            return ("kwargs", k)
+    for path, value in [(("args", i), a) for i, a in enumerate(args)] + [(("kwargs", k), v) for k, v in kwargs.items()]:
+        if isinstance(value, torch.Tensor) and not (ids and value.is_floating_point()):
+            return path
     return None
 
 
-def _first_tensor(call: tuple) -> torch.Tensor:
-    path = _first_tensor_path(call)
+def _first_tensor(call: tuple, ids: bool = False) -> torch.Tensor:
+    path = _first_tensor_path(call, ids)
     if path is None:
-        raise _CannotVerify("its call has no tensor argument")
+        raise _CannotVerify(f"its call has no {'integer ' if ids else ''}tensor argument")
     return call[0][path[1]] if path[0] == "args" else call[1][path[1]]
 
 
-def _replay(module: nn.Module, call: tuple, x: torch.Tensor, device) -> torch.Tensor:
-    """module.forward on `call` with its first tensor replaced by `x`; the
-    output's first tensor. forward, not __call__: the module's own hooks
-    (the mode's layout changes at the ends of the stack) already acted on
-    the captured arguments."""
+def _replay(module: nn.Module, call: tuple, x: torch.Tensor, device, ids: bool = False) -> torch.Tensor:
+    """module.forward on `call` with its first tensor (`ids`: its first
+    integer tensor) replaced by `x`; the output's first tensor. forward, not
+    __call__: the module's own hooks (the mode's layout changes at the ends
+    of the stack) already acted on the captured arguments."""
     args, kwargs = _to(_freeze(call), device)
-    path = _first_tensor_path(call)
+    path = _first_tensor_path(call, ids)
     if path[0] == "args":
         args = tuple(x if i == path[1] else a for i, a in enumerate(args))
     else:
@@ -520,13 +531,35 @@ def _is_rewritten(rewritten: nn.Module, original: nn.Module) -> bool:
 
 # ---- comparisons ---------------------------------------------------------------------
 
-def _relative(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor) -> float:
-    """max |got - want| relative to `scale` (the whole reference's largest
-    magnitude, the same on every rank)."""
+def _relative(got: torch.Tensor, want: torch.Tensor, scale) -> float:
+    """max |got - want| relative to `scale`: a number, or a tensor whose
+    largest magnitude it is (the whole reference's, the same on every rank)."""
     if got.shape != want.shape:
         raise _CannotVerify(f"a tensor of shape {tuple(got.shape)} where the layout gives {tuple(want.shape)}")
     err = (got.detach().float() - want.detach().float()).abs().max().item() if got.numel() else 0.0
-    return err / max(scale.abs().max().item(), 1e-30)
+    if isinstance(scale, torch.Tensor):
+        scale = _magnitude(scale)
+    return err / max(scale, 1e-30)
+
+
+def _magnitude(t: Optional[torch.Tensor]) -> float:
+    return t.detach().abs().max().item() if t is not None and t.numel() else 0.0
+
+
+def _gradient_scales(reference: nn.Module) -> dict[str, float]:
+    """The scale each parameter's gradient is judged against: the largest
+    gradient of the module that holds it (its parameter group). A weight
+    and a bias are sums of the same output-gradient terms, so their
+    round-off is of one size; a gradient that is zero in exact arithmetic
+    (a key projection's bias under absolute positions: softmax ignores a
+    shift common to every key) holds only that round-off, which its own
+    magnitude would turn into a difference of order 1."""
+    params = dict(reference.named_parameters())
+    group: dict[str, float] = {}
+    for name, p in params.items():
+        owner = name.rpartition(".")[0]
+        group[owner] = max(group.get(owner, 0.0), _magnitude(p.grad))
+    return {name: group[name.rpartition(".")[0]] for name in params}
 
 
 def _param_pairs(reference: nn.Module, rewritten: nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -546,13 +579,14 @@ def _sync_partial(params: list[torch.Tensor]) -> None:
     group, as training does (data-parallel replicas check the same data)."""
     for p in params:
         spec = spec_of(p)
-        if p.grad is not None and spec is not None and spec.partial_grad and len(spec.replica_ranks) > 1:
-            comm.all_reduce(p.grad, spec.replica_group)
+        for piece, group in spec.partial_parts(p.grad) if p.grad is not None and spec is not None else ():
+            comm.all_reduce(piece, group)  # a view: summed in place
 
 
 def _compare_grads(reference: nn.Module, rewritten: nn.Module, worst: list) -> None:
     pairs = _param_pairs(reference, rewritten)
     _sync_partial([p for _, _, p in pairs])
+    scales = _gradient_scales(reference)
     for name, ref, p in pairs:
         if ref.grad is None and p.grad is None:
             continue
@@ -560,7 +594,7 @@ def _compare_grads(reference: nn.Module, rewritten: nn.Module, worst: list) -> N
         got = p.grad if p.grad is not None else torch.zeros_like(p)
         spec = spec_of(p)
         local = spec.slice(want) if spec is not None else want
-        _worse(worst, _relative(got, local, want), f"the gradient of {name}")
+        _worse(worst, _relative(got, local, scales[name]), f"the gradient of {name}")
 
 
 def _worse(worst: list, diff: float, what: str) -> None:
@@ -602,7 +636,7 @@ def _check_module(reference, rewritten, full_call, local_call, mode, check: Chec
     only the features matter): features in and out from its parameters'
     ShardSpecs."""
     full_in, local_in = _first_tensor(full_call), _first_tensor(local_call)
-    if not full_in.is_floating_point():
+    if not full_in.is_floating_point() or isinstance(reference, nn.Embedding):
         return _check_lookup(reference, rewritten, full_call, local_call, mode)
     device = mode.mesh.device
     features_in, features_out = _features(reference, rewritten, mode, check)
@@ -620,9 +654,17 @@ def _check_module(reference, rewritten, full_call, local_call, mode, check: Chec
     _compare_rows(out, got, features_out, worst, "the output")
     dy0 = torch.randn(out.shape[-1], generator=gen)
     out.backward(dy0.expand(out.shape).to(device))
-    got.backward(features_out.slice(dy0).expand(got.shape).to(device) * _broadcast_share(rewritten, out, got))
+    holders = _holders(mode, check)
+    if holders is not None:  # shared key/value heads: each copy's share, feature by feature
+        dy_local = features_out.slice(dy0 / holders).expand(got.shape)
+    else:
+        dy_local = features_out.slice(dy0).expand(got.shape) * _broadcast_share(rewritten, out, got)
+    got.backward(dy_local.to(device))
     want = features_in.slice(x.grad.reshape(-1, x.shape[-1])[0].cpu()).expand(x_local.shape).to(device)
-    diff = _relative(x_local.grad, want, x.grad)
+    got_dx = x_local.grad
+    if holders is not None and is_norm(reference):  # its input is the shared head too: each copy got 1/k
+        got_dx = got_dx * features_in.slice(holders).to(device)
+    diff = _relative(got_dx, want, x.grad)
     if x_local.numel() == x.numel() and mode.mesh.tp_size > 1:
         # An input every rank holds whole may leave its gradient partial for
         # the caller to sum once for several Linears (1d + sequence
@@ -643,6 +685,19 @@ def _compare_rows(out, got, features: ShardSpec, worst: list, what: str) -> None
     _worse(worst, _relative(got, want.expand(got.shape), out), what)
 
 
+def _holders(mode, check: Check) -> Optional[torch.Tensor]:
+    """Per output feature of a Linear holding shared key/value heads (or of
+    a norm over such a Linear's output), how many ranks' copies of it add
+    up to one: each block of query heads reading a shared head holds a
+    partial sum (its own heads' share of the gradient), so a check feeding
+    every copy the whole output gradient gives each 1/k. None for any other
+    module."""
+    layout = mode.layouts.get(mode.sources.get(check.name, check.name))  # a norm: its projection's
+    if layout is None or not layout.shares(mode.geo.head_split):
+        return None
+    return layout.holders(mode.geo.head_split)
+
+
 def _broadcast_share(rewritten: nn.Module, out: torch.Tensor, got: torch.Tensor) -> float:
     """The share of the output gradient this rank back-propagates. An output
     every rank of a group holds whole (as many rows as the original's) while
@@ -658,9 +713,11 @@ def _broadcast_share(rewritten: nn.Module, out: torch.Tensor, got: torch.Tensor)
 
 def _check_lookup(reference, rewritten, full_call, local_call, mode) -> tuple[float, str]:
     """A table lookup: one run per id, every row the same id, over ids that
-    touch every block of the table (and its padding id), gradients summed."""
+    touch every block of the table (and its padding id), gradients summed.
+    A table whose forward shifts the ids it is given (OPT's positions: +2)
+    is run on the ids its own forward accepts."""
     device = mode.mesh.device
-    full_in, local_in = _first_tensor(full_call), _first_tensor(local_call)
+    full_in, local_in = _first_tensor(full_call, ids=True), _first_tensor(local_call, ids=True)
     weight = getattr(reference, "weight", None)
     if weight is None or weight.dim() != 2:
         raise _CannotVerify("a module fed integers that is not a table lookup")
@@ -668,16 +725,24 @@ def _check_lookup(reference, rewritten, full_call, local_call, mode) -> tuple[fl
     ids = {round(rows * (b + 0.5) / mode.geo.size) % rows for b in range(mode.geo.size)} | {0, rows - 1}
     if getattr(reference, "padding_idx", None) is not None:
         ids.add(reference.padding_idx % rows)
+    ids |= set(full_in.unique().tolist())  # ids the real call used: valid for any shift
     features_out = _spec_features(_param_pairs(reference, rewritten), "weight", 1, weight.shape[1])
     gen = torch.Generator().manual_seed(SEED + 3)
     worst = [0.0, ""]
+    checked = 0
     for i in sorted(ids):
-        out = _replay(reference, full_call, torch.full_like(full_in, i).to(device), device)
-        got = _replay(rewritten, local_call, torch.full_like(local_in, i).to(device), device)
+        try:
+            out = _replay(reference, full_call, torch.full_like(full_in, i).to(device), device, ids=True)
+        except IndexError:  # outside the table once the module's own shift is applied
+            continue
+        checked += 1
+        got = _replay(rewritten, local_call, torch.full_like(local_in, i).to(device), device, ids=True)
         _compare_rows(out, got, features_out, worst, f"the output for id {i}")
         dy0 = torch.randn(out.shape[-1], generator=gen)
         out.backward(dy0.expand(out.shape).to(device))
         got.backward(features_out.slice(dy0).expand(got.shape).to(device) * _broadcast_share(rewritten, out, got))
+    if not checked:
+        raise _CannotVerify("its own forward accepts none of the ids tried")
     _compare_grads(reference, rewritten, worst)
     return worst[0], worst[1]
 
@@ -691,6 +756,10 @@ def _features(reference: nn.Module, rewritten: nn.Module, mode, check: Check) ->
         features_in = _spec_features(pairs, "weight", 1, reference.in_features)
         return features_in, _linear_outputs(reference, rewritten, mode, check)
     if is_norm(reference) or not pairs:
+        features = getattr(rewritten, "features", None)  # a split norm says which it holds, weight or not
+        if is_norm(reference) and features is not None:
+            spec = ShardSpec((norm_width(reference),), (features,))
+            return spec, spec
         width = reference.weight.shape[-1] if getattr(reference, "weight", None) is not None else None
         if width is not None:
             spec = _spec_features(pairs, "weight", 0, width)
@@ -743,7 +812,7 @@ def _check_stage(model, mode, stage: _Stage, calls: dict, local_ids: torch.Tenso
     # sequence after the last block) then act on it as on the real output.
     hook = model.get_submodule(stage.block).register_forward_hook(lambda m, a, out: _with_first(out, piece), prepend=True)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), CacheOff(model):
             got = logits_of(model(local_ids))
     finally:
         hook.remove()
@@ -766,8 +835,7 @@ def _agree(units: list, mode) -> None:
     diffs = torch.nan_to_num(diffs, nan=math.inf, posinf=math.inf)
     by_rank = comm.all_gather(diffs.unsqueeze(0), dist.group.WORLD).cpu()  # (world, units)
     # Start-up only: the names are short strings, one object gather.
-    names: list = [None] * dist.get_world_size()
-    dist.all_gather_object(names, [u.check.what for u in units])
+    names = comm.all_gather_object([u.check.what for u in units], dist.group.WORLD)
     worst, owner = by_rank.max(dim=0)  # max picks the first rank among equals
     for i, unit in enumerate(units):
         if not unit.check.note:

@@ -22,9 +22,10 @@ metadata, which is read with an allow-list unpickler):
   rng.shared.dp<d>, rng.local.rank<r>, rng.torch.rank<r>[, rng.cuda.rank<r>]
                                dropout and global generators
 Only one rank writes each box: the first of its replicas (ShardSpec
-.replica_ranks[0]) in data-parallel replica 0; under ZeRO each replica
-writes the chunk it owns (a sub-box of the shard), so every byte is
-written once, by whichever replica holds it (DataParallel.held).
+.replica_ranks[0], or for rows with replicas of their own .row_replicas) in
+data-parallel replica 0; under ZeRO each replica writes the chunk it owns
+(a sub-box of the shard), so every byte is written once, by whichever
+replica holds it (DataParallel.held).
 
 Atomic: written to `checkpoints/.tmp_step_<N>`, renamed to `step_<N>` once
 every file and the manifest are on disk; a crash mid-write leaves only a
@@ -48,10 +49,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
+from tpctl.parallel import comm
 from tpctl.parallel.layout import Layout
 from tpctl.parallel.shard import ShardSpec
+from tpctl.errors import TpctlError
 
 log = logging.getLogger("tpctl.checkpoint")
 
@@ -61,7 +63,7 @@ CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointError(Exception):
+class CheckpointError(TpctlError):
     """A checkpoint that cannot be used; the message is one line."""
 
 
@@ -105,6 +107,12 @@ class Entry:
     full_shape: tuple[int, ...]
     boxes: list[Box]
     write: bool
+    # Boxes (positions in `boxes`) another replica writes: rows of a fused
+    # projection that hold a key/value head several ranks share.
+    skip: frozenset = frozenset()
+
+    def written(self) -> list[Box]:
+        return [b for i, b in enumerate(self.boxes) if i not in self.skip] if self.write else []
 
     def view(self, box: Box) -> torch.Tensor:
         out = self.tensor
@@ -145,10 +153,8 @@ def _planners():
         def create_local_plan(self) -> SavePlan:
             items = []
             for fqn, entry in self.state_dict.items():
-                if not entry.write:
-                    continue
                 props = TensorProperties(dtype=entry.tensor.dtype)
-                for box in entry.boxes:
+                for box in entry.written():
                     offsets = torch.Size(box.offsets)
                     items.append(WriteItem(
                         index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
@@ -256,6 +262,12 @@ def _reader(path: Path):
 # --------------------------------------------------------------------------
 
 
+def _skipped(spec: Optional[ShardSpec], boxes: list[Box]) -> frozenset:
+    """The boxes of a shard whose rows another replica writes."""
+    if spec is None or not spec.row_replicas:
+        return frozenset()
+    return frozenset(i for i, b in enumerate(boxes) if not spec.writes_rows(b.local[0]))
+
 def _adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
     """AdamW's state of `p`, created as AdamW would create it (zeros, step 0)
     when the parameter has not been stepped yet, so it can be loaded into."""
@@ -305,16 +317,17 @@ def state_entries(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimi
     for name, p, values, spec, write in par.dp.held(model):
         boxes = shard_boxes(spec, tuple(values.shape))
         full = tuple(spec.full_shape) if spec is not None else tuple(values.shape)
-        entries[f"model.{name}"] = Entry(values, full, boxes, write)
+        skip = _skipped(spec, boxes)
+        entries[f"model.{name}"] = Entry(values, full, boxes, write, skip)
         if optimizer is None:
             continue
         state = _adam_state(optimizer, p)
         for moment in ("exp_avg", "exp_avg_sq"):
             # (under ZeRO a chunk's padding rows, past `values`, are never saved)
             entries[f"optim.{name}.{moment}"] = Entry(state[moment][:len(values)] if values.dim() else state[moment],
-                                                      full, boxes, write)
+                                                      full, boxes, write, skip)
         # One writer among the shards: the one holding the global origin.
-        origin = write and any(all(o == 0 for o in b.offsets) for b in boxes)
+        origin = any(all(o == 0 for o in b.offsets) for b in entries[f"model.{name}"].written())
         entries[f"optim.{name}.step"] = whole(state["step"].detach().reshape(1).double().cpu(), origin)
     is_first = mesh.rank == 0
     entries["train.step"] = whole(torch.tensor([step], dtype=torch.int64), is_first)
@@ -407,7 +420,6 @@ def save(root: Path, step: int, model, optimizer, par, cfg, first_loss: float = 
     A save that fails on any rank (a full disk, no permission) raises the
     same CheckpointError on every rank, naming the root cause, after its
     temp dir is removed: the checkpoints written before are untouched."""
-    from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
 
     SavePlanner, _ = _planners()
@@ -416,9 +428,7 @@ def save(root: Path, step: int, model, optimizer, par, cfg, first_loss: float = 
     started = time.perf_counter()
     mesh = par.mesh
     entries = state_entries(model, optimizer, par, step, first_loss)
-    mine = sum(e.view(b).numel() * e.tensor.element_size() for e in entries.values() if e.write for b in e.boxes)
-    sizes = [0] * mesh.world_size
-    dist.all_gather_object(sizes, mine)
+    sizes = comm.all_gather_object(bytes_to_write(entries))
 
     def fail(why: str) -> CheckpointError:
         return CheckpointError(f"checkpoint step {step} not written to {root}: {why}; "
@@ -429,29 +439,31 @@ def save(root: Path, step: int, model, optimizer, par, cfg, first_loss: float = 
         for stale in root.glob(".tmp_*"):  # left by a crash mid-write
             shutil.rmtree(stale, ignore_errors=True)
         free = shutil.disk_usage(root).free
-        if sum(sizes) > free:
-            raise CheckpointError(f"it needs about {sum(sizes) / 2**20:,.1f} MiB, the disk has "
-                                  f"{free / 2**20:,.1f} MiB free (No space left on device)")
+        # As large as the newest checkpoint (the same state: the same size,
+        # whatever the layout), or the estimate when it is the first.
+        need = max([sum(sizes) + MANIFEST_ALLOWANCE] + [_written_bytes(path) for _, path in step_dirs(root)[:1]])
+        if need > free:
+            raise CheckpointError(f"it needs about {need / 2**20:,.2f} MiB, the disk has "
+                                  f"{free / 2**20:,.2f} MiB free (ENOSPC: No space left on device)")
         tmp.mkdir()
 
     _on_rank0(mesh, prepare, fail, tmp)
     error, files = None, {}
+    writer = _recording_writer(tmp)
     try:
-        dcp_save(entries, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
-                 planner=SavePlanner())
+        dcp_save(entries, storage_writer=writer, planner=SavePlanner())
         # Each rank hashes the files it wrote (DCP names them __<rank>_<n>.distcp).
         files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.glob(f"__{mesh.rank}_*"))}
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        error = root_cause(e)
-    gathered = [None] * mesh.world_size
-    dist.all_gather_object(gathered, (error, files))
+        error = root_cause(writer.failure or e)
+    gathered = comm.all_gather_object((error, files))
     errors = [e for e, _ in gathered if e]
     if errors:
         if mesh.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
+        comm.barrier()
         raise fail(errors[0])
 
     def commit() -> None:
@@ -481,9 +493,67 @@ def save(root: Path, step: int, model, optimizer, par, cfg, first_loss: float = 
     _on_rank0(mesh, commit, fail, tmp)
     if mesh.rank == 0:
         rotate(root, keep)
-    dist.barrier()
+    comm.barrier()
     log.info("checkpoint %s written in %.2fs", final, time.perf_counter() - started)
     return final
+
+
+def bytes_to_write(entries: dict) -> int:
+    """What this rank's part of a checkpoint takes on disk: the tensors'
+    bytes, plus per tensor written the frame torch.save puts around it (a
+    zip archive of its own: about 1.5 KiB, measured here) and its record
+    in DCP's metadata (measured: about 240 bytes with 40-character names;
+    256 + the name's length allowed). The manifest is MANIFEST_ALLOWANCE."""
+    import io
+
+    one = io.BytesIO()
+    torch.save(torch.zeros(1), one)
+    frame = one.getbuffer().nbytes - 4 + 256
+    return sum(e.view(b).numel() * e.tensor.element_size() + frame + len(key)
+               for key, e in entries.items() for b in e.written())
+
+
+# The manifest (the run's config, a record per file) and what else a
+# checkpoint holds once: a few KiB.
+MANIFEST_ALLOWANCE = 8 << 10
+
+
+def _written_bytes(path: Path) -> int:
+    """The bytes of a written checkpoint's files (its manifest's record;
+    0 when it has none)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        return sum(f["bytes"] for f in manifest["files"].values()) + (path / MANIFEST).stat().st_size
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0
+
+
+def _recording_writer(path: Path):
+    """DCP's file writer (one file per rank, fsynced) that keeps the first
+    exception its own rank raised, whole. DCP hands each rank's failure to
+    every rank pickled, which drops what it was raised from: torch.save's
+    RuntimeError ("unexpected pos ...") loses the OSError under it that
+    says ENOSPC."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class RecordingWriter(FileSystemWriter):
+        failure: Optional[BaseException] = None
+
+        def write_data(self, plan, planner):
+            try:
+                return super().write_data(plan, planner)
+            except BaseException as e:
+                self.failure = self.failure or e
+                raise
+
+        def finish(self, metadata, results):
+            try:
+                return super().finish(metadata, results)
+            except BaseException as e:
+                self.failure = self.failure or e
+                raise
+
+    return RecordingWriter(path, single_file_per_rank=True, sync_files=True)
 
 
 def _on_rank0(mesh, action: Callable[[], None], fail: Callable[[str], CheckpointError], tmp: Path) -> None:
@@ -497,7 +567,7 @@ def _on_rank0(mesh, action: Callable[[], None], fail: Callable[[str], Checkpoint
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             outcome = [str(e) if isinstance(e, CheckpointError) else root_cause(e)]
-    dist.broadcast_object_list(outcome, src=0)
+    outcome[0] = comm.broadcast_object(outcome[0])
     if outcome[0] is not None:
         raise fail(outcome[0])
 
@@ -524,7 +594,13 @@ def root_cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
-def rotate(root: Path, keep: int, warn: Callable[[str], None] = log.warning) -> list[Path]:
+def _warn(message: str) -> None:
+    """To the terminal (rank 0's stderr reaches it) and to the rank's log."""
+    print(message, file=sys.stderr, flush=True)
+    log.warning(message)
+
+
+def rotate(root: Path, keep: int, warn: Callable[[str], None] = _warn) -> list[Path]:
     """Delete what lies beyond the newest `keep` valid checkpoints (0: keep
     all); return what was deleted. Only checkpoints that verify count, so
     a corrupt newer one never pushes out the last good one; an invalid one

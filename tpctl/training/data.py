@@ -46,7 +46,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import numpy as np
 import torch
 
-from tpctl.errors import ConfigError
+from tpctl.errors import ConfigError, TpctlError
 
 from . import corpus
 
@@ -99,12 +99,14 @@ def cache_dir(cfg) -> Path:
     return Path(d).expanduser()
 
 
-def prepare_data(cfg) -> DataInfo:
+def prepare_data(cfg, scan_ids: bool = True) -> DataInfo:
     """Build (or find) the token stream of ``cfg.data`` and validate it.
 
     Raises ConfigError for anything that would otherwise fail inside a worker:
     a missing file, ids the model's vocabulary cannot embed, splits too short
-    for one window of ``train.seq_len + 1`` tokens.
+    for one window of ``train.seq_len + 1`` tokens. ``scan_ids``: read every
+    id of a prepared corpus (the launcher does, once per process and corpus
+    state; the workers check each batch they read instead, TokenData.batch).
     """
     d = cfg.data
     if d.name == "synthetic":
@@ -115,7 +117,7 @@ def prepare_data(cfg) -> DataInfo:
         if d.path is None:
             info = _stdlib_corpus(cfg)
         elif Path(d.path).expanduser().is_dir():
-            info = _prepared_dir(cfg, d.path)
+            info = _prepared_dir(cfg, d.path, scan_ids)
         else:
             info = _user_file(cfg, d.path)
         if _model_vocab(cfg) is not None and info.vocab_size > _model_vocab(cfg) and info.n_val is not None:
@@ -367,13 +369,15 @@ def _user_file(cfg, path_str: str) -> DataInfo:
     return _info(dest, dest.with_suffix(".json"), f"text file {path.name}", text=not cfg.data.get("tokenizer"))
 
 
-def _prepared_dir(cfg, path_str: str) -> DataInfo:
+def _prepared_dir(cfg, path_str: str, scan_ids: bool) -> DataInfo:
     """A directory written by ``tpctl prepare-data``: checked (index, shard
-    sizes, tokenizer), never read here."""
+    sizes, tokenizer; with ``scan_ids`` every id of every shard)."""
     path = Path(path_str).expanduser()
     try:
         index = corpus.read_index(path)
         corpus.check_shards(path, index)
+        if scan_ids:
+            _scan_once(path, index)
     except corpus.DataError as e:
         raise ConfigError("data.path", path_str, str(e)) from None
     tokenizer = cfg.data.get("tokenizer")
@@ -385,6 +389,20 @@ def _prepared_dir(cfg, path_str: str) -> DataInfo:
             f"vocabulary {index['vocab_size']}, {index['dtype']})")
     return DataInfo(str(path), n_train + n_val, int(index["vocab_size"]), desc,
                     np.dtype(index["dtype"]).newbyteorder("<").str, n_val)
+
+
+_SCANNED: set = set()  # (corpus, the state of its shards) already scanned by this process
+
+
+def _scan_once(path: Path, index: dict) -> None:
+    """corpus.check_ids, skipped when this process has scanned the same
+    shards (same names, sizes and modification times) before: the launcher
+    prepares the data twice (checking the jobs, then running one)."""
+    shards = corpus.shard_paths(path, index, "train") + corpus.shard_paths(path, index, "val")
+    state = (str(path.resolve()), tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in shards))
+    if state not in _SCANNED:
+        corpus.check_ids(path, index)
+        _SCANNED.add(state)
 
 
 def _read_chunks(path: Path) -> Iterator[bytes]:
@@ -415,6 +433,15 @@ def _open_tokens(info: DataInfo):
     index = corpus.read_index(info.path)
     paths = corpus.shard_paths(info.path, index, "train") + corpus.shard_paths(info.path, index, "val")
     return corpus.ShardedTokens(paths, np.dtype(info.dtype))
+
+
+class TokenOutOfRange(TpctlError, ValueError):
+    """A batch holds a token id the model's vocabulary does not."""
+
+    def __init__(self, split: str, step: int, token: int, vocab_size: int, where: str):
+        when = f"step {step + 1}" if split == "train" else f"validation batch {step + 1}"
+        super().__init__(f"{when}: token id {token} ({where}) is outside the model's vocabulary of {vocab_size} ids: "
+                         "the data holds ids the model cannot embed (changed since the run started?)")
 
 
 class TokenData:
@@ -454,11 +481,15 @@ class TokenData:
         # A window starting at o reads tokens o .. o+seq_len inclusive.
         return torch.randint(0, self.split_len(split) - self.seq_len, (self.batch_size,), generator=g)
 
-    def batch(self, split: str, step: int, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, split: str, step: int, rows: Sequence[int],
+              vocab_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``rows`` of the global batch of ``step``: ``x, y`` int64 of shape
         ``[len(rows), seq_len]`` with ``y`` = ``x`` shifted left by one token.
         The offsets of all rows are drawn (cheap), only the requested windows
-        are read."""
+        are read. With ``vocab_size``, an id outside [0, vocab_size) raises
+        TokenOutOfRange naming where it lies (a file damaged after the
+        start-up scan, or ids a model the launcher could not check cannot
+        embed): the 1d embedding would give it a zero vector, silently."""
         offsets = self.offsets(split, step).tolist()
         rows = list(rows)
         if any(not 0 <= r < self.batch_size for r in rows):
@@ -468,8 +499,19 @@ class TokenData:
         for i, r in enumerate(rows):
             o = base + offsets[r]
             windows[i] = self.tokens[o:o + self.seq_len + 1]
+        if vocab_size is not None and windows.size:
+            at = corpus.first_outside(windows.reshape(-1), vocab_size)
+            if at is not None:
+                i, j = divmod(at, self.seq_len + 1)
+                raise TokenOutOfRange(split, step, int(windows[i, j]), vocab_size,
+                                      self._where(base + offsets[rows[i]] + j))
         w = torch.from_numpy(windows)
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+    def _where(self, i: int) -> str:
+        if isinstance(self.tokens, corpus.ShardedTokens):
+            return self.tokens.where(i)
+        return f"token {i} of {self.info.path or 'the synthetic stream'}"
 
     def describe(self) -> str:
         return (f"{self.info.description}; train {self.split_len('train')} / "

@@ -58,6 +58,9 @@ class Trainer:
         self.compiled = compile_model(model, compile_setting(cfg), self.mesh.device.type,
                                       say=lambda line: print(line, flush=True) if self.mesh.rank == 0 else None)
         self.tokens_per_step = self.step.tokens_per_step
+        # The real vocabulary (the LM head's width before any padding): the
+        # bound every id read must be inside.
+        self.vocab_size = getattr(model, "tpctl_vocab_size", None) or cfg.model.vocab_size
         self.is_logger = self.mesh.rank == 0
         # Where training starts (a resumed run: the checkpoint's step).
         self.start_step = 0
@@ -86,7 +89,7 @@ class Trainer:
     def _micro_batches(self, split: str, step: int):
         t = self.cfg.train
         for micro in range(t.grad_accum):
-            x, y = self.data.batch(split, step, self.par.rows(t.batch_size, t.grad_accum, micro))
+            x, y = self.data.batch(split, step, self.par.rows(t.batch_size, t.grad_accum, micro), self.vocab_size)
             yield (self.par.mode.split_input(x).to(self.mesh.device),
                    self.par.mode.split_target(y).to(self.mesh.device))
 

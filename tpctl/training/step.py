@@ -15,15 +15,16 @@ replica's chunks of them (parallel/zero.py).
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
 
 from tpctl.parallel.parallelism import Parallelism
+from tpctl.parallel.layers import CacheOff
 from tpctl.parallel.roles import logits_of
 from tpctl.parallel.shard import spec_of
+from tpctl.errors import TpctlError, warning
 
 
 @dataclass
@@ -61,7 +62,7 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
-class NonFiniteLoss(RuntimeError):
+class NonFiniteLoss(TpctlError, RuntimeError):
     """The loss or the gradient norm of a step is NaN or infinite
     (train.on_nonfinite=stop); the message names the step."""
 
@@ -90,8 +91,8 @@ class NonFinitePolicy:
                 return True
             self.skipped_steps += 1
             if self.say_warning:
-                print(f"tpctl: warning: step {step + 1}: the loss is {float(loss)} and the gradient norm {float(norm)}; "
-                      "the update is skipped (train.on_nonfinite=skip)", file=sys.stderr, flush=True)
+                warning(f"step {step + 1}: the loss is {float(loss)} and the gradient norm {float(norm)}; "
+                      "the update is skipped (train.on_nonfinite=skip)")
             return False
         here = torch.stack([torch.full((), step + 1, dtype=torch.float64, device=loss.device), loss.double(), norm.double()])
         if self.first_bad is None:
@@ -119,6 +120,8 @@ class TrainStep:
         self.device = par.mesh.device
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
         self.nonfinite = NonFinitePolicy(cfg.train.get("on_nonfinite", "stop"), say_warning=par.mesh.rank == 0)
+        # Training forwards never build a key/value cache, whatever the config says.
+        self.cache_off = CacheOff(torch.nn.ModuleList(model_parts))
 
     @property
     def model(self) -> torch.nn.Module:
@@ -133,7 +136,7 @@ class TrainStep:
         while parameters, their gradients and the optimizer state stay fp32;
         norms and the cross entropy compute in fp32. The backward runs
         outside autocast, as torch recommends: it follows the forward's dtypes."""
-        with autocast(self.device, self.cfg.precision):
+        with autocast(self.device, self.cfg.precision), self.cache_off:
             logits = logits_of(self.model(x))
             # The real vocabulary (the LM head's width before any padding).
             vocab = getattr(self.model, "tpctl_vocab_size", None) or self.cfg.model.vocab_size

@@ -43,7 +43,7 @@ def _model_cfg(name: str, **extra):
     else:
         sizes = {"n_head": 4, "n_embd": 16, "tie_embeddings": True}
     return typed_model(OmegaConf.create({"arch": name, "vocab_size": VOCAB, "n_layer": 2, "block_size": 16,
-                                         "bias": False, **sizes, **extra}))
+                                         "bias": None, **sizes, **extra}))
 
 
 def _reference(name: str) -> torch.nn.Module:

@@ -52,7 +52,7 @@ def _model(name: str) -> torch.nn.Module:
              "llama": {"n_head": 8, "n_kv_head": 4, "n_embd": 32, "intermediate_size": 48, "tie_embeddings": False},
              "gpt2": {"n_head": 4, "n_embd": 16, "tie_embeddings": True}}[name]
     cfg = typed_model(OmegaConf.create({"arch": name, "vocab_size": VOCAB, "n_layer": 2, "block_size": 16,
-                                        "bias": False, **sizes}))
+                                        "bias": None, **sizes}))
     return build_model(cfg, seed=0, lazy=True)
 
 

@@ -107,17 +107,18 @@ def _raise(error: Exception):
 # --------------------------------------------------------------------------
 
 
-def validate(cfg: Any, model_check: bool = True) -> None:
+def validate(cfg: Any, model_check: bool = True, training: bool = True) -> None:
     """Raise ConfigError for the first invalid value in a composed config.
     model_check=False skips building the model (tpctl inspect shows what a
-    mode cannot shard instead of refusing it)."""
+    mode cannot shard instead of refusing it); training=False: a config
+    that is only decoded (tpctl generate)."""
     _check_resolvable(cfg)
     _check_known_keys(cfg, OmegaConf.structured(TrainConfig), "")
     _check_finite(cfg, "")
     if not 0 <= cfg.seed < 2**63:
         raise ConfigError("seed", cfg.seed, f"expected an integer in [0, 2**63) = [0, {2**63 - 1}]")
     _check_choice("train.on_nonfinite", cfg.train.on_nonfinite, NONFINITE_POLICIES)
-    _check_choice("model.arch", cfg.model.arch, ARCHS)
+    _check_hf_arch(cfg.model)
     cfg.model = typed_model(cfg.model)
     _check_choice("data.name", cfg.data.name, DATASETS)
     _check_choice("device", cfg.device, DEVICES)
@@ -177,7 +178,38 @@ def validate(cfg: Any, model_check: bool = True) -> None:
     if model_check:
         from .models import check_model  # imports torch: after every cheap check
 
-        check_model(cfg)
+        check_model(cfg, training)
+
+
+def _check_hf_arch(model: Any) -> None:
+    """model.arch: tpctl's own, custom, or (a Hugging Face family) a
+    model_type transformers builds as a causal LM. A pretrained directory
+    names its own family (model.arch becomes its model_type, so that the run
+    dir and checkpoints say which), and only a Hugging Face model reads one."""
+    import json
+
+    arch, pretrained = model.get("arch"), model.get("pretrained")
+    if arch in ARCHS:
+        if pretrained is not None:
+            raise ConfigError("model.pretrained", pretrained, f"model.arch={arch} is not a Hugging Face family: "
+                              "a save_pretrained directory loads with model=hf")
+        return
+    from .models.hf import check_arch
+
+    if pretrained is not None:
+        try:
+            model.arch = json.loads((Path(pretrained) / "config.json").read_text())["model_type"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # checked below: not a save_pretrained directory
+    try:
+        check_arch(model.arch, ours=pretrained is None)
+    except ImportError:
+        raise ConfigError("model.arch", arch, f"expected one of {', '.join(ARCHS)}, or a Hugging Face model_type "
+                          "with transformers installed (pip install 'tpctl[hf]')") from None
+    except ConfigError as e:
+        if pretrained is None:
+            raise
+        raise ConfigError("model.pretrained", pretrained, f"its config.json's model_type {model.arch!r}: {e.valid}") from None
 
 
 # fp32's largest finite value and its smallest normal one: the settings
@@ -639,6 +671,8 @@ def _override_for(full_key: str, overrides: list):
 
 def _unknown_key_hint(key: str, reference: DictConfig) -> str | None:
     """Name the first segment of `key` that does not exist, with the keys that do."""
+    if key.rsplit(".", 1)[0] == "model.config":  # an open group, empty by default: new keys take a plus
+        return f"model.config takes the family's own settings, each added with a plus: +{key}=<value>"
     node, prefix = reference, ""
     for part in key.split("."):
         if not isinstance(node, DictConfig):

@@ -12,10 +12,16 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-# Model architectures: tpctl's own, Hugging Face families built from size keys, any importable builder.
+# Model architectures: tpctl's own, any importable builder, and (every
+# other name) a Hugging Face model_type that transformers builds as a causal
+# LM (models/hf.py checks it against transformers' own list).
 BUILTIN_ARCHS = ("gpt", "mlp")
-HF_ARCHS = ("gpt2", "llama")
-ARCHS = (*BUILTIN_ARCHS, *HF_ARCHS, "custom")
+ARCHS = (*BUILTIN_ARCHS, "custom")
+
+
+def is_hf_arch(arch: str) -> bool:
+    """A Hugging Face family: any model.arch that is not tpctl's own or custom."""
+    return arch not in ARCHS
 
 
 @dataclass
@@ -24,7 +30,8 @@ class ModelConfig:
     arch=custom, is free-form: its keys are its builder's arguments)."""
 
     # Built in: "gpt" (nanoGPT-style decoder), "mlp" (token MLP with an untied
-    # head). Hugging Face (model=hf): "gpt2", "llama".
+    # head). Hugging Face (model=hf): any causal LM model_type ("gpt2",
+    # "llama", "qwen2", "gpt_neox", ...).
     arch: str = "gpt"
     vocab_size: int = 256
     n_layer: int = 2
@@ -33,15 +40,20 @@ class ModelConfig:
     block_size: int = 64  # maximum sequence length (position table size)
     mlp_ratio: int = 4
     dropout: float = 0.0
-    bias: bool = True
+    # Hugging Face: null keeps the family's biases; true/false sets every
+    # bias setting it has (attention_bias, mlp_bias, ...).
+    bias: Optional[bool] = True
     tie_embeddings: bool = True
-    # Llama: key/value heads (grouped-query attention; null: n_head) and the
-    # MLP's hidden size (null: mlp_ratio * n_embd).
+    # Key/value heads (grouped-query attention; null: n_head) and the MLP's
+    # hidden size (null: mlp_ratio * n_embd) of a Hugging Face family.
     n_kv_head: Optional[int] = None
     intermediate_size: Optional[int] = None
     # Hugging Face: a local save_pretrained directory (config.json and
     # safetensors); its config replaces the size keys above.
     pretrained: Optional[str] = None
+    # Hugging Face: the family's own config settings, passed through after
+    # the size keys (+model.config.rope_theta=1e6).
+    config: Dict[str, Any] = field(default_factory=dict)
     # Module-name patterns -> roles; null: the model's tp_plan, else traced.
     plan: Optional[Dict[str, str]] = None
 

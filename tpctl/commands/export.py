@@ -1,27 +1,31 @@
 """`tpctl export CKPT OUT`: a checkpoint's full, unsharded weights as one
 safetensors file, keyed by the model's parameter names (a tied parameter
-once, under the name the model gives it first).
+once, under the name the model gives it first); for a Hugging Face model a
+save_pretrained directory that `from_pretrained` loads.
 
     tpctl export outputs/.../checkpoints/step_200 model.safetensors
+    tpctl export outputs/.../checkpoints/step_200 out_dir          # model=hf
 
 One process, no process group: DCP reads every saved chunk into whole
 tensors (padding was never saved). The steps are separate functions so that
-another output form (e.g. a Hugging Face directory for model.arch=gpt2 or
-llama) can reuse them: `full_weights` gives {name: tensor}, an adapter maps
-names and layouts (see EXPORTERS), `write_safetensors` writes.
+another output form can reuse them: `full_weights` gives {name: tensor},
+`write_hf` maps names and layouts back to the family's (models/hf.save_hf),
+`write_safetensors` writes tpctl's own.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from tpctl.errors import fail
+from tpctl.schema import is_hf_arch
 
 EPILOG = "exit status: 0 written, 2 bad arguments or an invalid checkpoint"
 
@@ -42,24 +46,53 @@ def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, manifest: dic
 
 
 def write_hf(manifest: dict, tensors: dict[str, torch.Tensor], out: Path) -> None:
-    """A Hugging Face model: a directory `from_pretrained` loads."""
+    """A Hugging Face model: a directory `from_pretrained` loads, with the
+    run's tokenizer when it had one."""
     from omegaconf import OmegaConf
 
     from tpctl.models.hf import save_hf
 
-    save_hf(OmegaConf.create(manifest["model"]), tensors, out)
+    # Written beside OUT and renamed into place: a failed export leaves no
+    # half-written directory that from_pretrained would read.
+    tmp = out.absolute().parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        save_hf(OmegaConf.create(manifest["model"]), tensors, tmp, tokenizer=hf_tokenizer(manifest))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
-# model.arch -> function(manifest, {name: tensor}, out) writing another form;
-# tpctl's own (and custom) models write one safetensors file.
-EXPORTERS: dict[str, Callable[[dict, dict[str, torch.Tensor], Path], None]] = {"gpt2": write_hf, "llama": write_hf}
+def hf_tokenizer(manifest: dict):
+    """The run's tokenizer directory (data.tokenizer), if it had one."""
+    return manifest.get("config", {}).get("data", {}).get("tokenizer")
+
+
+def hf_inputs_problem(manifest: dict):
+    """What a Hugging Face export reads besides the checkpoint and lacks:
+    the pretrained directory's config.json (the family's config), the
+    tokenizer directory. None when both are there."""
+    pretrained = manifest["model"].get("pretrained")
+    if pretrained and not (Path(pretrained) / "config.json").is_file():
+        return f"the run's model.pretrained={pretrained!r} has no config.json any more (the family's config is read from it)"
+    tokenizer = hf_tokenizer(manifest)
+    if tokenizer and not Path(tokenizer).is_dir():
+        return f"the run's data.tokenizer={tokenizer!r} is gone (export copies it)"
+    return None
+
+
+def exports_directory(model: dict) -> bool:
+    """A Hugging Face model exports a directory; tpctl's own and custom
+    models one safetensors file."""
+    return is_hf_arch(model.get("arch"))
 
 
 def export(checkpoint_dir: Path, out: Path) -> dict:
     manifest, tensors = full_weights(checkpoint_dir)
-    exporter = EXPORTERS.get(manifest["model"].get("arch"))
-    if exporter is not None:
-        exporter(manifest, tensors, out)
+    if exports_directory(manifest["model"]):
+        write_hf(manifest, tensors, out)
     else:
         write_safetensors(tensors, out, manifest)
     return {"step": manifest["step"], "tensors": len(tensors),
@@ -76,21 +109,28 @@ def main(args: list[str]) -> int:
     parser.add_argument("checkpoint", type=Path, metavar="CHECKPOINT",
                         help="a checkpoint directory (<run dir>/checkpoints/step_<N>)")
     parser.add_argument("out", type=Path, metavar="OUT", help="the safetensors file to write (its directory must exist); "
-                        "for a Hugging Face model (model=hf) a directory, written with save_pretrained so that "
-                        "from_pretrained(OUT) loads it")
+                        "for a Hugging Face model (model=hf, any family) a directory, written with save_pretrained "
+                        "so that from_pretrained(OUT) loads it: config.json, the weights under the names the family "
+                        "stores, and the run's tokenizer (data.tokenizer) if it had one")
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists (else an existing OUT is refused)")
     parser.error = lambda message: sys.exit(fail(f"tpctl export: {message} (see tpctl export --help)"))
     flags = parser.parse_args(args)
     ckpt, out, force = flags.checkpoint, flags.out, flags.force
     try:
-        arch = verify(ckpt)["model"].get("arch")
+        manifest = verify(ckpt)
     except CheckpointError as e:
         return fail(f"export CHECKPOINT={str(ckpt)!r}: {e}")
+    model = manifest["model"]
     if out.exists() and not force:
         return fail(f"export OUT={str(out)!r}: already exists; pass --force to overwrite it")
-    if arch in EXPORTERS:  # a directory
+    if exports_directory(model):
         if out.exists() and not out.is_dir():
-            return fail(f"export OUT={str(out)!r}: a file; model.arch={arch} exports a directory")
+            return fail(f"export OUT={str(out)!r}: a file; model.arch={model.get('arch')} exports a directory")
+        if not out.absolute().parent.is_dir():
+            return fail(f"export OUT={str(out)!r}: its directory {out.absolute().parent} does not exist")
+        problem = hf_inputs_problem(manifest)
+        if problem:
+            return fail(f"export CHECKPOINT={str(ckpt)!r}: {problem}")
     elif out.is_dir() or not out.absolute().parent.is_dir():
         why = "is a directory" if out.is_dir() else f"its directory {out.absolute().parent} does not exist"
         return fail(f"export OUT={str(out)!r}: {why}; expected a file path")

@@ -6,10 +6,10 @@ decoded with tensor parallelism in any mode, streamed as it comes.
 
 SOURCE: a checkpoint (<run dir>/checkpoints/step_<N>, written in any
 layout; it is loaded into the one asked for here) or a Hugging Face
-save_pretrained directory (config.json and safetensors; model_type gpt2 or
-llama). The tokenizer: the checkpoint's run's `data.tokenizer` (bytes when
-it had none), or for a pretrained directory the tokenizer saved in it, if
-any; `data.tokenizer=DIR` overrides both. temperature=0 is greedy decoding,
+save_pretrained directory (config.json and safetensors; any model_type
+transformers builds as a causal LM). The tokenizer: the checkpoint's run's
+`data.tokenizer` (bytes when it had none), or for a pretrained directory
+the tokenizer saved in it, if any; `data.tokenizer=DIR` overrides both. temperature=0 is greedy decoding,
 the same tokens in every mode. --json: no streaming; one JSON object
 (the text, the ids, tokens/s) at the end.
 
@@ -102,10 +102,16 @@ def compose(source: Path, kind: str, overrides: list[str]):
         if "vocab_size" in run_data:
             cfg.data.vocab_size = run_data["vocab_size"]
         return cfg, str(source.resolve())
-    config = json.loads((source / "config.json").read_text())
-    arch = config.get("model_type")
-    if arch not in ("gpt2", "llama"):
-        raise ConfigError("SOURCE", str(source), f"model_type {arch!r}: expected gpt2 or llama")
+    try:
+        arch = json.loads((source / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError("SOURCE", str(source), f"config.json is not a Hugging Face config: {e}") from None
+    from tpctl.models.hf import check_arch
+
+    try:
+        check_arch(str(arch), ours=False)
+    except ConfigError as e:
+        raise ConfigError("SOURCE", str(source), f"model_type {arch!r}: {e.valid}") from None
     cfg = compose_jobs(["model=hf", f"model.arch={arch}", f"model.pretrained={source.resolve()}", *other, *model_overrides])[0]
     if cfg.data.tokenizer is None and any((source / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         cfg.data.tokenizer = str(source.resolve())
@@ -126,7 +132,7 @@ def check(cfg, opts: dict) -> list[int]:
     # No training: a batch of the rows the mode splits (the prompt,
     # replicated: training/generation.py), nothing resumed.
     cfg.train.batch_size, cfg.train.grad_accum, cfg.train.seq_len, cfg.train.resume = geo.batch_split, 1, 1, None
-    validate(cfg)
+    validate(cfg, training=False)
     if opts["prompt"] is None:
         raise ConfigError("prompt", None, 'expected prompt="some text"')
     from tpctl.models import build_model

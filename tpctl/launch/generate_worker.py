@@ -39,7 +39,7 @@ def run(argv: list[str]) -> None:
     # Decoding feeds whole sequences: no sequence parallelism.
     cfg, par = start_worker(config_path, adjust=lambda layout: layout.replace(seq_parallel=False))
     mode, mesh, device = par.mode, par.mesh, par.mesh.device
-    model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode, cfg.model.get("plan")).to(device)
+    model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode, cfg.model.get("plan"), training=False).to(device)
     if opts.get("checkpoint"):
         path = Path(opts["checkpoint"])
         # The command has verified the checksums once; the ranks read.

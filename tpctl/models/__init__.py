@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from tpctl.parallel.roles import RolePlan, logits_of, resolve_plan
-from tpctl.schema import ARCHS, HF_ARCHS
+from tpctl.schema import ARCHS
 
 from .gpt import GPT
 from .init import ParamInit, on_meta
@@ -44,14 +44,12 @@ def build_model(cfg: Any, seed: int, lazy: bool = False) -> torch.nn.Module:
         model.tpctl_init = ParamInit(model, seed)
         if not lazy:
             model.tpctl_init.materialize(model)
-    elif cfg.arch in HF_ARCHS:
+    elif cfg.arch == "custom":
+        model = build_custom(cfg, seed)
+    else:  # a Hugging Face family (models/hf.py checks the name)
         from .hf import build_hf
 
         model = build_hf(cfg, seed, lazy)
-    elif cfg.arch == "custom":
-        model = build_custom(cfg, seed)
-    else:
-        raise ValueError(f"unknown model arch {cfg.arch!r}; expected one of {', '.join(ARCHS)}")
     return model
 
 
@@ -99,6 +97,8 @@ def build_checked(m: Any, seed: int) -> torch.nn.Module:
     what = m.get("_target_") or m.get("pretrained") or m.arch
     try:
         return build_model(m, seed, lazy=True)
+    except ConfigError:
+        raise
     except ImportError as e:
         raise ConfigError("model._target_" if m.arch == "custom" else "model.arch", what, f"cannot import: {e}") from None
     except Exception as e:
@@ -107,7 +107,7 @@ def build_checked(m: Any, seed: int) -> torch.nn.Module:
                           f"building the model failed: {type(e).__name__}: {first}") from None
 
 
-def check_model(cfg: Any) -> RolePlan:
+def check_model(cfg: Any, training: bool = True) -> RolePlan:
     """Build `cfg.model` as the workers will (on the meta device where it
     can be), find its roles and check that `cfg.mode` can shard every one:
     ConfigError naming the module and the reason, before any worker starts.
@@ -123,7 +123,7 @@ def check_model(cfg: Any) -> RolePlan:
         plan = resolve_plan(model, m.get("plan"))
     except (ValueError, TypeError, RuntimeError) as e:
         raise ConfigError("model", what, f"tracing the model's forward failed: {type(e).__name__}: {e}") from None
-    problems = check_plan(plan, model, Layout.from_config(cfg).geo)
+    problems = check_plan(plan, model, Layout.from_config(cfg).geo, training)
     if cfg.seq_parallel and "experts" in plan.roles.values():
         raise ConfigError("seq_parallel", True, "sequence parallelism with a mixture-of-experts block is not supported "
                           "(its routed experts and shared expert would need one sum over the sequence shards after "

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from tpctl.parallel.shard import ShardSpec
 from tpctl.seeding import derive_seed
-from tpctl.parallel.layers import is_norm
+from tpctl.parallel.layers import is_norm, norm_offset
 
 
 class ParamSource:
@@ -73,27 +73,43 @@ class ParamSource:
 class ParamInit(ParamSource):
     """The initial value of every parameter of `model` (built on the meta
     device), by its own generator. `std(name)` gives the normal std of a
-    weight; by default the model's method `init_std(name)`, else 0.02."""
+    weight; by default the model's method `init_std(name)`, else 0.02.
+    `fallback(name, module, attr)` gives a parameter no rule covers (a
+    model's own init, seeded by name); without one such a parameter is an
+    error."""
 
-    def __init__(self, model: nn.Module, seed: int, std: Optional[Callable[[str], float]] = None):
+    def __init__(self, model: nn.Module, seed: int, std: Optional[Callable[[str], float]] = None,
+                 fallback: Optional[Callable[[str, nn.Module, str], torch.Tensor]] = None):
         super().__init__(model)
         self.seed = seed
         self._std = std or getattr(model, "init_std", lambda name: 0.02)
+        self._fallback = fallback
+
+    def _randn(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, name))
+        return torch.randn(shape, generator=generator).mul_(self._std(name))
 
     def full(self, param: torch.Tensor) -> torch.Tensor:
         names, module, _ = self._params[id(param)]
         name = names[0]
         attr = name.rpartition(".")[2]
         shape = tuple(param.shape)
-        if is_norm(module):
-            return torch.ones(shape) if attr == "weight" else torch.zeros(shape)
+        if is_norm(module) and attr == "bias":
+            return torch.zeros(shape)
+        if is_norm(module) and attr == "weight":
+            try:  # the identity scale: 1, or 0 for a weight entering as (1 + w) (Gemma)
+                return torch.full(shape, 1.0 - norm_offset(module))
+            except ValueError:  # a norm of another kind: its model's own init, if it has one
+                if self._fallback is None:
+                    return torch.ones(shape)
         if isinstance(module, nn.Linear) and attr == "bias":
             return torch.zeros(shape)
-        # A Linear's or Embedding's weight, or a matrix of another layer
-        # (experts' 3-d weights, a router's experts x hidden).
-        if isinstance(module, (nn.Linear, nn.Embedding)) and attr == "weight" or len(shape) >= 2:
-            generator = torch.Generator().manual_seed(derive_seed(self.seed, name))
-            return torch.randn(shape, generator=generator).mul_(self._std(name))
+        if isinstance(module, (nn.Linear, nn.Embedding)) and attr == "weight":
+            return self._randn(name, shape)
+        if self._fallback is not None:  # the family's own init (stacked experts)
+            return self._fallback(name, module, attr)
+        if len(shape) >= 2:  # a matrix of another layer (experts' 3-d weights, a router's experts x hidden)
+            return self._randn(name, shape)
         raise ValueError(f"no initial value rule for {name} ({type(module).__name__}.{attr})")
 
 
@@ -123,6 +139,12 @@ def on_meta():
         yield
 
 
+# Parameters up to this many elements keep the value their constructor gave
+# them (as `tpctl_constructed` on the meta parameter); larger ones are tables
+# and matrices, which a constructor leaves to an init.
+CONSTRUCTED_LIMIT = 1 << 16
+
+
 @contextmanager
 def params_on_meta():
     """Build a model whose parameters land on the meta device while its
@@ -136,7 +158,12 @@ def params_on_meta():
 
     def register_on_meta(self, name, param):
         if param is not None and not param.is_meta:
+            value = param.detach()
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            if value.numel() <= CONSTRUCTED_LIMIT and not isinstance(self, tuple(resets)):
+                # A value the constructor chose (a learned scale's start):
+                # a model's own init may not set it again.
+                param.tpctl_constructed = value.clone()
         register(self, name, param)
 
     nn.Module.register_parameter = register_on_meta

@@ -373,7 +373,8 @@ class Rewritten:
     problem: str = ""
 
 
-def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool = False) -> nn.Module:
+def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool = False,
+                training: bool = True) -> nn.Module:
     """Replace the model's layers, by role, with `mode`'s parallel layers
     (`mode`: a ParallelMode or a Parallelism).
 
@@ -398,7 +399,7 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
     linearize(model)  # GPT-2's Conv1D: a Linear with a transposed weight
     if not isinstance(plan, RolePlan):
         plan = resolve_plan(model, plan)
-    problems = check_plan(plan, model, mode.geo)
+    problems = check_plan(plan, model, mode.geo, training)
     if problems and not dry_run:
         name, reason = next(iter(problems.items()))
         raise ValueError(f"cannot parallelize {name} in mode {mode.name} (size {mode.geo.size}): {reason}")
@@ -596,17 +597,18 @@ class PerHeadSlice:
         return args, kwargs
 
 
-def check_plan(plan, model: nn.Module, geo) -> dict[str, str]:
+def check_plan(plan, model: nn.Module, geo, training: bool = True) -> dict[str, str]:
     """{module name: why mode `geo` cannot shard it}: what the role tracer
-    could not place (fatal unless nothing is split), and head counts or
-    matrix sizes the split does not divide."""
+    could not place (fatal unless nothing is split), head counts or matrix
+    sizes the split does not divide, and (`training`: a model that is only
+    decoded draws nothing) random draws a split cannot reproduce."""
     from .registry import mode_class
 
     mode = mode_class(geo.mode)
     if not mode.rewrites:
         return {}
     problems = dict(plan.problems)
-    if getattr(plan, "draws", None):
+    if training and getattr(plan, "draws", None):
         problems["<forward>"] = (f"the model's forward draws random numbers in training from torch's global generator "
                                  f"({', '.join(plan.draws)}: a router sampling its experts, jitter noise, functional "
                                  "dropout): a mode that splits rows or features cannot reproduce mode=none's draws (use "

@@ -694,7 +694,13 @@ def _check_metadata(path: Path) -> None:
 
 
 def model_difference(saved: dict, cfg_model: dict) -> Optional[str]:
-    """None when the same model; else 'model.k=saved in the checkpoint, here now; ...'."""
+    """None when the same model; else 'model.k=saved in the checkpoint, here now; ...'.
+    A key a checkpoint predates (written before tpctl had it) is its default."""
+    from tpctl.schema import ModelConfig
+
+    if saved.get("arch") != "custom":  # a custom model's keys are its builder's
+        defaults = vars(ModelConfig())
+        saved = {**{k: defaults[k] for k in cfg_model if k in defaults and k not in saved}, **saved}
     diffs = [f"model.{k}={saved.get(k)!r} in the checkpoint, {cfg_model.get(k)!r} here"
              for k in sorted(set(saved) | set(cfg_model)) if saved.get(k) != cfg_model.get(k)]
     return "; ".join(diffs) or None

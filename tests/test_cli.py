@@ -39,6 +39,9 @@ BAD_CONFIGS = [
     (["+train.foo=1"], "train.foo", "1", "unknown key"),
     (["train.steps=abc"], "train.steps", "'abc'", "expected an integer"),
     (["seq_parallel=maybe"], "seq_parallel", "'maybe'", "expected true or false"),
+    (["dp=2", "zero=4"], "zero", "4", "expected 0, 1, 2 or 3"),
+    # A pipeline stage keeps its gradients whole across the schedule.
+    (["dp=2", "pp=2", "zero=2"], "zero", "2", "expected zero=0 or zero=1"),
     (["model=gpt-huge"], "model", "'gpt-huge'", "available: custom, gpt-small, gpt-tiny, hf, llama-100m, mlp"),
     (["size=2,4"], "size", "'2,4'", "--multirun"),
     (["train.steps"], "override", "'train.steps'", "key=value"),
@@ -169,7 +172,7 @@ def test_sweep_skips_invalid_combinations_and_writes_a_comparison(tpctl):
     assert jobs[3]["param_bytes_per_rank"] == 2**20 / 4
     table = (sweep / "comparison.md").read_text()
     assert "Every job: `data=synthetic`" in table
-    assert "| 3 | `mode=2d size=4` | fake ×4 | ok | 4.0000 | 0.0e+00 | 4,000 | 4.00 | 0.250 | 256 |" in table
+    assert "| 3 | `mode=2d size=4` | fake ×4 | ok | 4.0000 | 0.0e+00 | 4,000 | 4.00 | 0.250 |  |  | 256 |" in table
     assert "- job 2 (`mode=2d size=2`) skipped: invalid config: size=2" in table
     assert tpctl.leftover_pids() == []
 

@@ -1,9 +1,10 @@
 """The planner against reality: a whole GPT through one full train step
 (forward, vocab-parallel loss, backward, sync_grads, clip_grad_norm_, the
-logged global mean) in every mode, with data parallelism and pipeline
-stages, on real gloo ranks. The bytes and calls comm.STATS counts per
-collective kind, and the parameter bytes each rank holds, must equal
-`tpctl plan`'s exactly (with pp > 1: the plan of the rank's stage)."""
+logged global mean) in every mode, with data parallelism, each ZeRO stage
+and pipeline stages, on real gloo ranks. The bytes and calls comm.STATS
+counts per collective kind, and the parameter, gradient and AdamW bytes each
+rank holds, must equal `tpctl plan`'s exactly (with pp > 1: the plan of the
+rank's stage)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,27 @@ import torch
 from conftest import LAYOUTS, layouts
 from tpctl.parallel.layout import Layout
 
-# id: (layout, grad_accum)
-MESHES = {**{k: (v, 1) for k, v in layouts("none-dp8", "1d-2-dp4", "1d-4-sp-dp2").items()},
-          "2d-4-dp2-accum2": (LAYOUTS["2d-4-dp2"], 2),
-          **{k: (v, 1) for k, v in layouts("2.5d-8-d2", "3d-8").items()},
-          # pp > 1: 1F1B over pp micro-batches (the pool's default pipeline)
-          **{k: (Layout.parse(k), 2) for k in ("none-pp2-dp4", "1d-2-pp2-dp2", "2d-4-pp2")}}
+# id: (layout, grad_accum, data-parallel bucket bytes: None the default, one
+# bucket for this model; 2048 several, filled and started during the backward)
+MESHES = {**{k: (v, 1, None) for k, v in layouts("none-dp8", "1d-2-dp4", "1d-4-sp-dp2").items()},
+          "2d-4-dp2-accum2": (LAYOUTS["2d-4-dp2"], 2, None),
+          **{k: (v, 1, None) for k, v in layouts("2.5d-8-d2", "3d-8").items()},
+          # ZeRO: every stage, in every mode with dp > 1 on 8 ranks (2.5d and
+          # 3d with q = 2 and dp = 2 need 16: tests/test_zero.py's CLI runs
+          # check their bytes); 2.5d-2-d2 has depth replicas, q = 1.
+          "none-dp8-z1-buckets": (Layout.parse("none-dp8-z1"), 1, 2048),
+          "1d-2-dp4-z2-buckets": (Layout.parse("1d-2-dp4-z2"), 1, 2048),
+          "1d-4-sp-dp2-z3": (Layout.parse("1d-4-sp-dp2-z3"), 1, None),
+          "2d-4-dp2-z3-accum2": (Layout.parse("2d-4-dp2-z3"), 2, 2048),
+          "2d-4-dp2-z2-accum2": (Layout.parse("2d-4-dp2-z2"), 2, None),
+          "2.5d-2-d2-dp4-z1": (Layout.parse("2.5d-2-d2-dp4-z1"), 1, 2048),
+          "2.5d-2-d2-dp4-z3": (Layout.parse("2.5d-2-d2-dp4-z3"), 1, None),
+          "3d-1-dp8-z2": (Layout.parse("3d-1-dp8-z2"), 1, 2048),
+          "none-dp8-buckets": (LAYOUTS["none-dp8"], 1, 2048),
+          # pp > 1: 1F1B over pp micro-batches (the pool's default pipeline),
+          # and ZeRO 1 under a pipeline
+          **{k: (Layout.parse(k), 2, None) for k in ("none-pp2-dp4", "1d-2-pp2-dp2", "2d-4-pp2")},
+          "1d-2-pp2-dp2-z1-buckets": (Layout.parse("1d-2-pp2-dp2-z1"), 2, 2048)}
 BATCH, SEQ = 16, 8
 
 
@@ -40,31 +56,32 @@ def _train_step(key: str, tied: bool):
     from tpctl.models import build_model
     from tpctl.parallel import comm
     from tpctl.parallel.base import parallelize
-    from tpctl.training.step import TrainStep, build_optimizer
+    from tpctl.training.step import TrainStep
 
-    layout, accum = MESHES[key]
-    par = parallelism_of(layout)
+    layout, accum, bucket_bytes = MESHES[key]
+    par = parallelism_of(layout, bucket_bytes)
     cfg = default_config()
     cfg.model = OmegaConf.structured(_model_cfg(tied))
     cfg.train.batch_size, cfg.train.seq_len, cfg.train.grad_accum = BATCH, SEQ, accum
     model = parallelize(build_model(cfg.model, seed=0, lazy=True), par)
-    step = TrainStep(par, [model], build_optimizer(model.parameters(), cfg.optim), cfg)
+    step = TrainStep(par, [model], cfg)
     ids = torch.randint(0, cfg.model.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     x, y = ids[:, :-1], ids[:, 1:]
     comm.STATS.reset()
     step([(par.shard_batch(x, micro, accum), par.shard_targets(y, micro, accum)) for micro in range(accum)], 0)
     s = comm.STATS
     kinds = {k: {"calls": s.calls[k], "bytes": s.bytes[k], "wire_bytes": s.wire_bytes[k]} for k in s.calls}
-    return kinds, sum(p.numel() * p.element_size() for p in model.parameters())
+    return kinds, step.memory()
 
 
 def _planned(key: str, tied: bool) -> list:
-    """(kinds, parameter bytes) the plan gives each pipeline stage."""
+    """(kinds, memory figures) the plan gives each pipeline stage."""
     from tpctl.cost.planner import model_shape, plan_split
 
-    layout, accum = MESHES[key]
-    plan = plan_split(model_shape(_model_cfg(tied)), layout, BATCH, SEQ, accum)
-    return [(p.by_kind(), p.param_bytes) for p in plan.stages or [plan]]
+    layout, accum, bucket_bytes = MESHES[key]
+    plan = plan_split(model_shape(_model_cfg(tied)), layout, BATCH, SEQ, accum, bucket_bytes)
+    return [(p.by_kind(), {"param_bytes": p.param_bytes, "grad_bytes": p.grad_bytes, "optimizer_bytes": p.optim_bytes})
+            for p in plan.stages or [plan]]
 
 
 @pytest.mark.timeout(180)
@@ -72,9 +89,9 @@ def _planned(key: str, tied: bool) -> list:
 @pytest.mark.parametrize("key", list(MESHES))
 def test_counted_equals_planned(pool, key, tied):
     planned = _planned(key, tied)
-    for rank, (kinds, param_bytes) in enumerate(pool.run(_train_step, key, tied)):
-        want_kinds, want_params = planned[MESHES[key][0].coords(rank)["pp"]]
-        assert param_bytes == want_params, f"rank {rank}"
+    for rank, (kinds, memory) in enumerate(pool.run(_train_step, key, tied)):
+        want_kinds, want_memory = planned[MESHES[key][0].coords(rank)["pp"]]
+        assert memory == want_memory, f"rank {rank}"
         assert {k: (v["calls"], v["bytes"]) for k, v in kinds.items()} == \
             {k: (v["calls"], v["bytes"]) for k, v in want_kinds.items()}, f"rank {rank}"
         for k, v in kinds.items():  # wire bytes also check each group's size
@@ -111,8 +128,36 @@ def test_plan_json_ranks_every_valid_split(capsys):
     assert any("1d size=8" in s["label"] and "n_head" in s["reason"] for s in doc["invalid"])
 
 
+@pytest.mark.timeout(300)
+def test_plan_ranks_zero_stages_and_says_which_fit_only_with_them(capsys):
+    """gpt-small on 64 ranks: every layout with replicas in each ZeRO stage;
+    with 0.3 GiB per rank, 1d size=4 dp=16 needs a stage to fit, and the
+    table says so."""
+    import json
+
+    args = ["model=gpt-small", "world=64", "hardware=h100", "memory=0.3"]
+    status, out, _ = _plan_cli([*args, "--json"], capsys)
+    assert status == 0
+    splits = {s["label"]: s for s in json.loads(out)["splits"]}
+    for zero in (1, 2, 3):
+        assert f"2d size=16 dp=4 zero={zero}" in splits
+    assert "3d size=64 dp=1 zero=1" not in splits  # one replica: nothing to shard
+    base = splits["1d size=4 dp=16"]
+    assert base["fits"] is False and not base["fits_by_zero"]
+    for zero in (1, 2, 3):
+        s = splits[f"1d size=4 dp=16 zero={zero}"]
+        assert s["fits"] and s["fits_by_zero"] and s["memory_bytes"] < base["memory_bytes"]
+    # Each stage shards its figure 16 ways (a few % of padding aside).
+    for zero, figure in ((1, "optim_bytes"), (2, "grad_bytes"), (3, "param_bytes")):
+        assert splits[f"1d size=4 dp=16 zero={zero}"][figure] == pytest.approx(base[figure] / 16, rel=0.05)
+    status, out, _ = _plan_cli(args, capsys)
+    assert status == 0 and "ZeRO makes 6 split(s) fit in 0.3 GiB per rank that do not with zero=0" in out
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args,key", [
+    (["model=gpt-tiny", "world=8", "memory=0"], "memory"),
+    (["model=gpt-tiny", "world=8", "memory=1"], "memory"),
     (["model=gpt-tiny"], "world"),
     (["model=gpt-tiny", "world=0"], "world"),
     (["model=gpt-tiny", "world=8", "hardware=tpu"], "hardware"),

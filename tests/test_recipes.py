@@ -48,7 +48,8 @@ def write_recipe(config_dir, name, seed=0, band="[0.0, 100.0]", description="a t
 def test_every_recipe_composes_and_validates_in_both_forms():
     names = recipe_names()
     assert {"gpt-tiny-none", "gpt-tiny-1d", "gpt-tiny-2d", "gpt-tiny-2.5d", "gpt-tiny-3d",
-            "gpt-small-1d", "gpt-small-2d", "gpt-tiny-2d-dp2", "gpt-tiny-2d-pp2"} <= set(names)
+            "gpt-small-1d", "gpt-small-2d", "gpt-tiny-2d-dp2",
+            "gpt-tiny-2d-dp2-zero2", "gpt-tiny-2d-pp2"} <= set(names)
     assert sorted(p.stem for p in RECIPE_DIR.glob("*.yaml")) == names
     for fast in (False, True):
         planned = recipe_runs(names, fast, None)  # raises RecipeError on anything invalid

@@ -34,7 +34,7 @@ def test_report_writes_pngs_labelled_by_mode(tmp_path, capsys):
     from tpctl.commands import report
 
     a = _fake_run(tmp_path / "a", {"mode": "2d", "size": 4, "dp": 1, "precision": "bf16"}, [3.0, 2.5, 2.0], val_at=3)
-    b = _fake_run(tmp_path / "b", {"mode": "2.5d", "size": 8, "depth": 2, "dp": 2,
+    b = _fake_run(tmp_path / "b", {"mode": "2.5d", "size": 8, "depth": 2, "dp": 2, "zero": 2,
                                    "train": {"activation_checkpointing": True}}, [3.0, 2.7], summary=False)
     out = tmp_path / "plots"
     assert report.main([str(a), str(b), "--out", str(out)]) == 0
@@ -42,7 +42,7 @@ def test_report_writes_pngs_labelled_by_mode(tmp_path, capsys):
     assert sorted(written) == sorted(str(out / f"{n}.png") for n in ("loss", "tokens_per_s", "comm_bytes", "report"))
     for path in written:
         assert open(path, "rb").read(8) == PNG_MAGIC
-    assert [report.load_run(p).label for p in (a, b)] == ["2d size=4 bf16", "2.5d size=8 depth=2 dp=2 ckpt"]
+    assert [report.load_run(p).label for p in (a, b)] == ["2d size=4 bf16", "2.5d size=8 depth=2 dp=2 zero=2 ckpt"]
 
 
 def test_report_same_labels_get_the_run_dir_name(tmp_path):

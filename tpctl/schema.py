@@ -226,7 +226,7 @@ class TrainConfig:
     depth: int = 1  # 2.5d depth
     dp: int = 1  # data-parallel replicas; world = size * pp * dp
     pp: int = 1  # pipeline stages (cut at the model's repeated blocks)
-    zero: int = 0  # ZeRO stage over the dp replicas (not built yet: only 0 is valid)
+    zero: int = 0  # ZeRO stage over the dp replicas: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters
     seed: int = 0
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (nccl)
     seq_parallel: bool = False  # 1d only

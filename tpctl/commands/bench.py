@@ -2,6 +2,12 @@
 
     tpctl bench model=gpt-tiny size=4 modes=[none,plain,1d,dtensor,2d] [steps=5] [rounds=3] [compile=true]
                 [pp=2 pipeline.schedule=1f1b ...] [device=cuda hardware=h100] [train.batch_size=16 ...]
+    tpctl bench model=gpt-tiny size=4 modes=[none-dp4,none-dp4-z1,none-dp4-z3,1d-2-dp2-z2]
+
+A mode is a name (`1d`, `2d`: one tensor-parallel group of `size` ranks) or
+a layout's short name of `size` ranks in all, with data parallelism and a
+ZeRO stage (`2d-4-dp2-z3`: 2d on 4 ranks times 2 replicas, zero=3; the rows
+show its label).
 
 One pool of `size` gloo ranks runs every mode (and `dtensor`: PyTorch's own
 tensor parallelism, torch.distributed.tensor.parallel's ColwiseParallel /
@@ -31,7 +37,8 @@ from __future__ import annotations
 
 
 from tpctl.commands.options import integer, name_list, parse_options, refused, text
-from tpctl.cost.measure import BASELINE, DEFAULT_MODES, PLAIN, REFERENCE, bench, check, mfu, one_rank, predicted_ms
+from tpctl.cost.measure import (BASELINE, DEFAULT_MODES, PLAIN, REFERENCE, bench, check, is_layout_name, layout_of, mfu,
+                                one_rank, predicted_ms)
 from tpctl.errors import ConfigError, fail
 
 
@@ -43,7 +50,8 @@ def boolean(key: str, value: str) -> bool:
 
 def _parse(args: list[str]):
     positive = integer(1, "expected a positive integer")
-    one_group = refused("tpctl bench takes modes=[...] and size=N (one tensor-parallel group, dp=1)")
+    one_group = refused("tpctl bench takes modes=[...] and size=N: data parallelism and ZeRO by layout names in modes "
+                        "(modes=[none-dp4,none-dp4-z2] with size=4)")
     opts, overrides = parse_options(args, {
         "size": (None, positive), "modes": (None, name_list), "steps": (5, positive), "rounds": (3, positive),
         "warmup": (2, integer(0, "expected a positive integer")), "depth": (None, positive), "hardware": ("cpu", text),
@@ -122,7 +130,8 @@ def print_table(results: dict, predicted: dict, cfg, size: int, opts: dict) -> N
         table.add_column(c, justify="left" if c == "mode" else "right")
     for name, r in results.items():
         mem = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
-        label = name + (" (torch TP)" if name == BASELINE else "")
+        label = layout_of(name, size, opts["depth"]).label() if is_layout_name(name) else name
+        label += " (torch TP)" if name == BASELINE else ""
         speed = f"{ref['median_s'] / r['median_s']:.2f}" if ref else "-"
         vs_plain = f"{plain['median_s'] / r['median_s']:.2f}" if plain else "-"
         mem_ratio = f"{mem / (ref['param_bytes'] + ref['grad_bytes'] + ref['optim_bytes']):.2f}" if ref else "-"

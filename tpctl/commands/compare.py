@@ -2,9 +2,10 @@
 comparison.json (every job, its numbers) and comparison.md (the same as a
 table), read from each job's summary.json (written by rank 0 of the run).
 
-Per job: final loss (and its relative difference from the first job that
-trained: modes of one experiment must agree), tokens/s, bytes handed to
-collectives per step (rank 0), parameter bytes and peak memory of the
+Per job: its layout (mode, size, pp, dp, ZeRO stage), final loss (and its
+relative difference from the first job that trained: modes of one
+experiment must agree), tokens/s, bytes handed to collectives per step
+(rank 0), parameter, gradient and AdamW bytes and peak memory of the
 largest rank, and with pipeline stages the measured bubble. Skipped and
 failed jobs are listed with their reason.
 """
@@ -25,11 +26,11 @@ def job_row(job: dict) -> dict:
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     if job["status"] == "ok" and not summary:
         row.update(status="failed", reason="no summary.json")
-    for key in ("mode", "size", "dp", "pp", "steps", "first_loss", "final_loss", "val_loss", "tokens_per_s",
+    for key in ("mode", "size", "dp", "pp", "zero", "steps", "first_loss", "final_loss", "val_loss", "tokens_per_s",
                 "comm_bytes_per_step", "comm_wire_bytes_per_step", "pipeline_bubble"):
         row[key] = summary.get(key)
     # Per rank: the largest rank (older summaries hold rank 0's only).
-    for key in ("param_bytes", "peak_rss_bytes", "peak_cuda_bytes"):
+    for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "peak_rss_bytes", "peak_cuda_bytes"):
         row[f"{key}_per_rank"] = summary.get(f"{key}_max_rank", summary.get(key))
     return row
 
@@ -60,7 +61,7 @@ def markdown(rows: list[dict]) -> str:
     ref = next((r["job"] for r in rows if r["final_loss_rel_diff"] == 0.0 and r["status"] == "ok"), None)
     memory = "peak CUDA MiB/rank" if any(r["peak_cuda_bytes_per_rank"] for r in rows) else "peak RSS MiB/rank"
     header = ["job", "overrides", "layout", "status", "final loss", f"vs job {ref}" if ref is not None else "rel. diff",
-              "tokens/s", "comm MiB/step", "param MiB/rank", memory]
+              "tokens/s", "comm MiB/step", "param MiB/rank", "grad MiB/rank", "AdamW MiB/rank", memory]
     stages = any(r["pipeline_bubble"] is not None for r in rows)
     if stages:  # the pipeline's measured idle fraction (summary.json pipeline_bubble)
         header.append("bubble")
@@ -69,11 +70,12 @@ def markdown(rows: list[dict]) -> str:
              "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r, overrides in zip(rows, own):
         peak = r["peak_cuda_bytes_per_rank"] if memory.startswith("peak CUDA") else r["peak_rss_bytes_per_rank"]
-        layout = f"{r['mode']} ×{r['size']}" + "".join(f" {k} {r[k]}" for k in ("pp", "dp") if (r[k] or 1) > 1) \
-            if r["mode"] else ""
+        layout = (f"{r['mode']} ×{r['size']}" + "".join(f" {k} {r[k]}" for k in ("pp", "dp") if (r[k] or 1) > 1)
+                  + (f" zero {r['zero']}" if r["zero"] else "") if r["mode"] else "")
         cells = [str(r["job"]), f"`{overrides}`", layout, r["status"], _fmt(r["final_loss"], ".4f"),
                  _fmt(r["final_loss_rel_diff"], ".1e"), _fmt(r["tokens_per_s"], ",.0f"),
                  _fmt(r["comm_bytes_per_step"], ".2f", MIB), _fmt(r["param_bytes_per_rank"], ".3f", MIB),
+                 _fmt(r["grad_bytes_per_rank"], ".3f", MIB), _fmt(r["optimizer_bytes_per_rank"], ".3f", MIB),
                  _fmt(peak, ".0f", MIB)] + ([_fmt(r["pipeline_bubble"], ".2f")] if stages else [])
         lines.append("| " + " | ".join(cells) + " |")
     notes = [f"- job {r['job']} (`{o}`) {r['status']}: {r['reason']}" for r, o in zip(rows, own) if r["status"] != "ok"]
@@ -81,7 +83,7 @@ def markdown(rows: list[dict]) -> str:
     if notes:
         text += "\n" + "\n".join(notes) + "\n"
     text += ("\ncomm MiB/step: payload rank 0 hands to collectives per training step; "
-             "param and peak memory: the largest rank.\n")
+             "param, grad (kept for the optimizer), AdamW and peak memory: the largest rank.\n")
     return text
 
 

@@ -157,6 +157,13 @@ def inspect_model(cfg):
                      "" if par.pipeline is None else ("all" if stage is None else str(stage))))
     summary = {"roles from": {"inferred": "traced forward", "tp_plan": "the model's tp_plan", "plan": "model.plan"}[plan.source],
                "whole model": whole, "per rank": local, "heads": {k: (h.heads, h.kv_heads, h.head_dim) for k, h in plan.heads.items()}}
+    layout = par.layout
+    if layout.dp > 1 and not problems:  # what a replica holds between steps (parallel/zero.py)
+        from tpctl.parallel.zero import plan_of
+
+        held = plan_of([model], layout.dp, layout.zero).held_numel()
+        summary["held"] = {what: held[key] * 4 * (2 if what == "AdamW moments" else 1)
+                           for what, key in (("parameters", "param"), ("gradients", "grad"), ("AdamW moments", "moment"))}
     return rows, summary, problems
 
 
@@ -170,8 +177,12 @@ def _print(cfg, rows, verdicts: dict, summary) -> None:
     layout = Layout.from_config(cfg)
     title = f"{what}: mode={layout.label()} -- rank 0, roles from {summary['roles from']}"
     held = " (pipeline stage 0)" if layout.pp > 1 else ""
-    table = Table(title=title, caption=f"parameters: {mib(summary['whole model'])} whole, {mib(summary['per rank'])} on rank 0{held} "
-                  f"({summary['whole model'] / max(summary['per rank'], 1):.2f}x less)")
+    caption = (f"parameters: {mib(summary['whole model'])} whole, {mib(summary['per rank'])} on rank 0{held} "
+               f"({summary['whole model'] / max(summary['per rank'], 1):.2f}x less)")
+    if "held" in summary:
+        caption += (f"; rank 0 holds between steps with dp={layout.dp} zero={layout.zero}: "
+                    + ", ".join(f"{what} {mib(n)}" for what, n in summary["held"].items()))
+    table = Table(title=title, caption=caption)
     columns = ["module", "type", "role", "becomes", "shard shape on rank 0", "bytes", "note"]
     if layout.pp > 1:  # the pipeline rank that holds it ("all": every stage runs it)
         columns.insert(1, "stage")

@@ -4,7 +4,11 @@ For every valid layout (mode, size, depth, pp, dp) of a world of N ranks, comput
 from the model's shapes (built on the meta device, nothing materialised) and
 each mode's algorithm as the code in `tpctl/parallel/` runs it:
 
-  * per-rank memory: parameters, gradients, AdamW state, activations (estimate);
+  * every ZeRO stage of the layouts with data-parallel replicas (zero=1..3,
+    parallel/zero.py): what it shards, and the gathers and reduce-scatters
+    it adds;
+  * per-rank memory: parameters, gradients, AdamW state, activations
+    (estimate), and under ZeRO-3 the parameters gathered at once;
   * per-rank FLOPs of one optimizer step;
   * per-step communication: payload bytes (what `comm.CommStats` counts),
     ring wire bytes and calls, per collective kind and per mesh group.
@@ -14,9 +18,11 @@ through a train step in every mode and asserts the counted bytes and calls
 equal these. With a hardware profile (`configs/hardware/*.yaml`) it predicts
 step time as compute / (peak x efficiency) plus, per collective, latency x
 ring steps + wire bytes / bandwidth of the slowest link its group spans (NVLink
-inside a node, the network across nodes), with no overlap assumed.
+inside a node, the network across nodes), with no overlap assumed, and says
+which splits fit in its memory per rank (`memory=GIB` plans for less: a
+shared device, room kept for other work) -- and which fit only with ZeRO.
 
-    tpctl plan model=gpt-small world=64 hardware=h100 [train.batch_size=...] [--json]
+    tpctl plan model=gpt-small world=64 hardware=h100 [memory=GIB] [train.batch_size=...] [--json]
     tpctl plan --calibrate [hardware=cpu]     # fit the CPU profile from a short probe
 """
 
@@ -33,11 +39,22 @@ from tpctl.errors import ConfigError, fail
 
 def _parse(args: list[str]):
     ranks = "expected a positive number of ranks"
-    return parse_options(args, {"world": (None, integer(1, ranks)), "hardware": (None, text)}, flags=("--json", "--calibrate"))
+    return parse_options(args, {"world": (None, integer(1, ranks)), "hardware": (None, text), "memory": (None, gib)},
+                         flags=("--json", "--calibrate"))
+
+
+def gib(key: str, value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not number > 0 or number == float("inf"):
+        raise ConfigError(key, value, "expected a positive number of GiB per rank")
+    return number
 
 
 USAGE = """\
-usage: tpctl plan model=NAME world=N [hardware=cpu|a100|h100] [train.batch_size=B train.seq_len=T ...] [--json]
+usage: tpctl plan model=NAME world=N [hardware=cpu|a100|h100|v100 [memory=GIB]] [train.batch_size=B train.seq_len=T ...] [--json]
        tpctl plan --calibrate [hardware=cpu]
 """
 
@@ -60,6 +77,10 @@ def main(args: list[str]) -> int:
 
         cfg = compose_jobs(overrides)[0]
         hw = load_hardware(hardware) if hardware else None
+        if opts["memory"] is not None:
+            if hw is None:
+                raise ConfigError("memory", opts["memory"], "plans against a hardware profile's memory: add hardware=NAME")
+            hw = dataclasses.replace(hw, memory_bytes=opts["memory"] * 2**30)
     except ConfigError as e:
         return fail(e)
     plans, invalid = plan_world(cfg, world, hw)
@@ -98,7 +119,7 @@ def print_table(plans: list[SplitPlan], invalid, cfg, world: int, hw: Optional[H
     for rank, p in enumerate(plans):
         kinds = "  ".join(f"{KIND_ABBREV[k]}:{_mib(v['bytes'])}/{v['calls']}"
                           for k, v in sorted(p.by_kind().items()))
-        mark = "★" if hw and rank == 0 and p.fits else ("over" if hw and p.fits is False else "")
+        mark = "★" if hw and rank == 0 and p.fits else ("over" if hw and p.fits is False else ("z" if p.fits_by_zero else ""))
         row = [mark, p.label, _mib(p.param_bytes), _mib(p.grad_bytes),
                _mib(p.optim_bytes), _mib(p.activation_bytes), f"{p.memory_bytes / 2**30:,.1f}", f"{p.flops / 1e9:,.1f}", _mib(p.comm_bytes),
                _mib(p.wire_bytes), str(sum(c.calls for c in p.comm.values())), kinds]
@@ -112,8 +133,12 @@ def print_table(plans: list[SplitPlan], invalid, cfg, world: int, hw: Optional[H
                   "p2p=point-to-point sends between pipeline stages (pp: the stage holding the most memory; its step "
                   "time stretched by the schedule's bubble). * activations: saved-for-backward estimate of one "
                   "micro-batch (pp: of the micro-batches a stage holds in flight)." +
-                  (f" ★ recommended: the fastest predicted step that fits in {hw.memory_bytes / 2**30:,.0f} GiB per rank; "
-                   "over: does not fit (raise train.grad_accum or the world)." if hw else ""))
+                  (f" ★ recommended: the fastest predicted step that fits in {hw.memory_bytes / 2**30:,.1f} GiB per rank; "
+                   "over: does not fit (raise train.grad_accum or the world); z: fits only with its ZeRO stage." if hw else ""))
+    by_zero = [p for p in plans if p.fits_by_zero]
+    if by_zero:
+        console.print(f"ZeRO makes {len(by_zero)} split(s) fit in {hw.memory_bytes / 2**30:,.1f} GiB per rank that do not "
+                      "with zero=0: " + ", ".join(f"{p.label} ({p.memory_bytes / 2**30:,.2f} GiB)" for p in by_zero))
     if hw and plans and not plans[0].fits:
         console.print("no split fits in memory: raise train.grad_accum (smaller micro-batches) or the world size")
     for s, why in invalid:

@@ -159,7 +159,9 @@ def check_run_inputs(cfg, dry_run: bool) -> None:
 
 
 def _layout(cfg) -> str:
-    return f"mode={cfg.mode} size={cfg.size}" + "".join(f" {k}={cfg[k]}" for k in ("depth", "pp", "dp") if cfg.get(k, 1) != 1)
+    defaults = {"depth": 1, "pp": 1, "dp": 1, "zero": 0}
+    return f"mode={cfg.mode} size={cfg.size}" + "".join(f" {k}={cfg.get(k, d)}" for k, d in defaults.items()
+                                                        if cfg.get(k, d) != d)
 
 
 def _check_resume(cfg, run_dir: Path) -> None:

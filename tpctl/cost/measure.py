@@ -26,10 +26,14 @@ def layout_of(name: str, size: int, depth: Optional[int], pp: int = 1):
     """The layout a bench mode name measures: `none` and `plain` one rank,
     `1d` and `dtensor` a 1d group of `size`, `1d+sp`, `2d`, `2.5d` (depth:
     the smallest > 1 that leaves a square, unless given) and `3d`; tpctl's
-    modes with `pp` pipeline stages of that group (pp x size ranks)."""
+    modes with `pp` pipeline stages of that group (pp x size ranks); or a
+    layout's short name (Layout.parse: `none-dp4-z2`, `2d-4-dp2-z3`) of
+    `size` ranks in all."""
     from tpctl.parallel.geometry import exact_root
     from tpctl.parallel.layout import Layout
 
+    if is_layout_name(name):
+        return Layout.parse(name)
     if name in (REFERENCE, PLAIN):
         return Layout()
     if name == BASELINE:
@@ -43,6 +47,11 @@ def layout_of(name: str, size: int, depth: Optional[int], pp: int = 1):
     return Layout(name, size, pp=pp)
 
 
+def is_layout_name(name: str) -> bool:
+    """Whether a bench mode name is a layout's short name (`2d-4-dp2-z1`)."""
+    return "-" in name and name not in ("1d-sp",)
+
+
 def one_rank(name: str) -> bool:
     """Whether bench mode `name` runs on one rank (the others idle)."""
     return name in (REFERENCE, PLAIN)
@@ -51,8 +60,17 @@ def one_rank(name: str) -> bool:
 def check(cfg, modes: list[str], size: int, depth: Optional[int], pp: int = 1) -> None:
     valid = [REFERENCE, PLAIN, "1d", "1d+sp", BASELINE, "2d", "2.5d", "3d"]
     for m in modes:
+        if is_layout_name(m):
+            try:
+                layout = layout_of(m, size, depth)
+            except ValueError as e:
+                raise ConfigError("modes", m, str(e)) from None
+            layout.validate(cfg)
+            if layout.world != size:
+                raise ConfigError("modes", m, f"{layout.label()} runs on {layout.world} ranks: expected {size} (size={size})")
+            continue
         if m not in valid:
-            raise ConfigError("modes", m, f"expected a list of {', '.join(valid)}")
+            raise ConfigError("modes", m, f"expected a list of {', '.join(valid)}, or layout names such as none-dp{size}-z1")
         if m == BASELINE and pp > 1:
             raise ConfigError("modes", m, f"the DTensor baseline has no pipeline stages: leave it out with pp={pp}")
         layout_of(m, size, depth, pp).validate(cfg)
@@ -105,19 +123,21 @@ def setup(name: str, cfg_dict: dict, size: int, depth: Optional[int], compile: b
         par = parallelism(layout, cfg.seed, device, groups=layout.world > 1,
                           pipeline=layout.pipeline(cfg) if layout.pp > 1 else None)
         st = {"par": par, "model": parallelize(build_model(cfg.model, cfg.seed, lazy=True), par).to(device)}
+    if "par" in st:  # tpctl's own step, as the trainer runs it (a constant learning rate)
+        st["step"] = TrainStep(st["par"], [st["model"]], cfg)
+        st["opt"] = st["step"].optimizer
+    else:
+        st["opt"] = build_optimizer(st["model"].parameters(), cfg.optim)
     if compile:
         from tpctl.training.compile import compile_model
 
         compile_model(st["model"], "true", device.type, say=print, per_block="par" in st and st["par"].pipeline is not None)
-    st["opt"] = build_optimizer(st["model"].parameters(), cfg.optim)
-    if "par" in st:  # tpctl's own step, as the trainer runs it (a constant learning rate)
-        st["step"] = TrainStep(st["par"], [st["model"]], st["opt"], cfg)
     st["cfg"], st["device"] = cfg, device
     g = torch.Generator().manual_seed(cfg.seed)
     st["ids"] = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1), generator=g).to(device)
     st["times"], st["comm"] = [], []
     rank_state[name] = st
-    return {"param_bytes": sum(p.numel() * p.element_size() for p in st["model"].parameters())}
+    return {"param_bytes": _memory(st)["param_bytes"]}
 
 
 def _setup_dtensor(cfg, size: int) -> dict:
@@ -236,17 +256,29 @@ def _collect(name: str) -> dict:
     st = rank_state.pop(name)
     if st.get("idle"):
         return {}
-    model, opt = st["model"], st["opt"]
+    return {"times": st["times"], "first_loss": st.get("first_loss"), "comm_bytes": st["comm"][-1] if st["comm"] else 0,
+            **_memory(st)}
+
+
+def _memory(st: dict) -> dict:
+    """Bytes of parameters, gradients and optimizer state a rank holds:
+    tpctl's step counts its own (ZeRO's chunks); the others' as whole
+    tensors (a DTensor's local shard)."""
+    import torch
+
+    if "step" in st:
+        held = st["step"].memory()
+        return {"param_bytes": held["param_bytes"], "grad_bytes": held["grad_bytes"],
+                "optim_bytes": held["optimizer_bytes"]}
 
     def nbytes(t):
         if hasattr(t, "to_local"):
             t = t.to_local()
         return t.numel() * t.element_size()
 
-    params = sum(nbytes(p) for p in model.parameters())
-    state = sum(nbytes(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-    return {"times": st["times"], "first_loss": st.get("first_loss"), "comm_bytes": st["comm"][-1] if st["comm"] else 0,
-            "param_bytes": params, "grad_bytes": params, "optim_bytes": state}
+    params = sum(nbytes(p) for p in st["model"].parameters())
+    state = sum(nbytes(v) for s in st["opt"].state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    return {"param_bytes": params, "grad_bytes": params, "optim_bytes": state}
 
 
 # --------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from tpctl.errors import ConfigError
 from tpctl.parallel.geometry import WIRE_FACTOR, padded_vocab
-from tpctl.parallel.layout import Layout, layouts_of
+from tpctl.parallel.layout import ZERO_STAGES, Layout, layouts_of
 from tpctl.parallel.stages import PipelineSpec
 
 from tpctl.config import CONFIG_DIR
@@ -153,12 +153,13 @@ class Comm:
 @dataclass
 class SplitPlan:
     layout: Layout
-    param_bytes: int
-    grad_bytes: int
+    param_bytes: int  # held between steps (under ZeRO: the chunks, padding included)
+    grad_bytes: int  # kept after the backward for the optimizer
     optim_bytes: int
     activation_bytes: int
     flops: float
     comm: dict[tuple[str, str], Comm]  # (kind, group) -> Comm
+    gathered_bytes: int = 0  # ZeRO-3: parameters gathered whole at once (the root and the largest block)
     step_time_s: Optional[float] = None
     compute_s: Optional[float] = None
     comm_s: Optional[float] = None
@@ -167,6 +168,8 @@ class SplitPlan:
     # the most memory), and the schedule's planned bubble.
     stages: list["SplitPlan"] = dataclasses.field(default_factory=list)
     bubble: Optional[float] = None
+    # A ZeRO stage that fits where the same layout with zero=0 does not.
+    fits_by_zero: bool = False
 
     @property
     def label(self) -> str:
@@ -190,15 +193,16 @@ class SplitPlan:
 
     @property
     def memory_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optim_bytes + self.activation_bytes
+        return self.param_bytes + self.grad_bytes + self.optim_bytes + self.activation_bytes + self.gathered_bytes
 
     def to_json(self) -> dict[str, Any]:
         d = self.layout.to_dict()
         d.update(label=self.label, param_bytes=self.param_bytes, grad_bytes=self.grad_bytes,
-                 optim_bytes=self.optim_bytes, activation_bytes=self.activation_bytes,
+                 optim_bytes=self.optim_bytes, activation_bytes=self.activation_bytes, gathered_bytes=self.gathered_bytes,
                  memory_bytes=self.memory_bytes, flops=self.flops, comm_bytes=self.comm_bytes,
                  wire_bytes=self.wire_bytes, step_time_s=self.step_time_s, compute_s=self.compute_s,
-                 comm_s=self.comm_s, fits=self.fits, by_kind=self.by_kind(), bubble=self.bubble,
+                 comm_s=self.comm_s, fits=self.fits, fits_by_zero=self.fits_by_zero, by_kind=self.by_kind(),
+                 bubble=self.bubble,
                  comm=[{"kind": k, "group": g, **dataclasses.asdict(c)} for (k, g), c in sorted(self.comm.items())])
         return d
 
@@ -242,18 +246,22 @@ def _replica_group(layout: Layout, spec, rank: int = 0) -> Optional[str]:
 
 
 def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int, grad_accum: int = 1,
-               pipeline: Optional[PipelineSpec] = None, stage: Optional[int] = None) -> SplitPlan:
+               bucket_bytes: Optional[int] = None, pipeline: Optional[PipelineSpec] = None,
+               stage: Optional[int] = None) -> SplitPlan:
     """Memory, FLOPs and communication of one optimizer step on rank 0 of
-    `layout`. With pp > 1 (schedule `pipeline`, default 1F1B over pp
-    micro-batches): on the first rank of pipeline stage `stage`; None:
-    every stage's plan (`.stages`), the one holding the most memory returned."""
+    `layout` (`bucket_bytes`: the data-parallel gradient buckets' size,
+    zero.BUCKET_BYTES unless given). With pp > 1 (schedule `pipeline`,
+    default 1F1B over pp micro-batches): on the first rank of pipeline stage
+    `stage`; None: every stage's plan (`.stages`), the one holding the most
+    memory returned."""
+    from tpctl.parallel import zero
     from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.shard import spec_of
 
     if layout.pp > 1 and pipeline is None:
         pipeline = PipelineSpec(layout.pp, "1f1b", 1, layout.pp)
     if layout.pp > 1 and stage is None:
-        stages = [plan_split(shape, layout, batch_size, seq_len, grad_accum, pipeline, s) for s in range(layout.pp)]
+        stages = [plan_split(shape, layout, batch_size, seq_len, grad_accum, bucket_bytes, pipeline, s) for s in range(layout.pp)]
         worst = max(stages, key=lambda p: p.memory_bytes)
         return dataclasses.replace(worst, stages=stages)
     rank = layout.rank_of({"pp": stage or 0})
@@ -266,21 +274,31 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     vp = padded_vocab(shape.vocab_size, layout.geo.vocab_multiple)
     tokens = batch_size // (grad_accum * layout.dp) * seq_len  # token rows of a micro-batch per replica
 
-    # ---- parameters: this rank's shard of each (ShardSpec), and the
-    # replica buckets sync_replicas all-reduces (one coalesced call per group).
-    param_numel = tied_numel = 0
-    buckets: dict[str, int] = defaultdict(int)
-    seen: set[int] = set()
-    named = list(shape.rewritten(par).named_parameters(remove_duplicate=False))
+    # ---- parameters: this rank's shard of each (ShardSpec), those of its
+    # pipeline stage only (tied ones once); with data parallelism the
+    # buckets and ZeRO chunks the training step makes of them
+    # (parallel/zero.py, the same plan); and the replica buckets
+    # sync_replicas all-reduces (one coalesced call per group).
+    model = shape.rewritten(par)
+    every = list(model.named_parameters(remove_duplicate=False))
     owners: dict[int, set] = defaultdict(set)  # a parameter's modules' pipeline stages
-    for name, p in named:
+    for name, p in every:
         owners[id(p)].add(pipe.stage_of(name.rpartition(".")[0]) if pipe is not None else None)
-    for name, p in named:
-        if id(p) in seen or not holds(name.rpartition(".")[0]):  # tied parameters once; the stage's only
+    named, seen, tied_numel = [], set(), 0
+    for name, p in every:
+        if id(p) in seen or not holds(name.rpartition(".")[0]):
             continue
         seen.add(id(p))
+        named.append((name, p))
         if len(owners[id(p)]) > 1:  # tied across stages (an embedding and the LM head): both ends hold it
             tied_numel += math.prod(spec_of(p).local_shape())
+    dp_plan = None
+    if layout.dp > 1:
+        units = zero.units_of([model], [p for _, p in named]) if layout.zero == 3 else None
+        dp_plan = zero.plan(named, layout.dp, layout.zero, bucket_bytes or zero.BUCKET_BYTES, units)
+    param_numel = 0
+    buckets: dict[str, int] = defaultdict(int)
+    for i, (name, p) in enumerate(named):
         spec = spec_of(p)
         numel = math.prod(spec.local_shape())
         param_numel += numel
@@ -288,7 +306,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
             group = _replica_group(layout, spec, rank)
             if group is None:
                 raise ValueError(f"parameter {name!r}: its replicas {spec.replica_ranks} are no group of the mesh")
-            buckets[group] += numel
+            buckets[group] += dp_plan.grad_numel(i) if dp_plan else numel
 
     # ---- forward and backward of one micro-batch, layer by layer (the mode's own counts)
     counter, micro = _Counter(layout, rank), _Counter(layout, rank)
@@ -319,20 +337,24 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     if pipe is not None:  # micro-batches in flight: their activations are held at once
         act = int(act * pipe.spec.in_flight(stage))
 
-    # ---- after backward (training/step.py's finish): the grid's replica
-    # sums, the data-parallel reduction, the global norm, the logged loss
+    # ---- the data-parallel buckets (during the backward, and ZeRO's
+    # gathers); after the backward (training/step.py's finish): the grid's
+    # replica sums, the global norm, the logged loss
+    if dp_plan:
+        dp_plan.count(counter.add, grad_accum)
     for group, numel in buckets.items():
         counter.add("all_reduce", group, numel)
-    counter.add("all_reduce", "dp", param_numel)
     counter.add("all_reduce", "grad_norm", 1, elem=F64)
     counter.add("all_reduce", "batch", 1, elem=F64)
-    n_tensors = len(seen)
     bubble = None
     if pipe is not None:
         _plan_pipeline(counter, pipe, par, batch_size, seq_len, tied_numel)
         bubble = pipe.spec.bubble()
-    return SplitPlan(layout, param_numel * F32, param_numel * F32, 2 * param_numel * F32 + n_tensors * F32,
-                     act * F32, flops, counter.comm, bubble=bubble)
+    held = dp_plan.held_numel() if dp_plan else {"param": param_numel, "grad": param_numel, "moment": param_numel}
+    n_tensors = len(named)  # AdamW's step counts (one fp32 scalar each)
+    return SplitPlan(layout, held["param"] * F32, held["grad"] * F32, 2 * held["moment"] * F32 + n_tensors * F32,
+                     act * F32, flops, counter.comm, gathered_bytes=(dp_plan.unit_numel() if dp_plan else 0) * F32,
+                     bubble=bubble)
 
 
 def _plan_pipeline(counter: _Counter, pipe, par, batch_size: int, seq_len: int, tied_numel: int) -> None:
@@ -357,8 +379,9 @@ def _plan_pipeline(counter: _Counter, pipe, par, batch_size: int, seq_len: int, 
 def splits_of(world: int, cfg) -> list[tuple[Layout, Optional[str]]]:
     """Every layout of `world` ranks the modes offer, with every number of
     pipeline stages that divides it (up to the model's blocks, where the
-    config says how many), with None or the reason it is invalid for `cfg`
-    (heads, hidden sizes, the batch, the micro-batches)."""
+    config says how many), each ZeRO stage of those with replicas, with None
+    or the reason it is invalid for `cfg` (heads, hidden sizes, the batch,
+    the micro-batches)."""
     m = cfg.model
     blocks = m.get("n_layer") if m.get("arch") != "custom" and not m.get("pretrained") else None
     out = []
@@ -366,7 +389,7 @@ def splits_of(world: int, cfg) -> list[tuple[Layout, Optional[str]]]:
                    for l in layouts_of(world, pp)):
         try:
             layout.validate(cfg)
-            out.append((layout, None))
+            out += [(layout.replace(zero=zero), None) for zero in (ZERO_STAGES if layout.dp > 1 else (0,))]
         except ConfigError as e:
             out.append((layout, str(e).removeprefix("invalid config: ")))
     return out
@@ -438,6 +461,14 @@ def predict(plan: SplitPlan, hw: Hardware) -> SplitPlan:
     return plan
 
 
+def mark_fits_by_zero(plans: list[SplitPlan]) -> None:
+    """Mark each ZeRO split that fits in memory where its layout with zero=0 does not."""
+    without = {p.layout: p for p in plans if p.layout.zero == 0}
+    for p in plans:
+        base = without.get(p.layout.replace(zero=0))
+        p.fits_by_zero = bool(p.layout.zero and p.fits and base is not None and base.fits is False)
+
+
 # --------------------------------------------------------------------------
 # The command
 
@@ -452,11 +483,12 @@ def plan_world(cfg, world: int, hw: Optional[Hardware]) -> tuple[list[SplitPlan]
             continue
         try:
             p = plan_split(shape, layout, t.batch_size, t.seq_len, t.grad_accum,
-                           layout.pipeline(cfg) if layout.pp > 1 else None)
+                           pipeline=layout.pipeline(cfg) if layout.pp > 1 else None)
         except ValueError as e:
             invalid.append((layout, str(e)))
             continue
         plans.append(predict(p, hw) if hw else p)
     if hw:  # the fastest first, among those that fit in memory
+        mark_fits_by_zero(plans)
         plans.sort(key=lambda p: (not p.fits, p.step_time_s))
     return plans, invalid

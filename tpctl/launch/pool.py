@@ -133,21 +133,22 @@ def _release_groups() -> None:
     gc.collect()
 
 
-def parallelism_of(layout, pipeline=None):
+def parallelism_of(layout, bucket_bytes: int | None = None, pipeline=None):
     """The Parallelism of `layout` (a parallel.layout.Layout) on a pool
-    rank, built on first use: its process groups are made once per process.
-    `pipeline` (a stages.PipelineSpec, with pp > 1): a fresh pipeline of
-    that schedule on the same process groups (a pipeline holds one model's
-    stage)."""
+    rank: its process groups are made once per process (on first use), the
+    mode and data-parallel objects, which a model's rewrite and training
+    step fill in, anew for each call. `pipeline` (a stages.PipelineSpec,
+    with pp > 1): the schedule of a fresh pipeline (a pipeline holds one
+    model's stage)."""
+    from tpctl.parallel.data_parallel import DataParallel
+    from tpctl.parallel.parallelism import Parallelism, parallelism
+
     if layout not in _modes:
-        from tpctl.parallel.parallelism import parallelism
-
         _modes[layout] = parallelism(layout, seed=0, pipeline=pipeline)
-    par = _modes[layout]
+    mesh = _modes[layout].mesh
+    stages = None
     if layout.pp > 1:
-        from dataclasses import replace
-
         from tpctl.parallel.pipeline import Pipeline
 
-        par = replace(par, pipeline=Pipeline(par.mesh, pipeline or par.pipeline.spec))
-    return par
+        stages = Pipeline(mesh, pipeline or _modes[layout].pipeline.spec)
+    return Parallelism(layout.mode_class(mesh), DataParallel(mesh, bucket_bytes) if bucket_bytes else None, stages)

@@ -185,6 +185,9 @@ def run(argv: list[str]) -> None:
         stages = f", {par.pipeline.spec.label()}" if par.pipeline is not None else ""
         print(f"tpctl: {par.layout.label()} ({mesh.world_size} ranks{stages}), "
               f"{cfg.model.get('_target_') or cfg.model.arch} with {whole / 1e6:.2f}M parameters, {data.describe()}", flush=True)
+        if par.layout.zero and par.layout.dp == 1:
+            print(f"tpctl: zero={par.layout.zero} with dp=1: one replica has nothing to share, "
+                  "so every rank keeps its whole state (as zero=0)", flush=True)
     trainer = Trainer(cfg, model, par, data, run_dir)
     found = find_resume(cfg, run_dir, mesh.rank)
     if found is not None:
@@ -195,9 +198,7 @@ def run(argv: list[str]) -> None:
             m, saved = found[1], manifest_layout(found[1])
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             after = f" after restart {restart} of {cfg.launcher.max_restarts}" if restart else ""
-            pp = f" pp={saved.pp}" if saved.pp > 1 else ""
-            print(f"tpctl: resumed from {found[0]}{after} (step {m['step']}, written in mode={saved.mode} "
-                  f"size={saved.size}{pp} dp={saved.dp})", flush=True)
+            print(f"tpctl: resumed from {found[0]}{after} (step {m['step']}, written in {saved.label()})", flush=True)
     if trainer.start_step >= cfg.train.steps:
         if mesh.rank == 0:
             print(f"tpctl: nothing to train: the checkpoint is at step {trainer.start_step}, train.steps={cfg.train.steps}")

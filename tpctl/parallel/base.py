@@ -160,9 +160,10 @@ class ParallelMode:
         )
 
     # ---- gradients ------------------------------------------------------
-    def sync_grads(self, model: nn.Module) -> None:
-        """Sum the gradients of the grid's own replicas (per ShardSpec)."""
-        sync_replicas(model)
+    def sync_grads(self, params) -> None:
+        """Sum the gradients of the grid's own replicas (per ShardSpec) of
+        `params`: a model, or the parameters the optimizer steps."""
+        sync_replicas(params)
 
     # ---- cost: the planner's model of one micro-batch on this rank -----
     # cost/planner.py calls these with `add(kind, group, numel, times=1)`,
@@ -693,13 +694,14 @@ def _refused(measure, module: nn.Module) -> Optional[str]:
 
 # ---- gradients ----------------------------------------------------------
 
-def sync_replicas(model: nn.Module) -> None:
-    """Sum every gradient that is a partial sum, over exactly the ranks of
-    the tensor-parallel grid that hold its other parts, once (per the
-    parameter's ShardSpec). Data-parallel replicas are not this function's:
-    data_parallel.DataParallel reduces across them."""
+def sync_replicas(params) -> None:
+    """Sum every gradient of `params` (a model, or parameters) that is a
+    partial sum, over exactly the ranks of the tensor-parallel grid that
+    hold its other parts, once (per the parameter's ShardSpec). Data-parallel
+    replicas are not this function's: data_parallel.DataParallel reduces
+    across them."""
     buckets: dict[int, tuple[object, list[torch.Tensor]]] = {}
-    for p in model.parameters():
+    for p in (params.parameters() if isinstance(params, nn.Module) else params):
         spec = spec_of(p)
         for piece, group in spec.partial_parts(p.grad) if spec is not None and p.grad is not None else ():
             buckets.setdefault(id(group), (group, []))[1].append(piece)

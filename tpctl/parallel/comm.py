@@ -24,8 +24,6 @@ _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-
-
 class CommStats:
     """What this rank hands to collectives, per kind of collective: calls,
     payload bytes (the full tensor of the collective) and wire bytes (what a
@@ -101,6 +99,37 @@ def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Te
     return out.movedim(0, dim)
 
 
+# ---- flat buffers of the data-parallel component (parallel/zero.py): in
+# place, optionally asynchronous (a work handle to wait on), so a bucket's
+# reduction runs while the backward goes on.
+
+def all_reduce_flat(flat: torch.Tensor, group: Group, async_op: bool = False):
+    """Sum `flat` over the group in place; returns a work handle when async."""
+    if group_size(group) == 1:
+        return None
+    STATS.add("all_reduce", flat, group_size(group))
+    return dist.all_reduce(flat, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group: Group, async_op: bool = False):
+    """`out` = group-rank r's segment of the sum of every rank's `flat`
+    ([segment 0 | segment 1 | ...], each `out.numel()` long)."""
+    if group_size(group) == 1:
+        out.copy_(flat)
+        return None
+    STATS.add("reduce_scatter", flat, group_size(group))
+    return _reduce_scatter_tensor(out, flat, group=group, async_op=async_op)
+
+
+def all_gather_flat(out: torch.Tensor, segment: torch.Tensor, group: Group, async_op: bool = False):
+    """`out` = every rank's `segment`, concatenated in group-rank order."""
+    if group_size(group) == 1:
+        out.copy_(segment)
+        return None
+    STATS.add("all_gather", out, group_size(group))
+    return _all_gather_tensor(out, segment, group=group, async_op=async_op)
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = False):
     """Broadcast from global rank `src`; returns a work handle when async."""
     if group_size(group) == 1:
@@ -158,7 +187,8 @@ def broadcast_object(obj, src: int = 0, group: Group = None):
     return box[0]
 
 
-_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_reduce_flat",
+                "reduce_scatter_flat", "all_gather_flat")
 
 
 def keep_collectives_eager() -> None:

@@ -1,37 +1,57 @@
 """Data parallelism as a component: `dp` replicas of the model (each a
 whole tensor-parallel grid, or pipeline) that read other rows of every
-micro-batch and agree on one gradient.
+micro-batch and agree on one gradient, and with ZeRO (`zero` = 1, 2, 3)
+share the optimizer state, the gradients and the parameters between them.
 
-Everything that concerns replicas lives here, and nothing else does: which
-rows of a micro-batch a replica reads, the reduction of gradients across
-replicas, and which replica writes the state they share into a checkpoint.
-The tensor-parallel mode sums only its own replicas (2.5d depth, norms,
-biases: a parameter's `ShardSpec`) and never sees the dp axis; the training
-step calls the mode's sums first and this reduction second, as Megatron's
-`finalize_model_grads` does with its DDP buckets.
+Everything that concerns replicas lives here and in zero.py, its engine,
+and nothing else does: which rows of a micro-batch a replica reads, the
+reduction of gradients across replicas (in buckets, during the backward),
+which part of each parameter a replica owns, and which replica writes what
+into a checkpoint. The tensor-parallel mode sums only its own replicas
+(2.5d depth, norms, biases: a parameter's `ShardSpec`) and never sees the
+dp axis; the training step finishes this reduction first and the mode's
+sums second, as Megatron's `finalize_model_grads` does with its DDP buckets.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, NamedTuple, Optional
 
 import torch
+import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import comm
 from .mesh import Mesh
-from .shard import ShardSpec
+from .shard import ShardSpec, spec_of
+from .zero import BUCKET_BYTES, Zero, storage_bytes
+
+
+class Held(NamedTuple):
+    """One parameter as a checkpoint sees it on this rank: the tensor the
+    optimizer steps (its AdamW state is keyed by it), the values this rank
+    owns and their ShardSpec, and whether this rank writes them."""
+
+    name: str
+    param: nn.Parameter
+    values: torch.Tensor
+    spec: Optional[ShardSpec]
+    write: bool
 
 
 class DataParallel:
     """The dp axis of `mesh`: this rank's replica and the group of its
     counterparts in the other replicas (the same grid position)."""
 
-    def __init__(self, mesh: Mesh):
+    def __init__(self, mesh: Mesh, bucket_bytes: int = BUCKET_BYTES):
         self.mesh = mesh
         self.size = mesh.layout.dp
         self.rank = mesh.dp_rank
         self.group = mesh.groups["dp"]
+        # ZeRO over one replica has nothing to shard: stage 0.
+        self.stage = mesh.layout.zero if self.size > 1 else 0
+        self.bucket_bytes = bucket_bytes
+        self.zero: Optional[Zero] = None
 
     def share(self, batch_size: int, grad_accum: int, micro: int) -> range:
         """Rows of the global batch that this replica reads for micro-batch
@@ -41,24 +61,94 @@ class DataParallel:
         start = micro * per_micro + self.rank * per_replica
         return range(start, start + per_replica)
 
+    # ---- the training step's side ------------------------------------------------
+    def attach(self, model_parts: list[nn.Module], micro_batches: int) -> list[nn.Parameter]:
+        """Reduce gradients in buckets during each backward of `model_parts`
+        (whose gradients are final after `micro_batches` backwards), and
+        under ZeRO keep this replica's chunks; returns the parameters the
+        optimizer steps. One replica: nothing to reduce, the model's own."""
+        if self.size == 1:
+            return [p for part in model_parts for p in part.parameters()]
+        self.zero = Zero(self.group, self.size, self.rank, self.stage, self.bucket_bytes)
+        return self.zero.attach(model_parts, micro_batches)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.zero is None:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            self.zero.zero_grad(optimizer)
+
+    def finish_grads(self, model_parts: list[nn.Module]) -> list[nn.Parameter]:
+        """After the step's backwards: wait for the buckets' reductions;
+        the optimizer's parameters, gradients summed over the replicas."""
+        if self.zero is None:
+            return [p for part in model_parts for p in part.parameters()]
+        return self.zero.finish()
+
+    def after_step(self) -> None:
+        """After the optimizer: ZeRO 1 and 2 gather the updated chunks."""
+        if self.zero is not None:
+            self.zero.after_step()
+
+    def after_load(self) -> None:
+        if self.zero is not None:
+            self.zero.after_load()
+
+    # ---- a custom loop's side (no buckets: tpctl.init_parallel's users) -----------
     def reduce_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Sum every gradient over the replicas (in one flattened
         all-reduce: the replicas' gradients of a parameter are partial sums
         over their rows)."""
         if self.size == 1:
             return
+        if self.zero is not None:
+            raise RuntimeError("this model's gradients are reduced in buckets during the backward (DataParallel.attach)")
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
             all_reduce_coalesced(grads, self.group)
 
+    # ---- checkpoints and memory ------------------------------------------------------
     def writes(self, spec: Optional[ShardSpec]) -> bool:
         """Whether this rank writes a tensor described by `spec` into a
-        checkpoint: replica 0 alone (the others hold the same values), and
-        there the first of the grid's copies (rows with replicas of their
-        own are decided box by box: ShardSpec.writes_rows)."""
-        if spec is not None and spec.row_replicas:
-            return self.rank == 0
-        return self.rank == 0 and (spec is None or not spec.replica_ranks or self.mesh.rank == spec.replica_ranks[0])
+        checkpoint without ZeRO: replica 0 alone (the others hold the same
+        values), and there the first of the grid's copies."""
+        return self.rank == 0 and _first_copy(self.mesh, spec)
+
+    def held(self, model: nn.Module) -> Iterator[Held]:
+        """Each parameter of `model` (tied ones once) as this rank holds it.
+        Without ZeRO replica 0 writes (the others hold the same values), and
+        there the first of the grid's copies; under ZeRO every replica
+        writes its chunk, so each byte is written once."""
+        for name, p in model.named_parameters():
+            if self.zero is None or not self.stage:
+                param, values, spec = p, p.data, spec_of(p)
+                write = self.writes(spec)
+            else:
+                param, values, spec = self.zero.held(self.zero.index_of(p))
+                write = _first_copy(self.mesh, spec)
+            # (The last pipeline stage's copy of a tied weight: the first stage writes it.)
+            yield Held(name, param, values, spec, write and not getattr(p, "tpctl_stage_copy", False))
+
+    def memory(self, model_parts: list[nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> dict[str, int]:
+        """Bytes this rank holds of parameters, of gradients kept for the
+        optimizer and of optimizer state, counted from the tensors' storages
+        (views of one buffer once, a freed storage as 0)."""
+        params = [p for part in model_parts for p in part.parameters()]
+        chunks = self.zero.param_chunks if self.zero is not None and self.stage == 3 else []
+        main = self.zero.main if self.zero is not None else params
+        state = optimizer.state.values() if optimizer is not None else []
+        return {"param_bytes": storage_bytes([*params, *chunks]),
+                "grad_bytes": storage_bytes([p.grad for p in params] + [p.grad for p in main]),
+                "optimizer_bytes": storage_bytes(t for s in state for t in s.values() if isinstance(t, torch.Tensor))}
+
+
+def _first_copy(mesh: Mesh, spec: Optional[ShardSpec]) -> bool:
+    """Whether this rank holds the first of the tensor-parallel grid's
+    identical copies of `spec` (or the only one); rows with replicas of
+    their own are decided box by box (ShardSpec.writes_rows)."""
+    if spec is not None and spec.row_replicas:
+        return True
+    return spec is None or not spec.replica_ranks or mesh.rank == spec.replica_ranks[0]
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:

@@ -158,9 +158,13 @@ class Layout:
                 raise ConfigError(key, getattr(self, key), f"expected a positive number of {what}")
         if self.zero not in ZERO_STAGES:
             raise ConfigError("zero", self.zero, "expected 0, 1, 2 or 3 (the ZeRO stage)")
-        # The layout has room for it; the training step does not yet.
-        if self.zero != 0:
-            raise ConfigError("zero", self.zero, "ZeRO is not built yet: expected zero=0")
+        if self.zero >= 2 and self.pp > 1:
+            # A stage accumulates its gradients over every micro-batch of the
+            # schedule, so stage 2's reduce-scatter (and stage 3's gathers)
+            # could not free anything between micro-batches; DeepSpeed and
+            # ColossalAI cap ZeRO at stage 1 under a pipeline too.
+            raise ConfigError("zero", self.zero, "with pp>1 a pipeline stage keeps its gradients whole across the "
+                              "schedule's micro-batches, so stages 2 and 3 save nothing: expected zero=0 or zero=1")
         if cfg is not None:
             self._check_model(cfg, geo)
         if self.seq_parallel and not cls.sequence_parallel:

@@ -8,7 +8,7 @@ each part knows only its own axis.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -84,20 +84,23 @@ class Parallelism:
     def sync_grads(self, model: nn.Module) -> None:
         """Every gradient summed once over the ranks that hold its other
         parts: the grid's replicas (the mode), then the data-parallel
-        replicas."""
+        replicas. (A custom loop's call; the training step reduces over the
+        replicas in buckets during the backward, DataParallel.attach.)"""
         self.mode.sync_grads(model)
         self.dp.reduce_grads(model.parameters())
 
-    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+    def grad_norm(self, params: nn.Module | Iterable[nn.Parameter]) -> torch.Tensor:
         """The L2 norm of the whole model's gradient, as one process would
-        compute it: each shard counted once however many ranks replicate it
-        (ShardSpec.canonical_parts: whole tensors, or the rows this rank
-        owns of a tensor with row replicas; not the last stage's copy of a
-        tied weight), summed over the `grad_norm` group. Per-tensor norms in
-        one foreach call (no copy of any gradient), their squares summed in
-        float64."""
+        compute it, from `params` (a model, or the optimizer's parameters:
+        under ZeRO each replica's chunks): each shard counted once however
+        many ranks replicate it (ShardSpec.canonical_parts: whole tensors, or
+        the rows this rank owns of a tensor with row replicas; not the last
+        stage's copy of a tied weight), summed over the `grad_norm` group
+        (the grid and the stages, and the replicas under ZeRO). Per-tensor
+        norms in one foreach call (no copy of any gradient), their squares
+        summed in float64."""
         grads = []
-        for p in model.parameters():
+        for p in _params(params):
             if p.grad is not None and not getattr(p, "tpctl_stage_copy", False):
                 spec = spec_of(p)
                 grads.extend([p.grad] if spec is None else spec.canonical_parts(p.grad))
@@ -109,13 +112,14 @@ class Parallelism:
         comm.all_reduce(total, self.mesh.groups["grad_norm"])
         return total.sqrt()
 
-    def clip_grads(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+    def clip_grads(self, params: nn.Module | Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
         """`clip_grad_norm_` without a host sync: returns the global norm as
         a 0-dim tensor on the device, and scales the gradients by
         min(1, max_norm / (norm + 1e-6)) on the device (a factor of exactly
         1 leaves them bit for bit, as torch.nn.utils.clip_grad_norm_ does)."""
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = self.grad_norm(model)
+        params = _params(params)
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = self.grad_norm(params)
         if max_norm > 0 and grads:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             _scale_(grads, coef)
@@ -124,6 +128,10 @@ class Parallelism:
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float:
         """Clip to `max_norm` on the true global norm; returns that norm."""
         return self.clip_grads(model, max_norm).item()
+
+
+def _params(params: nn.Module | Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    return list(params.parameters() if isinstance(params, nn.Module) else params)
 
 
 def _scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:

@@ -385,7 +385,6 @@ class Pipeline:
         else:
             schedule.step(target=torch.cat(ys), ids=x)
         self.timings.append((self.busy_s, time.perf_counter() - start))
-        self.sync_tied()
         total = torch.stack(self._loss_sums).sum() if self._loss_sums else torch.zeros((), device=self.mesh.device)
         return comm.all_reduce(total.detach().reshape(1).clone(), self.group)[0]
 

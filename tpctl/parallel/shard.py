@@ -10,6 +10,7 @@ reference's slice) and, later, resharding checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -81,10 +82,27 @@ class ShardSpec:
 
         return assemble(0, ()).contiguous()
 
+    def rows(self, start: int, stop: int) -> "ShardSpec":
+        """The sub-box of this shard made of its local rows [start, stop)
+        (first dimension): a data-parallel replica's chunk under ZeRO
+        (parallel/zero.py). The same replicas hold the same sub-box."""
+        full = self.full_shape[0]
+        held = self.index[0] if self.index[0] is not None else ((0, full),)
+        out, pos = [], 0
+        for a, b in held:
+            lo, hi = max(start, pos), min(stop, pos + b - a)
+            if lo < hi:
+                out.append((a + lo - pos, a + hi - pos))
+            pos += b - a
+        # Rows with replicas of their own keep them, in the chunk's local rows.
+        row_replicas = tuple(dataclasses.replace(r, start=max(r.start, start) - start, stop=min(r.stop, stop) - start)
+                             for r in self.row_replicas if max(r.start, start) < min(r.stop, stop))
+        return dataclasses.replace(self, index=(_merge(out),) + tuple(self.index[1:]), row_replicas=row_replicas)
+
     @property
     def is_canonical(self) -> bool:
         """The one replica whose values count (e.g. for the gradient norm)."""
-        return not self.replica_ranks or dist.get_rank() == self.replica_ranks[0]
+        return len(self.replica_ranks) <= 1 or dist.get_rank() == self.replica_ranks[0]
 
     def partial_parts(self, grad: torch.Tensor) -> list[tuple[torch.Tensor, dist.ProcessGroup]]:
         """(piece of `grad`, group) for each piece that is a partial sum over

@@ -23,7 +23,9 @@ metadata, which is read with an allow-list unpickler):
                                dropout and global generators
 Only one rank writes each box: the first of its replicas (ShardSpec
 .replica_ranks[0], or for rows with replicas of their own .row_replicas) in
-data-parallel replica 0.
+data-parallel replica 0; under ZeRO each replica writes the chunk it owns
+(a sub-box of the shard), so every byte is written once, by whichever
+replica holds it (DataParallel.held).
 
 Atomic: written to `checkpoints/.tmp_step_<N>`, renamed to `step_<N>` once
 every file and the manifest are on disk; a crash mid-write leaves only a
@@ -50,7 +52,7 @@ import torch
 
 from tpctl.parallel import comm
 from tpctl.parallel.layout import Layout
-from tpctl.parallel.shard import ShardSpec, spec_of
+from tpctl.parallel.shard import ShardSpec
 from tpctl.errors import TpctlError
 
 log = logging.getLogger("tpctl.checkpoint")
@@ -308,23 +310,22 @@ def _set_rng(gen, state: torch.Tensor) -> None:
 def state_entries(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], par,
                   step: int, first_loss: float) -> dict[str, Entry]:
     """A run's state as entries: the model's parameters and AdamW's moments
-    (boxes of the full tensors, written once by the data-parallel component's
-    choice of rank), the step, and the generators."""
+    (boxes of the full tensors, as the data-parallel component says this
+    rank holds and writes them), the step, and the generators."""
     mesh = par.mesh
     entries: dict[str, Entry] = {}
-    for name, p in model.named_parameters():
-        spec = spec_of(p)
-        boxes = shard_boxes(spec, tuple(p.shape))
-        full = tuple(spec.full_shape) if spec is not None else tuple(p.shape)
-        # (The last pipeline stage's copy of a tied weight: the first stage writes it.)
-        write = par.dp.writes(spec) and not getattr(p, "tpctl_stage_copy", False)
+    for name, p, values, spec, write in par.dp.held(model):
+        boxes = shard_boxes(spec, tuple(values.shape))
+        full = tuple(spec.full_shape) if spec is not None else tuple(values.shape)
         skip = _skipped(spec, boxes)
-        entries[f"model.{name}"] = Entry(p.data, full, boxes, write, skip)
+        entries[f"model.{name}"] = Entry(values, full, boxes, write, skip)
         if optimizer is None:
             continue
         state = _adam_state(optimizer, p)
         for moment in ("exp_avg", "exp_avg_sq"):
-            entries[f"optim.{name}.{moment}"] = Entry(state[moment], full, boxes, write, skip)
+            # (under ZeRO a chunk's padding rows, past `values`, are never saved)
+            entries[f"optim.{name}.{moment}"] = Entry(state[moment][:len(values)] if values.dim() else state[moment],
+                                                      full, boxes, write, skip)
         # One writer among the shards: the one holding the global origin.
         origin = any(all(o == 0 for o in b.offsets) for b in entries[f"model.{name}"].written())
         entries[f"optim.{name}.step"] = whole(state["step"].detach().reshape(1).double().cpu(), origin)
@@ -779,9 +780,10 @@ def load(path: Path, model, optimizer, par, manifest: dict, seed: int) -> tuple[
             del entries[key]
     dcp_load(entries, storage_reader=_reader(Path(path)), planner=LoadPlanner(optional=lambda k: k.startswith("rng.")))
     step = int(entries["train.step"].tensor.item())
-    for name, p in model.named_parameters():
-        if optimizer is not None:
+    if optimizer is not None:
+        for name, p, *_ in par.dp.held(model):
             optimizer.state[p]["step"].fill_(entries[f"optim.{name}.step"].tensor.item())
+    par.dp.after_load()
     from tpctl.seeding import derive_seed
 
     for key, gen in rng.items():

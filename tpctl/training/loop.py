@@ -19,15 +19,10 @@ from tpctl.parallel import comm
 from tpctl.parallel.parallelism import Parallelism
 from .data import TokenData
 from .metrics import MetricsLog
-from .step import NonFiniteLoss, Schedule, TrainStep, autocast, build_optimizer
+from .step import NonFiniteLoss, Schedule, TrainStep, autocast
 
 log = logging.getLogger("tpctl.train")
-__all__ = ["Trainer", "NonFiniteLoss", "param_bytes", "peak_rss_bytes"]
-
-
-def param_bytes(model: torch.nn.Module) -> int:
-    """Bytes of parameters this rank holds (tied parameters once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+__all__ = ["Trainer", "NonFiniteLoss", "peak_rss_bytes"]
 
 
 def peak_rss_bytes() -> int:
@@ -55,15 +50,14 @@ class Trainer:
             apply_activation_checkpointing(model)
         # The model's parts: one (the whole model) without a pipeline.
         self.model_parts = [model]
-        self.optimizer = build_optimizer(model.parameters(), cfg.optim)
+        o = cfg.optim
+        self.step = TrainStep(par, self.model_parts, cfg, Schedule(o.lr, o.min_lr, o.warmup_steps, cfg.train.steps))
+        self.optimizer = self.step.optimizer
         from .compile import compile_model, compile_setting
 
         self.compiled = compile_model(model, compile_setting(cfg), self.mesh.device.type,
                                       say=lambda line: print(line, flush=True) if self.mesh.rank == 0 else None,
                                       per_block=par.pipeline is not None)
-        o = cfg.optim
-        self.step = TrainStep(par, self.model_parts, self.optimizer, cfg,
-                              Schedule(o.lr, o.min_lr, o.warmup_steps, cfg.train.steps))
         self.tokens_per_step = self.step.tokens_per_step
         # The real vocabulary (the LM head's width before any padding): the
         # bound every id read must be inside.
@@ -198,10 +192,14 @@ class Trainer:
         rss = peak_rss_bytes()
         out = {
             "mode": self.mesh.mode, "size": self.mesh.tp_size, "dp": self.mesh.dp_size, "pp": 1,
+            "zero": self.mesh.layout.zero,
             "steps": last["step"], "first_loss": self.first_loss, "final_loss": last["loss"],
             "val_loss": next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None),
             "tokens_per_s": steps_run * self.tokens_per_step / self.elapsed_s,
-            "time_s": self.elapsed_s, "param_bytes": param_bytes(self.model),
+            "time_s": self.elapsed_s,
+            # Counted from the tensors this rank holds after the last step
+            # (gradients: those kept for the optimizer).
+            **self.step.memory(),
             "comm_bytes_per_step": self.comm_train_bytes / steps_run,
             "comm_wire_bytes_per_step": self.comm_train_wire_bytes / steps_run,
             "peak_rss_bytes": rss,
@@ -218,7 +216,8 @@ class Trainer:
                        pipeline_microbatches=pipeline.spec.microbatches,
                        pipeline_bubble=_mean_over_ranks(pipeline.bubble() or 0.0, self.mesh.device),
                        pipeline_bubble_planned=pipeline.spec.bubble())
-        out.update(_max_over_ranks(out, ("param_bytes", "peak_rss_bytes", "peak_cuda_bytes")))
+        out.update(_max_over_ranks(out, ("param_bytes", "grad_bytes", "optimizer_bytes", "peak_rss_bytes",
+                                         "peak_cuda_bytes")))
         return out
 
 

@@ -8,7 +8,10 @@ The trainer, `tpctl bench` (cost/measure.py) and the planner's test call
 this one step. It holds `model_parts` (one part: the whole model, or with
 pp > 1 this rank's pipeline stage, whose chunks are views of it) and works
 against `Parallelism`, so it is the same for every layout; with pp > 1 the
-pipeline's schedule (parallel/pipeline.py) is the forward and backward.
+pipeline's schedule (parallel/pipeline.py) is the forward and backward. It
+builds the optimizer itself, over what the data-parallel component hands
+it: the parameters, or under ZeRO this replica's chunks of them
+(parallel/zero.py).
 """
 
 from __future__ import annotations
@@ -110,16 +113,18 @@ class NonFinitePolicy:
 
 
 class TrainStep:
-    def __init__(self, par: Parallelism, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
-                 cfg, schedule: Optional[Schedule] = None):
-        self.par, self.model_parts, self.optimizer, self.cfg = par, model_parts, optimizer, cfg
+    def __init__(self, par: Parallelism, model_parts: list[torch.nn.Module], cfg, schedule: Optional[Schedule] = None):
+        self.par, self.model_parts, self.cfg = par, model_parts, cfg
+        self.pipeline = par.pipeline
+        # Micro-batches a step's batch is cut into: the pipeline's, or train.grad_accum.
+        self.micro_count = self.pipeline.spec.microbatches if self.pipeline is not None else cfg.train.grad_accum
+        # From here on the replicas' gradients are reduced in buckets during
+        # each backward; the optimizer steps what this replica owns.
+        self.optimizer = build_optimizer(par.dp.attach(model_parts, self.micro_count), cfg.optim)
         self.schedule = schedule or (lambda step: cfg.optim.lr)
         self.device = par.mesh.device
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
         self.nonfinite = NonFinitePolicy(cfg.train.get("on_nonfinite", "stop"), say_warning=par.mesh.rank == 0)
-        self.pipeline = par.pipeline
-        # Micro-batches a step's batch is cut into: the pipeline's, or train.grad_accum.
-        self.micro_count = self.pipeline.spec.microbatches if self.pipeline is not None else cfg.train.grad_accum
         if self.pipeline is not None:
             self.pipeline.autocast = lambda: autocast(self.device, cfg.precision)
             rows = len(par.rows(cfg.train.batch_size, self.micro_count))
@@ -182,9 +187,13 @@ class TrainStep:
         """Sync, clip, the non-finite policy, the learning rate and the
         optimizer: the loss and the gradient norm come back as 0-dim device
         tensors (nothing here waits for the device, unless `skip` must)."""
-        for part in self.model_parts:
-            self.par.sync_grads(part)
-        norm = self.par.clip_grads(self._whole(), self.cfg.optim.grad_clip)
+        params = self.par.dp.finish_grads(self.model_parts)
+        if self.pipeline is not None:
+            # After the replicas' bucket reductions have finished (both are
+            # sums, so their order is free; overlapping them is not).
+            self.pipeline.sync_tied()
+        self.par.mode.sync_grads(params)
+        norm = self.par.clip_grads(params, self.cfg.optim.grad_clip)
         lr = self.schedule(step)
         loss = self.par.global_mean_tensor(loss_sum, self.tokens_per_step)
         if not self.nonfinite.allows_update(step, loss, norm):
@@ -192,14 +201,16 @@ class TrainStep:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        self.par.dp.after_step()
         return {"loss": loss, "lr": lr, "grad_norm": norm}
 
     def __call__(self, micro_batches, step: int) -> dict:
         for part in self.model_parts:
             part.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.par.dp.zero_grad(self.optimizer)
         self.par.mesh.draw_step = step
         return self.finish(self.forward_backward(micro_batches), step)
 
-    def _whole(self) -> torch.nn.Module:
-        return self.model if len(self.model_parts) == 1 else torch.nn.ModuleList(self.model_parts)
+    def memory(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank holds."""
+        return self.par.dp.memory(self.model_parts, self.optimizer)

@@ -43,7 +43,7 @@ def _run(name: str, steps: int, spec: PipelineSpec | None = None, verify: bool =
     layout.validate(cfg)
     if run_dir:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-    par = parallelism_of(layout, layout.pipeline(cfg) if layout.pp > 1 else None)
+    par = parallelism_of(layout, pipeline=layout.pipeline(cfg) if layout.pp > 1 else None)
     model, _ = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), par, cfg.model.get("plan"), verify)
     trainer = Trainer(cfg, model, par, TokenData(cfg, prepare_data(cfg)), Path(run_dir) if run_dir else None)
     if resume is not None:
@@ -91,6 +91,7 @@ def _arch(arch: str) -> dict:
     ("2d-4-pp2", "1f1b", 2, "gpt"),
     ("1d-2-pp2-dp2", "1f1b", 2, "llama"),  # Hugging Face Llama: rotary tables and masks on every stage
     ("1d-2-pp2-dp2", "gpipe", 2, "gpt2"),  # Hugging Face GPT-2: the head tied to the first stage's embedding
+    ("1d-2-pp2-dp2-z1", "1f1b", 2, "gpt2"),  # ZeRO 1 under a pipeline: AdamW state sharded, the tied head too
 ])
 def test_pipeline_trains_like_one_process(pool, name, schedule, m, arch):
     spec = PipelineSpec(Layout.parse(name).pp, schedule, 2 if schedule == "interleaved" else 1, m)

@@ -65,7 +65,7 @@ def _verify_rank(cfg) -> tuple:
     from tpctl.parallel.verify import RewriteRefused, parallelize_verified
 
     layout = Layout.from_config(cfg).replace(dp=1)
-    mode = parallelism_of(layout, layout.pipeline(cfg) if layout.pp > 1 else None)
+    mode = parallelism_of(layout, pipeline=layout.pipeline(cfg) if layout.pp > 1 else None)
     try:
         _, report = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), mode, cfg.model.get("plan"))
         return None, report.checks

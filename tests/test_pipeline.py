@@ -31,7 +31,7 @@ def _run(name: str, steps: int, spec: PipelineSpec | None = None, verify: bool =
     from tpctl.parallel.verify import parallelize_verified
     from tpctl.training import checkpoint
     from tpctl.training.data import TokenData, prepare_data
-    from tpctl.training.loop import Trainer, param_bytes
+    from tpctl.training.loop import Trainer
 
     layout = Layout.parse(name)
     saving = {"checkpoint.every": 2, "checkpoint.keep": 0} if run_dir else {}
@@ -53,7 +53,7 @@ def _run(name: str, steps: int, spec: PipelineSpec | None = None, verify: bool =
 
     blocks = list(repeated_blocks(model).children())
     facts = {"compiled": trainer.compiled, "checkpointed": [getattr(b, "tpctl_checkpointed", False) for b in blocks]}
-    return [(r["loss"], r["grad_norm"], r.get("val_loss")) for r in records], param_bytes(model), trainer.summary(records), facts
+    return [(r["loss"], r["grad_norm"], r.get("val_loss")) for r in records], trainer.step.memory()["param_bytes"], trainer.summary(records), facts
 
 
 def _assert_same_curve(got_by_rank, want):

@@ -36,7 +36,7 @@ def _build(model_cfg, key: str, seed: int = 0):
     from tpctl.parallel.base import parallelize
 
     mode = parallelism_of(MESHES[key]).mode
-    return parallelize(build_model(model_cfg, seed, lazy=True), mode), mode
+    return parallelize(build_model(model_cfg, seed, lazy=True), mode, training=False), mode  # (decoded only)
 
 
 def _scale_up(model) -> None:

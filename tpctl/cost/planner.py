@@ -284,9 +284,12 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     owners: dict[int, set] = defaultdict(set)  # a parameter's modules' pipeline stages
     for name, p in every:
         owners[id(p)].add(pipe.stage_of(name.rpartition(".")[0]) if pipe is not None else None)
+    # A parameter the stage holds under any of its names, at its first name's
+    # place (where the stage registers a tied weight the other end owns).
+    held = {id(p) for name, p in every if holds(name.rpartition(".")[0])}
     named, seen, tied_numel = [], set(), 0
     for name, p in every:
-        if id(p) in seen or not holds(name.rpartition(".")[0]):
+        if id(p) in seen or id(p) not in held:
             continue
         seen.add(id(p))
         named.append((name, p))

@@ -22,7 +22,7 @@ SLURM = ["launcher=slurm", "launcher.nnodes=2", "launcher.partition=gpu", "launc
 
 def test_parameters_map_the_config_to_sbatch_options():
     cfg = compose_jobs(SLURM)[0]
-    assert executor_parameters(cfg) == {"job_name": "tpctl-3d-8x1", "nodes": 2, "ntasks_per_node": 1, "time": 90,
+    assert executor_parameters(cfg) == {"job_name": "tpctl-3d-8", "nodes": 2, "ntasks_per_node": 1, "time": 90,
                                         "partition": "gpu", "gpus_per_node": 4, "setup": ["module load cuda"]}
 
 
@@ -60,7 +60,7 @@ def test_gpus_per_node_must_match_the_workers_per_node(tpctl):
     result = tpctl.run(["train", "--dry-run", *SLURM, "launcher.gpus_per_node=2"])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "tpctl: error: invalid config: launcher.gpus_per_node=2: device=cuda runs one worker per GPU: expected size*dp/nnodes=4"]
+        "tpctl: error: invalid config: launcher.gpus_per_node=2: device=cuda runs one worker per GPU: expected size*pp*dp/nnodes=4"]
 
 
 def test_each_node_takes_its_place_from_slurm():

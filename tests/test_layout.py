@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tpctl"
 
 # Lowest first. A module's layer is its subpackage, or its own name at the top level.
 LAYERS = [
-    {"errors", "seeding", "schema"},
+    {"errors", "seeding", "schema", "atomic"},
     {"parallel"},
     {"models"},
     {"training"},

@@ -1,0 +1,62 @@
+"""Writes that a reader never sees half done: a file is written beside its
+destination and renamed into place, a directory is built beside its
+destination and swapped in. A killed writer leaves the old file or
+directory (or none), never a torn one: the cache of tokenised corpora, the
+prepared corpora, checkpoints and exports all rely on it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (a no-op where directories
+    cannot be opened, as on Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file(dest: Path, chunks: Iterable[bytes]) -> None:
+    """`dest` holds `chunks` whole, or is as it was: a temporary file in the
+    same directory, fsynced, then `os.replace`d onto `dest`."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def swap_dir(new: Path, dest: Path, aside: Path | None = None) -> None:
+    """Put the finished directory `new` at `dest`: two renames, so a reader
+    sees the old or the new directory whole. An existing `dest` is first
+    renamed to `aside` (default: a hidden name beside it) and removed after.
+    Both renames stay on one file system: `new` must lie beside `dest`."""
+    new, dest = Path(new), Path(dest)
+    old = None
+    if dest.exists():
+        old = Path(aside) if aside is not None else dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(dest, old)
+    os.rename(new, dest)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(dest.parent)

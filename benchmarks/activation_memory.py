@@ -47,7 +47,7 @@ def measure(layout_name: str, model: str, batch: int, seq: int) -> dict:
     import torch
 
     from tpctl.models import build_model
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.parallel.layout import Layout
     from tpctl.parallel.parallelism import parallelism
     from tpctl.training.recompute import apply_activation_checkpointing

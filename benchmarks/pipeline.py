@@ -64,7 +64,7 @@ def _measure(cfg_dict: dict, steps: int) -> dict:
     from tpctl.cost.measure import peak_allocated_bytes
     from tpctl.models import build_model
     from tpctl.parallel import comm
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.parallel.layout import Layout
     from tpctl.parallel.parallelism import parallelism
     from tpctl.training.step import TrainStep, build_optimizer

@@ -28,7 +28,7 @@ def _run(engine: str, model: str, steps: int) -> dict:
     from tpctl.launch.pool import parallelism_of
     from tpctl.models import build_model
     from tpctl.parallel import comm
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.parallel.layout import Layout
     from tpctl.parallel.shard import spec_of
     from tpctl.parallel.zero import storage_bytes
@@ -91,7 +91,7 @@ def _reference(model: str, steps: int) -> list[float]:
 
     from tpctl.config import compose_jobs
     from tpctl.models import build_model
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.parallel.layout import Layout
     from tpctl.parallel.parallelism import parallelism
     from tpctl.training.step import TrainStep

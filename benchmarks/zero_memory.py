@@ -52,7 +52,7 @@ def measure(layout_name: str, model: str, batch: int, seq: int, steps: int) -> d
     from tpctl.config import compose_jobs
     from tpctl.launch.pool import parallelism_of
     from tpctl.models import build_model
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.parallel.layout import Layout
     from tpctl.training.step import TrainStep
 

@@ -40,7 +40,7 @@ def _train(key: str, compile: str, backend: str = "aot_eager", **overrides) -> d
     from tpctl.models import build_model
     from tpctl.parallel import comm
     from tpctl.parallel.parallelism import parallelism
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.training.compile import BACKEND_ENV
     from tpctl.training.data import TokenData, prepare_data
     from tpctl.training.loop import Trainer

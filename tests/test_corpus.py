@@ -288,7 +288,7 @@ def _train(layout, data_path: str, vocab: int, val_fraction: float = 0.1) -> lis
     from tpctl.config import default_config
     from tpctl.models import build_model
     from tpctl.parallel.parallelism import parallelism
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.training.data import TokenData, prepare_data
     from tpctl.training.loop import Trainer
 

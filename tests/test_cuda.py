@@ -41,7 +41,7 @@ def _train_cuda(key: str, **overrides) -> list[float]:
     from tpctl.models import build_model
     from tpctl.parallel.layout import Layout
     from tpctl.parallel.parallelism import parallelism
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.training.data import TokenData, prepare_data
     from tpctl.training.loop import Trainer
 

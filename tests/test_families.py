@@ -98,7 +98,7 @@ def _plan(family: str):
     import torch
 
     from tests.hf_families import build
-    from tpctl.parallel.roles import infer_plan
+    from tpctl.parallel.inference import infer_plan
 
     torch.manual_seed(0)
     model = build(family)
@@ -150,8 +150,8 @@ def test_a_fused_projection_that_is_no_set_of_heads_is_refused_with_what_was_see
     import torch.nn.functional as F
 
     from tpctl.parallel.layout import geometry
-    from tpctl.parallel.base import check_plan
-    from tpctl.parallel.roles import infer_plan
+    from tpctl.parallel.rewrite import check_plan
+    from tpctl.parallel.inference import infer_plan
 
     class Mixed(nn.Module):  # every feature of the fused output feeds every head
         def __init__(self):
@@ -208,9 +208,9 @@ def test_norm_offsets_and_embedding_scales_are_measured_not_assumed():
     with pytest.raises(ValueError, match="does not compute scale"):
         embedding_semantics(Shifted(10, 4))
 
-    from tpctl.parallel.base import check_plan
+    from tpctl.parallel.rewrite import check_plan
     from tpctl.parallel.layout import geometry
-    from tpctl.parallel.roles import infer_plan
+    from tpctl.parallel.inference import infer_plan
 
     gemma.model.norm.__class__ = type("DoubledGemmaRMSNorm", (type(gemma.model.norm),),
                                       {"forward": lambda self, x: super(type(self), self).forward(x) * 2})
@@ -260,9 +260,9 @@ def test_random_draws_in_the_forward_are_refused_with_what_draws_them():
     import torch.nn as nn
     import torch.nn.functional as F
 
-    from tpctl.parallel.base import check_plan
+    from tpctl.parallel.rewrite import check_plan
     from tpctl.parallel.layout import geometry
-    from tpctl.parallel.roles import infer_plan
+    from tpctl.parallel.inference import infer_plan
 
     class Noisy(nn.Module):
         def __init__(self, jitter: float, dropout: float):

@@ -33,7 +33,7 @@ def _gpt_cfg():
 
 def _build(model_cfg, key: str, seed: int = 0):
     from tpctl.models import build_model
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
 
     mode = parallelism_of(MESHES[key]).mode
     return parallelize(build_model(model_cfg, seed, lazy=True), mode, training=False), mode  # (decoded only)

@@ -110,7 +110,7 @@ def _build(case: str):
 def _compare(key: str, case: str, label_smoothing: float = 0.0) -> int:
     import torch.nn.functional as F
 
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
 
     tp = _parallel(key)
     mode = tp.mode
@@ -166,7 +166,7 @@ def _compare(key: str, case: str, label_smoothing: float = 0.0) -> int:
 def _dropout_masks(key: str) -> list[bool]:
     """Same-mask / own-mask rule: returns, for each dropout role, whether the
     tensor-parallel ranks drew identical masks."""
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
 
     mode = _mode(key)
     net = parallelize(nn.Sequential(nn.Dropout(0.5), nn.Dropout(0.5)), mode, {"0": "dropout", "1": "attn_dropout"})
@@ -212,7 +212,7 @@ def _mlp_comm(key: str) -> tuple[dict, dict]:
     """Collectives of one MLP forward + backward (no gradient sync)."""
     from tpctl.parallel import comm
     from tpctl.models.gpt import MLP
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
 
     mode = _mode(key)
     net = parallelize(MLP(_model_cfg()), mode, {"fc": "mlp_in", "proj": "mlp_out", "drop": "dropout"})

@@ -69,7 +69,7 @@ def _cfg(**overrides):
 def _train(overrides: dict, steps: int = 5):
     from tpctl.training.data import TokenData, prepare_data
     from tpctl.models import build_model
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.parallel.layout import Layout
     from tpctl.parallel.parallelism import parallelism
     from tpctl.training.loop import Trainer
@@ -106,7 +106,7 @@ def _grad_accum_curves() -> tuple[list, list]:
 
 def _param_bytes(layout) -> tuple[int, int]:
     from tpctl.models import GPT
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.parallel.parallelism import parallelism
     from tpctl.schema import ModelConfig
 

@@ -159,7 +159,7 @@ def _whole_and_stages(dropout: float, schedule: str = "1f1b", pp: int = 2, **mod
     """The tiny GPT whole (mode none, one process) and each pipeline rank's
     stage of it, built as workers build them (meta, lazy, rewritten)."""
     from tpctl.models import build_model
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.parallel.parallelism import parallelism
 
     cfg = tiny_config(1, **{"model.n_layer": 4, "model.dropout": dropout, **model})

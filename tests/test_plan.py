@@ -55,7 +55,7 @@ def _train_step(key: str, tied: bool):
     from tpctl.launch.pool import parallelism_of
     from tpctl.models import build_model
     from tpctl.parallel import comm
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.training.step import TrainStep
 
     layout, accum, bucket_bytes = MESHES[key]

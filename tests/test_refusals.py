@@ -31,7 +31,7 @@ def _trained(layout: str):
     """(the Trainer after one step, the mode) of a tiny GPT in `layout`."""
     from tpctl import init_parallel
     from tpctl.models import build_model
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.training.data import TokenData, prepare_data
     from tpctl.training.loop import Trainer
 

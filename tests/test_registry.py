@@ -14,7 +14,7 @@ import contextlib
 import pytest
 
 from conftest import tiny_config
-from tpctl.parallel.base import ParallelMode
+from tpctl.parallel.mode import ParallelMode
 from tpctl.parallel.geometry import Geometry
 from tpctl.parallel.layers import ParallelDropout
 from tpctl.parallel.layout import Layout
@@ -64,7 +64,7 @@ def registered():
 def _curve(layout: Layout) -> list[tuple[float, float]]:
     from tpctl.launch.pool import parallelism_of
     from tpctl.models import build_model
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.training.data import TokenData, prepare_data
     from tpctl.training.loop import Trainer
 

@@ -92,7 +92,7 @@ def _count_syncs(key: str, steps: int, log_every: int, eval_every: int) -> tuple
     from tpctl.models import build_model
     from tpctl.parallel.layout import Layout
     from tpctl.parallel.parallelism import parallelism
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.training.data import TokenData, prepare_data
     from tpctl.training.loop import Trainer
 

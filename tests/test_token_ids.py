@@ -84,7 +84,7 @@ def _train_on_damaged(layout, out: str) -> str:
     import torch.distributed as dist
 
     from tpctl.models import build_model
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.parallel.parallelism import parallelism
     from tpctl.training.loop import Trainer
 

@@ -42,7 +42,7 @@ def _train(key: str, **overrides) -> dict:
     from tpctl.models import build_model
     from tpctl.parallel.layout import Layout
     from tpctl.parallel.parallelism import parallelism
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.training.loop import Trainer
 
     cfg = _cfg(**MESHES[key].to_dict(), **overrides)

@@ -61,13 +61,13 @@ def _verify(key: str, name: str, plan=None, break_role: str = "", how: str = "")
     `break_role`, the mode's layer for that role broken on purpose (`how`)."""
     import dataclasses
 
-    from tpctl.parallel import base
+    from tpctl.parallel import rewrite
     from tpctl.parallel.verify import RewriteRefused, TOLERANCE, parallelize_verified
 
     mode = parallelism_of(MESHES[key]).mode
-    share_slices = base.share_slices
+    share_slices = rewrite.share_slices
     if how == "no shared sum":  # a key/value head several ranks hold: gradients never summed
-        base.share_slices = lambda *a, **k: None
+        rewrite.share_slices = lambda *a, **k: None
     model = _model(name)
     if break_role:
         convert = getattr(mode, f"convert_{break_role}")
@@ -94,7 +94,7 @@ def _verify(key: str, name: str, plan=None, break_role: str = "", how: str = "")
         refusal, report = str(e), e.report
     finally:
         mode.__dict__.pop(f"convert_{break_role}", None)
-        base.share_slices = share_slices
+        rewrite.share_slices = share_slices
     checks = [] if report is None else report.checks
     return {"refusal": refusal, "tolerance": TOLERANCE, "seconds": None if report is None else report.seconds,
             "checks": {c.name: (c.kind, c.cls, c.diff, c.note, len(c.instances)) for c in checks}}

@@ -29,7 +29,7 @@ def _cfg(layout, **overrides):
 
 def _fit(layout, par, **overrides):
     from tpctl.models import build_model
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.training.data import TokenData, prepare_data
     from tpctl.training.loop import Trainer
 

@@ -37,6 +37,6 @@ def parallelize(model, tp, plan=None, verify: bool = False):
         from .parallel.verify import parallelize_verified
 
         return parallelize_verified(model, tp, plan)[0]
-    from .parallel.base import parallelize as _parallelize
+    from .parallel.rewrite import parallelize as _parallelize
 
     return _parallelize(model, tp, plan)

@@ -101,12 +101,12 @@ def _with_checks(rows: list, checks) -> tuple[list, dict]:
 
 def inspect_model(cfg):
     """(rows, summary, problems) for cfg.model in cfg's layout, seen from
-    rank 0: a dry run of the rewrite (parallel.base.parallelize) on a
+    rank 0: a dry run of the rewrite (parallel.rewrite.parallelize) on a
     process-group-free mesh."""
     import math
 
     from tpctl.models import build_checked
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.parallel.parallelism import parallelism
 
     model = build_checked(cfg.model, cfg.seed)

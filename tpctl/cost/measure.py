@@ -103,7 +103,7 @@ def setup(name: str, cfg_dict: dict, size: int, depth: Optional[int], compile: b
     from omegaconf import OmegaConf
 
     from tpctl.models import build_model
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.parallel.parallelism import parallelism
     from tpctl.training.step import TrainStep, build_optimizer
 

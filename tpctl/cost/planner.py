@@ -5,7 +5,7 @@ For every valid layout of a world of N ranks (parallel.layout.layouts_of),
 computed from the model's shapes (built on the meta device, nothing
 materialised) with the code that trains it, not a copy of it: each
 parameter's local size and replicas come from the ShardSpecs a dry run of
-the rewrite leaves (parallel.base.parallelize(dry_run=True) on a
+the rewrite leaves (parallel.rewrite.parallelize(dry_run=True) on a
 process-group-free mesh), each mode's communication from its own `cost_*`
 methods (next to its layers), the data-parallel reduction and the step's
 reductions from the groups they use. Per rank: memory, FLOPs of one
@@ -73,7 +73,7 @@ class ModelShape:
 
     def rewritten(self, par):
         """The model rewritten for `par` (a Parallelism), shapes only."""
-        from tpctl.parallel.base import parallelize
+        from tpctl.parallel.rewrite import parallelize
 
         return parallelize(self.original(), par, self.plan, dry_run=True)
 
@@ -91,7 +91,7 @@ def model_shape(model_cfg, seed: int = 0) -> ModelShape:
     """Build the model on the meta device and read its shapes and roles."""
     from tpctl.models import build_model
     from tpctl.parallel.layers import linearize
-    from tpctl.parallel.roles import resolve_plan
+    from tpctl.parallel.inference import resolve_plan
 
     model = build_model(model_cfg, seed, lazy=True)
     linearize(model)  # as the rewrite sees it

@@ -28,7 +28,7 @@ def run(argv: list[str]) -> None:
     import torch.distributed as dist
 
     from tpctl.models import build_model
-    from tpctl.parallel.base import parallelize
+    from tpctl.parallel.rewrite import parallelize
     from tpctl.training import checkpoint
     from tpctl.training.generation import TextStream, Tokenizer, generate, stop_ids
     from tpctl.training.step import autocast

@@ -1,5 +1,5 @@
 """Models: the built-in ones, Hugging Face's, and a user's own, all
-parallelised from the outside by role (see parallel/roles.py for how roles are found
+parallelised from the outside by role (see parallel/inference.py for how roles are found
 when a model has no plan)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from tpctl.parallel.roles import RolePlan, logits_of, resolve_plan
+from tpctl.parallel.inference import resolve_plan
+from tpctl.parallel.roles import RolePlan, logits_of
 from tpctl.schema import ARCHS
 
 from .gpt import GPT
@@ -113,7 +114,7 @@ def check_model(cfg: Any, training: bool = True) -> RolePlan:
     ConfigError naming the module and the reason, before any worker starts.
     Returns the plan."""
     from tpctl.errors import ConfigError
-    from tpctl.parallel.base import check_plan
+    from tpctl.parallel.rewrite import check_plan
     from tpctl.parallel.layout import Layout
 
     m = cfg.model

@@ -46,13 +46,6 @@ DECLARED = {"is_transposed": False, "is_concatenated": True, "has_bias": False, 
             "has_post_expert_norm": False}
 
 
-def is_experts(module: nn.Module) -> bool:
-    """A module holding a set of expert weights: 3-d parameters, one slice
-    per expert."""
-    three = [p for p in module.parameters(recurse=False) if p.dim() == 3]
-    return len(three) >= 2 and len({p.shape[0] for p in three}) == 1
-
-
 def experts_layout(module: nn.Module) -> tuple[str, str, FusedLayout]:
     """(name of the gate/up parameter, of the down parameter, the layout of
     gate/up's rows) of an experts module, or ProbeError naming a layout

@@ -37,7 +37,7 @@ from .shard import Ranges, _merge
 # Parts whose units are key/value heads: fewer of them than shards is
 # allowed (multi-query attention, 8 KV heads at a split of 16), each head
 # then held whole by every shard whose query heads read it, as Megatron
-# does; the copies' gradients are partial sums (parallel/base.py sums them).
+# does; the copies' gradients are partial sums (parallel/replicas.py sums them).
 SHARED_PARTS = ("k", "v")
 
 

@@ -65,6 +65,13 @@ def is_norm(module: nn.Module) -> bool:
     return isinstance(weight, torch.Tensor) and weight.dim() in (1, 2)
 
 
+def is_experts(module: nn.Module) -> bool:
+    """A module holding a set of expert weights: 3-d parameters, one slice
+    per expert."""
+    three = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+    return len(three) >= 2 and len({p.shape[0] for p in three}) == 1
+
+
 def is_rms_norm(module: nn.Module) -> bool:
     return is_norm(module) and "RMSNorm" in type(module).__name__
 

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from tpctl.errors import ConfigError
 
-from .base import ParallelMode
+from .mode import ParallelMode
 from .geometry import Geometry
 from .layers import ParallelDropout
 from .registry import register

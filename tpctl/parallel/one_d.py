@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import comm
-from .base import ParallelMode, RewriteContext
+from .mode import ParallelMode, RewriteContext
 from .geometry import Geometry
 from .layers import ParallelDropout, embedding_semantics, to_compute, vocab_block_lookup
 from .experts import experts_layout, routing_weights_arg
@@ -123,7 +123,7 @@ class OneD(ParallelMode):
         self.blocks: str | None = None
         self.gathered: set[str] = set()  # Linears whose input a module's entry hook gathered
 
-    # ---- cost (base.ParallelMode) -----------------------------------------
+    # ---- cost (mode.ParallelMode) -----------------------------------------
     loss_group_name = "tp"
 
     def cost_vocab(self, vocab: int) -> int:

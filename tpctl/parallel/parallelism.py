@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from . import comm
-from .base import ParallelMode
+from .mode import ParallelMode
 from .data_parallel import DataParallel
 from .geometry import Geometry
 from .layout import Layout

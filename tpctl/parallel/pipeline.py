@@ -52,7 +52,8 @@ from . import comm
 from .data_parallel import all_reduce_coalesced
 from .layers import ParallelDropout
 from .mesh import Mesh
-from .roles import RolePlan, logits_of, repeated_blocks, trace
+from .roles import RolePlan, logits_of, repeated_blocks
+from .tracing import trace
 from .stages import PipelineSpec
 
 

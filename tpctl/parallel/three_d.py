@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tpctl.errors import ConfigError
 
 from . import comm
-from .base import ParallelMode, RewriteContext
+from .mode import ParallelMode, RewriteContext
 from .geometry import Geometry, exact_root
 from .layers import ParallelDropout, SplitNorm, embedding_semantics, norm_width, to_compute, vocab_block_lookup
 from .registry import register
@@ -120,7 +120,7 @@ class ThreeD(ParallelMode):
         self.q = mesh.geo.q
         self.c = mesh.coords
 
-    # ---- cost (base.ParallelMode) -------------------------------------------
+    # ---- cost (mode.ParallelMode) -------------------------------------------
     loss_group_name = LAYOUT_B.hidden
 
     def cost_rows(self, tokens: int) -> int:

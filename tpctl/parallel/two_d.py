@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tpctl.errors import ConfigError
 
 from . import comm
-from .base import ParallelMode, RewriteContext
+from .mode import ParallelMode, RewriteContext
 from .geometry import Geometry, exact_root
 from .layers import ParallelDropout, SplitNorm, embedding_semantics, norm_width, to_compute
 from .registry import register
@@ -179,7 +179,7 @@ class TwoD(ParallelMode):
         self.grid = Grid(mesh.geo.q, c["i"], c["j"], mesh.groups["row"], mesh.groups["col"],
                          mesh.group_ranks["row"], mesh.group_ranks["col"])
 
-    # ---- cost (base.ParallelMode) -------------------------------------------
+    # ---- cost (mode.ParallelMode) -------------------------------------------
     loss_group_name = "row"
 
     def cost_rows(self, tokens: int) -> int:

@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from tpctl.models.gpt import GPT, KVCache
 from tpctl.parallel import comm
-from tpctl.parallel.base import ParallelMode
+from tpctl.parallel.mode import ParallelMode
 from tpctl.parallel.roles import logits_of
 
 

@@ -1,0 +1,354 @@
+"""The interface every tensor-parallel mode implements (`ParallelMode`), and
+the context a mode's converters shard parameters through.
+
+A mode answers three questions:
+  * data: which rows of a micro-batch does this rank read, and which of
+    those does it feed as input and score as targets;
+  * layers: what replaces a module of a given role (embedding, qkv, ...);
+  * loss: the vocab-parallel cross entropy over the ranks sharing rows.
+
+The machinery that applies a mode to a model is parallel/rewrite.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import comm
+from .mesh import Mesh
+from .geometry import Geometry, padded_vocab
+from .experts import DenseExperts, experts_layout
+from .fused import FusedLayout, held_units
+from .layers import SplitNorm, norm_width
+from .loss import vocab_parallel_cross_entropy
+from .replicas import sync_replicas
+from .shard import ShardSpec, make_param
+
+
+class RewriteContext:
+    """State of one rewrite: keeps tied parameters tied, and asks a lazy
+    (meta-device) parameter's source for this rank's slice alone."""
+
+    def __init__(self, mesh: Mesh, init=None, shapes_only: bool = False):
+        self.mesh = mesh
+        self.init = init  # a models.init.ParamSource, for models built lazily
+        # Make meta shards of the right shapes only (for tools that inspect layouts).
+        self.shapes_only = shapes_only
+        self.name = ""  # the module being converted
+        self._new: dict[int, nn.Parameter] = {}
+
+    def shard(self, original: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
+        """The sharded parameter for `original`, created once: a parameter
+        used by two modules (embedding = LM head) stays one parameter."""
+        made = self._new.get(id(original))
+        if made is None:
+            if self.shapes_only:
+                local = torch.empty(spec.local_shape(), dtype=original.dtype, device="meta")
+            elif original.is_meta and self.init:  # read or made one shard at a time
+                local = self.init.shard(original, spec)
+            else:
+                local = spec.slice(original.detach())
+            made = self._new[id(original)] = make_param(local, spec)
+        elif (made.tpctl_spec.full_shape, made.tpctl_spec.index) != (spec.full_shape, spec.index):
+            raise ValueError(f"a tied parameter {tuple(original.shape)} is used by layers that shard it differently")
+        return made
+
+
+class ParallelMode:
+    """Base class of the modes; subclasses fill in the role converters and
+    declare their grid. A mode registers itself (`registry.register`)."""
+
+    name = ""
+    # The tensor grid: its axes, slowest first (rank inside the grid =
+    # mixed radix over them, last fastest), and its named groups: name ->
+    # the axes in which the group's members differ.
+    axes: tuple[str, ...] = ("p",)
+    grid_groups: dict[str, tuple[str, ...]] = {}
+    # Whether `depth` shapes the grid (2.5d) and whether sequence
+    # parallelism applies (1d).
+    uses_depth = False
+    sequence_parallel = False
+    # Activations between layers are whole on every rank of the grid (none,
+    # 1d), so a parameter no role places can stay whole: its gradient is the
+    # same on every rank.
+    replicated_activations = False
+    # Whether the rewrite replaces any layer (mode=none's does not: there is
+    # nothing to verify).
+    rewrites = True
+
+    @classmethod
+    def geometry(cls, size: int, depth: int = 1) -> Geometry:
+        """The grid of `size` ranks (ConfigError naming the key that does not fit)."""
+        raise NotImplementedError
+
+    @classmethod
+    def grid_shape(cls, geo: Geometry) -> tuple[int, ...]:
+        """The extent of each of `axes`."""
+        return (geo.size,)
+
+    @classmethod
+    def variants(cls, size: int) -> list[dict]:
+        """The layouts of a grid of `size` ranks this mode offers the
+        planner, as Layout keyword arguments ([] for none)."""
+        return [{}] if size > 1 else []
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.geo = mesh.geo
+        # Fused Linear name -> its FusedLayout (parallel/fused.py), from the plan.
+        self.layouts: dict = {}
+        # proj_norm -> the Linear it normalises, and that Linear -> its role (from the plan).
+        self.sources: dict = {}
+        self.source_roles: dict = {}
+        self.head_rows: dict = {}  # per-head norms with one weight row per head (from the plan)
+
+    # ---- data ---------------------------------------------------------
+    def read_block(self) -> tuple[int, int]:
+        """(index, count): this rank reads row block `index` of `count`
+        equal blocks of its data-parallel share of a micro-batch."""
+        return 0, 1
+
+    def split_input(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+    def split_target(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+    def shard_hidden(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a [rows, seq, hidden] activation between
+        blocks (the residual stream), given the rows it reads."""
+        return rows
+
+    def read_rows(self, share: range) -> range:
+        """This rank's rows of `share`, its replica's rows of a micro-batch
+        (data_parallel.DataParallel.share): row block `read_block()`."""
+        index, count = self.read_block()
+        per_rank = len(share) // count
+        start = share.start + index * per_rank
+        return range(start, start + per_rank)
+
+    # ---- loss ---------------------------------------------------------
+    # How many tensor-parallel ranks hold (a replica of) each row's loss.
+    @property
+    def loss_replicas(self) -> int:
+        return 1
+
+    def loss_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks that share rows of the logits (and split the vocab)."""
+        return None
+
+    def vocab_block(self) -> int:
+        """Index of this rank's block of the (padded) vocabulary in logits."""
+        return 0
+
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                      label_smoothing: float = 0.0) -> torch.Tensor:
+        """Per-token loss of this rank's rows; full logits are never gathered."""
+        width = logits.shape[-1]
+        return vocab_parallel_cross_entropy(
+            logits.reshape(-1, width), targets.reshape(-1), self.vocab_block() * width,
+            vocab_size, self.loss_group(), label_smoothing,
+        )
+
+    # ---- gradients ------------------------------------------------------
+    def sync_grads(self, params) -> None:
+        """Sum the gradients of the grid's own replicas (per ShardSpec) of
+        `params`: a model, or the parameters the optimizer steps."""
+        sync_replicas(params)
+
+    # ---- cost: the planner's model of one micro-batch on this rank -----
+    # cost/planner.py calls these with `add(kind, group, numel, times=1)`,
+    # which counts a collective over the named mesh group; they return the
+    # activation elements kept for the backward (an estimate). Comm counts
+    # are exact: tests/test_plan.py checks them against comm.STATS. The
+    # defaults are mode=none's: nothing is split, nothing is sent.
+    # The group of the vocab-parallel cross entropy (loss_group), by name.
+    loss_group_name: Optional[str] = None
+
+    def cost_rows(self, tokens: int) -> int:
+        """Token rows of a micro-batch this rank computes on (of `tokens`,
+        its replica's)."""
+        return tokens
+
+    def cost_hidden(self, hidden: int) -> int:
+        """This rank's features of a hidden (or vocabulary) dimension where
+        activations hold it."""
+        return hidden
+
+    def cost_vocab(self, vocab: int) -> int:
+        """This rank's columns of the (padded) logits."""
+        return self.cost_hidden(vocab)
+
+    def cost_embedding(self, add, tokens: int, vocab: int, dim: int) -> None:
+        """The lookup of `tokens` ids in a (padded) `vocab` x `dim` table."""
+
+    def cost_norm(self, add, tokens: int, hidden: int) -> int:
+        return 2 * self.cost_rows(tokens) * self.cost_hidden(hidden)
+
+    def cost_linear(self, add, role: str, tokens: int, n: int, k: int) -> int:
+        """A Linear of role `role`, k -> n features, on `tokens` rows."""
+        return tokens * k
+
+    def cost_loss(self, add, tokens: int) -> None:
+        """The vocab-parallel cross entropy: the row max, then (sum-exp,
+        target logit, sum) over the ranks that share the rows."""
+        if self.loss_group_name:
+            rows = self.cost_rows(tokens)
+            add("all_reduce", self.loss_group_name, rows)
+            add("all_reduce", self.loss_group_name, 3 * rows)
+
+    # ---- layers -------------------------------------------------------
+    def convert(self, role: str, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        converter: Optional[Callable] = getattr(self, f"convert_{role}", None)
+        if converter is None:
+            raise ValueError(f"mode {self.name} has no layer for role {role!r}")
+        return converter(module, ctx)
+
+    def head_block(self) -> int:
+        """Index of this rank's block of attention heads (of geo.head_split)."""
+        return 0
+
+    def attention_row_block(self) -> int:
+        """Which chunk of the rows the model's input holds the attention of
+        this rank sees (3d splits rows again inside attention)."""
+        return 0
+
+    def fused_layout(self, role: str, module: nn.Module, ctx: RewriteContext):
+        """The layout of the output features of the Linear being converted:
+        the measured one of a fused projection; for a `qkv` Linear of a
+        given plan (tp_plan: the role declares it), three equal parts
+        [q | k | v]; else None (split in plain blocks)."""
+        layout = self.layouts.get(ctx.name)
+        if layout is None and role == "qkv":
+            layout = FusedLayout.equal(module.out_features, ("q", "k", "v"))
+        return layout
+
+    def convert_proj_norm(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """A norm over all heads of q or k (OLMo-2): its features are the
+        output features of the projection it normalises, held as that
+        projection's are (where its bias would land), the moments summed
+        over the ranks splitting them; a shared key/value head, held by
+        several of them, is counted once."""
+        source = self.sources[ctx.name]
+        role, layout = self.source_roles[source], self.layouts.get(source)
+        spec = lambda p: self.output_spec(p, role, layout)  # noqa: E731
+        features = spec(torch.empty(norm_width(module), device="meta")).index[0]
+        copies = 1
+        if layout is not None and layout.shares(self.geo.head_split):
+            counts = layout.holders(self.geo.head_split)
+            if not bool((counts == counts[0]).all()):
+                raise ValueError(f"{ctx.name}: one norm over features held by different numbers of ranks")
+            copies = int(counts[0])
+        return SplitNorm.like(module, features, lambda p, f: ctx.shard(p, spec(p)), self.output_group(role), copies)
+
+    def output_spec(self, tensor: torch.Tensor, role: str, layout=None, n: Optional[int] = None) -> ShardSpec:
+        """Where a Linear of `role` puts its output features (its bias's
+        ShardSpec): they follow its weight's `layout` if it has one."""
+        return self.split_spec(tensor)
+
+    def output_group(self, role: str):
+        """The ranks splitting the output features of a Linear of `role`
+        (the same rows): what a norm over them sums over."""
+        return None
+
+    def splits_stream(self, ctx: RewriteContext) -> bool:
+        """Whether the residual stream where the module being converted
+        sits is split between ranks (rows, hidden or sequence)."""
+        return False
+
+    def convert_pos_table(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """A table of constants as wide as the stream (sinusoidal
+        positions): its output, computed whole, cut to this rank's piece."""
+        if self.splits_stream(ctx):
+            module.register_forward_hook(lambda mod, args, out: self.shard_hidden(out))
+        return module
+
+    def stream_group(self):
+        """The ranks holding the other hidden features of this rank's rows
+        of the residual stream (None: a rank holds whole rows)."""
+        return None
+
+    def convert_router(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """A mixture-of-experts router (or a per-row gate beside it) scores
+        a row from its whole hidden vector, and every rank holding the row
+        must route it alike: it runs as written on the row gathered over
+        the ranks holding its other features, its weight whole on every
+        rank. Its output feeds split activations, so each rank's gradient is
+        a partial sum over the group (and the gather's backward sums the
+        input's)."""
+        group = self.stream_group()
+        if group is None:  # whole rows, replicated: every rank computes the same gradient
+            return module
+        for param in module.parameters():
+            self.replicated(param, "tp", partial=True)
+        module.register_forward_pre_hook(functools.partial(_gather_hidden, group=group), with_kwargs=True)
+        return module
+
+    def convert_experts(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """Every expert's MLP sharded like any MLP, run by the mode's own
+        Linear layers on every row this rank holds (parallel/experts.py)."""
+        gate_up, down, layout = experts_layout(module)
+        weights = {}
+        for name, role, fused in ((gate_up, "mlp_in", layout), (down, "mlp_out", None)):
+            full = getattr(module, name)
+            plane = self.weight_spec(full[0], role, fused)  # one expert's (out, in) matrix, as a Linear's
+            weights[name] = ctx.shard(full, dataclasses.replace(plane, full_shape=tuple(full.shape),
+                                                                index=(None,) + plane.index))
+        return DenseExperts(module, gate_up, down, weights, self.linear_fn("mlp_in"), self.linear_fn("mlp_out"))
+
+    def weight_spec(self, weight: torch.Tensor, role: str, layout=None, n: Optional[int] = None) -> ShardSpec:
+        """The ShardSpec of a Linear's (out, in) weight for `role`."""
+        raise ValueError(f"mode {self.name} has no weight layout for role {role!r}")
+
+    def linear_fn(self, role: str) -> Callable:
+        """(x, this rank's weight shard) -> y: the mode's Linear for `role`."""
+        raise ValueError(f"mode {self.name} has no Linear for role {role!r}")
+
+    def convert_head_norm(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """A norm over each head of q or k runs as written on this rank's
+        whole heads; its weight sees only those heads (and rows), so its
+        gradient is a partial sum over the tensor-parallel group. A weight
+        holding one row per head (Cohere) keeps this rank's heads' rows."""
+        if ctx.name in self.head_rows and self.geo.head_split > 1:
+            for attr, param in list(module.named_parameters(recurse=False)):
+                held = held_units(param.shape[0], self.geo.head_split, self.head_block())
+                setattr(module, attr, ctx.shard(param, self.split_spec(param, 0, ((held.start, held.stop),))))
+            return module
+        for param in module.parameters():
+            self.replicated(param, "tp", partial=self.rewrites)
+        return module
+
+    def padded_vocab(self, vocab_size: int) -> int:
+        return padded_vocab(vocab_size, self.geo.vocab_multiple)
+
+    def split_spec(self, full: torch.Tensor, dim: Optional[int] = None, ranges=None,
+                   replicas: Optional[str] = None, partial: bool = True) -> ShardSpec:
+        """`full` split along `dim` only (dim None: held whole), with copies on
+        every rank of the mesh group `replicas`, whose gradients are partial
+        sums unless `partial` is False."""
+        index = tuple(ranges if d == dim else None for d in range(full.dim()))
+        if replicas is None:
+            return ShardSpec(tuple(full.shape), index)
+        return ShardSpec(tuple(full.shape), index, tuple(self.mesh.group_ranks[replicas]), partial,
+                         self.mesh.groups[replicas])
+
+    def prepare(self, model: nn.Module, plan) -> None:
+        """Called by `parallelize` before any layer is converted."""
+
+    def replicated(self, param: torch.Tensor, group: str, partial: bool) -> None:
+        """Tag a parameter every rank of `group` holds whole."""
+        param.tpctl_spec = self.split_spec(param, replicas=group, partial=partial)
+
+
+def _gather_hidden(module, args, kwargs, group):
+    """Pre-hook: the first argument (or hidden_states) gathered along its
+    last dimension over `group`: whole hidden vectors of this rank's rows."""
+    if args:
+        return (comm.gather_along(args[0], group, -1), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": comm.gather_along(kwargs["hidden_states"], group, -1)}

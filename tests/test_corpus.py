@@ -18,9 +18,9 @@ import pytest
 
 from conftest import layouts
 from tpctl.commands import prepare_data as command
-from tpctl.data import DataError, shards, sources
+from tpctl.data import DataError, sources
 from tpctl.data.prepare import prepare
-from tpctl.data.shards import ShardedTokens
+from tpctl.data.shards import ShardedTokens, read_index, shard_paths
 from tpctl.data.tokenizer import BYTES_EOS
 
 pytestmark = pytest.mark.timeout(300)
@@ -87,11 +87,11 @@ def mixed_sources(tmp_path_factory) -> tuple[str, list[str]]:
 
 def _documents(out: Path, eos: int) -> list[bytes]:
     """The documents of a prepared byte-level corpus, train then val."""
-    index = shards.read_index(out)
+    index = read_index(out)
     docs = []
     for split in ("train", "val"):
         ids = np.concatenate([np.zeros(0, index["dtype"])] +
-                             [np.fromfile(p, index["dtype"]) for p in shards.shard_paths(out, index, split)])
+                             [np.fromfile(p, index["dtype"]) for p in shard_paths(out, index, split)])
         assert ids.size == 0 or ids[-1] == eos
         docs += [bytes(d[:-1].astype(np.uint8)) for d in np.split(ids, np.flatnonzero(ids == eos) + 1)[:-1]]
     return docs
@@ -210,10 +210,10 @@ def test_parquet_null_row_and_missing_column(tmp_path):
 
 
 def test_word_vocab_above_uint16(word_corpus, word_tokenizer):
-    index = shards.read_index(word_corpus)
+    index = read_index(word_corpus)
     assert index["dtype"] == "uint32" and index["vocab_size"] == WORDS + 2 and index["eos_id"] == WORDS + 1
     assert index["max_id"] == WORDS + 1
-    ids = np.concatenate([np.fromfile(p, "<u4") for p in shards.shard_paths(word_corpus, index, "train")])
+    ids = np.concatenate([np.fromfile(p, "<u4") for p in shard_paths(word_corpus, index, "train")])
     assert (ids > 65_535).sum() > 400  # the ids that uint16 would have wrapped
     # The stream is the tokenizer's own ids, documents joined by <eos>.
     from transformers import AutoTokenizer
@@ -229,7 +229,7 @@ def test_one_tokenizer_identity_and_ids(word_corpus, word_tokenizer):
     from tpctl.data.tokenizer import Tokenizer, identity_hash
 
     tok = Tokenizer(word_tokenizer)
-    index = shards.read_index(word_corpus)
+    index = read_index(word_corpus)
     assert index["tokenizer"] == {"name": word_tokenizer, "hash": tok.hash} and tok.hash == identity_hash(word_tokenizer)
     assert (tok.vocab_size, tok.eos_id, tok.separator, tok.dtype) == (WORDS + 2, WORDS + 1, WORDS + 1, np.dtype("<u4"))
     docs = _word_docs(3)
@@ -341,7 +341,7 @@ def test_shards_train_like_one_bin(pool, tmp_path):
     one = tmp_path / "one.bin"
     with open(one, "wb") as f:
         for split in ("train", "val"):
-            for p in shards.shard_paths(tmp_path / "sharded", index, split):
+            for p in shard_paths(tmp_path / "sharded", index, split):
                 f.write(p.read_bytes())
     n, n_val = index["tokens"]["train"] + index["tokens"]["val"], index["tokens"]["val"]
     fraction = (n_val + 0.5) / n  # the .bin's split: its last int(n * fraction) = n_val tokens

@@ -18,12 +18,13 @@ import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from . import DataError
 from .tokenizer import whole_lines
 
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
+NEWLINE = b"\n"
 _TASK_BYTES = 1 << 22  # raw text per task (4 MiB): small enough to balance, large enough to amortise
 _ARROW_ROWS = 4096  # rows per task from a `datasets` directory
 
@@ -128,17 +129,19 @@ class Task:
     nbytes: int = 0  # share of the source's size, for the progress bar
 
 
-def _line_of(data: bytes, pos: int, first: int) -> int:
-    return first + data.count(b"\n", 0, pos)
-
-
-def decode_text(data: bytes, errors: str, where: str, first_line: int) -> str:
+def _utf8(data: bytes, errors: str, where: Callable[[int], str]) -> str:
+    """`data` as text; undecodable (with errors=strict): a DataError naming
+    where (`where` of the bad byte's offset) and the byte."""
     try:
         return data.decode("utf-8", errors=errors)
     except UnicodeDecodeError as e:
-        line = _line_of(data, e.start, first_line)
-        raise DataError(f"{where} line {line}: not valid UTF-8 (byte 0x{data[e.start]:02x}); "
+        raise DataError(f"{where(e.start)}: not valid UTF-8 (byte 0x{data[e.start]:02x}); "
                         "pass errors=replace to substitute U+FFFD") from None
+
+
+def decode_text(data: bytes, errors: str, where: str, first_line: int) -> str:
+    """A block of a .txt source whose first line is `first_line`, as text."""
+    return _utf8(data, errors, lambda at: f"{where} line {first_line + data.count(NEWLINE, 0, at)}")
 
 
 def tasks(sources: list[Source], opts: dict) -> Iterator[Task]:
@@ -254,11 +257,7 @@ def documents(task: Task, opts: dict) -> list[str]:
             if not raw.strip():
                 continue
             where = f"{task.path} line {task.first + k}"
-            try:
-                line = raw.decode("utf-8", errors=opts["errors"])
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); "
-                                "pass errors=replace to substitute U+FFFD") from None
+            line = _utf8(raw, opts["errors"], lambda at: where)
             try:
                 obj = json.loads(line)
             except ValueError as e:
@@ -292,11 +291,7 @@ def documents(task: Task, opts: dict) -> list[str]:
     docs = []
     for k, v in enumerate(values):
         if isinstance(v, bytes):
-            try:
-                v = v.decode("utf-8", errors=opts["errors"])
-            except UnicodeDecodeError as e:
-                raise DataError(f"{task.path} row {task.first + k}: not valid UTF-8 (byte 0x{v[e.start]:02x}); "
-                                "pass errors=replace to substitute U+FFFD") from None
+            v = _utf8(v, opts["errors"], lambda at: f"{task.path} row {task.first + k}")
         if not isinstance(v, str):
             raise DataError(f"{task.path} row {task.first + k}: column {column!r} is "
                             f"{'null' if v is None else type(v).__name__}, expected a string")

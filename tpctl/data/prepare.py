@@ -192,8 +192,7 @@ def prepare(srcs: Sequence[str], out: str | Path, tokenizer: str, workers: int =
         raise DataError(f"errors={errors}: expected strict or replace")
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction={val_fraction}: expected a value in [0, 1)")
-    if out.exists() and not (out / INDEX).is_file() and (not out.is_dir() or any(out.iterdir())):
-        raise DataError(f"out={out}: exists and is not a prepared corpus; choose another directory")
+    _refuse_foreign(out)
     sources = find_sources(srcs)
     if any(s.kind == "parquet" for s in sources):
         try:
@@ -295,13 +294,18 @@ def remove_stale_tmp(out: Path, grace_s: float = 60.0) -> list[Path]:
     return removed
 
 
+def _refuse_foreign(out: Path) -> None:
+    """A DataError unless `out` is new, empty or a prepared corpus: the swap
+    that puts the corpus there removes what was there."""
+    if out.exists() and not (out / INDEX).is_file() and (not out.is_dir() or any(out.iterdir())):
+        raise DataError(f"out={out}: exists and is not a prepared corpus; choose another directory")
+
+
 def _place(new: Path, dest: Path) -> None:
     """Swap the finished corpus `new` in at `dest`, so a reader sees the old
-    or the new corpus whole. Checked again here, not only before the run:
-    something other than a corpus may have appeared at `dest` meanwhile,
-    and the swap would remove it."""
-    if dest.exists() and not (dest / INDEX).is_file() and any(dest.iterdir()):
-        raise DataError(f"out={dest}: exists and is not a prepared corpus; choose another directory")
+    or the new corpus whole. Checked again just before: something may have
+    appeared at `dest` while the corpus was written."""
+    _refuse_foreign(dest)
     swap_dir(new, dest)
 
 

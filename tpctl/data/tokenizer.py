@@ -86,15 +86,13 @@ class Tokenizer:
         self._hf = None
         if self.directory:
             self._hf = backend if backend is not None else _from_pretrained(self.directory)
+        self.vocab_size = len(self._hf) if self._hf is not None else 256
+        self.dtype = token_dtype(self.vocab_size)  # of its ids in token files
 
     @property
     def name(self) -> str:
         """`bytes` or the directory, as given: what index.json records."""
         return self.directory or BYTES
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._hf) if self._hf is not None else 256
 
     @property
     def eos_id(self) -> Optional[int]:
@@ -105,11 +103,6 @@ class Tokenizer:
     def separator(self) -> Optional[int]:
         """The id prepare-data puts between documents."""
         return self.eos_id if self._hf is not None else BYTES_EOS
-
-    @property
-    def dtype(self) -> np.dtype:
-        """How its ids are stored in token files."""
-        return token_dtype(self.vocab_size)
 
     @cached_property
     def hash(self) -> str:

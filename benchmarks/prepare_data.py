@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def make_corpus(directory: Path, mb: float, files: int = 8) -> list[Path]:
-    from tpctl.training.data import stdlib_files
+    from tpctl.data.corpora import stdlib_files
 
     target = int(mb * 1e6)
     docs, total = [], 0
@@ -88,7 +88,7 @@ def cpu_seconds() -> float:
 
 
 def run_prepare(corpus_dir: Path, out: Path, tokenizer: str, workers: int) -> tuple[float, int]:
-    from tpctl.training.corpus import prepare
+    from tpctl.data.prepare import prepare
 
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()

@@ -163,7 +163,8 @@ def _fit(layout, run_dir: str, steps: int = 8, every: int = 4, resume: str | Non
          dropout: float = 0.0) -> list[tuple[int, float]]:
     import tpctl
     from tpctl.training import checkpoint
-    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.data.batches import TokenData
+    from tpctl.data.corpora import prepare_data
     from tpctl.models import build_model
     from tpctl.training.loop import Trainer
 

@@ -178,8 +178,8 @@ def test_sweep_skips_invalid_combinations_and_writes_a_comparison(tpctl):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(importlib.util.find_spec("tpctl.launch.worker") is None or importlib.util.find_spec("tpctl.training.data") is None,
-                    reason="tpctl.launch.worker / tpctl.training.data not written yet")
+@pytest.mark.skipif(importlib.util.find_spec("tpctl.launch.worker") is None or importlib.util.find_spec("tpctl.data.corpora") is None,
+                    reason="tpctl.launch.worker / tpctl.data.corpora not written yet")
 def test_train_end_to_end_writes_the_run_dir_contract(tpctl):
     run_dir = tpctl.cwd / "run"
     result = tpctl.run(["train", "mode=1d", "size=2", "data=synthetic", "train.steps=4", "train.log_every=2",

@@ -42,7 +42,8 @@ def _train(key: str, compile: str, backend: str = "aot_eager", **overrides) -> d
     from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.rewrite import parallelize
     from tpctl.training.compile import BACKEND_ENV
-    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.data.batches import TokenData
+    from tpctl.data.corpora import prepare_data
     from tpctl.training.loop import Trainer
 
     os.environ[BACKEND_ENV] = backend

@@ -18,8 +18,10 @@ import pytest
 
 from conftest import layouts
 from tpctl.commands import prepare_data as command
-from tpctl.training import corpus
-from tpctl.training.corpus import DataError, ShardedTokens, prepare
+from tpctl.data import DataError, sources
+from tpctl.data.prepare import prepare
+from tpctl.data.shards import ShardedTokens, read_index, shard_paths
+from tpctl.data.tokenizer import BYTES_EOS
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -85,11 +87,11 @@ def mixed_sources(tmp_path_factory) -> tuple[str, list[str]]:
 
 def _documents(out: Path, eos: int) -> list[bytes]:
     """The documents of a prepared byte-level corpus, train then val."""
-    index = corpus.read_index(out)
+    index = read_index(out)
     docs = []
     for split in ("train", "val"):
         ids = np.concatenate([np.zeros(0, index["dtype"])] +
-                             [np.fromfile(p, index["dtype"]) for p in corpus.shard_paths(out, index, split)])
+                             [np.fromfile(p, index["dtype"]) for p in shard_paths(out, index, split)])
         assert ids.size == 0 or ids[-1] == eos
         docs += [bytes(d[:-1].astype(np.uint8)) for d in np.split(ids, np.flatnonzero(ids == eos) + 1)[:-1]]
     return docs
@@ -98,8 +100,8 @@ def _documents(out: Path, eos: int) -> list[bytes]:
 def test_mixed_corpus_identical_with_1_and_2_workers(mixed_sources, tmp_path, monkeypatch):
     src, expected = mixed_sources
     # Small tasks: the 2 workers really split every source.
-    monkeypatch.setattr(corpus, "_TASK_BYTES", 2048)
-    monkeypatch.setattr(corpus, "_ARROW_ROWS", 64)
+    monkeypatch.setattr(sources, "_TASK_BYTES", 2048)
+    monkeypatch.setattr(sources, "_ARROW_ROWS", 64)
     one = prepare([src], tmp_path / "one", "bytes", workers=1, shard_tokens=10_000)
     two = prepare([src], tmp_path / "two", "bytes", workers=2, shard_tokens=10_000)
     files = sorted(p.name for p in (tmp_path / "one").iterdir())
@@ -109,7 +111,7 @@ def test_mixed_corpus_identical_with_1_and_2_workers(mixed_sources, tmp_path, mo
     assert not mismatch and not errors
     assert [s["kind"] for s in one.index["sources"]] == ["txt"] * 3 + ["jsonl.gz", "parquet", "datasets"]
     # Every document once, whole, in source order within each split.
-    got = _documents(tmp_path / "one", corpus.BYTES_EOS)
+    got = _documents(tmp_path / "one", BYTES_EOS)
     assert sorted(got) == sorted(t.encode() for t in expected)
     assert one.index["documents"]["train"] + one.index["documents"]["val"] == len(expected)
     assert 0.03 < one.index["documents"]["val"] / len(expected) < 0.2  # val_fraction=0.1, by document
@@ -208,10 +210,10 @@ def test_parquet_null_row_and_missing_column(tmp_path):
 
 
 def test_word_vocab_above_uint16(word_corpus, word_tokenizer):
-    index = corpus.read_index(word_corpus)
+    index = read_index(word_corpus)
     assert index["dtype"] == "uint32" and index["vocab_size"] == WORDS + 2 and index["eos_id"] == WORDS + 1
     assert index["max_id"] == WORDS + 1
-    ids = np.concatenate([np.fromfile(p, "<u4") for p in corpus.shard_paths(word_corpus, index, "train")])
+    ids = np.concatenate([np.fromfile(p, "<u4") for p in shard_paths(word_corpus, index, "train")])
     assert (ids > 65_535).sum() > 400  # the ids that uint16 would have wrapped
     # The stream is the tokenizer's own ids, documents joined by <eos>.
     from transformers import AutoTokenizer
@@ -221,10 +223,26 @@ def test_word_vocab_above_uint16(word_corpus, word_tokenizer):
     assert tok.decode(first.tolist()) in _word_docs(400)
 
 
+def test_one_tokenizer_identity_and_ids(word_corpus, word_tokenizer):
+    """The index records the tokenizer's one identity hash, and its three
+    encoders (sampling, the text cache, prepare-data's workers) agree."""
+    from tpctl.data.tokenizer import Tokenizer, identity_hash
+
+    tok = Tokenizer(word_tokenizer)
+    index = read_index(word_corpus)
+    assert index["tokenizer"] == {"name": word_tokenizer, "hash": tok.hash} and tok.hash == identity_hash(word_tokenizer)
+    assert (tok.vocab_size, tok.eos_id, tok.separator, tok.dtype) == (WORDS + 2, WORDS + 1, WORDS + 1, np.dtype("<u4"))
+    docs = _word_docs(3)
+    assert [a.tolist() for a in tok.encode_batch(docs)] == [tok.encode(d) for d in docs] == \
+        [tok.encode_array(d.encode()).tolist() for d in docs]
+    assert tok.decode(tok.encode(docs[0])) == docs[0]
+
+
 def test_data_tokenizer_above_uint16(word_tokenizer, tmp_path, monkeypatch):
     """The data.tokenizer path (a text file tokenised at launch) writes uint32 too."""
     from tpctl.config import default_config
-    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.data.batches import TokenData
+    from tpctl.data.corpora import prepare_data
 
     monkeypatch.setenv("TPCTL_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "t.txt").write_text("\n".join(_word_docs(200)))
@@ -256,7 +274,7 @@ def test_sharded_stream_reads_across_boundaries(tmp_path):
 def test_vocab_above_the_model_is_refused(word_corpus):
     from tpctl.config import default_config
     from tpctl.errors import ConfigError
-    from tpctl.training.data import prepare_data
+    from tpctl.data.corpora import prepare_data
 
     cfg = default_config()
     cfg.data.path = word_corpus  # model.vocab_size = 256
@@ -289,7 +307,8 @@ def _train(layout, data_path: str, vocab: int, val_fraction: float = 0.1) -> lis
     from tpctl.models import build_model
     from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.rewrite import parallelize
-    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.data.batches import TokenData
+    from tpctl.data.corpora import prepare_data
     from tpctl.training.loop import Trainer
 
     cfg = layout.write_to(default_config())
@@ -322,7 +341,7 @@ def test_shards_train_like_one_bin(pool, tmp_path):
     one = tmp_path / "one.bin"
     with open(one, "wb") as f:
         for split in ("train", "val"):
-            for p in corpus.shard_paths(tmp_path / "sharded", index, split):
+            for p in shard_paths(tmp_path / "sharded", index, split):
                 f.write(p.read_bytes())
     n, n_val = index["tokens"]["train"] + index["tokens"]["val"], index["tokens"]["val"]
     fraction = (n_val + 0.5) / n  # the .bin's split: its last int(n * fraction) = n_val tokens

@@ -42,7 +42,8 @@ def _train_cuda(key: str, **overrides) -> list[float]:
     from tpctl.parallel.layout import Layout
     from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.rewrite import parallelize
-    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.data.batches import TokenData
+    from tpctl.data.corpora import prepare_data
     from tpctl.training.loop import Trainer
 
     gpu = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())

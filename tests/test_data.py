@@ -7,12 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from tpctl.training import data
-from tpctl.training.data import DataInfo, TokenData, decode, encode, prepare_data
+from tpctl.data import corpora as data
+from tpctl.data.batches import TokenData
+from tpctl.data.corpora import DataInfo, prepare_data
+from tpctl.data.tokenizer import Tokenizer
 from tpctl.errors import ConfigError
 from tpctl.config import default_config
 
 pytestmark = pytest.mark.timeout(60)
+
+BYTES = Tokenizer()
 
 
 @pytest.fixture(autouse=True)
@@ -35,14 +39,24 @@ def make_cfg(**data_kw):
 
 def test_tokenizer_round_trip():
     text = "def f(x):\n    return x  # héllo ✓ 🐍\n"
-    ids = encode(text)
+    ids = BYTES.encode_array(text)
     assert ids.dtype == np.uint16 and ids.max() < 256
     assert list(ids) == list(text.encode("utf-8"))
-    assert decode(ids) == text
-    assert decode(torch.as_tensor(ids.astype(np.int64))) == text
-    assert decode(list(ids)) == text
+    assert BYTES.decode(ids) == text
+    assert BYTES.decode(torch.as_tensor(ids.astype(np.int64))) == text
+    assert BYTES.decode(list(ids)) == text
     # A window cut mid-character decodes with a replacement char, no error.
-    assert decode(encode("é")[:1]) == "\ufffd"
+    assert BYTES.decode(BYTES.encode_array("é")[:1]) == "\ufffd"
+
+
+def test_the_byte_tokenizer_is_one_thing_everywhere():
+    """Sampling, caches and prepare-data see the same ids, identity and separator."""
+    text = "héllo ✓\n"
+    assert BYTES.encode(text) == BYTES.encode_array(text).tolist() == list(text.encode("utf-8"))
+    assert [a.tolist() for a in BYTES.encode_batch([text, "x"])] == [BYTES.encode(text), [ord("x")]]
+    assert BYTES.encode_array(text.encode("utf-8")).tolist() == BYTES.encode(text)
+    assert (BYTES.name, BYTES.hash, BYTES.vocab_size, BYTES.dtype) == ("bytes", "bytes-v1", 256, np.dtype("<u2"))
+    assert BYTES.eos_id is None and BYTES.separator == 0  # generation never stops at NUL; documents are joined by it
 
 
 def test_stdlib_cache_built_once_and_matches_bytes(cache):
@@ -82,7 +96,7 @@ def test_user_text_file(tmp_path, cache):
     p.write_text(text, encoding="utf-8")
     info = prepare_data(make_cfg(path=str(p)))
     assert info.path.startswith(str(cache)) and "corpus" in info.path
-    assert np.array_equal(np.fromfile(info.path, "<u2"), encode(text))
+    assert np.array_equal(np.fromfile(info.path, "<u2"), BYTES.encode_array(text))
     assert info.n_tokens == len(text.encode())
     # Editing the file changes its key: the stale cache is not reused.
     p.write_text(text + "more\n", encoding="utf-8")

@@ -47,7 +47,8 @@ def _curve(key: str, family: str):
     """[(loss, grad norm)] of every step, or ("refused", reason)."""
     from tpctl.models import build_model
     from tpctl.parallel.verify import RewriteRefused, parallelize_verified
-    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.data.batches import TokenData
+    from tpctl.data.corpora import prepare_data
     from tpctl.training.loop import Trainer
 
     cfg = _cfg(key, family)

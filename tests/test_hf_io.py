@@ -163,7 +163,8 @@ def _in_and_out(key: str, family: str, directory: str, decode: bool, run_dir: st
     from tpctl.commands.export import export
     from tpctl.models import build_model
     from tpctl.parallel.verify import parallelize_verified
-    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.data.batches import TokenData
+    from tpctl.data.corpora import prepare_data
     from tpctl.training.loop import Trainer
 
     cfg = _cfg(key, family, directory)

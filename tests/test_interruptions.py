@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cli_support import marked_pids, tpctl  # noqa: F401  (fixture)
-from tpctl.training import corpus
+from tpctl.data import prepare as corpus
 
 
 def _big_sources(d: Path, files: int = 8) -> Path:

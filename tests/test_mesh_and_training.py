@@ -67,7 +67,8 @@ def _cfg(**overrides):
 
 
 def _train(overrides: dict, steps: int = 5):
-    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.data.batches import TokenData
+    from tpctl.data.corpora import prepare_data
     from tpctl.models import build_model
     from tpctl.parallel.rewrite import parallelize
     from tpctl.parallel.layout import Layout

@@ -69,7 +69,7 @@ def test_text_data_with_a_hugging_face_tokenizer(tmp_path, monkeypatch):
     from transformers import PreTrainedTokenizerFast
 
     from tpctl.config import default_config
-    from tpctl.training.data import prepare_data
+    from tpctl.data.corpora import prepare_data
 
     text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog {i % 7}\n" for i in range(400))
     corpus = tmp_path / "corpus.txt"

@@ -124,7 +124,8 @@ def _curve(key: str, name: str, steps: int = 10) -> list[float]:
     from omegaconf import OmegaConf
 
     from tpctl.config import default_config
-    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.data.batches import TokenData
+    from tpctl.data.corpora import prepare_data
     from tpctl.models import build_model
     from tpctl.parallel.rewrite import parallelize
     from tpctl.training.loop import Trainer

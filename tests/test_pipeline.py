@@ -30,7 +30,8 @@ def _run(name: str, steps: int, spec: PipelineSpec | None = None, verify: bool =
     from tpctl.models import build_model
     from tpctl.parallel.verify import parallelize_verified
     from tpctl.training import checkpoint
-    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.data.batches import TokenData
+    from tpctl.data.corpora import prepare_data
     from tpctl.training.loop import Trainer
 
     layout = Layout.parse(name)

@@ -32,7 +32,8 @@ def _trained(layout: str):
     from tpctl import init_parallel
     from tpctl.models import build_model
     from tpctl.parallel.rewrite import parallelize
-    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.data.batches import TokenData
+    from tpctl.data.corpora import prepare_data
     from tpctl.training.loop import Trainer
 
     cfg = LAYOUTS[layout].write_to(tiny_config(1))

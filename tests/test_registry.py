@@ -65,7 +65,8 @@ def _curve(layout: Layout) -> list[tuple[float, float]]:
     from tpctl.launch.pool import parallelism_of
     from tpctl.models import build_model
     from tpctl.parallel.rewrite import parallelize
-    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.data.batches import TokenData
+    from tpctl.data.corpora import prepare_data
     from tpctl.training.loop import Trainer
 
     with registered():

@@ -214,7 +214,8 @@ def test_a_directory_that_is_no_tokenizer_is_a_config_error(tmp_path):
                                "tokenizer.model, vocab.json, vocab.txt, spiece.model; a tokenizer's save_pretrained "
                                "writes them)"), str(error)
     # prepare-data says the same.
-    from tpctl.training.corpus import DataError, load_tokenizer
+    from tpctl.data import DataError
+    from tpctl.data.tokenizer import load_tokenizer
 
     with pytest.raises(DataError, match=r"^tokenizer=.*: the directory holds no tokenizer \(none of tokenizer.json"):
         load_tokenizer(str(tmp_path))

@@ -93,7 +93,8 @@ def _count_syncs(key: str, steps: int, log_every: int, eval_every: int) -> tuple
     from tpctl.parallel.layout import Layout
     from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.rewrite import parallelize
-    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.data.batches import TokenData
+    from tpctl.data.corpora import prepare_data
     from tpctl.training.loop import Trainer
 
     cfg = _cfg(**Layout.parse(key).to_dict(), **{"train.steps": steps, "train.log_every": log_every,

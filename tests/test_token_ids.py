@@ -16,8 +16,11 @@ import pytest
 
 from conftest import layouts, tiny_config
 from tpctl.errors import ConfigError
-from tpctl.training import corpus
-from tpctl.training.data import TokenData, TokenOutOfRange, prepare_data
+from tpctl.data.shards import read_index, shard_paths
+from tpctl.data.batches import TokenData
+from tpctl.data.corpora import prepare_data
+from tpctl.data.prepare import prepare
+from tpctl.data.token_ids import TokenOutOfRange
 
 REPO = Path(__file__).resolve().parents[1]
 BAD_ID = 300  # the byte tokenizer has 256 ids; uint16 shards hold it
@@ -26,7 +29,7 @@ BAD_ID = 300  # the byte tokenizer has 256 ids; uint16 shards hold it
 def _prepared(tmp_path: Path) -> Path:
     src = tmp_path / "src.jsonl"
     src.write_text("".join(json.dumps({"text": f"document {k}: " + "some text " * 30}) + "\n" for k in range(60)))
-    return corpus.prepare([str(src)], tmp_path / "corpus", "bytes", shard_tokens=4000).out
+    return prepare([str(src)], tmp_path / "corpus", "bytes", shard_tokens=4000).out
 
 
 def _damage(shard: Path, at: int, token: int = BAD_ID) -> None:
@@ -38,8 +41,8 @@ def _damage(shard: Path, at: int, token: int = BAD_ID) -> None:
 
 def test_a_shard_changed_after_prepare_data_is_refused_naming_the_shard_the_id_and_the_vocabulary(tmp_path):
     out = _prepared(tmp_path)
-    index = corpus.read_index(out)
-    shard = corpus.shard_paths(out, index, "val")[0]
+    index = read_index(out)
+    shard = shard_paths(out, index, "val")[0]
     _damage(shard, 17)
     cfg = tiny_config(1, **{"data.path": str(out)})
     with pytest.raises(ConfigError) as e:
@@ -66,8 +69,8 @@ def test_a_batch_holding_an_id_outside_the_vocabulary_names_the_step_the_id_and_
     data = TokenData(cfg, prepare_data(cfg))
     x, y = data.batch("train", 4, range(8), vocab_size=256)  # clean
     start = int(data.offsets("train", 4)[5])  # row 5 of step 5 (0-based 4)
-    index = corpus.read_index(out)
-    shards = corpus.shard_paths(out, index, "train")
+    index = read_index(out)
+    shards = shard_paths(out, index, "train")
     sizes = [s["tokens"] for s in index["shards"]["train"]]
     k = int(np.searchsorted(np.cumsum(sizes), start + 3, side="right"))
     _damage(shards[k], start + 3 - sum(sizes[:k]))
@@ -94,8 +97,8 @@ def _train_on_damaged(layout, out: str) -> str:
     trainer = Trainer(cfg, model, par, TokenData(cfg, prepare_data(cfg, scan_ids=False)))
     dist.barrier()
     if dist.get_rank() == 0:
-        index = corpus.read_index(out)
-        for shard in corpus.shard_paths(out, index, "train") + corpus.shard_paths(out, index, "val"):
+        index = read_index(out)
+        for shard in shard_paths(out, index, "train") + shard_paths(out, index, "val"):
             np.full(shard.stat().st_size // 2, BAD_ID, "<u2").tofile(shard)
     dist.barrier()
     try:
@@ -116,7 +119,7 @@ def test_every_mode_stops_at_the_first_batch_that_holds_such_an_id(pool, tmp_pat
 
 def test_the_cli_refuses_a_damaged_corpus_before_any_worker_starts(tmp_path):
     out = _prepared(tmp_path)
-    shard = corpus.shard_paths(out, corpus.read_index(out), "train")[1]
+    shard = shard_paths(out, read_index(out), "train")[1]
     _damage(shard, 5)
     run = subprocess.run([sys.executable, "-m", "tpctl.cli", "train", f"data.path={out}", "mode=1d", "size=2",
                           "train.steps=2", f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True,

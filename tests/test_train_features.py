@@ -38,7 +38,8 @@ def _cfg(**overrides):
 
 def _train(key: str, **overrides) -> dict:
     """Train on mesh `key`; the losses, comm bytes and dtypes seen."""
-    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.data.batches import TokenData
+    from tpctl.data.corpora import prepare_data
     from tpctl.models import build_model
     from tpctl.parallel.layout import Layout
     from tpctl.parallel.parallelism import parallelism

@@ -30,7 +30,8 @@ def _cfg(layout, **overrides):
 def _fit(layout, par, **overrides):
     from tpctl.models import build_model
     from tpctl.parallel.rewrite import parallelize
-    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.data.batches import TokenData
+    from tpctl.data.corpora import prepare_data
     from tpctl.training.loop import Trainer
 
     cfg = _cfg(layout, **overrides)

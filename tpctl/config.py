@@ -245,7 +245,8 @@ def _check_tokenizer(path: str) -> None:
     """The tokenizer directory loads (else every worker would fail on it)."""
     import importlib.util
 
-    from tpctl.training.corpus import DataError, hf_tokenizer
+    from tpctl.data import DataError
+    from tpctl.data.tokenizer import hf_tokenizer
 
     if importlib.util.find_spec("transformers") is None:
         raise ConfigError("data.tokenizer", path, "needs transformers: pip install 'tpctl[hf]'")

@@ -101,7 +101,7 @@ def export(checkpoint_dir: Path, out: Path) -> dict:
 
 def main(args: list[str]) -> int:
     from tpctl.training.checkpoint import CheckpointError, verify
-    from tpctl.training.corpus import respect_umask
+    from tpctl.data.prepare import respect_umask
 
     parser = argparse.ArgumentParser(prog="tpctl export", description="Write a checkpoint's whole weights as safetensors "
                                      "(a save_pretrained directory for model=hf).", epilog=EPILOG,

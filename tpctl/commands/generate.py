@@ -139,7 +139,8 @@ def check(cfg, opts: dict) -> list[int]:
     if opts["prompt"] is None:
         raise ConfigError("prompt", None, 'expected prompt="some text"')
     from tpctl.models import build_model
-    from tpctl.training.generation import Tokenizer, max_positions
+    from tpctl.data.tokenizer import Tokenizer
+    from tpctl.training.generation import max_positions
 
     try:
         tokenizer = Tokenizer(cfg.data.tokenizer)

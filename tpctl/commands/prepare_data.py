@@ -1,6 +1,6 @@
 """`tpctl prepare-data SRC... out=DIR tokenizer=DIR|bytes [options]`: tokenise
 a corpus into token shards + an index that `tpctl train data.path=DIR` reads.
-The engine is tpctl/training/corpus.py; this parses, calls and prints."""
+The engine is tpctl/data/prepare.py; this parses, calls and prints."""
 
 from __future__ import annotations
 
@@ -103,7 +103,8 @@ def main(args: list[str]) -> int:
     interrupt_on_termination()
     opts: dict = {}
     try:
-        from tpctl.training.corpus import DataError, prepare
+        from tpctl.data import DataError
+        from tpctl.data.prepare import prepare
 
         sources, opts = parse(args)
         result = prepare(sources, progress=True, **opts)

@@ -153,7 +153,7 @@ def check_run_inputs(cfg, dry_run: bool) -> None:
 
         if importlib.util.find_spec("submitit") is None:
             raise ConfigError("launcher.name", "slurm", SUBMITIT_MISSING + "; --dry-run shows the submission without it")
-    from tpctl.training.data import prepare_data  # imported late: --cfg never needs it
+    from tpctl.data.corpora import prepare_data  # imported late: --cfg never needs it
 
     prepare_data(cfg)
 
@@ -242,7 +242,7 @@ class TrainRun:
             OmegaConf.save(OmegaConf.to_container(cfg, resolve=True), config_path)
             # From here on, the parent sees exactly what every worker will read.
             run_cfg = load_worker_config(config_path)
-            from tpctl.training.data import prepare_data  # imported late: config checks never need it
+            from tpctl.data.corpora import prepare_data  # imported late: config checks never need it
 
             prepare_data(run_cfg)  # builds the tokenised corpus cache once, here
             _check_compiler(run_cfg)

@@ -160,7 +160,8 @@ def run(argv: list[str]) -> None:
     import torch.distributed as dist
 
     from tpctl.parallel.verify import parallelize_verified
-    from tpctl.training.data import TokenData, prepare_data
+    from tpctl.data.batches import TokenData
+    from tpctl.data.corpora import prepare_data
     from tpctl.models import build_model
     from tpctl.training.loop import Trainer
 

@@ -33,39 +33,14 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from tpctl.data.tokenizer import Tokenizer
 from tpctl.models.gpt import GPT, KVCache
 from tpctl.parallel import comm
 from tpctl.parallel.mode import ParallelMode
 from tpctl.parallel.roles import logits_of
 
 
-# ---- text <-> ids -----------------------------------------------------------
-
-class Tokenizer:
-    """The run's tokenizer: UTF-8 bytes (ids 0..255) by default, or a local
-    Hugging Face tokenizer directory (`data.tokenizer=DIR`)."""
-
-    def __init__(self, directory: Optional[str] = None):
-        self.directory = directory
-        self._hf = None
-        self.eos_id: Optional[int] = None
-        if directory:
-            from transformers import AutoTokenizer
-
-            self._hf = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-            self.eos_id = self._hf.eos_token_id
-        self.vocab_size = len(self._hf) if self._hf is not None else 256
-
-    def encode(self, text: str) -> list[int]:
-        if self._hf is not None:
-            return list(self._hf(text, add_special_tokens=False)["input_ids"])
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        if self._hf is not None:
-            return self._hf.decode(list(ids))
-        return bytes(ids).decode("utf-8", errors="replace")
-
+# ---- text as it comes -------------------------------------------------------
 
 class TextStream:
     """Turns tokens into text as they come: what `push` returns is the text

@@ -17,7 +17,7 @@ import torch
 from . import checkpoint
 from tpctl.parallel import comm
 from tpctl.parallel.parallelism import Parallelism
-from .data import TokenData
+from tpctl.data.batches import TokenData
 from .metrics import MetricsLog
 from .step import NonFiniteLoss, Schedule, TrainStep, autocast
 
@@ -131,7 +131,9 @@ class Trainer:
     def sample(self) -> str:
         """train.sample_every: a short greedy continuation of
         train.sample_prompt; every rank takes part in the forwards."""
-        from .generation import Tokenizer, sample
+        from tpctl.data.tokenizer import Tokenizer
+
+        from .generation import sample
 
         if getattr(self, "_tokenizer", None) is None:
             self._tokenizer = Tokenizer(self.cfg.data.tokenizer)

@@ -1,10 +1,5 @@
-"""Data: a byte-level tokenizer, token streams and the global batch of each step.
-
-docs/DESIGN.md, section 2: "the global batch of each step is the same whatever the
-mode; a rank reads only the rows it holds". Both halves live in
-``TokenData.batch``: the window offsets of *all* rows of a step come from a
-generator seeded by (seed, split, step) alone, so every rank agrees on them
-without communicating, and a rank then reads only the windows of its rows.
+"""The token stream of a run's ``cfg.data``: found or built, then checked
+against the config (``prepare_data``).
 
 Token sources (``cfg.data``):
 
@@ -16,13 +11,13 @@ Token sources (``cfg.data``):
 * ``name=text``, ``path=foo.bin``: pre-tokenised ids (nanoGPT layout: flat
   little-endian uint16), memory-mapped in place, never copied.
 * ``name=text``, ``path=DIR``: a corpus written by ``tpctl prepare-data``
-  (tpctl/training/corpus.py): its train and val shards (uint16 or uint32),
+  (tpctl/data/prepare.py): its train and val shards (uint16 or uint32),
   memory-mapped end to end as one stream; the split is the prepared one.
 * ``name=synthetic``: ``data.synthetic_tokens`` seeded random ids in
   ``[0, data.vocab_size)``, generated in memory (cheap, identical on every rank).
 
 With ``data.tokenizer``, the token files are uint16 up to 65,536 ids and
-uint32 above (``corpus.token_dtype``).
+uint32 above (``tokenizer.token_dtype``).
 
 ``prepare_data`` runs in the launcher before workers start (it builds caches
 and finds config errors) and again in every worker, where it is a cache hit.
@@ -36,50 +31,26 @@ import logging
 import os
 import sys
 import sysconfig
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
-import torch
 
-from tpctl.errors import ConfigError, TpctlError
+from tpctl.atomic import write_file
+from tpctl.errors import ConfigError
 
-from . import corpus
+from . import DataError
+from .shards import INDEX, check_shards, read_index
+from .token_ids import check_ids_once, check_vocab, model_vocab
+from .tokenizer import Tokenizer, files_stamp, identity_hash, whole_lines
 
 log = logging.getLogger(__name__)
 
-# Part of every cache key: bump it when encode() or the corpus layout changes
-# so that no stale cache is ever read.
-TOKENIZER_VERSION = 1
 BIN_DTYPE = np.dtype("<u2")  # nanoGPT .bin layout and byte-level ids: little-endian uint16
-SPLITS = ("train", "val")
 _CHUNK = 1 << 24  # bytes / tokens per streamed chunk (16 Mi)
-
-
-# --------------------------------------------------------------------------
-# Byte-level tokenizer: token id = byte value of the UTF-8 encoding.
-
-
-def encode(text: str) -> np.ndarray:
-    """UTF-8 bytes of ``text`` as uint16 token ids (each in 0..255)."""
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(BIN_DTYPE)
-
-
-def decode(ids: Iterable[int]) -> str:
-    """Inverse of ``encode``; invalid UTF-8 (a window cut mid-character) is
-    replaced rather than raised, so any slice of a token stream decodes."""
-    arr = np.asarray(ids if isinstance(ids, (np.ndarray, torch.Tensor)) else list(ids), dtype=np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() > 255):
-        raise ValueError(f"byte-level ids must be in 0..255, got {arr.min()}..{arr.max()}")
-    return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
-
-
-# --------------------------------------------------------------------------
-# prepare_data: find / build the token stream and check it against the config.
 
 
 @dataclass(frozen=True)
@@ -120,36 +91,18 @@ def prepare_data(cfg, scan_ids: bool = True) -> DataInfo:
             info = _prepared_dir(cfg, d.path, scan_ids)
         else:
             info = _user_file(cfg, d.path)
-        if _model_vocab(cfg) is not None and info.vocab_size > _model_vocab(cfg) and info.n_val is not None:
-            raise ConfigError(
-                "model.vocab_size", cfg.model.vocab_size,
-                f"must be >= {info.vocab_size}, the vocabulary data.path={d.path!r} was prepared with "
-                f"({info.description}): the embedding must hold every id of the tokenizer")
-        if _model_vocab(cfg) is not None and info.vocab_size > _model_vocab(cfg):
-            raise ConfigError(
-                "model.vocab_size", cfg.model.vocab_size,
-                f"must be > {info.vocab_size - 1}, the largest token id in "
-                f"data.path={d.path!r} ({info.description})")
+        check_vocab(cfg, info.vocab_size, info.n_val is not None, info.description)
     else:
         raise ConfigError("data.name", d.name, "one of: text, synthetic")
     _check_splits(cfg, info)
     return info
 
 
-def _model_vocab(cfg) -> Optional[int]:
-    """The model's vocabulary size where the config alone tells it (not for
-    a custom or pretrained model: models.check_model checks those, built)."""
-    m = cfg.model
-    if m.get("arch") == "custom" or m.get("pretrained"):
-        return None
-    return m.vocab_size
-
-
 def _synthetic_info(cfg) -> DataInfo:
     d = cfg.data
     if d.synthetic_tokens < 1:
         raise ConfigError("data.synthetic_tokens", d.synthetic_tokens, "must be >= 1")
-    if not 1 <= d.vocab_size <= (_model_vocab(cfg) or d.vocab_size):
+    if not 1 <= d.vocab_size <= (model_vocab(cfg) or d.vocab_size):
         raise ConfigError("data.vocab_size", d.vocab_size,
                           f"must be in 1..model.vocab_size={cfg.model.vocab_size}")
     return DataInfo(None, d.synthetic_tokens, d.vocab_size,
@@ -184,28 +137,11 @@ def _check_splits(cfg, info: DataInfo) -> None:
 # -- caches -----------------------------------------------------------------
 
 
-def _key(**parts) -> str:
-    """Short content key: everything that determines a cache file's bytes."""
-    blob = json.dumps({"tokenizer": TOKENIZER_VERSION, **parts}, sort_keys=True, default=str)
+def _key(tokenizer: Optional[str], **parts) -> str:
+    """Short content key: everything that determines a cache file's bytes,
+    the tokenizer's files included (tokenizer.files_stamp)."""
+    blob = json.dumps({"tokenizer": files_stamp(tokenizer), **parts}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _atomic_write(dest: Path, chunks: Iterable[bytes]) -> None:
-    """Write via a temp file in the same directory + fsync + os.replace: a
-    reader (another worker, a later run after a kill) sees either no file or
-    the whole file, never a torn one."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _stats(tokens: Path, meta: Path, dtype: np.dtype = BIN_DTYPE) -> dict:
@@ -219,7 +155,7 @@ def _stats(tokens: Path, meta: Path, dtype: np.dtype = BIN_DTYPE) -> dict:
     mm = np.memmap(tokens, dtype=dtype, mode="r") if tokens.stat().st_size else np.zeros(0, dtype)
     max_id = max((int(mm[i:i + _CHUNK].max()) for i in range(0, len(mm), _CHUNK)), default=-1)
     stats = {"n_tokens": int(len(mm)), "max_id": max_id, "dtype": dtype.str}
-    _atomic_write(meta, [json.dumps(stats).encode()])
+    write_file(meta, [json.dumps(stats).encode()])
     return stats
 
 
@@ -238,44 +174,18 @@ def _build(dest: Path, byte_chunks: Iterator[bytes], total: int, what: str, toke
     The dtype goes into the stats sidecar, written after the tokens."""
     log.info("building %s cache %s (%.1f MB of text)", what, dest, total / 1e6)
     t0 = time.perf_counter()
-    encode_chunk, dtype = _hf_encoder(tokenizer_dir) if tokenizer_dir else \
-        ((lambda chunk: np.frombuffer(chunk, dtype=np.uint8).astype(BIN_DTYPE)), BIN_DTYPE)
+    tok = Tokenizer(tokenizer_dir)
 
     def tokens() -> Iterator[bytes]:
         with _progress(total, f"tokenising {what}") as advance:
-            for chunk in corpus.whole_lines(byte_chunks) if tokenizer_dir else byte_chunks:
+            for chunk in whole_lines(byte_chunks) if tok.directory else byte_chunks:
                 advance(len(chunk))
-                yield encode_chunk(chunk).tobytes()
+                yield tok.encode_array(chunk).tobytes()
 
-    _atomic_write(dest, tokens())
+    write_file(dest, tokens())
     dest.with_suffix(".json").unlink(missing_ok=True)
-    _stats(dest, dest.with_suffix(".json"), dtype)
+    _stats(dest, dest.with_suffix(".json"), tok.dtype)
     log.info("built %s in %.2fs", dest.name, time.perf_counter() - t0)
-
-
-def _hf_encoder(tokenizer_dir: str):
-    """(bytes -> ids, their dtype) with the Hugging Face tokenizer saved in
-    `tokenizer_dir` (a local directory: nothing is downloaded); uint32 ids
-    for a vocabulary above 65,536."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    dtype = corpus.token_dtype(len(tokenizer))
-
-    def encode_chunk(chunk: bytes) -> np.ndarray:
-        ids = tokenizer(chunk.decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
-        return np.asarray(ids, dtype=dtype)
-    return encode_chunk, dtype
-
-
-def _tokenizer_key(cfg) -> Optional[list]:
-    """What identifies the tokenizer in a cache key: its files' names, sizes
-    and modification times (None: the byte tokenizer)."""
-    tokenizer = cfg.data.get("tokenizer")
-    if not tokenizer:
-        return None
-    root = Path(tokenizer).resolve()
-    return [str(root)] + sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in root.iterdir() if p.is_file())
 
 
 @contextmanager
@@ -337,7 +247,7 @@ def _stdlib_corpus(cfg) -> DataInfo:
     root = Path(sysconfig.get_paths()["stdlib"])
     # Key on each file's name, size and mtime: an upgraded Python or edited
     # file gives a new cache file instead of a stale one.
-    key = _key(kind="stdlib", max_bytes=max_bytes, root=root, tokenizer=_tokenizer_key(cfg), files=[
+    key = _key(cfg.data.get("tokenizer"), kind="stdlib", max_bytes=max_bytes, root=root, files=[
         (str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in files])
     dest = cache_dir(cfg) / f"stdlib-{key}.bin"
     if not (dest.exists() and dest.with_suffix(".json").exists()):
@@ -354,9 +264,9 @@ def _user_file(cfg, path_str: str) -> DataInfo:
     if not path.is_file():
         raise ConfigError("data.path", path_str, "no such file")
     st = path.stat()
-    key = _key(path=str(path.resolve()), size=st.st_size, mtime_ns=st.st_mtime_ns, tokenizer=_tokenizer_key(cfg))
+    key = _key(cfg.data.get("tokenizer"), path=str(path.resolve()), size=st.st_size, mtime_ns=st.st_mtime_ns)
     if path.suffix == ".bin":
-        if (path.parent / corpus.INDEX).is_file():
+        if (path.parent / INDEX).is_file():
             raise ConfigError("data.path", path_str, f"a shard of the prepared corpus {path.parent}: "
                               f"pass data.path={path.parent} (its dtype and split are in its index)")
         if st.st_size % BIN_DTYPE.itemsize:
@@ -374,14 +284,14 @@ def _prepared_dir(cfg, path_str: str, scan_ids: bool) -> DataInfo:
     sizes, tokenizer; with ``scan_ids`` every id of every shard)."""
     path = Path(path_str).expanduser()
     try:
-        index = corpus.read_index(path)
-        corpus.check_shards(path, index)
+        index = read_index(path)
+        check_shards(path, index)
         if scan_ids:
-            _scan_once(path, index)
-    except corpus.DataError as e:
+            check_ids_once(path, index)
+    except DataError as e:
         raise ConfigError("data.path", path_str, str(e)) from None
     tokenizer = cfg.data.get("tokenizer")
-    if tokenizer and Path(tokenizer).is_dir() and corpus.tokenizer_hash(tokenizer) != index["tokenizer"]["hash"]:
+    if tokenizer and Path(tokenizer).is_dir() and identity_hash(tokenizer) != index["tokenizer"]["hash"]:
         raise ConfigError("data.tokenizer", tokenizer, f"is not the tokenizer data.path={path_str} was prepared with "
                           f"({index['tokenizer']['name']}): leave data.tokenizer unset or pass that one")
     n_train, n_val = index["tokens"]["train"], index["tokens"]["val"]
@@ -389,20 +299,6 @@ def _prepared_dir(cfg, path_str: str, scan_ids: bool) -> DataInfo:
             f"vocabulary {index['vocab_size']}, {index['dtype']})")
     return DataInfo(str(path), n_train + n_val, int(index["vocab_size"]), desc,
                     np.dtype(index["dtype"]).newbyteorder("<").str, n_val)
-
-
-_SCANNED: set = set()  # (corpus, the state of its shards) already scanned by this process
-
-
-def _scan_once(path: Path, index: dict) -> None:
-    """corpus.check_ids, skipped when this process has scanned the same
-    shards (same names, sizes and modification times) before: the launcher
-    prepares the data twice (checking the jobs, then running one)."""
-    shards = corpus.shard_paths(path, index, "train") + corpus.shard_paths(path, index, "val")
-    state = (str(path.resolve()), tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in shards))
-    if state not in _SCANNED:
-        corpus.check_ids(path, index)
-        _SCANNED.add(state)
 
 
 def _read_chunks(path: Path) -> Iterator[bytes]:
@@ -413,109 +309,3 @@ def _read_chunks(path: Path) -> Iterator[bytes]:
             yield chunk
 
 
-# --------------------------------------------------------------------------
-# TokenData: the batches.
-
-
-def _step_seed(seed: int, split: str, step: int) -> int:
-    """A generator seed that depends on (seed, split, step) only -- not on the
-    rank, mode, tensor-parallel size or dp -- so all ranks draw the same
-    offsets. Hashed so nearby steps/seeds give unrelated streams."""
-    h = hashlib.blake2b(f"tpctl.data/{seed}/{split}/{step}".encode(), digest_size=8)
-    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
-
-
-def _open_tokens(info: DataInfo):
-    """The token stream of ``info``: one memmap, or a prepared directory's
-    train shards then val shards end to end (``corpus.ShardedTokens``)."""
-    if not Path(info.path).is_dir():
-        return np.memmap(info.path, dtype=np.dtype(info.dtype), mode="r")
-    index = corpus.read_index(info.path)
-    paths = corpus.shard_paths(info.path, index, "train") + corpus.shard_paths(info.path, index, "val")
-    return corpus.ShardedTokens(paths, np.dtype(info.dtype))
-
-
-class TokenOutOfRange(TpctlError, ValueError):
-    """A batch holds a token id the model's vocabulary does not."""
-
-    def __init__(self, split: str, step: int, token: int, vocab_size: int, where: str):
-        when = f"step {step + 1}" if split == "train" else f"validation batch {step + 1}"
-        super().__init__(f"{when}: token id {token} ({where}) is outside the model's vocabulary of {vocab_size} ids: "
-                         "the data holds ids the model cannot embed (changed since the run started?)")
-
-
-class TokenData:
-    """The train / val token streams of a run and the batch of each step."""
-
-    def __init__(self, cfg, info: DataInfo):
-        self.seq_len = int(cfg.train.seq_len)
-        self.batch_size = int(cfg.train.batch_size)
-        self.seed = int(cfg.seed)
-        self.info = info
-        if info.path is None:
-            # Synthetic: the same generator and seed on every rank give the
-            # same stream; it is small enough to hold in memory.
-            g = torch.Generator().manual_seed(self.seed)
-            ids = torch.randint(0, info.vocab_size, (info.n_tokens,), generator=g)
-            self.tokens = ids.numpy().astype(np.uint16 if info.vocab_size <= 1 << 16 else np.int32)
-        else:
-            # Memory-mapped: each rank pages in only the windows it reads.
-            self.tokens = _open_tokens(info)
-            if len(self.tokens) != info.n_tokens:
-                raise RuntimeError(f"{info.path} holds {len(self.tokens)} tokens, "
-                                   f"prepare_data saw {info.n_tokens}: did it change during the run?")
-        self.bounds = split_bounds(info.n_tokens, cfg.data.val_fraction, info.n_val)
-
-    def __len__(self) -> int:
-        return self.info.n_tokens
-
-    def split_len(self, split: str) -> int:
-        start, stop = self.bounds[split]
-        return stop - start
-
-    def offsets(self, split: str, step: int) -> torch.Tensor:
-        """Start offsets (within ``split``) of all ``batch_size`` rows of ``step``."""
-        if split not in self.bounds:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        g = torch.Generator().manual_seed(_step_seed(self.seed, split, step))
-        # A window starting at o reads tokens o .. o+seq_len inclusive.
-        return torch.randint(0, self.split_len(split) - self.seq_len, (self.batch_size,), generator=g)
-
-    def batch(self, split: str, step: int, rows: Sequence[int],
-              vocab_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows ``rows`` of the global batch of ``step``: ``x, y`` int64 of shape
-        ``[len(rows), seq_len]`` with ``y`` = ``x`` shifted left by one token.
-        The offsets of all rows are drawn (cheap), only the requested windows
-        are read. With ``vocab_size``, an id outside [0, vocab_size) raises
-        TokenOutOfRange naming where it lies (a file damaged after the
-        start-up scan, or ids a model the launcher could not check cannot
-        embed): the 1d embedding would give it a zero vector, silently."""
-        offsets = self.offsets(split, step).tolist()
-        rows = list(rows)
-        if any(not 0 <= r < self.batch_size for r in rows):
-            raise IndexError(f"rows {rows} outside the global batch range(0, {self.batch_size})")
-        base = self.bounds[split][0]
-        windows = np.empty((len(rows), self.seq_len + 1), dtype=np.int64)
-        for i, r in enumerate(rows):
-            o = base + offsets[r]
-            windows[i] = self.tokens[o:o + self.seq_len + 1]
-        if vocab_size is not None and windows.size:
-            at = corpus.first_outside(windows.reshape(-1), vocab_size)
-            if at is not None:
-                i, j = divmod(at, self.seq_len + 1)
-                raise TokenOutOfRange(split, step, int(windows[i, j]), vocab_size,
-                                      self._where(base + offsets[rows[i]] + j))
-        w = torch.from_numpy(windows)
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
-
-    def _where(self, i: int) -> str:
-        if isinstance(self.tokens, corpus.ShardedTokens):
-            return self.tokens.where(i)
-        return f"token {i} of {self.info.path or 'the synthetic stream'}"
-
-    def describe(self) -> str:
-        return (f"{self.info.description}; train {self.split_len('train')} / "
-                f"val {self.split_len('val')} tokens")
-
-    def __repr__(self) -> str:
-        return f"TokenData({self.describe()})"

@@ -14,6 +14,7 @@ LAYERS = [
     {"errors", "seeding", "schema", "atomic"},
     {"parallel"},
     {"models"},
+    {"checkpoint"},
     {"training"},
     {"config"},
     {"launch"},

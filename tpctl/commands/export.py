@@ -32,7 +32,7 @@ EPILOG = "exit status: 0 written, 2 bad arguments or an invalid checkpoint"
 
 def full_weights(checkpoint_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(manifest, {parameter name: whole tensor}) of a verified checkpoint."""
-    from tpctl.training.checkpoint import read_full, verify
+    from tpctl.checkpoint import read_full, verify
 
     manifest = verify(checkpoint_dir)
     return manifest, read_full(checkpoint_dir, manifest)
@@ -100,7 +100,7 @@ def export(checkpoint_dir: Path, out: Path) -> dict:
 
 
 def main(args: list[str]) -> int:
-    from tpctl.training.checkpoint import CheckpointError, verify
+    from tpctl.checkpoint import CheckpointError, verify
     from tpctl.training.corpus import respect_umask
 
     parser = argparse.ArgumentParser(prog="tpctl export", description="Write a checkpoint's whole weights as safetensors "

@@ -29,7 +29,7 @@ def run(argv: list[str]) -> None:
 
     from tpctl.models import build_model
     from tpctl.parallel.base import parallelize
-    from tpctl.training import checkpoint
+    from tpctl import checkpoint
     from tpctl.training.generation import TextStream, Tokenizer, generate, stop_ids
     from tpctl.training.step import autocast
 

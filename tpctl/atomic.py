@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 
 def fsync_dir(path: Path) -> None:
@@ -30,15 +31,29 @@ def fsync_dir(path: Path) -> None:
 def write_file(dest: Path, chunks: Iterable[bytes]) -> None:
     """`dest` holds `chunks` whole, or is as it was: a temporary file in the
     same directory, fsynced, then `os.replace`d onto `dest`."""
+    with replacing(dest) as tmp, open(tmp, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+
+
+@contextmanager
+def replacing(dest: Path) -> Iterator[Path]:
+    """A temporary path beside `dest` for a writer that wants a path (a
+    library's save): when the block ends, the file there is fsynced and
+    `os.replace`d onto `dest`; if the block raises, it is removed and `dest`
+    is as it was. The file is created 0600 (tempfile's mode), as
+    safetensors' own files are."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
+        yield Path(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, dest)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

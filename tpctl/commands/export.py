@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from tpctl.atomic import replacing, swap_dir
 from tpctl.errors import fail
 from tpctl.schema import is_hf_arch
 
@@ -39,10 +40,13 @@ def full_weights(checkpoint_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, manifest: dict) -> None:
+    """Written beside OUT and renamed onto it: a failed export leaves OUT
+    as it was, never a truncated file."""
     from safetensors.torch import save_file
 
     metadata = {"format": "pt", "tpctl_step": str(manifest["step"]), "tpctl_model": json.dumps(manifest["model"])}
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out), metadata=metadata)
+    with replacing(out) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
 def write_hf(manifest: dict, tensors: dict[str, torch.Tensor], out: Path) -> None:
@@ -58,9 +62,7 @@ def write_hf(manifest: dict, tensors: dict[str, torch.Tensor], out: Path) -> Non
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         save_hf(OmegaConf.create(manifest["model"]), tensors, tmp, tokenizer=hf_tokenizer(manifest))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        swap_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -211,15 +211,14 @@ def _recording_writer(path: Path):
         failure: Optional[BaseException] = None
 
         def write_data(self, plan, planner):
-            try:
-                return super().write_data(plan, planner)
-            except BaseException as e:
-                self.failure = self.failure or e
-                raise
+            return self._recorded(super().write_data, plan, planner)
 
         def finish(self, metadata, results):
+            return self._recorded(super().finish, metadata, results)
+
+        def _recorded(self, call, *args):
             try:
-                return super().finish(metadata, results)
+                return call(*args)
             except BaseException as e:
                 self.failure = self.failure or e
                 raise

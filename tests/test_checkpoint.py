@@ -14,7 +14,7 @@ import pytest
 import torch
 from cli_support import tpctl  # noqa: F401  (fixture)
 
-from tpctl.training.checkpoint import shard_boxes
+from tpctl.checkpoint import shard_boxes
 from tpctl.parallel.shard import ShardSpec
 from conftest import LAYOUTS as SHARED_LAYOUTS
 
@@ -64,14 +64,16 @@ def _save_then_load(tmp: str, src, dst, mechanism=None) -> dict:
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
-    from tpctl.training import checkpoint
+    from tpctl import checkpoint
+    from tpctl.checkpoint.manifest import _SafeUnpickler
+    from tpctl.checkpoint.state import _adam_state
     from tpctl.parallel.shard import spec_of
     from tpctl.config import default_config
 
     tp, model, opt, mcfg = _model(src, mechanism=mechanism)
     for name, p in model.named_parameters():  # every value known from its global index
         spec = spec_of(p)
-        state = checkpoint._adam_state(opt, p)
+        state = _adam_state(opt, p)
         for what, t in (("param", p.data), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
             t.copy_(spec.slice(_full(name, what, spec.full_shape)))
         state["step"].fill_(7)
@@ -94,7 +96,7 @@ def _save_then_load(tmp: str, src, dst, mechanism=None) -> dict:
             checked += 1
     dist.barrier()
     with open(path / ".metadata", "rb") as f:  # every element of every tensor saved once: chunks never overlap
-        saved = checkpoint._SafeUnpickler(f).load().state_dict_metadata
+        saved = _SafeUnpickler(f).load().state_dict_metadata
     elements = {key: (sum(math.prod(c.sizes) for c in md.chunks), math.prod(md.size)) for key, md in saved.items()
                 if key.startswith(("model.", "optim.")) and not key.endswith(".step")}
     return {"checked": checked, "elements": elements,
@@ -162,9 +164,9 @@ def _train_cfg(layout, steps: int, every: int, dropout: float = 0.0):
 def _fit(layout, run_dir: str, steps: int = 8, every: int = 4, resume: str | None = None,
          dropout: float = 0.0) -> list[tuple[int, float]]:
     import tpctl
-    from tpctl.training import checkpoint
     from tpctl.data.batches import TokenData
     from tpctl.data.corpora import prepare_data
+    from tpctl import checkpoint
     from tpctl.models import build_model
     from tpctl.training.loop import Trainer
 

@@ -372,7 +372,7 @@ def test_a_directory_of_a_family_transformers_does_not_build_is_refused_naming_i
 
 
 def test_a_checkpoint_written_before_model_config_existed_is_the_same_model():
-    from tpctl.training.checkpoint import model_difference
+    from tpctl.checkpoint import model_difference
 
     before = {"arch": "llama", "n_layer": 2, "bias": False}
     assert model_difference(before, {**before, "config": {}}) is None

@@ -15,6 +15,7 @@ LAYERS = [
     {"parallel"},
     {"models"},
     {"data"},
+    {"checkpoint"},
     {"training"},
     {"config"},
     {"launch"},

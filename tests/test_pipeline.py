@@ -29,9 +29,9 @@ def _run(name: str, steps: int, spec: PipelineSpec | None = None, verify: bool =
     from tpctl.launch.pool import parallelism_of
     from tpctl.models import build_model
     from tpctl.parallel.verify import parallelize_verified
-    from tpctl.training import checkpoint
     from tpctl.data.batches import TokenData
     from tpctl.data.corpora import prepare_data
+    from tpctl import checkpoint
     from tpctl.training.loop import Trainer
 
     layout = Layout.parse(name)

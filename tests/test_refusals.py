@@ -47,7 +47,7 @@ def _save_with_a_file_limit(run_dir: str, limit: int) -> str:
     """Save with rank 0's files limited to `limit` bytes (the kernel
     refuses what goes past it, as a full disk does): the error each rank
     raises."""
-    from tpctl.training import checkpoint
+    from tpctl import checkpoint
 
     trainer, tp = _trained("1d-2-dp4")
     saved = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -76,14 +76,15 @@ def test_a_write_refused_inside_a_tensor_is_named_by_its_errno_on_every_rank(poo
 def _needed_and_written(run_dir: str) -> tuple[int, int]:
     import torch.distributed as dist
 
-    from tpctl.training import checkpoint
+    from tpctl import checkpoint
+    from tpctl.checkpoint.manifest import _written_bytes
 
     trainer, tp = _trained("2d-4-dp2")
     need = [0] * tp.mesh.world_size
     entries = checkpoint.state_entries(trainer.model, trainer.optimizer, tp, 1, 0.0)
     dist.all_gather_object(need, checkpoint.bytes_to_write(entries))
     path = checkpoint.save(Path(run_dir), 1, trainer.model, trainer.optimizer, tp, trainer.cfg)
-    return sum(need) + checkpoint.MANIFEST_ALLOWANCE, checkpoint._written_bytes(path)
+    return sum(need) + checkpoint.MANIFEST_ALLOWANCE, _written_bytes(path)
 
 
 def test_the_free_space_a_save_asks_for_is_what_the_checkpoint_takes(pool, tmp_path):

@@ -26,7 +26,8 @@ from cli_support import tpctl  # noqa: F401  (fixture)
 from tpctl.config import compose_jobs, validate
 from tpctl.errors import ConfigError
 from tpctl.launch.run_lock import RunDirBusy, RunDirLock, probe
-from tpctl.training import checkpoint as ckpt
+from tpctl import checkpoint as ckpt
+from tpctl.checkpoint.manifest import _sha256
 
 TESTS = Path(__file__).resolve().parent
 
@@ -132,7 +133,7 @@ def fake_checkpoint(path: Path, step: int, metadata=None, model=None) -> Path:
     meta = path / ".metadata"
     meta.write_bytes(pickle.dumps(Metadata(state_dict_metadata={}, storage_data={}) if metadata is None else metadata))
     manifest = {"format": ckpt.FORMAT, "step": step, "model": model or {}, "mode": "none", "size": 1, "dp": 1,
-                "files": {".metadata": {"bytes": meta.stat().st_size, "sha256": ckpt._sha256(meta)}}}
+                "files": {".metadata": {"bytes": meta.stat().st_size, "sha256": _sha256(meta)}}}
     (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
     return path
 

@@ -145,7 +145,7 @@ def _coverage(path) -> dict[str, tuple[int, int]]:
     of a checkpoint's model and moments, from DCP's metadata."""
     import math
 
-    from tpctl.training.checkpoint import _reader
+    from tpctl.checkpoint.dcp import _reader
 
     saved = _reader(Path(path)).read_metadata().state_dict_metadata
     return {fqn: (sum(math.prod(c.sizes) for c in md.chunks), math.prod(md.size))

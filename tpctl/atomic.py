@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 
 def fsync_dir(path: Path) -> None:
@@ -30,15 +31,29 @@ def fsync_dir(path: Path) -> None:
 def write_file(dest: Path, chunks: Iterable[bytes]) -> None:
     """`dest` holds `chunks` whole, or is as it was: a temporary file in the
     same directory, fsynced, then `os.replace`d onto `dest`."""
+    with replacing(dest) as tmp, open(tmp, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+
+
+@contextmanager
+def replacing(dest: Path) -> Iterator[Path]:
+    """A temporary path beside `dest` for a writer that wants a path (a
+    library's save): when the block ends, the file there is fsynced and
+    `os.replace`d onto `dest`; if the block raises, it is removed and `dest`
+    is as it was. The file is created 0600 (tempfile's mode), as
+    safetensors' own files are."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
+        yield Path(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, dest)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -60,3 +75,25 @@ def swap_dir(new: Path, dest: Path, aside: Path | None = None) -> None:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     fsync_dir(dest.parent)
+
+
+def respect_umask(path: Path) -> None:
+    """Give `path` (and what a directory holds) the modes a plain open()
+    or mkdir() would have given it under the process's umask: files that
+    tempfile or safetensors create are 0600 (0700 for a directory), which
+    other users and the other nodes' jobs of a shared file system cannot read."""
+    umask = current_umask()
+    for p in [path, *(path.rglob("*") if path.is_dir() else [])]:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
+
+
+def current_umask() -> int:
+    try:  # Linux >= 4.7: read, not set (setting it races with other threads)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask

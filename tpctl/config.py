@@ -380,7 +380,7 @@ def _check_resume_path(cfg: Any) -> None:
     resume = cfg.train.resume
     if resume in (None, "auto"):
         return
-    from tpctl.training.checkpoint import CheckpointError, resolve_resume
+    from tpctl.checkpoint import CheckpointError, resolve_resume
 
     try:
         resolve_resume(cfg, Path("."))

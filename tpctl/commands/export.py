@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from tpctl.atomic import replacing, swap_dir
 from tpctl.errors import fail
 from tpctl.schema import is_hf_arch
 
@@ -32,17 +33,20 @@ EPILOG = "exit status: 0 written, 2 bad arguments or an invalid checkpoint"
 
 def full_weights(checkpoint_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(manifest, {parameter name: whole tensor}) of a verified checkpoint."""
-    from tpctl.training.checkpoint import read_full, verify
+    from tpctl.checkpoint import read_full, verify
 
     manifest = verify(checkpoint_dir)
     return manifest, read_full(checkpoint_dir, manifest)
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, manifest: dict) -> None:
+    """Written beside OUT and renamed onto it: a failed export leaves OUT
+    as it was, never a truncated file."""
     from safetensors.torch import save_file
 
     metadata = {"format": "pt", "tpctl_step": str(manifest["step"]), "tpctl_model": json.dumps(manifest["model"])}
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out), metadata=metadata)
+    with replacing(out) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
 def write_hf(manifest: dict, tensors: dict[str, torch.Tensor], out: Path) -> None:
@@ -58,9 +62,7 @@ def write_hf(manifest: dict, tensors: dict[str, torch.Tensor], out: Path) -> Non
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         save_hf(OmegaConf.create(manifest["model"]), tensors, tmp, tokenizer=hf_tokenizer(manifest))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        swap_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -100,8 +102,8 @@ def export(checkpoint_dir: Path, out: Path) -> dict:
 
 
 def main(args: list[str]) -> int:
-    from tpctl.training.checkpoint import CheckpointError, verify
-    from tpctl.data.prepare import respect_umask
+    from tpctl.atomic import respect_umask
+    from tpctl.checkpoint import CheckpointError, verify
 
     parser = argparse.ArgumentParser(prog="tpctl export", description="Write a checkpoint's whole weights as safetensors "
                                      "(a save_pretrained directory for model=hf).", epilog=EPILOG,

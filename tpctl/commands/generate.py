@@ -83,7 +83,7 @@ def compose(source: Path, kind: str, overrides: list[str]):
     if any("=" not in o or o.startswith("model=") for o in model_overrides):
         raise ConfigError("model", " ".join(model_overrides), "the model comes from SOURCE: only model.KEY=VALUE overrides apply")
     if kind == "checkpoint":
-        from tpctl.training.checkpoint import CheckpointError, model_difference, verify
+        from tpctl.checkpoint import CheckpointError, model_difference, verify
 
         try:
             manifest = verify(source)

@@ -170,7 +170,7 @@ def _check_resume(cfg, run_dir: Path) -> None:
     invalid one passed over)."""
     if cfg.train.resume is None:
         return
-    from tpctl.training.checkpoint import CheckpointError, resolve_resume
+    from tpctl.checkpoint import CheckpointError, resolve_resume
 
     try:
         found = resolve_resume(cfg, run_dir)
@@ -179,7 +179,7 @@ def _check_resume(cfg, run_dir: Path) -> None:
     if found is None and cfg.train.resume == "auto":
         print(f"tpctl: no checkpoint in {run_dir / 'checkpoints'}; starting fresh", file=sys.stderr)
     elif found is not None:
-        from tpctl.training.checkpoint import config_changes
+        from tpctl.checkpoint import config_changes
 
         changes = config_changes(found[1], cfg)
         if changes:  # allowed, but the curve will not be the uninterrupted one

@@ -28,7 +28,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from tpctl.atomic import swap_dir
+from tpctl.atomic import respect_umask, swap_dir
 from tpctl.errors import die_with_parent, signals_held, stop_signals
 
 from . import DataError
@@ -244,28 +244,6 @@ def _own(tmp: Path) -> int:
     fd = os.open(tmp / _TMP_LOCK, os.O_WRONLY | os.O_CREAT, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)
     return fd
-
-
-def respect_umask(path: Path) -> None:
-    """Give `path` (and what a directory holds) the modes a plain open()
-    or mkdir() would have given it under the process's umask: files that
-    tempfile or safetensors create are 0600 (0700 for a directory), which
-    other users and the other nodes' jobs of a shared file system cannot read."""
-    umask = current_umask()
-    for p in [path, *(path.rglob("*") if path.is_dir() else [])]:
-        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
-
-
-def current_umask() -> int:
-    try:  # Linux >= 4.7: read, not set (setting it races with other threads)
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return umask
 
 
 def remove_stale_tmp(out: Path, grace_s: float = 60.0) -> list[Path]:

@@ -29,9 +29,9 @@ def run(argv: list[str]) -> None:
 
     from tpctl.models import build_model
     from tpctl.parallel.rewrite import parallelize
-    from tpctl.training import checkpoint
     from tpctl.data.tokenizer import Tokenizer
     from tpctl.training.generation import TextStream, generate, stop_ids
+    from tpctl import checkpoint
     from tpctl.training.step import autocast
 
     config_path = Path(argv[0])

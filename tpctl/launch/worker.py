@@ -194,7 +194,7 @@ def run(argv: list[str]) -> None:
     if found is not None:
         trainer.resume(*found)
         if mesh.rank == 0:
-            from tpctl.training.checkpoint import manifest_layout
+            from tpctl.checkpoint import manifest_layout
 
             m, saved = found[1], manifest_layout(found[1])
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -238,7 +238,7 @@ def find_resume(cfg, run_dir: Path, rank: int):
     dir) and tells the others, so a bad checkpoint fails every rank alike."""
 
     from tpctl.parallel import comm
-    from tpctl.training.checkpoint import CheckpointError, resolve_resume
+    from tpctl.checkpoint import CheckpointError, resolve_resume
 
     choice: list = [None]
     if rank == 0:

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from . import checkpoint
+from tpctl import checkpoint
 from tpctl.parallel import comm
 from tpctl.parallel.parallelism import Parallelism
 from tpctl.data.batches import TokenData

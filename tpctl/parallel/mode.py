@@ -346,6 +346,12 @@ class ParallelMode:
         param.tpctl_spec = self.split_spec(param, replicas=group, partial=partial)
 
 
+def as_mode(tp) -> ParallelMode:
+    """The tensor-parallel mode of `tp`: a ParallelMode, or a
+    parallelism.Parallelism holding one."""
+    return tp if isinstance(tp, ParallelMode) else tp.mode
+
+
 def _gather_hidden(module, args, kwargs, group):
     """Pre-hook: the first argument (or hidden_states) gathered along its
     last dimension over `group`: whole hidden vectors of this rank's rows."""

@@ -18,17 +18,11 @@ from .fused import held_units
 from .inference import resolve_plan
 from .layers import ParallelDropout, embedding_semantics, norm_offset, norm_width
 from .mesh import Mesh
-from .mode import ParallelMode, RewriteContext
+from .mode import ParallelMode, RewriteContext, as_mode
 from .registry import mode_class
 from .replicas import share_slices
 from .roles import GROUP_ATTRS, KV_ATTRS, RolePlan, repeated_blocks
 from .shard import spec_of
-
-
-def as_mode(tp) -> ParallelMode:
-    """The tensor-parallel mode of `tp`: a ParallelMode, or a
-    parallelism.Parallelism holding one."""
-    return tp if isinstance(tp, ParallelMode) else tp.mode
 
 
 @dataclass

@@ -57,7 +57,8 @@ import torch.nn as nn
 from . import comm
 from .inference import resolve_plan
 from .layers import linearize
-from .rewrite import as_mode, parallelize
+from .mode import as_mode
+from .rewrite import parallelize
 from .roles import RolePlan
 from .verify_capture import (ELSEWHERE, TOLERANCE, CannotVerify, Check, Originals, capture_calls, capture_originals,
                              eval_forward, local_rows)

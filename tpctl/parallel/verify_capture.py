@@ -67,7 +67,9 @@ class Check:
 
 
 class CannotVerify(Exception):
-    pass
+    """A unit the check cannot run as it is (no tensor argument, an output
+    holding none, a layout it has no rule for): refused with the reason,
+    never passed unchecked."""
 
 
 @dataclass

@@ -62,6 +62,7 @@ def registered():
 
 
 def _curve(layout: Layout) -> list[tuple[float, float]]:
+    from tpctl.config import check_layout
     from tpctl.launch.pool import parallelism_of
     from tpctl.models import build_model
     from tpctl.parallel.base import parallelize
@@ -70,7 +71,7 @@ def _curve(layout: Layout) -> list[tuple[float, float]]:
 
     with registered():
         cfg = layout.write_to(tiny_config(6, **{"model.dropout": 0.0}))
-        layout.validate(cfg)
+        check_layout(cfg, layout)
         par = parallelism_of(layout)
         model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), par)
         return [(r["loss"], r["grad_norm"]) for r in Trainer(cfg, model, par, TokenData(cfg, prepare_data(cfg))).fit()]

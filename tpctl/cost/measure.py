@@ -58,6 +58,8 @@ def one_rank(name: str) -> bool:
 
 
 def check(cfg, modes: list[str], size: int, depth: Optional[int], pp: int = 1) -> None:
+    from tpctl.config import check_layout
+
     valid = [REFERENCE, PLAIN, "1d", "1d+sp", BASELINE, "2d", "2.5d", "3d"]
     for m in modes:
         if is_layout_name(m):
@@ -65,7 +67,7 @@ def check(cfg, modes: list[str], size: int, depth: Optional[int], pp: int = 1) -
                 layout = layout_of(m, size, depth)
             except ValueError as e:
                 raise ConfigError("modes", m, str(e)) from None
-            layout.validate(cfg)
+            check_layout(cfg, layout)
             if layout.world != size:
                 raise ConfigError("modes", m, f"{layout.label()} runs on {layout.world} ranks: expected {size} (size={size})")
             continue
@@ -73,7 +75,7 @@ def check(cfg, modes: list[str], size: int, depth: Optional[int], pp: int = 1) -
             raise ConfigError("modes", m, f"expected a list of {', '.join(valid)}, or layout names such as none-dp{size}-z1")
         if m == BASELINE and pp > 1:
             raise ConfigError("modes", m, f"the DTensor baseline has no pipeline stages: leave it out with pp={pp}")
-        layout_of(m, size, depth, pp).validate(cfg)
+        check_layout(cfg, layout_of(m, size, depth, pp))
     if cfg.model.arch != "gpt" and BASELINE in modes:
         raise ConfigError("modes", BASELINE, f"the DTensor baseline is written for model.arch=gpt, not {cfg.model.arch}")
 

@@ -3,13 +3,16 @@
 A mode is one module holding one `ParallelMode` subclass, which declares
 its grid (axes, named groups, geometry) and registers itself with
 `@register`. The built-in modes are the modules listed in `BUILTIN`; adding a
-mode is a new module plus its line there (or, from outside the package, one
-`register(MyMode)` call before the mode is named).
+mode is a new module plus its line there, or, from outside the package, a
+module of its own that registers it, named by the run config's
+`mode_module` key (`import_mode_module`: the launcher imports it before it
+validates the config, every worker before it builds the mesh).
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import Optional
 
 from tpctl.errors import ConfigError
 
@@ -38,6 +41,20 @@ def _load() -> None:
         for module in BUILTIN:
             importlib.import_module(f"{__package__}.{module}")
         _loaded = True
+
+
+def import_mode_module(module: Optional[str]) -> None:
+    """Import `module`, which registers a mode defined outside tpctl (the
+    config's `mode_module`; None: nothing to import). ConfigError if it does
+    not import."""
+    if not module:
+        return
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # whatever the user's module raises is about the config that names it
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError("mode_module", module, f"expected an importable module that registers a mode "
+                          f"(on PYTHONPATH): {type(e).__name__}: {first}") from None
 
 
 def mode_classes() -> list[type]:

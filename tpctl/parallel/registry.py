@@ -25,7 +25,14 @@ _loaded = False
 
 
 def register(cls: type) -> type:
-    """Make `cls` (a ParallelMode subclass) the mode named `cls.name`."""
+    """Make `cls` (a ParallelMode subclass) the mode named `cls.name`. A
+    linear role it has no `convert_<role>` for gets the default conversion
+    (`ParallelMode.convert_linear`: its weight_spec, output_spec, linear_fn)."""
+    from .linear import LINEAR_ROLES, default_converter
+
+    for role in LINEAR_ROLES:
+        if getattr(cls, f"convert_{role}", None) is None:
+            setattr(cls, f"convert_{role}", default_converter(role))
     _MODES[cls.name] = cls
     return cls
 

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from tpctl.errors import ConfigError
+from tpctl.parallel.registry import import_mode_module
 from tpctl.schema import TrainConfig
 
 from .messages import did_you_mean, expected_type, one_line, valid_keys_hint
@@ -45,7 +46,8 @@ def compose_jobs(overrides: list[str], multirun: bool = False, config_name: str 
 
     For a multirun the sweep is expanded the way Hydra's basic sweeper does
     (the cartesian product of the comma-separated values). Any Hydra or
-    OmegaConf error becomes a ConfigError naming the override at fault.
+    OmegaConf error becomes a ConfigError naming the override at fault; a
+    `mode_module` that does not import, one naming it.
     """
     from hydra import compose, initialize_config_dir
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -77,6 +79,9 @@ def compose_jobs(overrides: list[str], multirun: bool = False, config_name: str 
                 raise _explain(e, OverridesParser.create().parse_overrides(job), config_name) from None
             except Exception as e:  # a file that is not YAML, a defaults list that includes itself
                 raise _file_error(e, job, config_dir) from None
+            # A mode defined outside tpctl exists from here on: every command
+            # (train, plan, bench, inspect) looks it up by name.
+            import_mode_module(composed[-1].get("mode_module"))
     return composed
 
 

@@ -25,6 +25,7 @@ from typing import Any, Optional
 from tpctl.errors import ConfigError
 from tpctl.parallel.geometry import WIRE_FACTOR, padded_vocab
 from tpctl.parallel.layout import ZERO_STAGES, Layout, layouts_of
+from tpctl.parallel.registry import check_costed
 from tpctl.parallel.stages import PipelineSpec
 
 from tpctl.config import CONFIG_DIR, check_layout
@@ -477,6 +478,7 @@ def mark_fits_by_zero(plans: list[SplitPlan]) -> None:
 
 
 def plan_world(cfg, world: int, hw: Optional[Hardware]) -> tuple[list[SplitPlan], list[tuple[Layout, str]]]:
+    check_costed()  # not a mode planned as free of communication
     shape = model_shape(cfg.model, cfg.seed)
     t = cfg.train
     plans, invalid = [], []

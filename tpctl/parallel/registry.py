@@ -64,6 +64,23 @@ def import_mode_module(module: Optional[str]) -> None:
                           f"(on PYTHONPATH): {type(e).__name__}: {first}") from None
 
 
+# The hooks through which a mode tells the planner what its rewrite costs
+# (parallel/base.py); ParallelMode's own describe a grid that splits nothing.
+COST_HOOKS = ("cost_rows", "cost_hidden", "cost_vocab", "cost_embedding", "cost_norm", "cost_linear", "cost_loss")
+
+
+def check_costed() -> None:
+    """ConfigError naming the first mode that rewrites layers but defines
+    none of the COST_HOOKS: the planner would count its communication as
+    zero and its memory as mode=none's."""
+    for cls in mode_classes():
+        root = next(k for k in reversed(cls.__mro__) if "cost_linear" in vars(k))  # ParallelMode
+        if cls.rewrites and all(getattr(cls, hook) is getattr(root, hook) for hook in COST_HOOKS):
+            raise ConfigError("mode", cls.name, f"it rewrites layers but defines none of the planner's cost hooks "
+                              f"({', '.join(COST_HOOKS)}; see parallel/base.py), so tpctl plan would count its "
+                              "communication as zero: define them to plan it")
+
+
 def mode_classes() -> list[type]:
     _load()
     return list(_MODES.values())

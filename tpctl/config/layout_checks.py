@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from tpctl.errors import ConfigError
 from tpctl.parallel.geometry import Geometry
-from tpctl.parallel.layout import Layout
+from tpctl.parallel.layout import Layout, layouts_of
 
 
 def check_layout(cfg: Any, layout: Optional[Layout] = None) -> Geometry:
@@ -95,3 +95,20 @@ def check_decoding(cfg: Any) -> None:
         raise ConfigError("seq_parallel", True, "generate decodes one token at a time, which cannot be split along the sequence: expected false")
     geo = Layout.from_config(cfg).geo
     cfg.train.batch_size, cfg.train.grad_accum, cfg.train.seq_len, cfg.train.resume = geo.batch_split, 1, 1, None
+
+
+def largest_grids(cfg: Any, world: int) -> dict[str, Layout]:
+    """Mode name -> its layout of `world` ranks with the largest grid that
+    `cfg` accepts (the rest data-parallel replicas), for each registered
+    mode with one (its first variant of that size): what must hold in every
+    mode is tested on these."""
+    found: dict[str, Layout] = {}
+    for layout in layouts_of(world):  # smallest grids first, a mode's plain variant first
+        if layout.mode in found and found[layout.mode].size >= layout.size:
+            continue
+        try:
+            check_layout(cfg, layout)
+        except ConfigError:
+            continue
+        found[layout.mode] = layout
+    return found

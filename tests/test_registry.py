@@ -156,3 +156,22 @@ def test_a_mode_module_that_does_not_import_is_refused_in_one_line(tpctl):
         "tpctl: error: invalid config: mode_module='no_such_mode_module': expected an importable module that registers "
         "a mode (on PYTHONPATH): ModuleNotFoundError: No module named 'no_such_mode_module'"]
     assert not (tpctl.cwd / "run").exists()
+
+
+@registered()
+def test_bench_takes_its_mode_names_from_the_registry():
+    from tpctl.config import compose_jobs
+    from tpctl.cost.measure import check, layout_of, mode_names
+    from tpctl.errors import ConfigError
+    from tpctl.parallel.registry import mode_classes
+
+    names = mode_names()
+    assert {cls.name for cls in mode_classes()} | {"plain", "dtensor"} <= set(names) and "rows" in names
+    assert [f"{cls.name}+sp" for cls in mode_classes() if cls.sequence_parallel] == [n for n in names if n.endswith("+sp")]
+    cfg = compose_jobs(["model=gpt-tiny"])[0]
+    check(cfg, ["none", "rows"], 2, None)
+    assert layout_of("rows", 4, None) == Layout("rows", 4)
+    with pytest.raises(ConfigError) as refused:
+        check(cfg, ["4d"], 2, None)
+    assert str(refused.value) == (f"invalid config: modes='4d': expected a list of {', '.join(names)}, "
+                                  f"or layout names such as {Layout(dp=2, zero=1).name}")

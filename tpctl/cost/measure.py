@@ -135,9 +135,11 @@ def setup(name: str, cfg_dict: dict, size: int, depth: Optional[int], compile: b
     from tpctl.models import build_model
     from tpctl.parallel.base import parallelize
     from tpctl.parallel.parallelism import parallelism
+    from tpctl.parallel.registry import import_mode_module
     from tpctl.training.step import TrainStep, build_optimizer
 
     cfg = OmegaConf.create(cfg_dict)
+    import_mode_module(cfg.get("mode_module"))  # a pool rank finds a mode defined outside tpctl by name
     layout = layout_of(name, size, depth, pp)
     rank = dist.get_rank()
     device = _device(cfg)

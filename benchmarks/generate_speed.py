@@ -64,7 +64,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     block = args.new + 32
-    modes = {"none": f"none-dp{args.size}", f"1d-{args.size}": f"1d-{args.size}"}  # layout names (Layout.parse)
+    one_d = Layout("1d", args.size).name
+    modes = {"none": Layout(dp=args.size).name, one_d: one_d}  # layout names (Layout.parse)
     cases = [(name, cache) for name in modes for cache in (True, False)]
     speeds: dict = {c: [] for c in cases}
     pool = DistPool(args.size, timeout_s=1800)

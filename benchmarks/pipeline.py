@@ -110,10 +110,11 @@ def _run(pool_of, args, pp: int, schedule: str, m: int, world: int) -> dict:
     cfg = _config(args, pp, schedule, m, dp)
     from omegaconf import OmegaConf
 
+    from tpctl.config import check_layout
     from tpctl.parallel.layout import Layout
 
     layout = Layout.from_config(cfg)
-    layout.validate(cfg)
+    check_layout(cfg, layout)
     per_rank = pool_of(world).run(_measure, OmegaConf.to_container(cfg, resolve=True), args.steps)
     steps = [max(r["times"][k] for r in per_rank) for k in range(args.steps)]
     row = {"P": pp, "world": world, "schedule": schedule if pp > 1 else "pp=1 (dp)", "M": m if pp > 1 else None,

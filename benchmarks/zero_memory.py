@@ -105,7 +105,7 @@ def main() -> None:
         table.add_column(col, justify="left" if col == "layout" else "right")
     for mode in args.modes:
         for dp in args.dp:
-            layout = Layout.parse(f"{mode}-dp{dp}")
+            layout = Layout.parse(mode).replace(dp=dp)
             batch = args.rows * dp * layout.geo.batch_split
             Console(stderr=True).print(f"measuring {layout.label()} ({layout.world} ranks, batch {batch}) ...")
             per_stage = []

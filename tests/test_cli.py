@@ -15,10 +15,14 @@ import pytest
 from cli_support import tpctl  # noqa: F401  (fixture)
 
 from tpctl.cli import COMMANDS
+from tpctl.parallel.registry import mode_classes
+
+# The package's modes, as the registry lists them (a refusal names them all).
+MODES = ", ".join(cls.name for cls in mode_classes())
 
 # (overrides, key, value as printed, a fragment of what would be valid)
 BAD_CONFIGS = [
-    (["mode=4d"], "mode", "'4d'", "none, 1d, 2d, 2.5d, 3d"),
+    (["mode=4d"], "mode", "'4d'", MODES),
     (["size=0"], "size", "0", "positive"),
     (["mode=2d", "size=3"], "size", "3", "square number"),
     (["mode=2.5d", "depth=2", "size=6"], "size", "6", "depth*q*q; with depth=2: 2, 8, 18"),

@@ -26,6 +26,7 @@ def _run(name: str, steps: int, spec: PipelineSpec | None = None, verify: bool =
     checkpoint to continue from."""
     from pathlib import Path
 
+    from tpctl.config import check_layout
     from tpctl.launch.pool import parallelism_of
     from tpctl.models import build_model
     from tpctl.parallel.verify import parallelize_verified
@@ -41,7 +42,7 @@ def _run(name: str, steps: int, spec: PipelineSpec | None = None, verify: bool =
     if spec is not None:
         cfg.pipeline.schedule, cfg.pipeline.microbatches = spec.schedule, spec.microbatches
         cfg.pipeline.virtual_stages = max(spec.virtual, 2)
-    layout.validate(cfg)
+    check_layout(cfg, layout)
     if run_dir:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
     par = parallelism_of(layout, pipeline=layout.pipeline(cfg) if layout.pp > 1 else None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cli_support import tpctl  # noqa: F401  (fixture)
 from conftest import LAYOUTS, layouts
 from tpctl.parallel.layout import Layout
 
@@ -188,3 +189,20 @@ def test_bench_runs_every_mode_on_the_same_model():
     assert results["1d"]["comm_bytes"] == planned.comm_bytes
     assert results["1d"]["param_bytes"] == planned.param_bytes
     assert set(predicted_ms(cfg, ["none", "1d", "dtensor"], 2, None, "cpu")) == {"none", "1d", "dtensor"}
+
+
+@pytest.mark.timeout(120)
+def test_plan_refuses_a_mode_without_cost_hooks_by_name(tpctl, tmp_path):
+    """A mode defined outside tpctl (test_registry's RowSplit, in a module of
+    its own) trains, but the planner cannot know what its rewrite sends."""
+    from test_registry import write_mode_module
+
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    tpctl.extra_env["PYTHONPATH"] = str(plugins)
+    result = tpctl.run(["plan", "world=4", "model=gpt-tiny", f"mode_module={write_mode_module(plugins)}"], timeout=100)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "tpctl: error: invalid config: mode='rows': it rewrites layers but defines none of the planner's cost hooks "
+        "(cost_rows, cost_hidden, cost_vocab, cost_embedding, cost_norm, cost_linear, cost_loss; see "
+        "parallel/base.py), so tpctl plan would count its communication as zero: define them to plan it"]

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import layouts, tiny_config
+from conftest import tiny_config
+from tpctl.config import largest_grids
 from tpctl.errors import ConfigError
 from tpctl.data.shards import read_index, shard_paths
 from tpctl.data.batches import TokenData
@@ -108,8 +109,7 @@ def _train_on_damaged(layout, out: str) -> str:
     return "trained on"
 
 
-@pytest.mark.parametrize("layout", layouts("none-dp8", "1d-4-dp2", "2d-4-dp2", "2.5d-8-d2", "3d-8").values(),
-                         ids=["none", "1d", "2d", "2.5d", "3d"])
+@pytest.mark.parametrize("layout", largest_grids(tiny_config(2), 8).values(), ids=list(largest_grids(tiny_config(2), 8)))
 def test_every_mode_stops_at_the_first_batch_that_holds_such_an_id(pool, tmp_path, layout):
     out = _prepared(tmp_path)
     errors = pool.run(_train_on_damaged, layout, str(out))

@@ -222,6 +222,9 @@ class TrainConfig:
     # The layout (parallel/layout.py): the tensor-parallel mode (a name in
     # parallel/registry.py), its grid, and the replicas.
     mode: str = "none"
+    # A module defined outside tpctl that registers the mode named by `mode`
+    # (`mypkg.mymode`, on PYTHONPATH); the launcher and every worker import it.
+    mode_module: Optional[str] = None
     size: int = 1  # tensor-parallel ranks
     depth: int = 1  # 2.5d depth
     dp: int = 1  # data-parallel replicas; world = size * pp * dp

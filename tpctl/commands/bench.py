@@ -76,9 +76,9 @@ def main(args: list[str]) -> int:
         from tpctl.cost.planner import load_hardware
 
         load_hardware(opts["hardware"])
-        from tpctl.config import _check_backend
+        from tpctl.config import check_backend
 
-        _check_backend(cfg)  # device=cuda needs a CUDA device (the ranks share it)
+        check_backend(cfg)  # device=cuda needs a CUDA device (the ranks share it)
         if opts["compile"]:
             from tpctl.training.compile import preflight
 

@@ -122,19 +122,7 @@ def compose(source: Path, kind: str, overrides: list[str]):
 def check(cfg, opts: dict) -> list[int]:
     """Validate the composed config for generation; return the prompt's ids."""
     from tpctl.config import validate
-    from tpctl.parallel.layout import Layout
 
-    if cfg.dp != 1:
-        raise ConfigError("dp", cfg.dp, "generate runs one tensor-parallel group: expected dp=1")
-    if cfg.pp != 1:
-        raise ConfigError("pp", cfg.pp, "generate decodes in one tensor-parallel group, not through pipeline stages: "
-                          "expected pp=1 (a checkpoint written with any pp loads into any layout)")
-    if cfg.seq_parallel:
-        raise ConfigError("seq_parallel", True, "generate decodes one token at a time, which cannot be split along the sequence: expected false")
-    geo = Layout.from_config(cfg).geo
-    # No training: a batch of the rows the mode splits (the prompt,
-    # replicated: training/generation.py), nothing resumed.
-    cfg.train.batch_size, cfg.train.grad_accum, cfg.train.seq_len, cfg.train.resume = geo.batch_split, 1, 1, None
     validate(cfg, training=False)
     if opts["prompt"] is None:
         raise ConfigError("prompt", None, 'expected prompt="some text"')

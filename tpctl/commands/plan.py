@@ -81,9 +81,9 @@ def main(args: list[str]) -> int:
             if hw is None:
                 raise ConfigError("memory", opts["memory"], "plans against a hardware profile's memory: add hardware=NAME")
             hw = dataclasses.replace(hw, memory_bytes=opts["memory"] * 2**30)
+        plans, invalid = plan_world(cfg, world, hw)
     except ConfigError as e:
         return fail(e)
-    plans, invalid = plan_world(cfg, world, hw)
     if not plans:  # an empty table would read as "nothing to say"
         why = "; ".join(f"{plan_label(s)}: {reason}" for s, reason in invalid) or "no mode has a size that divides it"
         return fail(f"invalid config: world={world}: no split of {world} ranks is valid for this model and batch: {why}")

@@ -14,6 +14,8 @@ from typing import Optional
 from tpctl.errors import ConfigError
 
 BASELINE = "dtensor"
+# The mode whose layout PyTorch's own tensor parallelism (BASELINE) reproduces.
+BASELINE_MODE = "1d"
 # The same model trained by a plain PyTorch loop: no tpctl layer, F.cross_entropy,
 # torch.nn.utils.clip_grad_norm_ (the loop tpctl must be as fast as).
 PLAIN = "plain"
@@ -22,14 +24,26 @@ REFERENCE = "none"
 DEFAULT_MODES = [REFERENCE, PLAIN, "1d", BASELINE, "2d"]
 
 
+def mode_names() -> list[str]:
+    """What `modes=[...]` takes besides layout names: the registered modes
+    (`none` among them), `<mode>+sp` for those with sequence parallelism,
+    `plain` and `dtensor`."""
+    from tpctl.parallel.registry import mode_classes
+
+    names = [REFERENCE, PLAIN]
+    for cls in mode_classes():
+        names += ([cls.name] if cls.name != REFERENCE else []) + ([f"{cls.name}+sp"] if cls.sequence_parallel else [])
+        names += [BASELINE] if cls.name == BASELINE_MODE else []  # beside the mode it reproduces
+    return names
+
+
 def layout_of(name: str, size: int, depth: Optional[int], pp: int = 1):
     """The layout a bench mode name measures: `none` and `plain` one rank,
-    `1d` and `dtensor` a 1d group of `size`, `1d+sp`, `2d`, `2.5d` (depth:
-    the smallest > 1 that leaves a square, unless given) and `3d`; tpctl's
-    modes with `pp` pipeline stages of that group (pp x size ranks); or a
-    layout's short name (Layout.parse: `none-dp4-z2`, `2d-4-dp2-z3`) of
-    `size` ranks in all."""
-    from tpctl.parallel.geometry import exact_root
+    `dtensor` a 1d group of `size`, a registered mode a group of `size`
+    (`1d+sp`: with sequence parallelism; a mode using depth, as 2.5d: the
+    smallest depth > 1 its geometry takes, unless given), with `pp`
+    pipeline stages of that group (pp x size ranks); or a layout's short
+    name (Layout.parse: `none-dp4-z2`, `2d-4-dp2-z3`) of `size` ranks in all."""
     from tpctl.parallel.layout import Layout
 
     if is_layout_name(name):
@@ -37,19 +51,31 @@ def layout_of(name: str, size: int, depth: Optional[int], pp: int = 1):
     if name in (REFERENCE, PLAIN):
         return Layout()
     if name == BASELINE:
-        return Layout("1d", size)
-    if name in ("1d+sp", "1d-sp"):
-        return Layout("1d", size, seq_parallel=True, pp=pp)
-    if name == "2.5d":
-        if depth is None:
-            depth = next((d for d in range(2, size) if size % d == 0 and exact_root(size // d, 2)), 1)
-        return Layout(name, size, depth, pp=pp)
-    return Layout(name, size, pp=pp)
+        return Layout(BASELINE_MODE, size)
+    mode, sp = (name[:-3], True) if _sequence_parallel(name) else (name, False)
+    if not Layout(mode).mode_class.uses_depth:
+        return Layout(mode, size, pp=pp, seq_parallel=sp)
+    if depth is None:
+        depth = next((v["depth"] for v in Layout(mode).mode_class.variants(size) if _fits(Layout(mode, size, v["depth"]))), 1)
+    return Layout(mode, size, depth, pp=pp, seq_parallel=sp)
+
+
+def _sequence_parallel(name: str) -> bool:
+    """`1d+sp` (or `1d-sp`): a mode's name with sequence parallelism."""
+    return name.endswith(("+sp", "-sp")) and "-" not in name[:-3]
+
+
+def _fits(layout) -> bool:
+    try:
+        layout.geo
+    except ConfigError:
+        return False
+    return True
 
 
 def is_layout_name(name: str) -> bool:
     """Whether a bench mode name is a layout's short name (`2d-4-dp2-z1`)."""
-    return "-" in name and name not in ("1d-sp",)
+    return "-" in name and not _sequence_parallel(name)
 
 
 def one_rank(name: str) -> bool:
@@ -58,22 +84,26 @@ def one_rank(name: str) -> bool:
 
 
 def check(cfg, modes: list[str], size: int, depth: Optional[int], pp: int = 1) -> None:
-    valid = [REFERENCE, PLAIN, "1d", "1d+sp", BASELINE, "2d", "2.5d", "3d"]
+    from tpctl.config import check_layout
+    from tpctl.parallel.layout import Layout
+
+    valid = mode_names()
     for m in modes:
         if is_layout_name(m):
             try:
                 layout = layout_of(m, size, depth)
             except ValueError as e:
                 raise ConfigError("modes", m, str(e)) from None
-            layout.validate(cfg)
+            check_layout(cfg, layout)
             if layout.world != size:
                 raise ConfigError("modes", m, f"{layout.label()} runs on {layout.world} ranks: expected {size} (size={size})")
             continue
         if m not in valid:
-            raise ConfigError("modes", m, f"expected a list of {', '.join(valid)}, or layout names such as none-dp{size}-z1")
+            example = Layout(dp=size, zero=1).name
+            raise ConfigError("modes", m, f"expected a list of {', '.join(valid)}, or layout names such as {example}")
         if m == BASELINE and pp > 1:
             raise ConfigError("modes", m, f"the DTensor baseline has no pipeline stages: leave it out with pp={pp}")
-        layout_of(m, size, depth, pp).validate(cfg)
+        check_layout(cfg, layout_of(m, size, depth, pp))
     if cfg.model.arch != "gpt" and BASELINE in modes:
         raise ConfigError("modes", BASELINE, f"the DTensor baseline is written for model.arch=gpt, not {cfg.model.arch}")
 
@@ -105,9 +135,11 @@ def setup(name: str, cfg_dict: dict, size: int, depth: Optional[int], compile: b
     from tpctl.models import build_model
     from tpctl.parallel.rewrite import parallelize
     from tpctl.parallel.parallelism import parallelism
+    from tpctl.parallel.registry import import_mode_module
     from tpctl.training.step import TrainStep, build_optimizer
 
     cfg = OmegaConf.create(cfg_dict)
+    import_mode_module(cfg.get("mode_module"))  # a pool rank finds a mode defined outside tpctl by name
     layout = layout_of(name, size, depth, pp)
     rank = dist.get_rank()
     device = _device(cfg)

@@ -25,9 +25,10 @@ from typing import Any, Optional
 from tpctl.errors import ConfigError
 from tpctl.parallel.geometry import WIRE_FACTOR, padded_vocab
 from tpctl.parallel.layout import ZERO_STAGES, Layout, layouts_of
+from tpctl.parallel.registry import check_costed
 from tpctl.parallel.stages import PipelineSpec
 
-from tpctl.config import CONFIG_DIR
+from tpctl.config import CONFIG_DIR, check_layout
 
 HARDWARE_DIR = CONFIG_DIR / "hardware"
 F32 = 4  # bytes of an fp32 element: parameters, activations, gradients
@@ -391,7 +392,7 @@ def splits_of(world: int, cfg) -> list[tuple[Layout, Optional[str]]]:
     for layout in (l for pp in range(1, world + 1) if world % pp == 0 and pp <= (blocks or world)
                    for l in layouts_of(world, pp)):
         try:
-            layout.validate(cfg)
+            check_layout(cfg, layout)
             out += [(layout.replace(zero=zero), None) for zero in (ZERO_STAGES if layout.dp > 1 else (0,))]
         except ConfigError as e:
             out.append((layout, str(e).removeprefix("invalid config: ")))
@@ -477,6 +478,7 @@ def mark_fits_by_zero(plans: list[SplitPlan]) -> None:
 
 
 def plan_world(cfg, world: int, hw: Optional[Hardware]) -> tuple[list[SplitPlan], list[tuple[Layout, str]]]:
+    check_costed()  # not a mode planned as free of communication
     shape = model_shape(cfg.model, cfg.seed)
     t = cfg.train
     plans, invalid = [], []

@@ -144,10 +144,10 @@ class Layout:
         return " ".join(parts)
 
     # ---- validation ------------------------------------------------------------
-    def validate(self, cfg: Any = None) -> Geometry:
-        """Check the layout, and with a run config everything that depends on
-        it (head and hidden sizes, the batch split); ConfigError names the
-        first bad key. Returns the geometry."""
+    def validate(self) -> Geometry:
+        """Check the layout itself (a config's sizes against it:
+        `tpctl.config.check_layout`); ConfigError names the first bad key.
+        Returns the geometry."""
         geo = self.geo
         cls = self.mode_class
         if not cls.uses_depth and self.depth != 1:
@@ -165,68 +165,14 @@ class Layout:
             # ColossalAI cap ZeRO at stage 1 under a pipeline too.
             raise ConfigError("zero", self.zero, "with pp>1 a pipeline stage keeps its gradients whole across the "
                               "schedule's micro-batches, so stages 2 and 3 save nothing: expected zero=0 or zero=1")
-        if cfg is not None:
-            self._check_model(cfg, geo)
         if self.seq_parallel and not cls.sequence_parallel:
             raise ConfigError("seq_parallel", True, f"sequence parallelism is for mode=1d; expected seq_parallel=false with mode={self.mode}")
-        if cfg is None:
-            return geo
-        if self.seq_parallel and cfg.train.seq_len % self.size:
-            raise ConfigError("train.seq_len", cfg.train.seq_len, f"seq_parallel splits the sequence {self.size} ways: expected a multiple of {self.size}")
-        t = cfg.train
-        if t.grad_accum < 1:
-            raise ConfigError("train.grad_accum", t.grad_accum, "expected a positive number of micro-batches")
-        if self.pp > 1:
-            self.pipeline(cfg)  # the pipeline's own split of the batch
-            return geo
-        split = t.grad_accum * self.dp * geo.batch_split
-        if t.batch_size < 1 or t.batch_size % split:
-            raise ConfigError(
-                "train.batch_size", t.batch_size,
-                f"the global batch is split into grad_accum({t.grad_accum}) x dp({self.dp}) x {geo.batch_split} row blocks "
-                f"(mode={self.mode}): expected a positive multiple of {split}",
-            )
         return geo
 
     def pipeline(self, cfg: Any) -> PipelineSpec:
-        """The pipeline of run config `cfg` in this layout (ConfigError naming
-        the first bad key); pp=1: one stage."""
-        if self.pp > 1 and self.seq_parallel:
-            raise ConfigError("seq_parallel", True, "the stream a pipeline stage sends is not sequence-sharded yet: "
-                              "expected seq_parallel=false with pp > 1")
-        if self.pp > 1 and cfg.train.get("sample_every", 0):
-            raise ConfigError("train.sample_every", cfg.train.sample_every, "samples are decoded by one tensor-parallel "
-                              "group, not through pipeline stages: expected 0 with pp > 1 (tpctl generate decodes a "
-                              "checkpoint of any pp in any layout)")
-        spec = PipelineSpec.from_config(cfg, self.pp, self.dp * self.geo.batch_split)
-        m = cfg.model
-        blocks = m.get("n_layer") if m.get("arch") not in ("custom", None) and not m.get("pretrained") else None
-        if blocks is not None and spec.chunks > blocks:
-            key, value = ("pp", self.pp) if spec.virtual == 1 else ("pipeline.virtual_stages", spec.virtual)
-            raise ConfigError(key, value, f"{spec.describe_chunks()}, more than the model's {blocks} blocks "
-                              f"(model.n_layer): expected at most {blocks} stages")
-        if blocks is not None and spec.split is not None and sum(spec.split) != blocks:
-            raise ConfigError("pipeline.split", list(spec.split), f"expected {spec.chunks} numbers of blocks summing to "
-                              f"the model's {blocks} (model.n_layer)")
-        return spec
-
-    def _check_model(self, cfg: Any, geo: Geometry) -> None:
-        """Head and hidden sizes the config states (a built-in or size-keyed
-        model); any model is checked module by module too, once built
-        (models.check_model)."""
-        m = cfg.model
-        if m.arch == "custom" or m.get("pretrained"):
-            return
-        where = f"mode={self.mode} size={self.size}"
-        for key, heads in (("model.n_head", m.n_head), ("model.n_kv_head", m.get("n_kv_head"))):
-            if heads is not None and heads % geo.head_split:
-                raise ConfigError(key, heads, f"{where} splits heads {geo.head_split} ways: expected a multiple of {geo.head_split}")
-        if m.n_embd % m.n_head:
-            raise ConfigError("model.n_embd", m.n_embd, f"expected a multiple of model.n_head={m.n_head}")
-        inner = ("model.intermediate_size", m.intermediate_size) if m.get("intermediate_size") else ("model.mlp_ratio", m.n_embd * m.mlp_ratio)
-        for key, dim in (("model.n_embd", m.n_embd), inner):
-            if dim % geo.hidden_split:
-                raise ConfigError(key, m[key.split(".")[1]], f"{where} splits the hidden dim {geo.hidden_split} ways: hidden size {dim} does not divide")
+        """The pipeline of run config `cfg` in this layout (a config that
+        `tpctl.config.check_layout` accepted); pp=1: one stage."""
+        return PipelineSpec.from_config(cfg, self.pp, self.dp * self.geo.batch_split)
 
     # ---- ranks -------------------------------------------------------------------
     def coords(self, rank: int) -> dict[str, int]:

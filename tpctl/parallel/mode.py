@@ -310,6 +310,20 @@ class ParallelMode:
         """(x, this rank's weight shard) -> y: the mode's Linear for `role`."""
         raise ValueError(f"mode {self.name} has no Linear for role {role!r}")
 
+    def convert_linear(self, module: nn.Module, ctx: RewriteContext, role: str) -> nn.Module:
+        """The default conversion of a Linear of a linear role (linear.py):
+        its weight sharded by `weight_spec`, its bias by `output_spec`, both
+        following a fused projection's layout, the lm_head's rows padded to
+        the mode's vocabulary multiple, run by `linear_fn(role)`. A mode
+        defining those three needs no `convert_<role>` of its own."""
+        from .linear import ShardedLinear
+
+        n = self.padded_vocab(module.out_features) if role == "lm_head" else module.out_features
+        layout = self.fused_layout(role, module, ctx)
+        weight = ctx.shard(module.weight, self.weight_spec(module.weight, role, layout, n))
+        bias = None if module.bias is None else ctx.shard(module.bias, self.output_spec(module.bias, role, layout, n))
+        return ShardedLinear(weight, bias, self.linear_fn(role))
+
     def convert_head_norm(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
         """A norm over each head of q or k runs as written on this rank's
         whole heads; its weight sees only those heads (and rows), so its

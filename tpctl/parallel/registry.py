@@ -3,13 +3,16 @@
 A mode is one module holding one `ParallelMode` subclass, which declares
 its grid (axes, named groups, geometry) and registers itself with
 `@register`. The built-in modes are the modules listed in `BUILTIN`; adding a
-mode is a new module plus its line there (or, from outside the package, one
-`register(MyMode)` call before the mode is named).
+mode is a new module plus its line there, or, from outside the package, a
+module of its own that registers it, named by the run config's
+`mode_module` key (`import_mode_module`: the launcher imports it before it
+validates the config, every worker before it builds the mesh).
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import Optional
 
 from tpctl.errors import ConfigError
 
@@ -22,7 +25,14 @@ _loaded = False
 
 
 def register(cls: type) -> type:
-    """Make `cls` (a ParallelMode subclass) the mode named `cls.name`."""
+    """Make `cls` (a ParallelMode subclass) the mode named `cls.name`. A
+    linear role it has no `convert_<role>` for gets the default conversion
+    (`ParallelMode.convert_linear`: its weight_spec, output_spec, linear_fn)."""
+    from .linear import LINEAR_ROLES, default_converter
+
+    for role in LINEAR_ROLES:
+        if getattr(cls, f"convert_{role}", None) is None:
+            setattr(cls, f"convert_{role}", default_converter(role))
     _MODES[cls.name] = cls
     return cls
 
@@ -38,6 +48,37 @@ def _load() -> None:
         for module in BUILTIN:
             importlib.import_module(f"{__package__}.{module}")
         _loaded = True
+
+
+def import_mode_module(module: Optional[str]) -> None:
+    """Import `module`, which registers a mode defined outside tpctl (the
+    config's `mode_module`; None: nothing to import). ConfigError if it does
+    not import."""
+    if not module:
+        return
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # whatever the user's module raises is about the config that names it
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError("mode_module", module, f"expected an importable module that registers a mode "
+                          f"(on PYTHONPATH): {type(e).__name__}: {first}") from None
+
+
+# The hooks through which a mode tells the planner what its rewrite costs
+# (parallel/base.py); ParallelMode's own describe a grid that splits nothing.
+COST_HOOKS = ("cost_rows", "cost_hidden", "cost_vocab", "cost_embedding", "cost_norm", "cost_linear", "cost_loss")
+
+
+def check_costed() -> None:
+    """ConfigError naming the first mode that rewrites layers but defines
+    none of the COST_HOOKS: the planner would count its communication as
+    zero and its memory as mode=none's."""
+    for cls in mode_classes():
+        root = next(k for k in reversed(cls.__mro__) if "cost_linear" in vars(k))  # ParallelMode
+        if cls.rewrites and all(getattr(cls, hook) is getattr(root, hook) for hook in COST_HOOKS):
+            raise ConfigError("mode", cls.name, f"it rewrites layers but defines none of the planner's cost hooks "
+                              f"({', '.join(COST_HOOKS)}; see parallel/base.py), so tpctl plan would count its "
+                              "communication as zero: define them to plan it")
 
 
 def mode_classes() -> list[type]:

@@ -1,0 +1,114 @@
+"""The refusals of a run config that depend on its layout: the head and
+hidden sizes the grid splits, the batch split into row blocks, the
+pipeline's stages against the model's blocks, and what decoding
+(`tpctl generate`) cannot split. The layout's own rules, which need no
+config, stay with it (`Layout.validate`): the mesh checks them too."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from tpctl.errors import ConfigError
+from tpctl.parallel.geometry import Geometry
+from tpctl.parallel.layout import Layout, layouts_of
+
+
+def check_layout(cfg: Any, layout: Optional[Layout] = None) -> Geometry:
+    """Check the layout of `cfg` (or `layout`, planned for it) and
+    everything that depends on it; ConfigError names the first bad key.
+    Returns the grid's geometry."""
+    layout = Layout.from_config(cfg) if layout is None else layout
+    geo = layout.validate()
+    _check_model_sizes(cfg, layout, geo)
+    if layout.seq_parallel and cfg.train.seq_len % layout.size:
+        raise ConfigError("train.seq_len", cfg.train.seq_len,
+                          f"seq_parallel splits the sequence {layout.size} ways: expected a multiple of {layout.size}")
+    t = cfg.train
+    if t.grad_accum < 1:
+        raise ConfigError("train.grad_accum", t.grad_accum, "expected a positive number of micro-batches")
+    if layout.pp > 1:
+        _check_pipeline(cfg, layout)  # the pipeline's own split of the batch
+        return geo
+    split = t.grad_accum * layout.dp * geo.batch_split
+    if t.batch_size < 1 or t.batch_size % split:
+        raise ConfigError(
+            "train.batch_size", t.batch_size,
+            f"the global batch is split into grad_accum({t.grad_accum}) x dp({layout.dp}) x {geo.batch_split} row blocks "
+            f"(mode={layout.mode}): expected a positive multiple of {split}",
+        )
+    return geo
+
+
+def _check_pipeline(cfg: Any, layout: Layout) -> None:
+    """A pipeline of `layout.pp` stages for this config: what a stage cannot
+    do, and its chunks against the model's blocks (the schedule's own
+    arithmetic refuses in `PipelineSpec.from_config`)."""
+    if layout.seq_parallel:
+        raise ConfigError("seq_parallel", True, "the stream a pipeline stage sends is not sequence-sharded yet: "
+                          "expected seq_parallel=false with pp > 1")
+    if cfg.train.get("sample_every", 0):
+        raise ConfigError("train.sample_every", cfg.train.sample_every, "samples are decoded by one tensor-parallel "
+                          "group, not through pipeline stages: expected 0 with pp > 1 (tpctl generate decodes a "
+                          "checkpoint of any pp in any layout)")
+    spec = layout.pipeline(cfg)
+    m = cfg.model
+    blocks = m.get("n_layer") if m.get("arch") not in ("custom", None) and not m.get("pretrained") else None
+    if blocks is not None and spec.chunks > blocks:
+        key, value = ("pp", layout.pp) if spec.virtual == 1 else ("pipeline.virtual_stages", spec.virtual)
+        raise ConfigError(key, value, f"{spec.describe_chunks()}, more than the model's {blocks} blocks "
+                          f"(model.n_layer): expected at most {blocks} stages")
+    if blocks is not None and spec.split is not None and sum(spec.split) != blocks:
+        raise ConfigError("pipeline.split", list(spec.split), f"expected {spec.chunks} numbers of blocks summing to "
+                          f"the model's {blocks} (model.n_layer)")
+
+
+def _check_model_sizes(cfg: Any, layout: Layout, geo: Geometry) -> None:
+    """Head and hidden sizes the config states (a built-in or size-keyed
+    model); any model is checked module by module too, once built
+    (models.check_model)."""
+    m = cfg.model
+    if m.arch == "custom" or m.get("pretrained"):
+        return
+    where = f"mode={layout.mode} size={layout.size}"
+    for key, heads in (("model.n_head", m.n_head), ("model.n_kv_head", m.get("n_kv_head"))):
+        if heads is not None and heads % geo.head_split:
+            raise ConfigError(key, heads, f"{where} splits heads {geo.head_split} ways: expected a multiple of {geo.head_split}")
+    if m.n_embd % m.n_head:
+        raise ConfigError("model.n_embd", m.n_embd, f"expected a multiple of model.n_head={m.n_head}")
+    inner = ("model.intermediate_size", m.intermediate_size) if m.get("intermediate_size") else ("model.mlp_ratio", m.n_embd * m.mlp_ratio)
+    for key, dim in (("model.n_embd", m.n_embd), inner):
+        if dim % geo.hidden_split:
+            raise ConfigError(key, m[key.split(".")[1]], f"{where} splits the hidden dim {geo.hidden_split} ways: hidden size {dim} does not divide")
+
+
+def check_decoding(cfg: Any) -> None:
+    """A config only decoded (tpctl generate): one tensor-parallel group
+    decoding one token at a time. Its training keys become a batch of the
+    rows the mode splits (the prompt, replicated: training/generation.py),
+    nothing resumed."""
+    if cfg.dp != 1:
+        raise ConfigError("dp", cfg.dp, "generate runs one tensor-parallel group: expected dp=1")
+    if cfg.pp != 1:
+        raise ConfigError("pp", cfg.pp, "generate decodes in one tensor-parallel group, not through pipeline stages: "
+                          "expected pp=1 (a checkpoint written with any pp loads into any layout)")
+    if cfg.seq_parallel:
+        raise ConfigError("seq_parallel", True, "generate decodes one token at a time, which cannot be split along the sequence: expected false")
+    geo = Layout.from_config(cfg).geo
+    cfg.train.batch_size, cfg.train.grad_accum, cfg.train.seq_len, cfg.train.resume = geo.batch_split, 1, 1, None
+
+
+def largest_grids(cfg: Any, world: int) -> dict[str, Layout]:
+    """Mode name -> its layout of `world` ranks with the largest grid that
+    `cfg` accepts (the rest data-parallel replicas), for each registered
+    mode with one (its first variant of that size): what must hold in every
+    mode is tested on these."""
+    found: dict[str, Layout] = {}
+    for layout in layouts_of(world):  # smallest grids first, a mode's plain variant first
+        if layout.mode in found and found[layout.mode].size >= layout.size:
+            continue
+        try:
+            check_layout(cfg, layout)
+        except ConfigError:
+            continue
+        found[layout.mode] = layout
+    return found

@@ -116,7 +116,7 @@ def write_mode_module(folder) -> str:
     """A module of its own under `folder` that defines RowSplit and
     registers it (a mode outside tpctl, as a user writes one); its name."""
     header = ("import torch.nn.functional as F\n\n"
-              "from tpctl.parallel.base import ParallelMode\n"
+              "from tpctl.parallel.mode import ParallelMode\n"
               "from tpctl.parallel.geometry import Geometry\n"
               "from tpctl.parallel.layers import ParallelDropout\n"
               "from tpctl.parallel.registry import register\n\n\n")

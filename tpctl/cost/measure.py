@@ -103,9 +103,8 @@ def setup(name: str, cfg_dict: dict, size: int, depth: Optional[int], compile: b
     from omegaconf import OmegaConf
 
     from tpctl.models import build_model
-    from tpctl.parallel.base import parallelize
-    from tpctl.parallel.parallelism import parallelism
-    from tpctl.training.step import TrainStep, build_optimizer
+    from tpctl.training.build import build_run
+    from tpctl.training.step import build_optimizer
 
     cfg = OmegaConf.create(cfg_dict)
     layout = layout_of(name, size, depth, pp)
@@ -120,13 +119,10 @@ def setup(name: str, cfg_dict: dict, size: int, depth: Optional[int], compile: b
         st = {"model": build_model(cfg.model, cfg.seed).to(device)}
     else:
         # One rank of a bigger pool measures mode=none: its mesh has no process group.
-        par = parallelism(layout, cfg.seed, device, groups=layout.world > 1,
-                          pipeline=layout.pipeline(cfg) if layout.pp > 1 else None)
-        st = {"par": par, "model": parallelize(build_model(cfg.model, cfg.seed, lazy=True), par).to(device)}
-    if "par" in st:  # tpctl's own step, as the trainer runs it (a constant learning rate)
-        st["step"] = TrainStep(st["par"], [st["model"]], cfg)
-        st["opt"] = st["step"].optimizer
-    else:
+        # tpctl's own step, as the trainer runs it (a constant learning rate).
+        run = build_run(cfg, layout=layout, device=device, groups=layout.world > 1, schedule=False)
+        st = {"par": run.par, "model": run.model, "step": run.step, "opt": run.step.optimizer}
+    if "step" not in st:
         st["opt"] = build_optimizer(st["model"].parameters(), cfg.optim)
     if compile:
         from tpctl.training.compile import compile_model

@@ -13,7 +13,7 @@ import contextlib
 
 import pytest
 
-from conftest import tiny_config
+from conftest import build_trainer, tiny_config
 from tpctl.parallel.base import ParallelMode
 from tpctl.parallel.geometry import Geometry
 from tpctl.parallel.layers import ParallelDropout
@@ -62,18 +62,10 @@ def registered():
 
 
 def _curve(layout: Layout) -> list[tuple[float, float]]:
-    from tpctl.launch.pool import parallelism_of
-    from tpctl.models import build_model
-    from tpctl.parallel.base import parallelize
-    from tpctl.training.data import TokenData, prepare_data
-    from tpctl.training.loop import Trainer
-
     with registered():
         cfg = layout.write_to(tiny_config(6, **{"model.dropout": 0.0}))
         layout.validate(cfg)
-        par = parallelism_of(layout)
-        model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), par)
-        return [(r["loss"], r["grad_norm"]) for r in Trainer(cfg, model, par, TokenData(cfg, prepare_data(cfg))).fit()]
+        return [(r["loss"], r["grad_norm"]) for r in build_trainer(cfg, layout).fit()]
 
 
 @registered()

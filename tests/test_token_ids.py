@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import layouts, tiny_config
+from conftest import build_trainer, layouts, tiny_config
 from tpctl.errors import ConfigError
 from tpctl.training import corpus
 from tpctl.training.data import TokenData, TokenOutOfRange, prepare_data
@@ -83,15 +83,8 @@ def _train_on_damaged(layout, out: str) -> str:
     open (as a file changed mid-run), train: the error each rank raises."""
     import torch.distributed as dist
 
-    from tpctl.models import build_model
-    from tpctl.parallel.base import parallelize
-    from tpctl.parallel.parallelism import parallelism
-    from tpctl.training.loop import Trainer
-
     cfg = layout.write_to(tiny_config(2, **{"data.path": out}))
-    par = parallelism(layout, cfg.seed)
-    model = parallelize(build_model(cfg.model, cfg.seed), par)
-    trainer = Trainer(cfg, model, par, TokenData(cfg, prepare_data(cfg, scan_ids=False)))
+    trainer = build_trainer(cfg, layout, pooled=False, lazy=False, scan_ids=False)
     dist.barrier()
     if dist.get_rank() == 0:
         index = corpus.read_index(out)

@@ -37,7 +37,7 @@ def measure(mode: str, size: int, depth: int, dp: int, model_kwargs: dict) -> tu
     with torch.device("meta"):  # shapes only: nothing is allocated
         model = GPT(ModelConfig(**model_kwargs))
         whole = sum(p.numel() * p.element_size() for p in model.parameters())
-        tpctl.parallelize(model, tpctl.init_parallel(mode, size, depth, dp))
+        tpctl.parallelize(model, tpctl.init_parallel(mode=mode, size=size, depth=depth, dp=dp))
     return whole, sum(p.numel() * p.element_size() for p in model.parameters())
 
 

@@ -51,7 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     model_kwargs = dict(vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head,
                         n_embd=args.n_embd, block_size=args.block_size)
-    pool = DistPool(WORLD)
+    pool = DistPool(WORLD, timeout_s=600)
     try:
         rows = [(m, pool.run(measure, *m[:4], model_kwargs)) for m in MESHES]
     finally:

@@ -336,6 +336,8 @@ def mfu(cfg, hw, median_s: float, ranks: int) -> Optional[float]:
 
 def predicted_ms(cfg, modes, size, depth, hardware: str, pp: int = 1) -> dict[str, Optional[float]]:
     """`tpctl plan`'s predicted step time of each mode on `hardware`."""
+    from tpctl.training.build import pipeline_of
+
     from .planner import load_hardware, model_shape, plan_split, predict
 
     hw = load_hardware(hardware)
@@ -343,7 +345,7 @@ def predicted_ms(cfg, modes, size, depth, hardware: str, pp: int = 1) -> dict[st
     out = {}
     for m in modes:
         layout = layout_of(m, size, depth, pp)
-        spec = layout.pipeline(cfg) if layout.pp > 1 else None
+        spec = pipeline_of(layout, cfg)
         out[m] = predict(plan_split(shape, layout, cfg.train.batch_size, cfg.train.seq_len, pipeline=spec), hw).step_time_s * 1e3
     return out
 

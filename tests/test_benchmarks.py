@@ -8,6 +8,7 @@ run, several runs each) are marked slow; the rest take seconds."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -60,8 +61,16 @@ def test_script_runs_on_tiny_shapes(script, tmp_path):
     args, expected, _ = SCRIPTS[script]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=840)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, f"{script} exited {done.returncode}:\n{output[-3000:]}"
+    # Its own session: a script that runs over is ended with the ranks it
+    # spawned, none left behind.
+    proc = subprocess.Popen([sys.executable, str(BENCHMARKS / script), *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=840)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{script} ran over 840 s:\n{(out + err)[-3000:]}")
+    output = out + err
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{output[-3000:]}"
     assert expected in output, f"{script}: no {expected!r} in its output:\n{output[-3000:]}"

@@ -46,16 +46,17 @@ def measure(layout_name: str, model: str, batch: int, seq: int) -> dict:
     with activation checkpointing."""
     import torch
 
-    from tpctl.models import build_model
-    from tpctl.parallel.rewrite import parallelize
     from tpctl.parallel.layout import Layout
-    from tpctl.parallel.parallelism import parallelism
     from tpctl.training.recompute import apply_activation_checkpointing
     from tpctl.config import compose_jobs
+    from tpctl.parallel.layout import Layout
+    from tpctl.training.build import build_run
+    from tpctl.training.recompute import apply_activation_checkpointing
 
-    cfg = compose_jobs([f"model={model}"])[0]
-    mode = parallelism(Layout.parse(layout_name))
-    net = parallelize(build_model(cfg.model, 0, lazy=True), mode)
+    cfg = compose_jobs([f"model={model}", "seed=0"])[0]
+    # No step: the forward and backward alone, recomputed or not.
+    run = build_run(cfg, layout=Layout.parse(layout_name), step=False)
+    mode, net = run.par, run.model
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.model.vocab_size, (batch, seq + 1), generator=gen)
     x, y = mode.shard_batch(ids[:, :-1]), mode.shard_targets(ids[:, 1:])

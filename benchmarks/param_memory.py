@@ -37,7 +37,7 @@ def measure(mode: str, size: int, depth: int, dp: int, model_kwargs: dict) -> tu
     with torch.device("meta"):  # shapes only: nothing is allocated
         model = GPT(ModelConfig(**model_kwargs))
         whole = sum(p.numel() * p.element_size() for p in model.parameters())
-        tpctl.parallelize(model, tpctl.init_parallel(mode, size, depth, dp))
+        tpctl.parallelize(model, tpctl.init_parallel(mode=mode, size=size, depth=depth, dp=dp))
     return whole, sum(p.numel() * p.element_size() for p in model.parameters())
 
 
@@ -51,7 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     model_kwargs = dict(vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head,
                         n_embd=args.n_embd, block_size=args.block_size)
-    pool = DistPool(WORLD)
+    pool = DistPool(WORLD, timeout_s=600)
     try:
         rows = [(m, pool.run(measure, *m[:4], model_kwargs)) for m in MESHES]
     finally:

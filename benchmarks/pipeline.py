@@ -1,7 +1,7 @@
 """Pipeline schedules measured: gpt-small's shape with 8 blocks, per
 schedule and number of micro-batches M, on P CPU ranks (gloo).
 
-    python benchmarks/pipeline.py [--stages 2 4] [--micro 4 8] [--steps 3] [--seq 32] [--batch 16] [--json OUT]
+    python benchmarks/pipeline.py [--stages 2 4] [--micro 4 8] [--steps 3] [--seq 32] [--batch 16] [--tiny] [--json OUT]
 
 For each P: the same world without stages (pp=1: P data-parallel replicas
 of the whole model) is the reference; then pp=P with GPipe, 1F1B and the
@@ -38,6 +38,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 GPT_SMALL_8 = dict(vocab_size=50257, n_layer=8, n_head=12, n_embd=768, block_size=1024, dropout=0.0)
+# --tiny: the same 8 blocks, narrow (a smoke run: tests/test_benchmarks.py).
+TINY_8 = dict(vocab_size=256, n_layer=8, n_head=2, n_embd=16, block_size=64, dropout=0.0)
 
 
 def _config(args, pp: int, schedule: str, m: int, dp: int):
@@ -45,7 +47,7 @@ def _config(args, pp: int, schedule: str, m: int, dp: int):
 
     from tpctl.config import default_config
 
-    cfg = default_config(**GPT_SMALL_8)
+    cfg = default_config(**(TINY_8 if args.tiny else GPT_SMALL_8))
     for key, value in {"pp": pp, "dp": dp, "train.batch_size": args.batch, "train.seq_len": args.seq,
                        "pipeline.schedule": schedule, "pipeline.microbatches": m,
                        "optim.warmup_steps": 0}.items():
@@ -62,19 +64,13 @@ def _measure(cfg_dict: dict, steps: int) -> dict:
     from omegaconf import OmegaConf
 
     from tpctl.cost.measure import peak_allocated_bytes
-    from tpctl.models import build_model
     from tpctl.parallel import comm
-    from tpctl.parallel.rewrite import parallelize
-    from tpctl.parallel.layout import Layout
-    from tpctl.parallel.parallelism import parallelism
-    from tpctl.training.step import TrainStep, build_optimizer
+    from tpctl.training.build import build_run
 
     torch.set_num_threads(1)
     cfg = OmegaConf.create(cfg_dict)
-    layout = Layout.from_config(cfg)
-    par = parallelism(layout, cfg.seed, pipeline=layout.pipeline(cfg) if layout.pp > 1 else None)
-    model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), par)
-    step = TrainStep(par, [model], build_optimizer(model.parameters(), cfg.optim), cfg)
+    run = build_run(cfg, schedule=False)  # a constant learning rate: nothing here reads the curve
+    par, step = run.par, run.step
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1), generator=g)
     x, y = ids[:, :-1], ids[:, 1:]
@@ -134,9 +130,9 @@ def _run(pool_of, args, pp: int, schedule: str, m: int, world: int) -> dict:
 def _cut(cfg, layout):
     """The blocks of each chunk (as the stages are cut)."""
     from tpctl.models import build_model
-    from tpctl.parallel.parallelism import parallelism
+    from tpctl.training.build import build_parallelism
 
-    par = parallelism(layout, groups=False, pipeline=layout.pipeline(cfg))
+    par = build_parallelism(cfg, layout, groups=False)
     par.pipeline.assign(build_model(cfg.model, cfg.seed, lazy=True))
     return par.pipeline.blocks_of
 
@@ -151,6 +147,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--split", type=json.loads, default=None,
                    help='blocks per stage by P, e.g. \'{"2": [5, 3]}\' (default: balanced by parameters)')
+    p.add_argument("--tiny", action="store_true", help="a narrow model of the same 8 blocks (a smoke run)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--reference-ms", type=json.loads, default=None,
                    help='pp=1 step times already measured, by world, e.g. \'{"4": 11260}\' (skips those runs)')

@@ -4,6 +4,7 @@ loading the whole model.
 
     python benchmarks/pretrained_memory.py               # configs/model/llama-100m.yaml
     python benchmarks/pretrained_memory.py --mode 2d --size 4
+    python benchmarks/pretrained_memory.py --tiny --mode 1d --size 2      # a smoke run
 
 A random Llama of the config is saved once with save_pretrained (the setup;
 not measured). Then, in fresh processes, peak RSS is taken after
@@ -26,6 +27,8 @@ from rich.table import Table  # noqa: E402
 from tpctl.launch.pool import DistPool  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+TINY = {"vocab_size": 256, "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "intermediate_size": 64,
+        "block_size": 64}
 
 
 def _rss() -> int:
@@ -65,7 +68,7 @@ def load_sharded(directory: str, mode: str, size: int) -> tuple[int, int, int]:
     from tpctl.models import build_model
 
     cfg = typed_model(OmegaConf.create({"arch": "llama", "pretrained": directory}))
-    model = tpctl.parallelize(build_model(cfg, seed=0, lazy=True), tpctl.init_parallel(mode, size))
+    model = tpctl.parallelize(build_model(cfg, seed=0, lazy=True), tpctl.init_parallel(mode=mode, size=size))
     assert sum(float(p.detach().abs().sum()) for p in model.parameters()) > 0
     return base, _rss(), sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -75,6 +78,7 @@ def main() -> None:
     parser.add_argument("--config", default=str(REPO / "configs/model/llama-100m.yaml"))
     parser.add_argument("--mode", default="3d")
     parser.add_argument("--size", type=int, default=8)
+    parser.add_argument("--tiny", action="store_true", help="the config's family, a few KiB wide (a smoke run)")
     args = parser.parse_args()
 
     import torch
@@ -85,7 +89,10 @@ def main() -> None:
     from tpctl.models.hf import hf_config
 
     with tempfile.TemporaryDirectory() as tmp:
-        config = hf_config(typed_model(OmegaConf.load(args.config)))
+        model_cfg = OmegaConf.load(args.config)
+        if args.tiny:
+            model_cfg.update(TINY)
+        config = hf_config(typed_model(model_cfg))
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config)
         n_params = sum(p.numel() for p in model.parameters())

@@ -30,12 +30,13 @@ def time_linear(tokens: int, hidden: int, repeats: int, threads: int) -> dict[bo
     import tpctl
 
     torch.set_num_threads(threads)
-    tp = tpctl.init_parallel("2d", 4)
+    tp = tpctl.init_parallel(mode="2d", size=4)
+    grid = tp.mode.grid
     layer = tpctl.parallelize(torch.nn.Sequential(torch.nn.Linear(hidden, hidden)), tp, {"0": "mlp_in"})[0]
-    x = torch.randn(tokens // tp.grid.q, hidden // tp.grid.q, requires_grad=True)
+    x = torch.randn(tokens // grid.q, hidden // grid.q, requires_grad=True)
     out = {}
     for overlap in (True, False, True, False):  # interleaved: drift hits both
-        tp.grid.overlap = overlap
+        grid.overlap = overlap
         times = []
         for _ in range(repeats):
             dist.barrier()

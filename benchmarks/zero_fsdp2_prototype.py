@@ -25,26 +25,24 @@ def _run(engine: str, model: str, steps: int) -> dict:
     from omegaconf import OmegaConf
 
     from tpctl.config import compose_jobs
-    from tpctl.launch.pool import parallelism_of
-    from tpctl.models import build_model
+    from tpctl.launch.pool import pooled_run
     from tpctl.parallel import comm
-    from tpctl.parallel.rewrite import parallelize
     from tpctl.parallel.layout import Layout
     from tpctl.parallel.shard import spec_of
     from tpctl.parallel.zero import storage_bytes
+    from tpctl.training.build import build_step
     from tpctl.training.step import build_optimizer
-    from tpctl.training.step import TrainStep
 
     layout = Layout.parse("none-dp2" + ("-z3" if engine == "tpctl zero=3" else ""))
     cfg = compose_jobs([f"model={model}", "train.batch_size=8", "train.seq_len=32"])[0]
     OmegaConf.update(cfg, "optim.grad_clip", 1.0)
     ids = torch.randint(0, cfg.model.vocab_size, (8, 33), generator=torch.Generator().manual_seed(0))
-    par = parallelism_of(layout)
-    net = parallelize(build_model(cfg.model, cfg.seed, lazy=True), par)
+    run = pooled_run(cfg, layout, step=False)  # FSDP2 takes the model before any step does
+    par, net = run.par, run.model
     rows = par.dp.share(8, 1, 0)
     x, y = ids[rows.start:rows.stop, :-1], ids[rows.start:rows.stop, 1:]
     if engine == "tpctl zero=3":
-        step = TrainStep(par, [net], cfg)
+        step = build_step(cfg, par, net, schedule=False)
 
         def train(k):
             return float(step([(x, y)], k)["loss"])
@@ -90,17 +88,13 @@ def _reference(model: str, steps: int) -> list[float]:
     from omegaconf import OmegaConf
 
     from tpctl.config import compose_jobs
-    from tpctl.models import build_model
-    from tpctl.parallel.rewrite import parallelize
     from tpctl.parallel.layout import Layout
-    from tpctl.parallel.parallelism import parallelism
-    from tpctl.training.step import TrainStep
+    from tpctl.training.build import build_run
 
     cfg = compose_jobs([f"model={model}", "train.batch_size=8", "train.seq_len=32"])[0]
     OmegaConf.update(cfg, "optim.grad_clip", 1.0)
     ids = torch.randint(0, cfg.model.vocab_size, (8, 33), generator=torch.Generator().manual_seed(0))
-    par = parallelism(Layout(), groups=False)
-    step = TrainStep(par, [parallelize(build_model(cfg.model, cfg.seed, lazy=True), par)], cfg)
+    step = build_run(cfg, layout=Layout(), groups=False, schedule=False).step
     return [float(step([(ids[:, :-1], ids[:, 1:])], k)["loss"]) for k in range(steps)]
 
 

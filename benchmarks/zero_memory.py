@@ -3,7 +3,7 @@ tensor mode and data-parallel degree, zero = 0..3 one after another on the
 same ranks.
 
     python benchmarks/zero_memory.py                         # none and 2d-4, dp 2, 4, 8
-    python benchmarks/zero_memory.py --modes none --dp 2 4 --steps 3 --seq 64
+    python benchmarks/zero_memory.py --modes none --dp 2 4 --steps 3 --seq 64 --zero 0 3
 
 Per stage, the largest rank's:
   * bytes per parameter it holds between steps: parameters, gradients kept
@@ -50,11 +50,9 @@ def measure(layout_name: str, model: str, batch: int, seq: int, steps: int) -> d
     from omegaconf import OmegaConf
 
     from tpctl.config import compose_jobs
-    from tpctl.launch.pool import parallelism_of
-    from tpctl.models import build_model
-    from tpctl.parallel.rewrite import parallelize
+    from tpctl.launch.pool import pooled_run
     from tpctl.parallel.layout import Layout
-    from tpctl.training.step import TrainStep
+    from tpctl.training.build import build_step
 
     layout = Layout.parse(layout_name)
     cfg = compose_jobs([f"model={model}", f"train.batch_size={batch}", f"train.seq_len={seq}"])[0]
@@ -63,10 +61,10 @@ def measure(layout_name: str, model: str, batch: int, seq: int, steps: int) -> d
     ids = torch.randint(0, cfg.model.vocab_size, (batch, seq + 1), generator=gen)
     gc.collect()
     idle = _kib("VmRSS")
-    par = parallelism_of(layout)
-    net = parallelize(build_model(cfg.model, cfg.seed, lazy=True), par)
-    shard = sum(p.numel() for p in net.parameters())  # this rank's tensor-parallel shard
-    step = TrainStep(par, [net], cfg)
+    run = pooled_run(cfg, layout, step=False)
+    par, net = run.par, run.model
+    shard = sum(p.numel() for p in net.parameters())  # this rank's tensor-parallel shard, before ZeRO cuts it
+    step = build_step(cfg, par, net, schedule=False)
     batch_ = [(par.shard_batch(ids[:, :-1]), par.shard_targets(ids[:, 1:]))]
     times = []
     for k in range(steps + 1):  # the first: warm-up
@@ -82,6 +80,7 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-small")
     parser.add_argument("--modes", nargs="*", default=list(MODES))
     parser.add_argument("--dp", nargs="*", type=int, default=[2, 4, 8])
+    parser.add_argument("--zero", nargs="*", type=int, default=[0, 1, 2, 3], help="the ZeRO stages measured")
     parser.add_argument("--rows", type=int, default=1, help="rows of the global batch per replica and row block")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3)
@@ -101,7 +100,7 @@ def main() -> None:
     table = Table(title=f"ZeRO per rank: {args.model}, {args.seq} tokens x {args.rows} row(s) per replica and row "
                         f"block, median of {args.steps} steps (the largest rank)")
     for col in ("layout", "ranks", "zero", "params B/p", "grads B/p", "AdamW B/p", "total B/p", "formula", "vs formula",
-                "peak RSS MiB", "above idle MiB", "step s", "x zero=0"):
+                "peak RSS MiB", "above idle MiB", "step s", f"x zero={args.zero[0]}"):
         table.add_column(col, justify="left" if col == "layout" else "right")
     for mode in args.modes:
         for dp in args.dp:
@@ -109,7 +108,7 @@ def main() -> None:
             batch = args.rows * dp * layout.geo.batch_split
             Console(stderr=True).print(f"measuring {layout.label()} ({layout.world} ranks, batch {batch}) ...")
             per_stage = []
-            for zero in range(4):
+            for zero in args.zero:
                 pool = DistPool(layout.world, timeout_s=3600)
                 try:
                     per_stage.append(pool.run(measure, layout.replace(zero=zero).name, args.model, batch, args.seq,
@@ -117,8 +116,7 @@ def main() -> None:
                 finally:
                     pool.close()
             first = None
-            for zero in range(4):
-                rows = per_stage[zero]
+            for zero, rows in zip(args.zero, per_stage):
                 worst = max(rows, key=lambda r: r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"])
                 per = {k: worst[k] / worst["shard"] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")}
                 total = sum(per.values())
@@ -126,7 +124,8 @@ def main() -> None:
                 above = max(r["peak_rss"] - r["idle_rss"] for r in rows)
                 step_s = max(r["step_s"] for r in rows)
                 first = first or step_s
-                table.add_row(layout.label() if zero == 0 else "", str(layout.world) if zero == 0 else "", str(zero),
+                head = zero == args.zero[0]
+                table.add_row(layout.label() if head else "", str(layout.world) if head else "", str(zero),
                               f"{per['param_bytes']:.2f}", f"{per['grad_bytes']:.2f}", f"{per['optimizer_bytes']:.2f}",
                               f"{total:.2f}", f"{formula(zero, dp):.2f}", f"{total / formula(zero, dp) - 1:+.1%}",
                               f"{peak / 2**20:,.0f}", f"{above / 2**20:,.0f}", f"{step_s:.2f}", f"{step_s / first:.2f}")

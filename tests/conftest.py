@@ -1,6 +1,7 @@
 """Scaffolding shared by the test modules: the table of layouts the 8-rank
-pool runs, and the pool itself (spawned once per test module: spawning
-processes and importing torch costs seconds per rank)."""
+pool runs, the pool itself (spawned once per test module: spawning
+processes and importing torch costs seconds per rank), the tiny config and
+the one way a test assembles a run (`build`, `trainer`: the worker's)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,39 @@ def tiny_config(steps: int, **overrides):
     for key, value in base.items():
         OmegaConf.update(cfg, key, value)
     return cfg
+
+
+def build(cfg, layout=None, *, pooled: bool = True, bucket_bytes: int | None = None, **options):
+    """`cfg`'s run on this rank (a training.build.Run), assembled as the
+    worker assembles it (build_run): on a pool rank's reused process groups
+    (pooled: launch.pool.pooled_run), else on groups of its own (or none:
+    groups=False). `layout`: default the config's; `options` are
+    build_run's (lazy, verify, step, groups, device)."""
+    if pooled:
+        from tpctl.launch.pool import pooled_run
+
+        return pooled_run(cfg, layout, bucket_bytes, **options)
+    from tpctl.training.build import build_run
+
+    return build_run(cfg, layout=layout, **options)
+
+
+def build_trainer(cfg, layout=None, *, run_dir=None, scan_ids: bool = True, **build_options):
+    """The Trainer of `cfg`'s run (`build`; its options) on its data."""
+    return trainer_of(build(cfg, layout, **build_options), run_dir, scan_ids)
+
+
+def trainer_of(run, run_dir=None, scan_ids: bool = True):
+    """The Trainer of a built run on its config's data (with step=False, the
+    Trainer makes the step); `run_dir`: where it writes checkpoints and
+    metrics (None: nowhere)."""
+    from pathlib import Path
+
+    from tpctl.data.batches import TokenData
+    from tpctl.data.corpora import prepare_data
+    from tpctl.training.loop import Trainer
+
+    return Trainer.of(run, TokenData(run.cfg, prepare_data(run.cfg, scan_ids=scan_ids)), Path(run_dir) if run_dir else None)
 
 
 _shared: list[DistPool] = []

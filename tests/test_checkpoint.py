@@ -16,7 +16,7 @@ from cli_support import tpctl  # noqa: F401  (fixture)
 
 from tpctl.checkpoint import shard_boxes
 from tpctl.parallel.shard import ShardSpec
-from conftest import LAYOUTS as SHARED_LAYOUTS
+from conftest import LAYOUTS as SHARED_LAYOUTS, build_trainer
 
 # mode -> its layout on the 8-rank pool.
 LAYOUTS = {mode: SHARED_LAYOUTS[key] for mode, key in
@@ -164,17 +164,11 @@ def _train_cfg(layout, steps: int, every: int, dropout: float = 0.0):
 def _fit(layout, run_dir: str, steps: int = 8, every: int = 4, resume: str | None = None,
          dropout: float = 0.0) -> list[tuple[int, float]]:
     import tpctl
-    from tpctl.data.batches import TokenData
-    from tpctl.data.corpora import prepare_data
     from tpctl import checkpoint
-    from tpctl.models import build_model
-    from tpctl.training.loop import Trainer
 
     cfg = _train_cfg(layout, steps, every, dropout)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    tp = tpctl.init_parallel(layout, seed=cfg.seed)
-    model = tpctl.parallelize(build_model(cfg.model, cfg.seed, lazy=True), tp)
-    trainer = Trainer(cfg, model, tp, TokenData(cfg, prepare_data(cfg)), Path(run_dir))
+    trainer = build_trainer(cfg, layout, pooled=False, run_dir=run_dir)
     if resume is not None:
         trainer.resume(Path(resume), checkpoint.verify(Path(resume)))
     return [(r["step"], r["loss"]) for r in trainer.fit()]

@@ -16,7 +16,7 @@ import os
 import pytest
 
 from tpctl.parallel.layout import Layout
-from conftest import layouts, tiny_config
+from conftest import build_trainer, layouts, tiny_config
 
 # Every mode once (1d with sequence parallelism, its harder case). Every rank
 # traces and compiles: the modes that fit in 4 ranks run on 4, without the
@@ -37,22 +37,14 @@ def _cfg(**overrides):
 def _train(key: str, compile: str, backend: str = "aot_eager", **overrides) -> dict:
     import torch
 
-    from tpctl.models import build_model
     from tpctl.parallel import comm
-    from tpctl.parallel.parallelism import parallelism
-    from tpctl.parallel.rewrite import parallelize
     from tpctl.training.compile import BACKEND_ENV
-    from tpctl.data.batches import TokenData
-    from tpctl.data.corpora import prepare_data
-    from tpctl.training.loop import Trainer
 
     os.environ[BACKEND_ENV] = backend
     torch._dynamo.reset() if compile != "false" else None
     layout = MESHES.get(key, Layout())
-    cfg = _cfg(**layout.to_dict(), **{"train.compile": compile}, **overrides)
-    mode = parallelism(Layout.from_config(cfg), cfg.seed)
-    model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode)
-    trainer = Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg)))
+    trainer = build_trainer(_cfg(**layout.to_dict(), **{"train.compile": compile}, **overrides), pooled=False)
+    model = trainer.model
     comm.STATS.reset()
     losses = [r["loss"] for r in trainer.fit()]
     return {"losses": losses, "compiled": trainer.compiled, "comm_bytes": trainer.comm_train_bytes,

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import layouts
+from conftest import build_trainer, layouts
 from tpctl.commands import prepare_data as command
 from tpctl.data import DataError, sources
 from tpctl.data.prepare import prepare
@@ -304,12 +304,6 @@ def _train(layout, data_path: str, vocab: int, val_fraction: float = 0.1) -> lis
     from omegaconf import OmegaConf
 
     from tpctl.config import default_config
-    from tpctl.models import build_model
-    from tpctl.parallel.parallelism import parallelism
-    from tpctl.parallel.rewrite import parallelize
-    from tpctl.data.batches import TokenData
-    from tpctl.data.corpora import prepare_data
-    from tpctl.training.loop import Trainer
 
     cfg = layout.write_to(default_config())
     for key, value in {"model.n_embd": 16, "model.n_head": 4, "model.block_size": 16, "model.vocab_size": vocab,
@@ -317,9 +311,7 @@ def _train(layout, data_path: str, vocab: int, val_fraction: float = 0.1) -> lis
                        "train.batch_size": 8, "train.seq_len": 16, "train.eval_every": 2, "train.log_every": 1,
                        "train.progress": False, "optim.lr": 1e-2, "optim.warmup_steps": 2, "train.steps": 4}.items():
         OmegaConf.update(cfg, key, value)
-    mode = parallelism(layout, cfg.seed)
-    model = parallelize(build_model(cfg.model, cfg.seed), mode)
-    records = Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg))).fit()
+    records = build_trainer(cfg, layout, pooled=False, lazy=False).fit()
     return [r["loss"] for r in records] + [r["val_loss"] for r in records if r.get("val_loss") is not None]
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from cli_support import tpctl  # noqa: F401 (fixture)
-from conftest import layouts, tiny_config
+from conftest import build_trainer, layouts, tiny_config
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pytest -m cuda on a GPU machine)")]
@@ -38,21 +38,12 @@ def _cfg(**overrides):
 def _train_cuda(key: str, **overrides) -> list[float]:
     import torch.distributed as dist
 
-    from tpctl.models import build_model
-    from tpctl.parallel.layout import Layout
-    from tpctl.parallel.parallelism import parallelism
-    from tpctl.parallel.rewrite import parallelize
-    from tpctl.data.batches import TokenData
-    from tpctl.data.corpora import prepare_data
-    from tpctl.training.loop import Trainer
 
     gpu = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
     torch.cuda.set_device(gpu)
     torch._dynamo.reset()
-    cfg = _cfg(**MESHES[key].to_dict(), **overrides)
-    mode = parallelism(Layout.from_config(cfg), cfg.seed, gpu)
-    model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode).to(gpu)
-    trainer = Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg)))
+    trainer = build_trainer(_cfg(**MESHES[key].to_dict(), **overrides), pooled=False, device=gpu)
+    model = trainer.model
     assert all(p.is_cuda for p in model.parameters())
     return [r["loss"] for r in trainer.fit()]
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 import pytest
 
 from cli_support import tpctl  # noqa: F401  (fixture)
-from conftest import layouts
-from tpctl.launch.pool import parallelism_of
+from conftest import build, layouts, trainer_of
 
 pytest.importorskip("transformers")
 
@@ -46,21 +45,18 @@ def _cfg(key: str, family: str):
 def _curve(key: str, family: str):
     """[(loss, grad norm)] of every step, or ("refused", reason)."""
     from tpctl.models import build_model
-    from tpctl.parallel.verify import RewriteRefused, parallelize_verified
-    from tpctl.data.batches import TokenData
-    from tpctl.data.corpora import prepare_data
-    from tpctl.training.loop import Trainer
+    from tpctl.parallel.verify import RewriteRefused
 
     cfg = _cfg(key, family)
-    mode = parallelism_of(MESHES[key])
     try:  # as a worker does it: rewritten, then proven against the original
-        model, _ = parallelize_verified(build_model(cfg.model, cfg.seed), mode)
+        run = build(cfg, MESHES[key], lazy=False, verify=True, step=False)
     except (ValueError, RewriteRefused) as e:
         return ("refused", str(e))
+    model = run.model
     counts = {k: v for k, v in vars(model.config).items() if "head" in k and isinstance(v, int)}
     assert counts == {k: v for k, v in vars(build_model(cfg.model, cfg.seed).config).items() if k in counts}, \
         "the model's config (what export writes) must keep the whole model's head counts"
-    records = Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg))).fit()
+    records = trainer_of(run).fit()
     return [(r["loss"], r["grad_norm"]) for r in records]
 
 

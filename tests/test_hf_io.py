@@ -22,8 +22,7 @@ import pytest
 import torch
 
 from cli_support import tpctl  # noqa: F401  (fixture)
-from conftest import layouts
-from tpctl.launch.pool import parallelism_of
+from conftest import build, layouts, trainer_of
 
 pytest.importorskip("transformers")
 
@@ -161,19 +160,14 @@ def _in_and_out(key: str, family: str, directory: str, decode: bool, run_dir: st
     import torch.distributed as dist
 
     from tpctl.commands.export import export
-    from tpctl.models import build_model
-    from tpctl.parallel.verify import parallelize_verified
-    from tpctl.data.batches import TokenData
-    from tpctl.data.corpora import prepare_data
-    from tpctl.training.loop import Trainer
 
-    cfg = _cfg(key, family, directory)
-    par = parallelism_of(MESHES[key])
-    model, _ = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), par)
+    # The step after the reading checks (the Trainer makes it, step=False).
+    run = build(_cfg(key, family, directory), MESHES[key], verify=True, step=False)
+    cfg, model, par = run.cfg, run.model, run.par
     out = {"loaded": _logits_gap(model, par, directory)}
     if decode:
         out["tokens"] = _greedy(model, par)
-    trainer = Trainer(cfg, model, par, TokenData(cfg, prepare_data(cfg)), Path(run_dir) if run_dir else None)
+    trainer = trainer_of(run, run_dir)
     out["curve"] = [(r["loss"], r["grad_norm"]) for r in trainer.fit()]
     if run_dir:
         exported = Path(run_dir) / "exported"

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from conftest import layouts
+from conftest import build_trainer, layouts, tiny_config
 
 MESHES = list(layouts("none-dp8", "1d-4-dp2", "2d-4-dp2", "2.5d-8-d2", "3d-8").values())
 
@@ -50,36 +50,9 @@ def _check_groups(layout) -> dict:
     return sizes
 
 
-def _cfg(**overrides):
-    from omegaconf import OmegaConf
-
-    from tpctl.config import default_config
-
-    cfg = default_config()
-    base = {"model.n_embd": 16, "model.n_head": 4, "model.block_size": 16, "model.vocab_size": 256,
-            "data.name": "text", "data.max_bytes": 200_000,
-            "train.batch_size": 8, "train.seq_len": 16, "train.eval_every": 0, "train.log_every": 1, "train.progress": False,
-            "optim.lr": 1e-2, "optim.warmup_steps": 2}
-    base.update(overrides)
-    for key, value in base.items():
-        OmegaConf.update(cfg, key, value)
-    return cfg
-
-
 def _train(overrides: dict, steps: int = 5):
-    from tpctl.data.batches import TokenData
-    from tpctl.data.corpora import prepare_data
-    from tpctl.models import build_model
-    from tpctl.parallel.rewrite import parallelize
-    from tpctl.parallel.layout import Layout
-    from tpctl.parallel.parallelism import parallelism
-    from tpctl.training.loop import Trainer
-
-    cfg = _cfg(**overrides, **{"train.steps": steps})
-    par = parallelism(Layout.from_config(cfg), cfg.seed)
-    model = parallelize(build_model(cfg.model, cfg.seed), par)
-    trainer = Trainer(cfg, model, par, TokenData(cfg, prepare_data(cfg)))
-    trainer.initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer = build_trainer(tiny_config(steps, **overrides), pooled=False, lazy=False)
+    trainer.initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     return trainer, [r["loss"] for r in trainer.fit()]
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cli_support import tpctl  # noqa: F401  (fixture)
-from conftest import tiny_config
+from conftest import build, build_trainer, tiny_config
 from tpctl.parallel.layout import Layout
 from tpctl.parallel.stages import PipelineSpec
 
@@ -27,13 +27,7 @@ def _run(name: str, steps: int, spec: PipelineSpec | None = None, verify: bool =
     from pathlib import Path
 
     from tpctl.config import check_layout
-    from tpctl.launch.pool import parallelism_of
-    from tpctl.models import build_model
-    from tpctl.parallel.verify import parallelize_verified
-    from tpctl.data.batches import TokenData
-    from tpctl.data.corpora import prepare_data
     from tpctl import checkpoint
-    from tpctl.training.loop import Trainer
 
     layout = Layout.parse(name)
     saving = {"checkpoint.every": 2, "checkpoint.keep": 0} if run_dir else {}
@@ -45,9 +39,8 @@ def _run(name: str, steps: int, spec: PipelineSpec | None = None, verify: bool =
     check_layout(cfg, layout)
     if run_dir:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-    par = parallelism_of(layout, pipeline=layout.pipeline(cfg) if layout.pp > 1 else None)
-    model, _ = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), par, cfg.model.get("plan"), verify)
-    trainer = Trainer(cfg, model, par, TokenData(cfg, prepare_data(cfg)), Path(run_dir) if run_dir else None)
+    trainer = build_trainer(cfg, layout, run_dir=run_dir, verify=verify)
+    model = trainer.model
     if resume is not None:
         trainer.resume(Path(resume), checkpoint.verify(Path(resume)))
     records = trainer.fit()
@@ -160,18 +153,17 @@ def test_a_pipeline_composes_with(pool, feature):
 def _whole_and_stages(dropout: float, schedule: str = "1f1b", pp: int = 2, **model):
     """The tiny GPT whole (mode none, one process) and each pipeline rank's
     stage of it, built as workers build them (meta, lazy, rewritten)."""
-    from tpctl.models import build_model
-    from tpctl.parallel.rewrite import parallelize
     from tpctl.parallel.parallelism import parallelism
+    from tpctl.training.build import build_run
 
     cfg = tiny_config(1, **{"model.n_layer": 4, "model.dropout": dropout, **model})
-    whole = parallelize(build_model(cfg.model, cfg.seed, lazy=True), parallelism(Layout("none"), groups=False))
+    whole = build(cfg, Layout("none"), pooled=False, groups=False, step=False).model
     layout = Layout("none", pp=pp)
     spec = PipelineSpec(pp, schedule, 2 if schedule == "interleaved" else 1, pp)
     stages = []
     for rank in range(pp):
-        par = parallelism(layout, groups=False, rank=rank, pipeline=spec)
-        stages.append((par, parallelize(build_model(cfg.model, cfg.seed, lazy=True), par)))
+        run = build_run(cfg, parallelism(layout, groups=False, rank=rank, pipeline=spec), step=False)
+        stages.append((run.par, run.model))
     return cfg, whole, stages
 
 

@@ -53,19 +53,16 @@ def _train_step(key: str, tied: bool):
     from omegaconf import OmegaConf
 
     from tpctl.config import default_config
-    from tpctl.launch.pool import parallelism_of
-    from tpctl.models import build_model
+    from tpctl.launch.pool import pooled_run
     from tpctl.parallel import comm
-    from tpctl.parallel.rewrite import parallelize
-    from tpctl.training.step import TrainStep
+    from tpctl.parallel.stages import PipelineSpec
 
     layout, accum, bucket_bytes = MESHES[key]
-    par = parallelism_of(layout, bucket_bytes)
     cfg = default_config()
     cfg.model = OmegaConf.structured(_model_cfg(tied))
     cfg.train.batch_size, cfg.train.seq_len, cfg.train.grad_accum = BATCH, SEQ, accum
-    model = parallelize(build_model(cfg.model, seed=0, lazy=True), par)
-    step = TrainStep(par, [model], cfg)
+    run = pooled_run(cfg, layout, bucket_bytes, PipelineSpec(layout.pp, "1f1b", 1, layout.pp), schedule=False)
+    par, step = run.par, run.step
     ids = torch.randint(0, cfg.model.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     x, y = ids[:, :-1], ids[:, 1:]
     comm.STATS.reset()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from cli_support import REPO, marked_pids, tpctl  # noqa: F401  (fixture)
-from conftest import LAYOUTS, tiny_config
+from conftest import LAYOUTS, build_trainer, tiny_config
 from tpctl.errors import LAUNCHER_PID_ENV
 
 
@@ -29,18 +29,11 @@ from tpctl.errors import LAUNCHER_PID_ENV
 
 def _trained(layout: str):
     """(the Trainer after one step, the mode) of a tiny GPT in `layout`."""
-    from tpctl import init_parallel
-    from tpctl.models import build_model
-    from tpctl.parallel.rewrite import parallelize
-    from tpctl.data.batches import TokenData
-    from tpctl.data.corpora import prepare_data
-    from tpctl.training.loop import Trainer
 
     cfg = LAYOUTS[layout].write_to(tiny_config(1))
-    tp = init_parallel(LAYOUTS[layout], seed=cfg.seed)
-    trainer = Trainer(cfg, parallelize(build_model(cfg.model, cfg.seed), tp), tp, TokenData(cfg, prepare_data(cfg)))
+    trainer = build_trainer(cfg, LAYOUTS[layout], pooled=False, lazy=False)
     trainer.train_step(0)
-    return trainer, tp
+    return trainer, trainer.par
 
 
 def _save_with_a_file_limit(run_dir: str, limit: int) -> str:

@@ -20,7 +20,7 @@ import pytest
 import torch.nn.functional as F
 
 from cli_support import tpctl  # noqa: F401  (fixture)
-from conftest import tiny_config
+from conftest import build_trainer, tiny_config
 from tpctl.parallel.mode import ParallelMode
 from tpctl.parallel.geometry import Geometry
 from tpctl.parallel.layers import ParallelDropout
@@ -78,19 +78,11 @@ def registered():
 
 def _curve(layout: Layout) -> list[tuple[float, float]]:
     from tpctl.config import check_layout
-    from tpctl.launch.pool import parallelism_of
-    from tpctl.models import build_model
-    from tpctl.parallel.rewrite import parallelize
-    from tpctl.data.batches import TokenData
-    from tpctl.data.corpora import prepare_data
-    from tpctl.training.loop import Trainer
 
     with registered():
         cfg = layout.write_to(tiny_config(6, **{"model.dropout": 0.0}))
         check_layout(cfg, layout)
-        par = parallelism_of(layout)
-        model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), par)
-        return [(r["loss"], r["grad_norm"]) for r in Trainer(cfg, model, par, TokenData(cfg, prepare_data(cfg))).fit()]
+        return [(r["loss"], r["grad_norm"]) for r in build_trainer(cfg, layout).fit()]
 
 
 @registered()

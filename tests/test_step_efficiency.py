@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import build_trainer, tiny_config
 from tpctl.launch.pool import DistPool
 
 # A pool of 4 ranks: tensor parallelism, data parallelism and both.
@@ -24,21 +25,6 @@ def pool4():
     p = DistPool(4, timeout_s=180)
     yield p
     p.close()
-
-
-def _cfg(**overrides):
-    from omegaconf import OmegaConf
-
-    from tpctl.config import default_config
-
-    cfg = default_config()
-    base = {"model.n_embd": 16, "model.n_head": 4, "model.block_size": 16, "model.vocab_size": 256,
-            "data.name": "text", "data.max_bytes": 200_000, "train.batch_size": 8, "train.seq_len": 16,
-            "train.progress": False, "optim.warmup_steps": 2}
-    base.update(overrides)
-    for key, value in base.items():
-        OmegaConf.update(cfg, key, value)
-    return cfg
 
 
 class SyncCounter:
@@ -89,19 +75,14 @@ class SyncCounter:
 
 
 def _count_syncs(key: str, steps: int, log_every: int, eval_every: int) -> tuple[int, int]:
-    from tpctl.models import build_model
+    from tpctl.config import default_config
     from tpctl.parallel.layout import Layout
-    from tpctl.parallel.parallelism import parallelism
-    from tpctl.parallel.rewrite import parallelize
-    from tpctl.data.batches import TokenData
-    from tpctl.data.corpora import prepare_data
-    from tpctl.training.loop import Trainer
 
-    cfg = _cfg(**Layout.parse(key).to_dict(), **{"train.steps": steps, "train.log_every": log_every,
-                                                    "train.eval_every": eval_every, "train.eval_batches": 2})
-    mode = parallelism(Layout.from_config(cfg), cfg.seed)
-    model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode)
-    trainer = Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg)))
+    # The default learning rate: nothing here depends on the curve.
+    cfg = tiny_config(steps, **Layout.parse(key).to_dict(), **{"train.log_every": log_every, "train.eval_every": eval_every,
+                                                               "train.eval_batches": 2,
+                                                               "optim.lr": default_config().optim.lr})
+    trainer = build_trainer(cfg, pooled=False)
     # The batches are read from host memory (token offsets drawn on the host
     # generator): made beforehand, so that only the step's own reads count.
     batches = {(split, k): list(trainer._micro_batches(split, k))

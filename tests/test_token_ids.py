@@ -16,6 +16,7 @@ import pytest
 
 from conftest import tiny_config
 from tpctl.config import largest_grids
+from conftest import build_trainer, layouts, tiny_config
 from tpctl.errors import ConfigError
 from tpctl.data.shards import read_index, shard_paths
 from tpctl.data.batches import TokenData
@@ -87,15 +88,9 @@ def _train_on_damaged(layout, out: str) -> str:
     open (as a file changed mid-run), train: the error each rank raises."""
     import torch.distributed as dist
 
-    from tpctl.models import build_model
-    from tpctl.parallel.rewrite import parallelize
-    from tpctl.parallel.parallelism import parallelism
-    from tpctl.training.loop import Trainer
 
     cfg = layout.write_to(tiny_config(2, **{"data.path": out}))
-    par = parallelism(layout, cfg.seed)
-    model = parallelize(build_model(cfg.model, cfg.seed), par)
-    trainer = Trainer(cfg, model, par, TokenData(cfg, prepare_data(cfg, scan_ids=False)))
+    trainer = build_trainer(cfg, layout, pooled=False, lazy=False, scan_ids=False)
     dist.barrier()
     if dist.get_rank() == 0:
         index = read_index(out)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import layouts, tiny_config
+from conftest import build_trainer, layouts, tiny_config
 
 MESHES = layouts("none-dp8", "1d-4-dp2", "1d-4-sp-dp2", "2d-4-dp2", "2.5d-8-d2", "3d-8")
 STEPS = 5
@@ -38,18 +38,8 @@ def _cfg(**overrides):
 
 def _train(key: str, **overrides) -> dict:
     """Train on mesh `key`; the losses, comm bytes and dtypes seen."""
-    from tpctl.data.batches import TokenData
-    from tpctl.data.corpora import prepare_data
-    from tpctl.models import build_model
-    from tpctl.parallel.layout import Layout
-    from tpctl.parallel.parallelism import parallelism
-    from tpctl.parallel.rewrite import parallelize
-    from tpctl.training.loop import Trainer
-
-    cfg = _cfg(**MESHES[key].to_dict(), **overrides)
-    mode = parallelism(Layout.from_config(cfg), cfg.seed)
-    model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode)
-    trainer = Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg)))
+    trainer = build_trainer(_cfg(**MESHES[key].to_dict(), **overrides), pooled=False)
+    model = trainer.model
     losses = [r["loss"] for r in trainer.fit()]
     state_dtypes = {t.dtype for s in trainer.optimizer.state.values() for t in s.values() if t.dim() > 0}
     return {"losses": losses, "comm_bytes": trainer.comm_train_bytes,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_config
+from conftest import build_trainer, tiny_config
 
 REL = 1e-4
 STEPS = 10
@@ -27,16 +27,8 @@ def _cfg(layout, **overrides):
     return layout.write_to(tiny_config(STEPS, **{"model.n_layer": 2, "train.batch_size": 16, **overrides}))
 
 
-def _fit(layout, par, **overrides):
-    from tpctl.models import build_model
-    from tpctl.parallel.rewrite import parallelize
-    from tpctl.data.batches import TokenData
-    from tpctl.data.corpora import prepare_data
-    from tpctl.training.loop import Trainer
-
-    cfg = _cfg(layout, **overrides)
-    model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), par)
-    trainer = Trainer(cfg, model, par, TokenData(cfg, prepare_data(cfg)))
+def _fit(layout, pooled: bool = True, bucket_bytes: int | None = None, groups: bool = True, **overrides):
+    trainer = build_trainer(_cfg(layout, **overrides), layout, pooled=pooled, bucket_bytes=bucket_bytes, groups=groups)
     records = trainer.fit()
     tensors = [p for group in trainer.optimizer.param_groups for p in group["params"]]
     tensors += [p.grad for p in tensors] + [t for s in trainer.optimizer.state.values() for t in s.values() if t.dim()]
@@ -47,9 +39,7 @@ def _fit(layout, par, **overrides):
 def _curve(layout, bucket_bytes: int | None = None, **overrides) -> dict:
     """On a pool rank: train `layout`; its curve and what its summary says
     it held."""
-    from tpctl.launch.pool import parallelism_of
-
-    return _fit(layout, parallelism_of(layout, bucket_bytes), **overrides)
+    return _fit(layout, bucket_bytes=bucket_bytes, **overrides)
 
 
 _references: dict = {}
@@ -58,11 +48,10 @@ _references: dict = {}
 def reference(**overrides) -> dict:
     """mode=none's curve, in this process (no process group)."""
     from tpctl.parallel.layout import Layout
-    from tpctl.parallel.parallelism import parallelism
 
     key = tuple(sorted(overrides.items()))
     if key not in _references:
-        _references[key] = _fit(Layout(), parallelism(Layout(), groups=False), **overrides)
+        _references[key] = _fit(Layout(), pooled=False, groups=False, **overrides)
     return _references[key]
 
 

@@ -60,15 +60,12 @@ def verify_in_pool(cfg) -> tuple:
 
 
 def _verify_rank(cfg) -> tuple:
-    from tpctl.launch.pool import parallelism_of
-    from tpctl.models import build_model
-    from tpctl.parallel.verify import RewriteRefused, parallelize_verified
+    from tpctl.launch.pool import pooled_run
+    from tpctl.parallel.verify import RewriteRefused
 
-    layout = Layout.from_config(cfg).replace(dp=1)
-    mode = parallelism_of(layout, pipeline=layout.pipeline(cfg) if layout.pp > 1 else None)
     try:
-        _, report = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), mode, cfg.model.get("plan"))
-        return None, report.checks
+        run = pooled_run(cfg, Layout.from_config(cfg).replace(dp=1), verify=True, step=False)
+        return None, run.verified.checks
     except RewriteRefused as e:
         return str(e), e.report.checks if e.report is not None else []
 
@@ -107,12 +104,12 @@ def inspect_model(cfg):
 
     from tpctl.models import build_checked
     from tpctl.parallel.rewrite import parallelize
-    from tpctl.parallel.parallelism import parallelism
+    from tpctl.training.build import build_parallelism
 
     model = build_checked(cfg.model, cfg.seed)
     originals = dict(model.named_modules())
     layout = Layout.from_config(cfg)
-    par = parallelism(layout, cfg.seed, groups=False, pipeline=layout.pipeline(cfg) if layout.pp > 1 else None)
+    par = build_parallelism(cfg, layout, groups=False)
     stage_of = lambda name: None  # noqa: E731
     if par.pipeline is not None:  # where the stages are cut, in the model as it is
         from tpctl.parallel.pipeline import PipelineRefused

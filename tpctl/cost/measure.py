@@ -133,10 +133,9 @@ def setup(name: str, cfg_dict: dict, size: int, depth: Optional[int], compile: b
     from omegaconf import OmegaConf
 
     from tpctl.models import build_model
-    from tpctl.parallel.rewrite import parallelize
-    from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.registry import import_mode_module
-    from tpctl.training.step import TrainStep, build_optimizer
+    from tpctl.training.build import build_run
+    from tpctl.training.step import build_optimizer
 
     cfg = OmegaConf.create(cfg_dict)
     import_mode_module(cfg.get("mode_module"))  # a pool rank finds a mode defined outside tpctl by name
@@ -152,13 +151,10 @@ def setup(name: str, cfg_dict: dict, size: int, depth: Optional[int], compile: b
         st = {"model": build_model(cfg.model, cfg.seed).to(device)}
     else:
         # One rank of a bigger pool measures mode=none: its mesh has no process group.
-        par = parallelism(layout, cfg.seed, device, groups=layout.world > 1,
-                          pipeline=layout.pipeline(cfg) if layout.pp > 1 else None)
-        st = {"par": par, "model": parallelize(build_model(cfg.model, cfg.seed, lazy=True), par).to(device)}
-    if "par" in st:  # tpctl's own step, as the trainer runs it (a constant learning rate)
-        st["step"] = TrainStep(st["par"], [st["model"]], cfg)
-        st["opt"] = st["step"].optimizer
-    else:
+        # tpctl's own step, as the trainer runs it (a constant learning rate).
+        run = build_run(cfg, layout=layout, device=device, groups=layout.world > 1, schedule=False)
+        st = {"par": run.par, "model": run.model, "step": run.step, "opt": run.step.optimizer}
+    if "step" not in st:
         st["opt"] = build_optimizer(st["model"].parameters(), cfg.optim)
     if compile:
         from tpctl.training.compile import compile_model
@@ -372,6 +368,8 @@ def mfu(cfg, hw, median_s: float, ranks: int) -> Optional[float]:
 
 def predicted_ms(cfg, modes, size, depth, hardware: str, pp: int = 1) -> dict[str, Optional[float]]:
     """`tpctl plan`'s predicted step time of each mode on `hardware`."""
+    from tpctl.training.build import pipeline_of
+
     from .planner import load_hardware, model_shape, plan_split, predict
 
     hw = load_hardware(hardware)
@@ -379,7 +377,7 @@ def predicted_ms(cfg, modes, size, depth, hardware: str, pp: int = 1) -> dict[st
     out = {}
     for m in modes:
         layout = layout_of(m, size, depth, pp)
-        spec = layout.pipeline(cfg) if layout.pp > 1 else None
+        spec = pipeline_of(layout, cfg)
         out[m] = predict(plan_split(shape, layout, cfg.train.batch_size, cfg.train.seq_len, pipeline=spec), hw).step_time_s * 1e3
     return out
 

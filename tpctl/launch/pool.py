@@ -152,3 +152,16 @@ def parallelism_of(layout, bucket_bytes: int | None = None, pipeline=None):
 
         stages = Pipeline(mesh, pipeline or _modes[layout].pipeline.spec)
     return Parallelism(layout.mode_class(mesh), DataParallel(mesh, bucket_bytes) if bucket_bytes else None, stages)
+
+
+def pooled_run(cfg, layout=None, bucket_bytes: int | None = None, pipeline=None, **options):
+    """training.build.build_run on a pool rank: the run of `cfg` in `layout`
+    (default: the config's) on this process's reused groups
+    (`parallelism_of`); `pipeline`: the schedule with pp > 1 (default: the
+    config's, as a worker's); `options` are build_run's (verify, step,
+    lazy, schedule)."""
+    from tpctl.parallel.layout import Layout
+    from tpctl.training.build import build_run, pipeline_of
+
+    layout = layout or Layout.from_config(cfg)
+    return build_run(cfg, parallelism_of(layout, bucket_bytes, pipeline or pipeline_of(layout, cfg)), **options)

@@ -139,15 +139,15 @@ def start_worker(config_path: Path, adjust=None):
 
     from tpctl.config import load_worker_config
     from tpctl.parallel.layout import Layout
-    from tpctl.parallel.parallelism import parallelism
     from tpctl.seeding import derive_seed
+    from tpctl.training.build import build_parallelism
 
     cfg = load_worker_config(config_path)
     device = init_distributed(cfg.device, cfg.launcher.collective_timeout_s, cfg.launcher.get("backend", "auto"))
     setup_logging(config_path.parent, dist.get_rank())
     layout = Layout.from_config(cfg)
     layout = adjust(layout) if adjust else layout
-    par = parallelism(layout, cfg.seed, device, pipeline=layout.pipeline(cfg) if layout.pp > 1 else None)
+    par = build_parallelism(cfg, layout, device)
     # torch seeds its global generator at random in each process; from
     # (seed, rank) instead, so that two runs of one config write the same
     # checkpoints, byte for byte (tpctl's own draws use their own generators).
@@ -159,10 +159,9 @@ def start_worker(config_path: Path, adjust=None):
 def run(argv: list[str]) -> None:
     import torch.distributed as dist
 
-    from tpctl.parallel.verify import parallelize_verified
     from tpctl.data.batches import TokenData
     from tpctl.data.corpora import prepare_data
-    from tpctl.models import build_model
+    from tpctl.training.build import build_run
     from tpctl.training.loop import Trainer
 
     config_path = Path(argv[0])
@@ -172,8 +171,8 @@ def run(argv: list[str]) -> None:
     # Lazy: each rank makes one parameter whole at a time, to slice its shard.
     # The rewrite, proven equal to the original before step 1 unless
     # train.verify_rewrite=false (RewriteRefused: exit 2, see `failed`).
-    model, verified = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=True), par, cfg.model.get("plan"),
-                                           cfg.train.verify_rewrite)
+    run = build_run(cfg, par, verify=cfg.train.verify_rewrite)
+    model, verified = run.model, run.verified
     if verified is not None:
         log.info("verify: %s", verified.line(par.mode))
         if mesh.rank == 0:
@@ -189,7 +188,7 @@ def run(argv: list[str]) -> None:
         if par.layout.zero and par.layout.dp == 1:
             print(f"tpctl: zero={par.layout.zero} with dp=1: one replica has nothing to share, "
                   "so every rank keeps its whole state (as zero=0)", flush=True)
-    trainer = Trainer(cfg, model, par, data, run_dir)
+    trainer = Trainer.of(run, data, run_dir)
     found = find_resume(cfg, run_dir, mesh.rank)
     if found is not None:
         trainer.resume(*found)

@@ -19,7 +19,8 @@ from tpctl.parallel import comm
 from tpctl.parallel.parallelism import Parallelism
 from tpctl.data.batches import TokenData
 from .metrics import MetricsLog
-from .step import NonFiniteLoss, Schedule, TrainStep, autocast
+from .build import Run, build_step
+from .step import NonFiniteLoss, TrainStep, autocast
 
 log = logging.getLogger("tpctl.train")
 __all__ = ["Trainer", "NonFiniteLoss", "peak_rss_bytes"]
@@ -40,18 +41,14 @@ def peak_rss_bytes() -> int:
 
 class Trainer:
     def __init__(self, cfg, model: torch.nn.Module, par: Parallelism, data: TokenData,
-                 run_dir: Optional[Path] = None):
+                 run_dir: Optional[Path] = None, step: Optional[TrainStep] = None):
+        """`step`: the model's step as build_run made it; else made here alike."""
         self.cfg, self.model, self.par, self.data = cfg, model, par, data
         self.mesh = par.mesh
         self.run_dir = run_dir
-        if cfg.train.activation_checkpointing:
-            from .recompute import apply_activation_checkpointing
-
-            apply_activation_checkpointing(model)
+        self.step = step if step is not None else build_step(cfg, par, model)
         # The model's parts: one (the whole model) without a pipeline.
-        self.model_parts = [model]
-        o = cfg.optim
-        self.step = TrainStep(par, self.model_parts, cfg, Schedule(o.lr, o.min_lr, o.warmup_steps, cfg.train.steps))
+        self.model_parts = self.step.model_parts
         self.optimizer = self.step.optimizer
         from .compile import compile_model, compile_setting
 
@@ -69,6 +66,11 @@ class Trainer:
         c = cfg.checkpoint
         self.checkpointer = (checkpoint.Checkpointer(run_dir / checkpoint.CHECKPOINTS, c.every, c.keep, c.at_end)
                              if run_dir is not None else None)
+
+    @classmethod
+    def of(cls, run: Run, data: TokenData, run_dir: Optional[Path] = None) -> "Trainer":
+        """The loop over a run build_run assembled (with its step)."""
+        return cls(run.cfg, run.model, run.par, data, run_dir, run.step)
 
     @property
     def skipped_steps(self) -> int:

@@ -1,0 +1,76 @@
+"""Every script under benchmarks/ starts and finishes on tiny shapes, so
+none goes stale unnoticed when the code it drives changes (one did: it
+called TrainStep with a signature gone for months). Each runs as its user
+runs it, `python benchmarks/<script>.py <arguments>`, in its own process.
+The ones that train through `tpctl train` (a launcher and its workers per
+run, several runs each) are marked slow; the rest take seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+
+# A tiny run through `tpctl train` (the scripts that start real workers).
+TINY_TRAIN = ["--", "model.n_embd=16", "model.n_head=2", "model.n_layer=1", "model.block_size=16", "data=synthetic",
+              "data.synthetic_tokens=20000", "train.batch_size=4", "train.seq_len=16"]
+
+# script -> (its arguments on tiny shapes, a line its output must hold, slow)
+SCRIPTS = {
+    "activation_memory.py": (["--model", "gpt-tiny", "--batch", "2", "--seq", "16", "--modes", "none"],
+                             "activation memory per rank", False),
+    "bf16_band.py": (["--steps", "2", "--modes", "none", "--fp32-modes", "none", *TINY_TRAIN], "max_rel_vs_fp32_none",
+                     True),
+    "checkpoint_cost.py": (["--mode", "none", "--size", "1", "--steps", "2", *TINY_TRAIN], "load time", True),
+    "compare_modes.py": (["--steps", "2", "--modes", "none", "1d-2", *TINY_TRAIN], "none", True),
+    "generate_speed.py": (["--size", "2", "--new", "4", "--layers", "1", "--embd", "128", "--rounds", "1"],
+                          "greedy decoding", False),
+    "hf_all_families.py": (["gpt2"], "OK gpt2", False),
+    "loss_memory.py": (["64", "256"], "", False),
+    "papers_vs_plan.py": ([], "|", False),
+    "param_memory.py": (["--vocab-size", "64", "--n-layer", "1", "--n-head", "4", "--n-embd", "16", "--block-size", "16"],
+                        "parameter memory per rank", False),
+    "pipeline.py": (["--tiny", "--stages", "2", "--micro", "2", "--schedules", "1f1b", "interleaved", "--steps", "1",
+                     "--seq", "8", "--batch", "4"], "| 2 |", False),
+    "prepare_data.py": (["--mb", "0.05", "--vocab", "300"], "tokens each", False),
+    "pretrained_memory.py": (["--tiny", "--mode", "1d", "--size", "2"], "peak RSS ratio", False),
+    "summa_overlap.py": (["--tokens", "16", "--hidden", "16", "--repeats", "1"], "lock-step", False),
+    "teardown_stress.py": (["--trainings", "1", "--generations", "1", "--parallel", "1"], "ok", True),
+    "zero_fsdp2_prototype.py": (["--model", "gpt-tiny", "--steps", "2"], "tpctl zero=3: loss vs none", False),
+    "zero_memory.py": (["--model", "gpt-tiny", "--modes", "none", "--dp", "2", "--zero", "3", "--seq", "16", "--steps", "1"],
+                       "ZeRO per rank", False),
+}
+
+
+def test_every_script_has_its_tiny_arguments():
+    """A new script is added to the table (and so started here)."""
+    assert sorted(p.name for p in BENCHMARKS.glob("*.py")) == sorted(SCRIPTS)
+
+
+@pytest.mark.timeout(900)  # on a loaded machine; seconds on an idle one
+@pytest.mark.parametrize("script", [pytest.param(name, marks=[pytest.mark.slow] if slow else [])
+                                    for name, (_, _, slow) in SCRIPTS.items()])
+def test_script_runs_on_tiny_shapes(script, tmp_path):
+    args, expected, _ = SCRIPTS[script]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    # Its own session: a script that runs over is ended with the ranks it
+    # spawned, none left behind.
+    proc = subprocess.Popen([sys.executable, str(BENCHMARKS / script), *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=840)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{script} ran over 840 s:\n{(out + err)[-3000:]}")
+    output = out + err
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{output[-3000:]}"
+    assert expected in output, f"{script}: no {expected!r} in its output:\n{output[-3000:]}"

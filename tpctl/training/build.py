@@ -1,0 +1,89 @@
+"""One way to assemble a run on a rank: layout -> parallelism (mesh, mode,
+data parallelism, pipeline) -> model (built, rewritten, maybe verified) ->
+step. The worker, `tpctl bench`, `tpctl inspect`, the test pool's jobs and
+the benchmarks all call `build_run`, so a run built anywhere is the run
+`tpctl train` trains: the same init, the same parameter order, the same step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from tpctl.parallel.layout import Layout
+from tpctl.parallel.parallelism import Parallelism, parallelism
+from tpctl.parallel.stages import PipelineSpec
+
+from .step import Schedule, TrainStep
+
+
+@dataclass
+class Run:
+    """What `build_run` assembled: the config, this rank's parallel machinery,
+    the rewritten model (this rank's stage with pp > 1), its training step
+    (None when not asked for) and the start-up verification's report (None
+    when it did not run)."""
+
+    cfg: Any
+    par: Parallelism
+    model: torch.nn.Module
+    step: Optional[TrainStep] = None
+    verified: Any = None
+
+    @property
+    def layout(self) -> Layout:
+        return self.par.layout
+
+
+def pipeline_of(layout: Layout, cfg) -> Optional[PipelineSpec]:
+    """The pipeline schedule of `cfg` in `layout`; None without stages
+    (the config's pipeline keys are only read, and checked, with pp > 1)."""
+    return layout.pipeline(cfg) if layout.pp > 1 else None
+
+
+def build_parallelism(cfg, layout: Optional[Layout] = None, device: str | torch.device = "cpu",
+                      groups: bool = True, rank: Optional[int] = None) -> Parallelism:
+    """This rank's parallel machinery of `layout` (default: the config's),
+    seeded by cfg.seed, with the config's pipeline schedule when pp > 1.
+    groups=False: the process-group-free version (dry runs)."""
+    layout = layout or Layout.from_config(cfg)
+    return parallelism(layout, cfg.seed, device, groups=groups, rank=rank, pipeline=pipeline_of(layout, cfg))
+
+
+def build_step(cfg, par: Parallelism, model: torch.nn.Module, schedule: bool = True) -> TrainStep:
+    """The training step over `model`, as the trainer runs it: activation
+    checkpointing first (train.activation_checkpointing; it wraps blocks the
+    step's hooks then see), then the step with the config's learning-rate
+    schedule (schedule=False: a constant optim.lr, as `tpctl bench` measures)."""
+    if cfg.train.get("activation_checkpointing", False):
+        from .recompute import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model)
+    o = cfg.optim
+    lr = Schedule(o.lr, o.min_lr, o.warmup_steps, cfg.train.steps) if schedule else None
+    return TrainStep(par, [model], cfg, lr)
+
+
+def build_run(cfg, par: Optional[Parallelism] = None, *, layout: Optional[Layout] = None,
+              device: str | torch.device = "cpu", groups: bool = True, lazy: bool = True,
+              verify: bool = False, step: bool = True, schedule: bool = True) -> Run:
+    """Assemble a run of `cfg` on this rank.
+
+    par: parallel machinery made elsewhere (the test pool reuses a process's
+    groups: launch.pool.parallelism_of); else built here from `layout`
+    (default: the config's) on `device`. lazy: each parameter made whole one
+    at a time, to slice this rank's shard (False: the whole model first; the
+    same values). verify: the start-up proof of the rewrite
+    (parallel/verify.py; RewriteRefused when it differs). step: also build
+    the TrainStep (`build_step`)."""
+    from tpctl.models import build_model
+    from tpctl.parallel.verify import parallelize_verified
+
+    if par is None:
+        par = build_parallelism(cfg, layout, device, groups)
+    model, verified = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=lazy), par, cfg.model.get("plan"),
+                                           verify)
+    train_step = build_step(cfg, par, model, schedule) if step else None
+    return Run(cfg, par, model, train_step, verified)

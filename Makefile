@@ -24,11 +24,12 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(VENV)/bin/tpctl train mode=1d size=2
 
+# Two workers (pytest-xdist): the suite also passes serially (`pytest -q`).
 test: install
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n 2
 
 test-fast: install
-	$(PYTHON) -m pytest -q -m "not slow"
+	$(PYTHON) -m pytest -q -n 2 -m "not slow"
 
 # Every recipe in recipes/, in its short form, against its loss band and
 # equalities (CI runs this after the tests).

@@ -280,21 +280,3 @@ def test_invalid_checkpoints_are_skipped_by_auto_and_refused_by_path(tpctl):
     data2.write_bytes(data2.read_bytes()[:-1])
     assert "truncated" in _one_line_error(tpctl.run(["export", str(ckpts / "step_2"), str(out)]))
     assert tpctl.leftover_pids() == []
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_a_killed_worker_is_restarted_and_resumes(tpctl):
-    base = ["train", *TINY, "mode=1d", "size=2", "train.steps=12", "checkpoint.every=4"]
-    calm = tpctl.cwd / "calm"
-    result = tpctl.run([*base, f"hydra.run.dir={calm}"], timeout=300)
-    assert result.returncode == 0, result.stderr
-    killed = tpctl.cwd / "killed"
-    tpctl.extra_env["TPCTL_TEST_KILL_AT"] = "1:7"  # rank 1 SIGKILLs itself after step 7
-    result = tpctl.run([*base, "launcher.max_restarts=1", f"hydra.run.dir={killed}"], timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "after restart 1 of 1" in result.stdout and "step_4" in result.stdout
-    got = _metrics(killed)
-    assert [r["step"] for r in got] == list(range(1, 13))  # each step once
-    assert got[-1]["loss"] == pytest.approx(_metrics(calm)[-1]["loss"], rel=1e-6)
-    assert tpctl.leftover_pids() == []

@@ -396,6 +396,7 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
     rewritten (a dry run rewrites the whole model, for its shapes).
     """
     from .layers import linearize
+    from .shard import record_replicas
 
     pipeline = None if dry_run else getattr(mode, "pipeline", None)
     mode = as_mode(mode)
@@ -465,6 +466,7 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
     shared += list(plan.head_lists) + list(plan.head_rows) if split > 1 else []
     if shared and not dry_run:  # (which rank shares what is learnt by communicating)
         share_slices(model, shared, mode.mesh)
+    record_replicas(model, mode.mesh.group_ranks["dp"])
     model.tpctl_mode = mode  # marks the model as rewritten (and by which mode)
     model.tpctl_plan = plan
     if pipeline is not None:

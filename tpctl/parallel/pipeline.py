@@ -28,8 +28,9 @@ parallelism"):
   * An embedding tied to the LM head (GPT-2) is held by the first and the
     last stage; after each backward their gradients are summed over the
     two (the `pp_ends` group), as Megatron does, so both apply the same
-    update. The last stage's copy is not counted by the gradient norm nor
-    written to checkpoints (`tpctl_stage_copy`).
+    update. Both copies are recorded on the weight's ShardSpec
+    (`stage_ranks`): the first stage's copy alone is counted by the
+    gradient norm and written to checkpoints.
 
 The schedules are torch.distributed.pipelining's (GPipe, 1F1B, interleaved
 1F1B) on `PipelineStage`s with static shapes; the loss function scales each
@@ -40,6 +41,7 @@ means, and the point-to-point sends are counted by comm.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -49,10 +51,10 @@ import torch
 import torch.nn as nn
 
 from . import comm
-from .data_parallel import all_reduce_coalesced
 from .layers import ParallelDropout
 from .mesh import Mesh
 from .roles import RolePlan, logits_of, repeated_blocks, trace
+from .shard import spec_of
 from .stages import PipelineSpec
 
 
@@ -321,11 +323,11 @@ class Pipeline:
             owner, _, attr = stand_in_param.rpartition(".")
             param = model.get_parameter(holder)
             _ensure_path(model, owner).register_parameter(attr, param)
-            both = self.first and self.last  # one rank holds both ends: nothing to sum
-            if not both:
-                param.tpctl_tied_group = self.ends
-                if self.last:
-                    param.tpctl_stage_copy = True
+            if not (self.first and self.last):  # (one rank holding both ends has nothing to sum)
+                # The end stages' copies, recorded where every question about
+                # the weight is asked: the first stage's counts and writes it.
+                param.tpctl_spec = dataclasses.replace(spec_of(param), stage_ranks=tuple(self.mesh.group_ranks["pp_ends"]),
+                                                       stage_group=self.ends)
         if len(self.chunks) > 1:  # a rank with the first or last chunk runs others too: gate those modules
             for b in self.beside:
                 if b.where != "every" and self.holds(b.name) and not isinstance(model.get_submodule(b.name), StandIn):
@@ -412,16 +414,6 @@ class Pipeline:
                     else:
                         comm.send(out, self._global(self.spec.rank_of(index + 1)), self.group)
         return comm.all_reduce(total.reshape(1).clone(), self.group)[0]
-
-    def sync_tied(self) -> None:
-        """Sum the gradient of a parameter the first and last stage both
-        hold (an embedding tied to the LM head) over the two."""
-        if self.model is None or self.first == self.last:
-            return
-        grads = [p.grad for p in self.model.parameters() if getattr(p, "tpctl_tied_group", None) is not None
-                 and p.grad is not None]
-        if grads:
-            all_reduce_coalesced(grads, self.ends)
 
     def bubble(self) -> Optional[float]:
         """This rank's measured idle fraction: 1 - busy / wall over the

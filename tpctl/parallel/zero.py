@@ -306,8 +306,6 @@ class Zero:
             main = nn.Parameter(chunk, requires_grad=p.requires_grad)
             if self.specs[i] is not None:
                 main.tpctl_spec = self.specs[i].rows(*cut.held(self.rank))
-            if getattr(p, "tpctl_stage_copy", False):  # (a tied weight's last-stage copy: counted, written once)
-                main.tpctl_stage_copy = True
             self.main.append(main)
 
     # ---- stage 3: units ---------------------------------------------------------

@@ -187,12 +187,7 @@ class TrainStep:
         """Sync, clip, the non-finite policy, the learning rate and the
         optimizer: the loss and the gradient norm come back as 0-dim device
         tensors (nothing here waits for the device, unless `skip` must)."""
-        params = self.par.dp.finish_grads(self.model_parts)
-        if self.pipeline is not None:
-            # After the replicas' bucket reductions have finished (both are
-            # sums, so their order is free; overlapping them is not).
-            self.pipeline.sync_tied()
-        self.par.mode.sync_grads(params)
+        params = self.par.finish_grads(self.model_parts)
         norm = self.par.clip_grads(params, self.cfg.optim.grad_clip)
         lr = self.schedule(step)
         loss = self.par.global_mean_tensor(loss_sum, self.tokens_per_step)

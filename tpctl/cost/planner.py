@@ -250,11 +250,11 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
                stage: Optional[int] = None) -> SplitPlan:
     """Memory, FLOPs and communication of one optimizer step on rank 0 of
     `layout` (`bucket_bytes`: the data-parallel gradient buckets' size,
-    zero.BUCKET_BYTES unless given). With pp > 1 (schedule `pipeline`,
+    zero_plan.BUCKET_BYTES unless given). With pp > 1 (schedule `pipeline`,
     default 1F1B over pp micro-batches): on the first rank of pipeline stage
     `stage`; None: every stage's plan (`.stages`), the one holding the most
     memory returned."""
-    from tpctl.parallel import zero
+    from tpctl.parallel import zero_plan
     from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.shard import spec_of
 
@@ -297,8 +297,8 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
             tied_numel += math.prod(spec_of(p).local_shape())
     dp_plan = None
     if layout.dp > 1:
-        units = zero.units_of([model], [p for _, p in named]) if layout.zero == 3 else None
-        dp_plan = zero.plan(named, layout.dp, layout.zero, bucket_bytes or zero.BUCKET_BYTES, units)
+        units = zero_plan.units_of([model], [p for _, p in named]) if layout.zero == 3 else None
+        dp_plan = zero_plan.plan(named, layout.dp, layout.zero, bucket_bytes or zero_plan.BUCKET_BYTES, units)
     param_numel = 0
     buckets: dict[str, int] = defaultdict(int)
     for i, (name, p) in enumerate(named):

@@ -24,7 +24,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from . import comm
 from .mesh import Mesh
 from .shard import ShardSpec, spec_of
-from .zero import BUCKET_BYTES, Zero, storage_bytes
+from .zero import Zero, storage_bytes
+from .zero_plan import BUCKET_BYTES
 
 
 class Held(NamedTuple):

@@ -47,6 +47,27 @@ class Parallelism:
     def geo(self) -> Geometry:
         return self.mesh.geo
 
+    # ---- the model ------------------------------------------------------------
+    def parallelize(self, model: nn.Module, plan=None, dry_run: bool = False, training: bool = True,
+                    stage: Optional[bool] = None) -> nn.Module:
+        """The one place a model becomes this rank's: with a pipeline, cut
+        to this rank's stage, rewritten by the mode (base.parallelize), the
+        stage wired; without, rewritten. `stage`: cut (default: unless a
+        dry run, which rewrites the whole model for `tpctl inspect`; the
+        planner's dry run asks for the stage)."""
+        from .base import parallelize
+        from .layers import linearize
+        from .roles import RolePlan, resolve_plan
+
+        if self.pipeline is None or not (not dry_run if stage is None else stage):
+            return parallelize(model, self.mode, plan, dry_run, training)
+        linearize(model)  # GPT-2's Conv1D: a Linear with a transposed weight, before the plan reads it
+        if not isinstance(plan, RolePlan):
+            plan = resolve_plan(model, plan)
+        model = parallelize(model, self.mode, self.pipeline.cut(model, plan), dry_run, training)
+        self.pipeline.install(model)
+        return model
+
     # ---- data ----------------------------------------------------------------
     def rows(self, batch_size: int, grad_accum: int = 1, micro: int = 0) -> range:
         """Rows of the global batch this rank reads for micro-batch `micro`:

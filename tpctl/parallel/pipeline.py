@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -31,6 +32,17 @@ from .stages import PipelineSpec
 __all__ = ["Pipeline", "PipelineRefused", "StageOutput", "StageStack", "StandIn", "Chunk"]
 
 
+@dataclass
+class _Step:
+    """One step's inputs (forward_backward's arguments) and the loss sums
+    the last stage collects during it."""
+
+    criterion: Optional[Callable] = None
+    tokens: int = 1
+    autocast: Callable[[], Any] = contextlib.nullcontext
+    loss_sums: list = field(default_factory=list)
+
+
 class Pipeline(StageCut):
     """This rank's stage (StageCut: what it holds, cut and wired) and the
     schedule that runs a step through the stages: `forward_backward`."""
@@ -40,17 +52,19 @@ class Pipeline(StageCut):
         self.group = mesh.groups.get("pp")
         self._schedule = None
         self._stages: list = []
-        self._criterion: Optional[Callable] = None
-        self._loss_sums: list[torch.Tensor] = []
-        self.autocast: Callable[[], Any] = contextlib.nullcontext
+        # The step running now, from forward_backward's arguments (torch's
+        # schedule calls the chunks and the loss without them).
+        self._step = _Step()
         # The idle fraction, measured: busy seconds in this rank's chunks
         # (forward, backward, loss) against each step's wall time.
         self.timings: list[tuple[float, float]] = []  # (busy, wall) seconds of each step
         self.busy_s = 0.0
 
-    def forward_chunk(self, chunk: Chunk, stream: Optional[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
-        """The chunk's forward: its output stream, or the logits (last chunk)."""
-        with self.running(chunk, stream), self.autocast():
+    def forward_chunk(self, chunk: Chunk, stream: Optional[torch.Tensor], ids: torch.Tensor,
+                      autocast: Callable[[], Any] = contextlib.nullcontext) -> torch.Tensor:
+        """The chunk's forward (under `autocast()`): its output stream, or
+        the logits (last chunk)."""
+        with self.running(chunk, stream), autocast():
             try:
                 out = self.model(ids)
             except StageOutput as end:
@@ -65,17 +79,19 @@ class Pipeline(StageCut):
         return tuple(mode.shard_hidden(torch.empty(rows, seq, self.hidden, device="meta")).shape)
 
     # ---- one step ----------------------------------------------------------------
-    def forward_backward(self, micro_batches: list, criterion: Callable, tokens: int, stream: tuple) -> torch.Tensor:
-        """Forward and backward of every micro-batch through the stages.
-        `criterion(logits, targets)` is a micro-batch's summed loss; each
-        is divided by `tokens` (the global batch's) before its backward,
-        so the accumulated gradients are those of the global mean. Returns
-        the summed loss of this rank's rows on every stage (the last stage's,
+    def forward_backward(self, micro_batches: list, criterion: Callable, tokens: int, stream: tuple,
+                         autocast: Callable[[], Any] = contextlib.nullcontext) -> torch.Tensor:
+        """Forward and backward of every micro-batch through the stages,
+        the forwards and the loss under `autocast()`. `criterion(logits,
+        targets)` is a micro-batch's summed loss; each is divided by
+        `tokens` (the global batch's) before its backward, so the
+        accumulated gradients are those of the global mean. Returns the
+        summed loss of this rank's rows on every stage (the last stage's,
         sent to the others), detached."""
         xs = [x for x, _ in micro_batches]
         ys = [y for _, y in micro_batches]
         schedule = self._schedule_for(xs[0], stream)
-        self._criterion, self._tokens, self._loss_sums = criterion, tokens, []
+        self._step = _Step(criterion, tokens, autocast)
         x = torch.cat(xs)
         self.busy_s, start = 0.0, time.perf_counter()
         if self.first:
@@ -83,10 +99,12 @@ class Pipeline(StageCut):
         else:
             schedule.step(target=torch.cat(ys), ids=x)
         self.timings.append((self.busy_s, time.perf_counter() - start))
-        total = torch.stack(self._loss_sums).sum() if self._loss_sums else torch.zeros((), device=self.mesh.device)
+        sums = self._step.loss_sums
+        total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.mesh.device)
         return comm.all_reduce(total.detach().reshape(1).clone(), self.group)[0]
 
-    def loss_sums(self, micro_batches: list, criterion: Callable, stream: tuple) -> torch.Tensor:
+    def loss_sums(self, micro_batches: list, criterion: Callable, stream: tuple,
+                  autocast: Callable[[], Any] = contextlib.nullcontext) -> torch.Tensor:
         """Forward only (evaluation): the summed loss of this rank's rows,
         on every stage. Micro-batch by micro-batch, chunk by chunk in
         pipeline order: blocking sends never cross."""
@@ -103,9 +121,9 @@ class Pipeline(StageCut):
                     if not chunk.first:
                         inp = comm.recv(torch.empty(stream, device=self.mesh.device),
                                         self._global(self.spec.rank_of(index - 1)), self.group)
-                    out = self.forward_chunk(chunk, inp, x)
+                    out = self.forward_chunk(chunk, inp, x, autocast)
                     if chunk.last:
-                        with self.autocast():
+                        with autocast():
                             total = total + criterion(out, y)
                     else:
                         comm.send(out, self._global(self.spec.rank_of(index + 1)), self.group)
@@ -148,11 +166,12 @@ class Pipeline(StageCut):
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
-        with self.autocast():
-            total = self._criterion(logits, targets)
-        self._loss_sums.append(total.detach())
+        step = self._step
+        with step.autocast():
+            total = step.criterion(logits, targets)
+        step.loss_sums.append(total.detach())
         self.busy_s += time.perf_counter() - start
-        return total / self._tokens
+        return total / step.tokens
 
 
 class _ChunkModule(nn.Module):
@@ -165,7 +184,8 @@ class _ChunkModule(nn.Module):
         self.chunk = chunk
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return self._pipeline.forward_chunk(self.chunk, None if self.chunk.first else x, ids)
+        pipeline = self._pipeline
+        return pipeline.forward_chunk(self.chunk, None if self.chunk.first else x, ids, pipeline._step.autocast)
 
 
 @functools.cache

@@ -126,7 +126,6 @@ class TrainStep:
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
         self.nonfinite = NonFinitePolicy(cfg.train.get("on_nonfinite", "stop"), say_warning=par.mesh.rank == 0)
         if self.pipeline is not None:
-            self.pipeline.autocast = lambda: autocast(self.device, cfg.precision)
             rows = len(par.rows(cfg.train.batch_size, self.micro_count))
             self.stream = self.pipeline.stream_shape(rows, cfg.train.seq_len, par.mode)
         # Training forwards never build a key/value cache, whatever the config says.
@@ -137,6 +136,10 @@ class TrainStep:
         """The whole model (one part: no pipeline)."""
         (model,) = self.model_parts
         return model
+
+    def autocast(self):
+        """The autocast context of the run's precision."""
+        return autocast(self.device, self.cfg.precision)
 
     def loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The summed loss of this rank's rows of one micro-batch.
@@ -158,7 +161,7 @@ class TrainStep:
         """Forward only: the summed loss of this rank's rows of a batch."""
         if self.pipeline is not None:
             with self.cache_off:
-                return self.pipeline.loss_sums(list(micro_batches), self.criterion, self.stream)
+                return self.pipeline.loss_sums(list(micro_batches), self.criterion, self.stream, self.autocast)
         total = torch.zeros((), device=self.device)
         for x, y in micro_batches:
             total = total + self.loss_sum(x, y)
@@ -174,7 +177,7 @@ class TrainStep:
         if self.pipeline is not None:
             with self.cache_off:
                 return self.pipeline.forward_backward(list(micro_batches), self.criterion, self.tokens_per_step,
-                                                      self.stream)
+                                                      self.stream, self.autocast)
         total = None
         for micro, (x, y) in enumerate(micro_batches):
             self.par.mesh.draw_micro = micro

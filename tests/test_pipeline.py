@@ -256,6 +256,31 @@ def test_a_custom_loop_over_a_pipeline_sums_the_tied_weight(pool):
     assert min(pool.run(_custom_loop_grads)) > 0
 
 
+def test_the_stage_weighting_is_pluggable():
+    """The stages are balanced by a weight per block: its parameter count
+    by default (4 equal blocks: 2 and 2), or what `weigh` says (the last
+    block heavy: it alone on the last stage)."""
+    from tpctl.models import build_model
+    from tpctl.parallel.cut import StageCut
+    from tpctl.parallel.mesh import build_mesh
+
+    cfg = tiny_config(1, **{"model.n_layer": 4})
+    mesh = build_mesh(Layout("none", pp=2), rank=0, groups=False)
+    spec = PipelineSpec(2, "1f1b", 1, 2)
+    default = StageCut(mesh, spec)
+    default.assign(build_model(cfg.model, cfg.seed, lazy=True))
+    assert default.blocks_of == [range(0, 2), range(2, 4)]
+    weighed: list = []
+
+    def weigh(block):
+        weighed.append(block)
+        return 10**9 if len(weighed) == 4 else 1
+
+    heavy_last = StageCut(mesh, spec, weigh)
+    heavy_last.assign(build_model(cfg.model, cfg.seed, lazy=True))
+    assert heavy_last.blocks_of == [range(0, 3), range(3, 4)] and len(weighed) == 4
+
+
 # ---- what cannot be pipelined is refused before any worker starts, in one line
 
 def flat_lm(vocab_size: int = 32, width: int = 16):

@@ -8,7 +8,7 @@ each part knows only its own axis.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -19,6 +19,7 @@ from .data_parallel import DataParallel, all_reduce_coalesced
 from .geometry import Geometry
 from .layout import Layout
 from .mesh import Mesh, build_mesh
+from .cut import parameter_count
 from .pipeline import Pipeline
 from .shard import spec_of
 from .stages import PipelineSpec
@@ -193,13 +194,15 @@ def _scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
 
 
 def parallelism(layout: Layout, seed: int = 0, device: str | torch.device = "cpu", groups: bool = True,
-                rank: int | None = None, pipeline: Optional[PipelineSpec] = None) -> Parallelism:
+                rank: int | None = None, pipeline: Optional[PipelineSpec] = None,
+                weigh: Callable[[nn.Module], float] = parameter_count) -> Parallelism:
     """The parallel machinery of `layout` on this rank (groups=False: the
     process-group-free version, for tools that only look at layouts).
     `pipeline`: the schedule of a layout with pp > 1 (default: 1F1B over
-    pp micro-batches)."""
+    pp micro-batches); `weigh`: each repeated block's weight when the
+    stages are balanced (default: its parameter count)."""
     mesh = build_mesh(layout, rank, device, seed, groups)
     stages = None
     if layout.pp > 1:
-        stages = Pipeline(mesh, pipeline or PipelineSpec(layout.pp, "1f1b", 1, layout.pp))
+        stages = Pipeline(mesh, pipeline or PipelineSpec(layout.pp, "1f1b", 1, layout.pp), weigh)
     return Parallelism(layout.mode_class(mesh), pipeline=stages)

@@ -60,6 +60,11 @@ class Pipeline(StageCut):
         self.timings: list[tuple[float, float]] = []  # (busy, wall) seconds of each step
         self.busy_s = 0.0
 
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches a step's batch is cut into."""
+        return self.spec.microbatches
+
     def forward_chunk(self, chunk: Chunk, stream: Optional[torch.Tensor], ids: torch.Tensor,
                       autocast: Callable[[], Any] = contextlib.nullcontext) -> torch.Tensor:
         """The chunk's forward (under `autocast()`): its output stream, or

@@ -1,11 +1,18 @@
-"""Which slice of the full tensor a rank holds, as data.
+"""The one record of a parameter: which slice of the full tensor a rank
+holds, and who else holds, sums, counts and writes it, as data.
 
 Every parameter a mode creates carries a `ShardSpec`: for each dimension the
-ranges of the (padded) full tensor it holds, which ranks hold identical
-copies, and whether those copies' gradients are partial sums. The same data
-drives initialisation (slice the whole tensor), gradient synchronisation, the
-global gradient norm (each shard counted once), tests (compare against the
-reference's slice) and, later, resharding checkpoints.
+ranges of the (padded) full tensor it holds, which ranks of the grid hold
+identical copies (whole, or run by run of rows) and whether those copies'
+gradients are partial sums; the pipeline adds a tied weight's stage copies
+(cut.py), the rewrite the data-parallel replicas (`record_replicas`), and a
+ZeRO chunk is a sub-box that one replica owns (`rows`). Asked with a rank
+(nothing here asks torch which rank it is), it answers who holds an element
+(`holders`), over which groups its gradient is summed (`partial_parts`,
+`stage_parts`), whether that rank counts it in the gradient norm
+(`norm_parts`) and whether it writes it, box by box, into a checkpoint
+(`boxes`, `writes`, `writes_origin`). Initialisation and pretrained loading
+read slices of it (`slice`, `read`).
 """
 
 from __future__ import annotations

@@ -85,9 +85,10 @@ class Pipeline(StageCut):
 
     # ---- one step ----------------------------------------------------------------
     def forward_backward(self, micro_batches: list, criterion: Callable, tokens: int, stream: tuple,
-                         autocast: Callable[[], Any] = contextlib.nullcontext) -> torch.Tensor:
+                         autocast: Callable[[], Any] = contextlib.nullcontext, step: Optional[int] = None) -> torch.Tensor:
         """Forward and backward of every micro-batch through the stages,
-        the forwards and the loss under `autocast()`. `criterion(logits,
+        the forwards and the loss under `autocast()`, the dropout masks
+        keyed by `step` (None: as the mesh last drew) and each micro-batch. `criterion(logits,
         targets)` is a micro-batch's summed loss; each is divided by
         `tokens` (the global batch's) before its backward, so the
         accumulated gradients are those of the global mean. Returns the
@@ -97,6 +98,8 @@ class Pipeline(StageCut):
         ys = [y for _, y in micro_batches]
         schedule = self._schedule_for(xs[0], stream)
         self._step = _Step(criterion, tokens, autocast)
+        if step is not None:
+            self.mesh.draw_step = step
         x = torch.cat(xs)
         self.busy_s, start = 0.0, time.perf_counter()
         if self.first:

@@ -127,7 +127,9 @@ class Accumulate:
         return ()
 
     def forward_backward(self, micro_batches: list, criterion: Callable, tokens: int, stream: tuple,
-                         autocast: Callable) -> torch.Tensor:
+                         autocast: Callable, step: Optional[int] = None) -> torch.Tensor:
+        if step is not None:  # the dropout masks are keyed by it (Mesh.reseed_dropout)
+            self.mesh.draw_step = step
         total = None
         for micro, (x, y) in enumerate(micro_batches):
             self.mesh.draw_micro = micro
@@ -198,16 +200,17 @@ class TrainStep:
         with self.cache_off:
             return self.runner.loss_sums(list(micro_batches), self.criterion, self.stream, self.autocast)
 
-    def forward_backward(self, micro_batches) -> torch.Tensor:
+    def forward_backward(self, micro_batches, step: Optional[int] = None) -> torch.Tensor:
         """Forward and backward of every micro-batch; the summed loss of this
         rank's rows (detached, on the device). Each micro-batch's *sum* is
         divided by the global batch's token count, so the accumulated
         gradients are those of the global mean, whatever the split. With
         pp > 1 the pipeline's schedule runs them (the same division), and
-        every stage returns the last stage's sum."""
+        every stage returns the last stage's sum. `step` keys the dropout
+        masks (None: as the mesh last drew)."""
         with self.cache_off:
             return self.runner.forward_backward(list(micro_batches), self.criterion, self.tokens_per_step,
-                                                self.stream, self.autocast)
+                                                self.stream, self.autocast, step)
 
     def finish(self, loss_sum: torch.Tensor, step: int) -> dict:
         """Sync, clip, the non-finite policy, the learning rate and the
@@ -229,8 +232,7 @@ class TrainStep:
         for part in self.model_parts:
             part.train()
         self.par.dp.zero_grad(self.optimizer)
-        self.par.mesh.draw_step = step
-        return self.finish(self.forward_backward(micro_batches), step)
+        return self.finish(self.forward_backward(micro_batches, step), step)
 
     def memory(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds."""

@@ -464,7 +464,7 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
     shared += list(plan.head_lists) + list(plan.head_rows) if split > 1 else []
     if shared and not dry_run:  # (which rank shares what is learnt by communicating)
         share_slices(model, shared, mode.mesh)
-    record_replicas(model, mode.mesh.group_ranks["dp"])
+    record_replicas(model, mode.mesh.group_ranks["dp"], mode.mesh.groups["dp"])
     model.tpctl_mode = mode  # marks the model as rewritten (and by which mode)
     model.tpctl_plan = plan
     if not dry_run:

@@ -88,9 +88,15 @@ class DataParallel:
         if self.zero is not None:
             return self.zero.finish()
         params = [p for part in model_parts for p in part.parameters()]
-        grads = [p.grad for p in params if p.grad is not None]
-        if self.size > 1 and grads:
-            all_reduce_coalesced(grads, self.group)
+        by_group: dict[int, tuple] = {}
+        for p in params:
+            spec = spec_of(p)
+            # (A tensor without a record is whole, and every replica's gradient partial.)
+            parts = spec.dp_parts(p.grad) if spec is not None else [(p.grad, self.group)] if self.size > 1 else []
+            for grad, group in parts if p.grad is not None else ():
+                by_group.setdefault(id(group), (group, []))[1].append(grad)
+        for group, grads in by_group.values():
+            all_reduce_coalesced(grads, group)
         return params
 
     def after_step(self) -> None:

@@ -9,7 +9,7 @@ gradients are partial sums; the pipeline adds a tied weight's stage copies
 ZeRO chunk is a sub-box that one replica owns (`rows`). Asked with a rank
 (nothing here asks torch which rank it is), it answers who holds an element
 (`holders`), over which groups its gradient is summed (`partial_parts`,
-`stage_parts`), whether that rank counts it in the gradient norm
+`stage_parts`, `dp_parts`), whether that rank counts it in the gradient norm
 (`norm_parts`) and whether it writes it, box by box, into a checkpoint
 (`boxes`, `writes`, `writes_origin`). Initialisation and pretrained loading
 read slices of it (`slice`, `read`).
@@ -67,6 +67,7 @@ class ShardSpec:
     # The data-parallel replicas holding the same values, this rank
     # included (replica 0 first); none in a ZeRO chunk, which one replica owns.
     dp_ranks: tuple[int, ...] = ()
+    dp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
 
     def local_shape(self) -> tuple[int, ...]:
         return tuple(
@@ -115,7 +116,7 @@ class ShardSpec:
         row_replicas = tuple(dataclasses.replace(r, start=max(r.start, start) - start, stop=min(r.stop, stop) - start)
                              for r in self.row_replicas if max(r.start, start) < min(r.stop, stop))
         return dataclasses.replace(self, index=(_merge(out),) + tuple(self.index[1:]), row_replicas=row_replicas,
-                                   dp_ranks=())
+                                   dp_ranks=(), dp_group=None)
 
     # ---- who holds, sums, counts and writes: the rank asking is passed in ----------
     def tensor_replicas(self, rank: int, row: int = 0) -> tuple[int, ...]:
@@ -201,6 +202,12 @@ class ShardSpec:
         weight between the end stages); none otherwise."""
         return [(grad, self.stage_group)] if len(self.stage_ranks) > 1 else []
 
+    def dp_parts(self, grad: torch.Tensor) -> list[tuple[torch.Tensor, dist.ProcessGroup]]:
+        """(grad, group) where the data-parallel replicas' gradients are
+        summed (each replica's covers its own rows of the batch); none in a
+        ZeRO chunk (its reduction is the bucket engine's reduce-scatter)."""
+        return [(grad, self.dp_group)] if len(self.dp_ranks) > 1 else []
+
     def norm_parts(self, tensor: torch.Tensor, rank: int) -> list[torch.Tensor]:
         """The pieces of `rank`'s `tensor` it counts (a gradient's norm):
         each element once over all its tensor replicas and stage copies."""
@@ -263,11 +270,11 @@ def spec_of(param: torch.Tensor) -> Optional[ShardSpec]:
     return getattr(param, "tpctl_spec", None)
 
 
-def record_replicas(model: torch.nn.Module, dp_ranks: Sequence[int]) -> None:
+def record_replicas(model: torch.nn.Module, dp_ranks: Sequence[int], dp_group: Optional[dist.ProcessGroup] = None) -> None:
     """Record on each parameter's ShardSpec the data-parallel replicas that
-    hold its values (`dp_ranks`, replica 0 first), so the record answers
-    who holds each element across the whole world."""
+    hold its values (`dp_ranks`, replica 0 first, summed over `dp_group`),
+    so the record answers who holds each element across the whole world."""
     for p in model.parameters():
         spec = spec_of(p)
         if spec is not None:
-            p.tpctl_spec = dataclasses.replace(spec, dp_ranks=tuple(dp_ranks))
+            p.tpctl_spec = dataclasses.replace(spec, dp_ranks=tuple(dp_ranks), dp_group=dp_group)

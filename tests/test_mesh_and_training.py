@@ -230,3 +230,28 @@ def test_dropout_training_keeps_replicas_identical(pool, mesh):
     losses, checked = results[0]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     assert max(r[1] for r in results) > 0  # some rank holds replicated parameters
+
+
+def test_the_record_answers_who_holds_counts_and_writes():
+    """A ShardSpec asked with a rank: a weight held by two tensor replicas,
+    two pipeline stages and two data-parallel replicas (16 ranks: tp stride
+    1, pp stride 4, dp stride 8); each element is counted by one rank per
+    replica and written by one rank in the world; a ZeRO chunk is its
+    replica's own; rows with replicas of their own are decided run by run."""
+    from tpctl.parallel.shard import RowReplicas, ShardSpec
+
+    def record(tp, stages, dp, **kw):
+        return ShardSpec((8, 4), (None, None), replica_ranks=tp, partial_grad=True, stage_ranks=stages, dp_ranks=dp, **kw)
+
+    at = {0: record((0, 1), (0, 4), (0, 8)), 1: record((0, 1), (1, 5), (1, 9)),
+          4: record((4, 5), (0, 4), (4, 12)), 8: record((8, 9), (8, 12), (0, 8))}
+    assert at[1].holders(1) == at[0].holders(0) == (0, 1, 4, 5, 8, 9, 12, 13)
+    assert [r for r, spec in at.items() if spec.writes(r)] == [0]
+    assert [r for r, spec in at.items() if spec.counts(r)] == [0, 8]  # each data-parallel replica computes the norm
+    assert at[4].norm_parts(torch.ones(8, 4), 4) == [] and not at[4].first_on_stages(4)
+    assert at[8].rows(4, 8).writes(8) and at[8].rows(4, 8).dp_ranks == ()  # under ZeRO replica 1 owns its chunk
+    assert [g is None for _, g in at[1].partial_parts(torch.ones(8, 4)) + at[1].stage_parts(torch.ones(8, 4))] == [True, True]
+
+    rows = ShardSpec((4, 2), (((0, 4),), None), row_replicas=(RowReplicas(0, 2, (0, 1)), RowReplicas(2, 4, (1,))))
+    assert not rows.writes(1, 0) and rows.writes(1, 2) and rows.writes(1) and not rows.writes_origin(1)
+    assert rows.writes_origin(0) and [tuple(p.shape) for p in rows.norm_parts(torch.ones(4, 2), 1)] == [(2, 2)]

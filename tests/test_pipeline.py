@@ -198,18 +198,81 @@ def test_each_stage_draws_the_dropout_masks_of_one_process(schedule):
 
 
 def test_a_stage_keeps_the_whole_models_names_and_only_its_share():
+    from tpctl.parallel.shard import spec_of
+
     cfg, whole, stages = _whole_and_stages(0.0)
     names = dict(whole.named_parameters())
     held = [dict(stage.named_parameters()) for _, stage in stages]
     assert set(held[0]) | set(held[1]) == set(names), "every parameter on some stage, under its own name"
     assert [k for k in held[0] if k.startswith("blocks.")] == [k for k in names if k.startswith(("blocks.0.", "blocks.1."))]
     assert "wte.weight" in held[1] and held[1]["wte.weight"] is stages[1][1].lm_head.weight, "tied: one parameter"
-    assert getattr(held[1]["wte.weight"], "tpctl_stage_copy", False) and not getattr(held[0]["wte.weight"], "tpctl_stage_copy", False)
+    # The record of the tied weight: the first stage's copy is the one counted and written.
+    assert not spec_of(held[1]["wte.weight"]).first_on_stages(1) and spec_of(held[0]["wte.weight"]).first_on_stages(0)
+    assert spec_of(held[0]["wte.weight"]).stage_ranks == spec_of(held[1]["wte.weight"]).stage_ranks == (0, 1)
     for part in held:
         for name, p in part.items():
             assert torch.equal(p, names[name]), name
     whole_bytes = sum(p.numel() * 4 for p in names.values())
     assert max(sum(p.numel() * 4 for p in part.values()) for part in held) <= 0.65 * whole_bytes
+
+
+def _custom_loop_grads() -> int:
+    """A custom loop over a pipeline (tpctl.init_parallel, the stage's own
+    schedule, then `sync_grads`): every gradient equals one process's,
+    the embedding tied to the LM head included (summed between the end
+    stages as the training step sums it)."""
+    import tpctl
+    from tpctl.models import build_model
+    from tpctl.parallel.shard import spec_of
+    from tpctl.schema import ModelConfig
+
+    cfg = ModelConfig(vocab_size=50, n_embd=16, n_head=4, block_size=8, n_layer=2, tie_embeddings=True)
+    ids = torch.randint(0, 50, (8, 9), generator=torch.Generator().manual_seed(3))
+    x, y = ids[:, :-1], ids[:, 1:]
+    ref = build_model(cfg, seed=0)
+    (torch.nn.functional.cross_entropy(ref(x).reshape(-1, 50), y.reshape(-1), reduction="sum") / y.numel()).backward()
+
+    tp = tpctl.init_parallel(Layout.parse("none-pp2-dp4"))
+    model = tpctl.parallelize(build_model(cfg, seed=0), tp)
+    pipe, m = tp.pipeline, tp.pipeline.spec.microbatches
+    micro = [(tp.shard_batch(x, k, m), tp.shard_targets(y, k, m)) for k in range(m)]
+    stream = pipe.stream_shape(len(tp.rows(8, m)), 8, tp.mode)
+    pipe.forward_backward(micro, lambda logits, t: tp.cross_entropy(logits, t, 50).sum(), y.numel(), stream)
+    tp.sync_grads(model)
+    want = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, spec_of(p).slice(want[name].grad), rtol=1e-5, atol=1e-6, msg=name)
+    assert "wte.weight" in dict(model.named_parameters())
+    return len(list(model.parameters()))
+
+
+def test_a_custom_loop_over_a_pipeline_sums_the_tied_weight(pool):
+    assert min(pool.run(_custom_loop_grads)) > 0
+
+
+def test_the_stage_weighting_is_pluggable():
+    """The stages are balanced by a weight per block: its parameter count
+    by default (4 equal blocks: 2 and 2), or what `weigh` says (the last
+    block heavy: it alone on the last stage)."""
+    from tpctl.models import build_model
+    from tpctl.parallel.cut import StageCut
+    from tpctl.parallel.mesh import build_mesh
+
+    cfg = tiny_config(1, **{"model.n_layer": 4})
+    mesh = build_mesh(Layout("none", pp=2), rank=0, groups=False)
+    spec = PipelineSpec(2, "1f1b", 1, 2)
+    default = StageCut(mesh, spec)
+    default.assign(build_model(cfg.model, cfg.seed, lazy=True))
+    assert default.blocks_of == [range(0, 2), range(2, 4)]
+    weighed: list = []
+
+    def weigh(block):
+        weighed.append(block)
+        return 10**9 if len(weighed) == 4 else 1
+
+    heavy_last = StageCut(mesh, spec, weigh)
+    heavy_last.assign(build_model(cfg.model, cfg.seed, lazy=True))
+    assert heavy_last.blocks_of == [range(0, 3), range(3, 4)] and len(weighed) == 4
 
 
 # ---- what cannot be pipelined is refused before any worker starts, in one line

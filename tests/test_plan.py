@@ -202,4 +202,4 @@ def test_plan_refuses_a_mode_without_cost_hooks_by_name(tpctl, tmp_path):
     assert result.stderr.strip().splitlines() == [
         "tpctl: error: invalid config: mode='rows': it rewrites layers but defines none of the planner's cost hooks "
         "(cost_rows, cost_hidden, cost_vocab, cost_embedding, cost_norm, cost_linear, cost_loss; see "
-        "parallel/base.py), so tpctl plan would count its communication as zero: define them to plan it"]
+        "parallel/mode.py), so tpctl plan would count its communication as zero: define them to plan it"]

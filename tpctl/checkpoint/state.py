@@ -27,7 +27,6 @@ byte is written once, by whichever replica holds it (DataParallel.held).
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -49,21 +48,11 @@ class Box:
 
 
 def shard_boxes(spec: Optional[ShardSpec], local_shape: tuple[int, ...]) -> list[Box]:
-    """The boxes of the global tensor a shard holds (padding clipped away).
-    No spec: the tensor is whole."""
+    """The boxes of the global tensor a shard holds (padding clipped away),
+    as its record says (ShardSpec.boxes). No spec: the tensor is whole."""
     if spec is None:
         return [Box((0,) * len(local_shape), tuple(local_shape), (0,) * len(local_shape))]
-    per_dim = []
-    for full, ranges in zip(spec.full_shape, spec.index):
-        pieces, pos = [], 0
-        for a, b in (ranges if ranges is not None else ((0, full),)):
-            stop = min(b, full)
-            if stop > a:
-                pieces.append((a, stop - a, pos))
-            pos += b - a
-        per_dim.append(pieces)
-    return [Box(tuple(p[0] for p in combo), tuple(p[1] for p in combo), tuple(p[2] for p in combo))
-            for combo in itertools.product(*per_dim)]
+    return [Box(*box) for box in spec.boxes(local_shape)]
 
 
 @dataclass
@@ -106,11 +95,12 @@ def whole(tensor: torch.Tensor, write: bool) -> Entry:
 # --------------------------------------------------------------------------
 
 
-def _skipped(spec: Optional[ShardSpec], boxes: list[Box]) -> frozenset:
-    """The boxes of a shard whose rows another replica writes."""
-    if spec is None or not spec.row_replicas:
+def _skipped(spec: Optional[ShardSpec], boxes: list[Box], rank: int) -> frozenset:
+    """The boxes of a shard whose rows another holder writes (the record's
+    answer, ShardSpec.writes, box by box)."""
+    if spec is None:
         return frozenset()
-    return frozenset(i for i, b in enumerate(boxes) if not spec.writes_rows(b.local[0]))
+    return frozenset(i for i, b in enumerate(boxes) if not spec.writes(rank, b.local[0]))
 
 def _adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
     """AdamW's state of `p`, created as AdamW would create it (zeros, step 0)
@@ -161,17 +151,18 @@ def state_entries(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimi
     for name, p, values, spec, write in par.dp.held(model):
         boxes = shard_boxes(spec, tuple(values.shape))
         full = tuple(spec.full_shape) if spec is not None else tuple(values.shape)
-        skip = _skipped(spec, boxes)
+        skip = _skipped(spec, boxes, mesh.rank)
         entries[f"model.{name}"] = Entry(values, full, boxes, write, skip)
         if optimizer is None:
             continue
         state = _adam_state(optimizer, p)
+        held = spec.local_shape() if spec is not None else tuple(values.shape)
         for moment in ("exp_avg", "exp_avg_sq"):
-            # (under ZeRO a chunk's padding rows, past `values`, are never saved)
-            entries[f"optim.{name}.{moment}"] = Entry(state[moment][:len(values)] if values.dim() else state[moment],
+            # (under ZeRO a chunk's padding rows, past what its record holds, are never saved)
+            entries[f"optim.{name}.{moment}"] = Entry(state[moment][:held[0]] if values.dim() else state[moment],
                                                       full, boxes, write, skip)
-        # One writer among the shards: the one holding the global origin.
-        origin = any(all(o == 0 for o in b.offsets) for b in entries[f"model.{name}"].written())
+        # One writer among the shards: the one writing the global origin.
+        origin = write if spec is None else spec.writes_origin(mesh.rank)
         entries[f"optim.{name}.step"] = whole(state["step"].detach().reshape(1).double().cpu(), origin)
     is_first = mesh.rank == 0
     entries["train.step"] = whole(torch.tensor([step], dtype=torch.int64), is_first)

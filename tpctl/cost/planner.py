@@ -73,10 +73,9 @@ class ModelShape:
     plan: Any = None  # parallel.roles.RolePlan
 
     def rewritten(self, par):
-        """The model rewritten for `par` (a Parallelism), shapes only."""
-        from tpctl.parallel.rewrite import parallelize
-
-        return parallelize(self.original(), par, self.plan, dry_run=True)
+        """The model rewritten for `par` (a Parallelism), shapes only: with
+        pp > 1 the stage of `par`'s rank, cut as a worker cuts it."""
+        return par.parallelize(self.original(), self.plan, dry_run=True, stage=True)
 
     def original(self):
         """The model on the meta device, as the rewrite sees it."""
@@ -251,11 +250,11 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
                stage: Optional[int] = None) -> SplitPlan:
     """Memory, FLOPs and communication of one optimizer step on rank 0 of
     `layout` (`bucket_bytes`: the data-parallel gradient buckets' size,
-    zero.BUCKET_BYTES unless given). With pp > 1 (schedule `pipeline`,
+    zero_plan.BUCKET_BYTES unless given). With pp > 1 (schedule `pipeline`,
     default 1F1B over pp micro-batches): on the first rank of pipeline stage
     `stage`; None: every stage's plan (`.stages`), the one holding the most
     memory returned."""
-    from tpctl.parallel import zero
+    from tpctl.parallel import zero_plan
     from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.shard import spec_of
 
@@ -268,38 +267,25 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     rank = layout.rank_of({"pp": stage or 0})
     par = parallelism(layout, groups=False, rank=rank, pipeline=pipeline)
     mode, pipe = par.mode, par.pipeline
+    # ---- parameters: this rank's shard of each (ShardSpec), those of its
+    # pipeline stage only (the stage a worker holds, cut by the dry run;
+    # tied ones once); with data parallelism the buckets and ZeRO chunks
+    # the training step makes of them (parallel/zero_plan.py, the same
+    # plan); and the replica buckets sync_replicas all-reduces (one
+    # coalesced call per group).
+    model = shape.rewritten(par)
     holds: Any = lambda name: True  # noqa: E731
-    if pipe is not None:  # what the stage holds, from the whole model (its blocks, its ends)
-        pipe.assign(shape.original())
+    if pipe is not None:  # what the stage holds (its blocks, its ends), as the cut placed them
         holds, grad_accum = pipe.holds, pipe.spec.microbatches
     vp = padded_vocab(shape.vocab_size, layout.geo.vocab_multiple)
     tokens = batch_size // (grad_accum * layout.dp) * seq_len  # token rows of a micro-batch per replica
-
-    # ---- parameters: this rank's shard of each (ShardSpec), those of its
-    # pipeline stage only (tied ones once); with data parallelism the
-    # buckets and ZeRO chunks the training step makes of them
-    # (parallel/zero.py, the same plan); and the replica buckets
-    # sync_replicas all-reduces (one coalesced call per group).
-    model = shape.rewritten(par)
-    every = list(model.named_parameters(remove_duplicate=False))
-    owners: dict[int, set] = defaultdict(set)  # a parameter's modules' pipeline stages
-    for name, p in every:
-        owners[id(p)].add(pipe.stage_of(name.rpartition(".")[0]) if pipe is not None else None)
-    # A parameter the stage holds under any of its names, at its first name's
-    # place (where the stage registers a tied weight the other end owns).
-    held = {id(p) for name, p in every if holds(name.rpartition(".")[0])}
-    named, seen, tied_numel = [], set(), 0
-    for name, p in every:
-        if id(p) in seen or id(p) not in held:
-            continue
-        seen.add(id(p))
-        named.append((name, p))
-        if len(owners[id(p)]) > 1:  # tied across stages (an embedding and the LM head): both ends hold it
-            tied_numel += math.prod(spec_of(p).local_shape())
+    named = list(model.named_parameters())
+    # A weight the end stages both hold (an embedding tied to the LM head): its record says so.
+    tied_numel = sum(math.prod(spec_of(p).local_shape()) for _, p in named if len(spec_of(p).stage_ranks) > 1)
     dp_plan = None
     if layout.dp > 1:
-        units = zero.units_of([model], [p for _, p in named]) if layout.zero == 3 else None
-        dp_plan = zero.plan(named, layout.dp, layout.zero, bucket_bytes or zero.BUCKET_BYTES, units)
+        units = zero_plan.units_of([model], [p for _, p in named]) if layout.zero == 3 else None
+        dp_plan = zero_plan.plan(named, layout.dp, layout.zero, bucket_bytes or zero_plan.BUCKET_BYTES, units)
     param_numel = 0
     buckets: dict[str, int] = defaultdict(int)
     for i, (name, p) in enumerate(named):

@@ -223,7 +223,7 @@ def whole_parameters(model, par) -> int:
     from tpctl.parallel import comm
 
     mine = sum(math.prod(p.tpctl_spec.full_shape) for p in model.parameters()
-               if not getattr(p, "tpctl_stage_copy", False))
+               if p.tpctl_spec.first_on_stages(par.mesh.rank))
     if par.pipeline is None:
         return mine
     total = torch.tensor([float(mine)], dtype=torch.float64, device=par.mesh.device)

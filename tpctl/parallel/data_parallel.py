@@ -15,7 +15,7 @@ sums second, as Megatron's `finalize_model_grads` does with its DDP buckets.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, NamedTuple, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -24,7 +24,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from . import comm
 from .mesh import Mesh
 from .shard import ShardSpec, spec_of
-from .zero import BUCKET_BYTES, Zero, storage_bytes
+from .zero import Zero, storage_bytes
+from .zero_plan import BUCKET_BYTES
 
 
 class Held(NamedTuple):
@@ -79,11 +80,24 @@ class DataParallel:
             self.zero.zero_grad(optimizer)
 
     def finish_grads(self, model_parts: list[nn.Module]) -> list[nn.Parameter]:
-        """After the step's backwards: wait for the buckets' reductions;
-        the optimizer's parameters, gradients summed over the replicas."""
-        if self.zero is None:
-            return [p for part in model_parts for p in part.parameters()]
-        return self.zero.finish()
+        """After the step's backwards: the optimizer's parameters, their
+        gradients summed over the replicas. With buckets (the training
+        step), waiting for their reductions; without (a custom loop: no
+        `attach`), one flattened all-reduce of every gradient now (the
+        replicas' gradients of a parameter are partial sums over their rows)."""
+        if self.zero is not None:
+            return self.zero.finish()
+        params = [p for part in model_parts for p in part.parameters()]
+        by_group: dict[int, tuple] = {}
+        for p in params:
+            spec = spec_of(p)
+            # (A tensor without a record is whole, and every replica's gradient partial.)
+            parts = spec.dp_parts(p.grad) if spec is not None else [(p.grad, self.group)] if self.size > 1 else []
+            for grad, group in parts if p.grad is not None else ():
+                by_group.setdefault(id(group), (group, []))[1].append(grad)
+        for group, grads in by_group.values():
+            all_reduce_coalesced(grads, group)
+        return params
 
     def after_step(self) -> None:
         """After the optimizer: ZeRO 1 and 2 gather the updated chunks."""
@@ -94,40 +108,20 @@ class DataParallel:
         if self.zero is not None:
             self.zero.after_load()
 
-    # ---- a custom loop's side (no buckets: tpctl.init_parallel's users) -----------
-    def reduce_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Sum every gradient over the replicas (in one flattened
-        all-reduce: the replicas' gradients of a parameter are partial sums
-        over their rows)."""
-        if self.size == 1:
-            return
-        if self.zero is not None:
-            raise RuntimeError("this model's gradients are reduced in buckets during the backward (DataParallel.attach)")
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            all_reduce_coalesced(grads, self.group)
-
     # ---- checkpoints and memory ------------------------------------------------------
-    def writes(self, spec: Optional[ShardSpec]) -> bool:
-        """Whether this rank writes a tensor described by `spec` into a
-        checkpoint without ZeRO: replica 0 alone (the others hold the same
-        values), and there the first of the grid's copies."""
-        return self.rank == 0 and _first_copy(self.mesh, spec)
-
     def held(self, model: nn.Module) -> Iterator[Held]:
-        """Each parameter of `model` (tied ones once) as this rank holds it.
-        Without ZeRO replica 0 writes (the others hold the same values), and
-        there the first of the grid's copies; under ZeRO every replica
-        writes its chunk, so each byte is written once."""
+        """Each parameter of `model` (tied ones once) as this rank holds it:
+        the parameter itself, or under ZeRO this replica's chunk (a sub-box
+        its record describes). Whether this rank writes it is the record's
+        answer (ShardSpec.writes: the first holder along every axis)."""
         for name, p in model.named_parameters():
             if self.zero is None or not self.stage:
                 param, values, spec = p, p.data, spec_of(p)
-                write = self.writes(spec)
             else:
                 param, values, spec = self.zero.held(self.zero.index_of(p))
-                write = _first_copy(self.mesh, spec)
-            # (The last pipeline stage's copy of a tied weight: the first stage writes it.)
-            yield Held(name, param, values, spec, write and not getattr(p, "tpctl_stage_copy", False))
+            # (A tensor without a record is whole and the same on every replica.)
+            write = self.rank == 0 if spec is None else spec.writes(self.mesh.rank)
+            yield Held(name, param, values, spec, write)
 
     def memory(self, model_parts: list[nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> dict[str, int]:
         """Bytes this rank holds of parameters, of gradients kept for the
@@ -140,15 +134,6 @@ class DataParallel:
         return {"param_bytes": storage_bytes([*params, *chunks]),
                 "grad_bytes": storage_bytes([p.grad for p in params] + [p.grad for p in main]),
                 "optimizer_bytes": storage_bytes(t for s in state for t in s.values() if isinstance(t, torch.Tensor))}
-
-
-def _first_copy(mesh: Mesh, spec: Optional[ShardSpec]) -> bool:
-    """Whether this rank holds the first of the tensor-parallel grid's
-    identical copies of `spec` (or the only one); rows with replicas of
-    their own are decided box by box (ShardSpec.writes_rows)."""
-    if spec is not None and spec.row_replicas:
-        return True
-    return spec is None or not spec.replica_ranks or mesh.rank == spec.replica_ranks[0]
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:

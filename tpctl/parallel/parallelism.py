@@ -8,17 +8,18 @@ each part knows only its own axis.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
 
 from . import comm
 from .mode import ParallelMode
-from .data_parallel import DataParallel
+from .data_parallel import DataParallel, all_reduce_coalesced
 from .geometry import Geometry
 from .layout import Layout
 from .mesh import Mesh, build_mesh
+from .cut import parameter_count
 from .pipeline import Pipeline
 from .shard import spec_of
 from .stages import PipelineSpec
@@ -46,6 +47,28 @@ class Parallelism:
     @property
     def geo(self) -> Geometry:
         return self.mesh.geo
+
+    # ---- the model ------------------------------------------------------------
+    def parallelize(self, model: nn.Module, plan=None, dry_run: bool = False, training: bool = True,
+                    stage: Optional[bool] = None) -> nn.Module:
+        """The one place a model becomes this rank's: with a pipeline, cut
+        to this rank's stage, rewritten by the mode (rewrite.parallelize), the
+        stage wired; without, rewritten. `stage`: cut (default: unless a
+        dry run, which rewrites the whole model for `tpctl inspect`; the
+        planner's dry run asks for the stage)."""
+        from .rewrite import parallelize
+        from .layers import linearize
+        from .inference import resolve_plan
+        from .roles import RolePlan
+
+        if self.pipeline is None or not (not dry_run if stage is None else stage):
+            return parallelize(model, self.mode, plan, dry_run, training)
+        linearize(model)  # GPT-2's Conv1D: a Linear with a transposed weight, before the plan reads it
+        if not isinstance(plan, RolePlan):
+            plan = resolve_plan(model, plan)
+        model = parallelize(model, self.mode, self.pipeline.cut(model, plan), dry_run, training)
+        self.pipeline.install(model)
+        return model
 
     # ---- data ----------------------------------------------------------------
     def rows(self, batch_size: int, grad_accum: int = 1, micro: int = 0) -> range:
@@ -81,29 +104,44 @@ class Parallelism:
         return self.global_mean_tensor(local_sum, count).item()
 
     # ---- gradients ---------------------------------------------------------------
+    def finish_grads(self, model_parts: list[nn.Module]) -> list[nn.Parameter]:
+        """The one gradient finalisation, after a step's backwards (the
+        training step's and a custom loop's alike), as Megatron's
+        `finalize_model_grads`: the data-parallel reduction (the buckets'
+        wait, or one all-reduce without them), then the sum of a tied
+        weight's stage copies, then the grid's replica sums (the mode).
+        Each parameter's record (ShardSpec) says over which group each
+        piece is summed. Returns the optimizer's parameters (under ZeRO
+        this replica's chunks)."""
+        params = self.dp.finish_grads(model_parts)
+        # After the replicas' reductions have finished (both are sums, so
+        # their order is free; overlapping them is not). The model's own
+        # parameters: under ZeRO 1 a chunk's gradient is a view of them.
+        sum_stage_copies(model_parts)
+        self.mode.sync_grads(params)
+        return params
+
     def sync_grads(self, model: nn.Module) -> None:
-        """Every gradient summed once over the ranks that hold its other
-        parts: the grid's replicas (the mode), then the data-parallel
-        replicas. (A custom loop's call; the training step reduces over the
-        replicas in buckets during the backward, DataParallel.attach.)"""
-        self.mode.sync_grads(model)
-        self.dp.reduce_grads(model.parameters())
+        """Every gradient of `model` summed once over the ranks that hold
+        its other parts (a custom loop's call after its backward):
+        `finish_grads`."""
+        self.finish_grads([model])
 
     def grad_norm(self, params: nn.Module | Iterable[nn.Parameter]) -> torch.Tensor:
         """The L2 norm of the whole model's gradient, as one process would
         compute it, from `params` (a model, or the optimizer's parameters:
-        under ZeRO each replica's chunks): each shard counted once however
-        many ranks replicate it (ShardSpec.canonical_parts: whole tensors, or
-        the rows this rank owns of a tensor with row replicas; not the last
-        stage's copy of a tied weight), summed over the `grad_norm` group
-        (the grid and the stages, and the replicas under ZeRO). Per-tensor
-        norms in one foreach call (no copy of any gradient), their squares
-        summed in float64."""
-        grads = []
+        under ZeRO each replica's chunks): each element counted once however
+        many ranks hold it (ShardSpec.norm_parts: whole tensors, or the rows
+        this rank owns of a tensor with row replicas; the first stage's copy
+        of a tied weight), summed over the `grad_norm` group (the grid and
+        the stages, and the replicas under ZeRO). Per-tensor norms in one
+        foreach call (no copy of any gradient), their squares summed in
+        float64."""
+        grads, rank = [], self.mesh.rank
         for p in _params(params):
-            if p.grad is not None and not getattr(p, "tpctl_stage_copy", False):
+            if p.grad is not None:
                 spec = spec_of(p)
-                grads.extend([p.grad] if spec is None else spec.canonical_parts(p.grad))
+                grads.extend([p.grad] if spec is None else spec.norm_parts(p.grad, rank))
         if grads:
             norms = torch._foreach_norm(grads) if hasattr(torch, "_foreach_norm") else [g.norm() for g in grads]
             total = torch.stack(norms).double().pow(2).sum()
@@ -130,6 +168,19 @@ class Parallelism:
         return self.clip_grads(model, max_norm).item()
 
 
+def sum_stage_copies(model_parts: list[nn.Module]) -> None:
+    """Sum the gradients of the weights several pipeline stages hold (an
+    embedding tied to the LM head), each over its stage copies' group."""
+    by_group: dict[int, tuple] = {}
+    for part in model_parts:
+        for p in part.parameters():
+            spec = spec_of(p)
+            for grad, group in spec.stage_parts(p.grad) if spec is not None and p.grad is not None else ():
+                by_group.setdefault(id(group), (group, []))[1].append(grad)
+    for group, grads in by_group.values():
+        all_reduce_coalesced(grads, group)
+
+
 def _params(params: nn.Module | Iterable[nn.Parameter]) -> list[nn.Parameter]:
     return list(params.parameters() if isinstance(params, nn.Module) else params)
 
@@ -144,13 +195,15 @@ def _scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
 
 
 def parallelism(layout: Layout, seed: int = 0, device: str | torch.device = "cpu", groups: bool = True,
-                rank: int | None = None, pipeline: Optional[PipelineSpec] = None) -> Parallelism:
+                rank: int | None = None, pipeline: Optional[PipelineSpec] = None,
+                weigh: Callable[[nn.Module], float] = parameter_count) -> Parallelism:
     """The parallel machinery of `layout` on this rank (groups=False: the
     process-group-free version, for tools that only look at layouts).
     `pipeline`: the schedule of a layout with pp > 1 (default: 1F1B over
-    pp micro-batches)."""
+    pp micro-batches); `weigh`: each repeated block's weight when the
+    stages are balanced (default: its parameter count)."""
     mesh = build_mesh(layout, rank, device, seed, groups)
     stages = None
     if layout.pp > 1:
-        stages = Pipeline(mesh, pipeline or PipelineSpec(layout.pp, "1f1b", 1, layout.pp))
+        stages = Pipeline(mesh, pipeline or PipelineSpec(layout.pp, "1f1b", 1, layout.pp), weigh)
     return Parallelism(layout.mode_class(mesh), pipeline=stages)

@@ -65,7 +65,7 @@ def import_mode_module(module: Optional[str]) -> None:
 
 
 # The hooks through which a mode tells the planner what its rewrite costs
-# (parallel/base.py); ParallelMode's own describe a grid that splits nothing.
+# (parallel/mode.py); ParallelMode's own describe a grid that splits nothing.
 COST_HOOKS = ("cost_rows", "cost_hidden", "cost_vocab", "cost_embedding", "cost_norm", "cost_linear", "cost_loss")
 
 
@@ -77,7 +77,7 @@ def check_costed() -> None:
         root = next(k for k in reversed(cls.__mro__) if "cost_linear" in vars(k))  # ParallelMode
         if cls.rewrites and all(getattr(cls, hook) is getattr(root, hook) for hook in COST_HOOKS):
             raise ConfigError("mode", cls.name, f"it rewrites layers but defines none of the planner's cost hooks "
-                              f"({', '.join(COST_HOOKS)}; see parallel/base.py), so tpctl plan would count its "
+                              f"({', '.join(COST_HOOKS)}; see parallel/mode.py), so tpctl plan would count its "
                               "communication as zero: define them to plan it")
 
 

@@ -18,7 +18,7 @@ from .fused import held_units
 from .inference import resolve_plan
 from .layers import ParallelDropout, embedding_semantics, norm_offset, norm_width
 from .mesh import Mesh
-from .mode import ParallelMode, RewriteContext, as_mode
+from .mode import ParallelMode, RewriteContext
 from .registry import mode_class
 from .replicas import share_slices
 from .roles import GROUP_ATTRS, KV_ATTRS, RolePlan, repeated_blocks
@@ -57,21 +57,20 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
     and `model.tpctl_problems` what the mode cannot shard (check_plan). `tpctl inspect` shows them; the planner reads every parameter's
     local shape and replicas from the ShardSpecs it leaves.
 
-    With a Parallelism whose layout has pp > 1, the model is first cut to
-    this rank's pipeline stage (parallel/pipeline.py) and only that is
-    rewritten (a dry run rewrites the whole model, for its shapes).
+    A Parallelism places its components around the rewrite
+    (Parallelism.parallelize: with pp > 1 the model is first cut to this
+    rank's pipeline stage, and only that is rewritten).
     """
     from .layers import linearize
+    from .shard import record_replicas
 
-    pipeline = None if dry_run else getattr(mode, "pipeline", None)
-    mode = as_mode(mode)
+    if not isinstance(mode, ParallelMode):
+        return mode.parallelize(model, plan, dry_run, training)
     if getattr(model, "tpctl_mode", None) is not None:
         raise ValueError(f"{type(model).__name__} is already parallelized ({model.tpctl_mode.name})")
     linearize(model)  # GPT-2's Conv1D: a Linear with a transposed weight
     if not isinstance(plan, RolePlan):
         plan = resolve_plan(model, plan)
-    if pipeline is not None:
-        plan = pipeline.cut(model, plan)
     problems = check_plan(plan, model, mode.geo, training)
     if problems and not dry_run:
         name, reason = next(iter(problems.items()))
@@ -131,10 +130,9 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
     shared += list(plan.head_lists) + list(plan.head_rows) if split > 1 else []
     if shared and not dry_run:  # (which rank shares what is learnt by communicating)
         share_slices(model, shared, mode.mesh)
+    record_replicas(model, mode.mesh.group_ranks["dp"], mode.mesh.groups["dp"])
     model.tpctl_mode = mode  # marks the model as rewritten (and by which mode)
     model.tpctl_plan = plan
-    if pipeline is not None:
-        pipeline.install(model)
     if not dry_run:
         key_dropout_streams(model, mode.mesh)
     if dry_run:  # (a real rewrite keeps no reference to the originals: their memory goes)

@@ -1,16 +1,24 @@
-"""Which slice of the full tensor a rank holds, as data.
+"""The one record of a parameter: which slice of the full tensor a rank
+holds, and who else holds, sums, counts and writes it, as data.
 
 Every parameter a mode creates carries a `ShardSpec`: for each dimension the
-ranges of the (padded) full tensor it holds, which ranks hold identical
-copies, and whether those copies' gradients are partial sums. The same data
-drives initialisation (slice the whole tensor), gradient synchronisation, the
-global gradient norm (each shard counted once), tests (compare against the
-reference's slice) and, later, resharding checkpoints.
+ranges of the (padded) full tensor it holds, which ranks of the grid hold
+identical copies (whole, or run by run of rows) and whether those copies'
+gradients are partial sums; the pipeline adds a tied weight's stage copies
+(cut.py), the rewrite the data-parallel replicas (`record_replicas`), and a
+ZeRO chunk is a sub-box that one replica owns (`rows`). Asked with a rank
+(nothing here asks torch which rank it is), it answers who holds an element
+(`holders`), over which groups its gradient is summed (`partial_parts`,
+`stage_parts`, `dp_parts`), whether that rank counts it in the gradient norm
+(`norm_parts`) and whether it writes it, box by box, into a checkpoint
+(`boxes`, `writes`, `writes_origin`). Initialisation and pretrained loading
+read slices of it (`slice`, `read`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -51,6 +59,15 @@ class ShardSpec:
     # row in exactly one entry, which then replaces replica_ranks and
     # partial_grad for those rows.
     row_replicas: tuple[RowReplicas, ...] = ()
+    # A weight two pipeline stages hold (an embedding tied to the LM head):
+    # the global ranks of its copies, the first stage's first, this rank
+    # included; each copy's gradient is partial (summed over stage_group).
+    stage_ranks: tuple[int, ...] = ()
+    stage_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+    # The data-parallel replicas holding the same values, this rank
+    # included (replica 0 first); none in a ZeRO chunk, which one replica owns.
+    dp_ranks: tuple[int, ...] = ()
+    dp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
 
     def local_shape(self) -> tuple[int, ...]:
         return tuple(
@@ -85,7 +102,8 @@ class ShardSpec:
     def rows(self, start: int, stop: int) -> "ShardSpec":
         """The sub-box of this shard made of its local rows [start, stop)
         (first dimension): a data-parallel replica's chunk under ZeRO
-        (parallel/zero.py). The same replicas hold the same sub-box."""
+        (parallel/zero.py), which that replica alone holds. The same tensor
+        replicas and stage copies hold the same sub-box."""
         full = self.full_shape[0]
         held = self.index[0] if self.index[0] is not None else ((0, full),)
         out, pos = [], 0
@@ -97,35 +115,105 @@ class ShardSpec:
         # Rows with replicas of their own keep them, in the chunk's local rows.
         row_replicas = tuple(dataclasses.replace(r, start=max(r.start, start) - start, stop=min(r.stop, stop) - start)
                              for r in self.row_replicas if max(r.start, start) < min(r.stop, stop))
-        return dataclasses.replace(self, index=(_merge(out),) + tuple(self.index[1:]), row_replicas=row_replicas)
+        return dataclasses.replace(self, index=(_merge(out),) + tuple(self.index[1:]), row_replicas=row_replicas,
+                                   dp_ranks=(), dp_group=None)
 
-    @property
-    def is_canonical(self) -> bool:
-        """The one replica whose values count (e.g. for the gradient norm)."""
-        return len(self.replica_ranks) <= 1 or dist.get_rank() == self.replica_ranks[0]
+    # ---- who holds, sums, counts and writes: the rank asking is passed in ----------
+    def tensor_replicas(self, rank: int, row: int = 0) -> tuple[int, ...]:
+        """The ranks of the tensor-parallel grid holding local row `row` of
+        this shard alike (`rank` alone where none other does)."""
+        run = next((r for r in self.row_replicas if r.start <= row < r.stop), None)
+        ranks = run.ranks if run is not None else self.replica_ranks
+        return ranks or (rank,)
+
+    def holders(self, rank: int, row: int = 0) -> tuple[int, ...]:
+        """Every global rank holding the elements of local row `row` that
+        `rank` holds: its tensor replicas, each on every stage holding a
+        copy, in every data-parallel replica holding the same values. A
+        global rank is a sum of per-axis strides (Layout.rank_of), so a
+        holder is `rank` moved along each axis independently."""
+        tp = self.tensor_replicas(rank, row)
+        return tuple(sorted(t + s + d - 2 * rank for t in tp for s in self.stage_ranks or (rank,)
+                            for d in self.dp_ranks or (rank,)))
+
+    def first_on_stages(self, rank: int) -> bool:
+        """Whether `rank` holds the first stage's copy (or the only one)."""
+        return not self.stage_ranks or self.stage_ranks[0] == rank
+
+    def counts(self, rank: int, row: int = 0) -> bool:
+        """Whether `rank` counts local row `row` in the gradient norm: the
+        first of the tensor replicas on the first stage. Every data-parallel
+        replica computes the norm alike (its group spans the grid and the
+        stages; a ZeRO chunk has no replicas)."""
+        return self.first_on_stages(rank) and self.tensor_replicas(rank, row)[0] == rank
+
+    def writes(self, rank: int, row: Optional[int] = None) -> bool:
+        """Whether `rank` writes local row `row` (None: any row) of its shard
+        into a checkpoint: the first of its holders along every axis (tensor
+        replicas, stage copies, data-parallel replicas), so each element is
+        written once whatever the layout."""
+        rows = [r.start for r in self.row_replicas] or [0] if row is None else [row]
+        first_replica = not self.dp_ranks or self.dp_ranks[0] == rank
+        return first_replica and self.first_on_stages(rank) and any(self.tensor_replicas(rank, r)[0] == rank for r in rows)
+
+    def writes_origin(self, rank: int) -> bool:
+        """Whether `rank` writes the element at the global origin (the one
+        writer of what a tensor has once, e.g. AdamW's step count)."""
+        row = 0
+        for dim, (full, ranges) in enumerate(zip(self.full_shape, self.index)):
+            held = ((0, full),) if ranges is None else ranges
+            pos = 0
+            for a, b in held:
+                if a == 0 and min(b, full) > 0:
+                    break
+                pos += b - a
+            else:
+                return False
+            if dim == 0:
+                row = pos
+        return self.writes(rank, row)
+
+    def boxes(self, local_shape: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+        """(global offsets, sizes, where it starts in the local tensor) of
+        each box of the full tensor this shard holds (padding clipped)."""
+        per_dim = []
+        for full, ranges in zip(self.full_shape, self.index):
+            pieces, pos = [], 0
+            for a, b in (ranges if ranges is not None else ((0, full),)):
+                stop = min(b, full)
+                if stop > a:
+                    pieces.append((a, stop - a, pos))
+                pos += b - a
+            per_dim.append(pieces)
+        return [(tuple(p[0] for p in combo), tuple(p[1] for p in combo), tuple(p[2] for p in combo))
+                for combo in itertools.product(*per_dim)]
 
     def partial_parts(self, grad: torch.Tensor) -> list[tuple[torch.Tensor, dist.ProcessGroup]]:
         """(piece of `grad`, group) for each piece that is a partial sum over
-        its replicas: the pieces to all-reduce, each over its group, once."""
+        its tensor replicas: the pieces to all-reduce, each over its group, once."""
         if self.row_replicas:
             return [(grad.narrow(0, r.start, r.stop - r.start), r.group) for r in self.row_replicas if len(r.ranks) > 1]
         if self.partial_grad and len(self.replica_ranks) > 1:
             return [(grad, self.replica_group)]
         return []
 
-    def canonical_parts(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """The pieces of this rank's `tensor` it counts (a gradient's norm):
-        each element once over all its replicas."""
-        if self.row_replicas:
-            me = dist.get_rank()
-            return [tensor.narrow(0, r.start, r.stop - r.start) for r in self.row_replicas if r.ranks[0] == me]
-        return [tensor] if self.is_canonical else []
+    def stage_parts(self, grad: torch.Tensor) -> list[tuple[torch.Tensor, dist.ProcessGroup]]:
+        """(grad, group) where the stage copies' gradients are summed (a tied
+        weight between the end stages); none otherwise."""
+        return [(grad, self.stage_group)] if len(self.stage_ranks) > 1 else []
 
-    def writes_rows(self, start: int) -> bool:
-        """Whether this rank is the one writing local row `start` (and the
-        box starting there) of a shard whose rows have different replicas."""
-        me = dist.get_rank()
-        return any(r.ranks[0] == me for r in self.row_replicas if r.start <= start < r.stop)
+    def dp_parts(self, grad: torch.Tensor) -> list[tuple[torch.Tensor, dist.ProcessGroup]]:
+        """(grad, group) where the data-parallel replicas' gradients are
+        summed (each replica's covers its own rows of the batch); none in a
+        ZeRO chunk (its reduction is the bucket engine's reduce-scatter)."""
+        return [(grad, self.dp_group)] if len(self.dp_ranks) > 1 else []
+
+    def norm_parts(self, tensor: torch.Tensor, rank: int) -> list[torch.Tensor]:
+        """The pieces of `rank`'s `tensor` it counts (a gradient's norm):
+        each element once over all its tensor replicas and stage copies."""
+        if self.row_replicas:
+            return [tensor.narrow(0, r.start, r.stop - r.start) for r in self.row_replicas if self.counts(rank, r.start)]
+        return [tensor] if self.counts(rank) else []
 
 
 def block(n: int, blocks: int, index: int) -> Ranges:
@@ -180,3 +268,13 @@ def make_param(local: torch.Tensor, spec: ShardSpec) -> torch.nn.Parameter:
 
 def spec_of(param: torch.Tensor) -> Optional[ShardSpec]:
     return getattr(param, "tpctl_spec", None)
+
+
+def record_replicas(model: torch.nn.Module, dp_ranks: Sequence[int], dp_group: Optional[dist.ProcessGroup] = None) -> None:
+    """Record on each parameter's ShardSpec the data-parallel replicas that
+    hold its values (`dp_ranks`, replica 0 first, summed over `dp_group`),
+    so the record answers who holds each element across the whole world."""
+    for p in model.parameters():
+        spec = spec_of(p)
+        if spec is not None:
+            p.tpctl_spec = dataclasses.replace(spec, dp_ranks=tuple(dp_ranks), dp_group=dp_group)

@@ -7,8 +7,9 @@
 The trainer, `tpctl bench` (cost/measure.py) and the planner's test call
 this one step. It holds `model_parts` (one part: the whole model, or with
 pp > 1 this rank's pipeline stage, whose chunks are views of it) and works
-against `Parallelism`, so it is the same for every layout; with pp > 1 the
-pipeline's schedule (parallel/pipeline.py) is the forward and backward. It
+against `Parallelism`, so it is the same for every layout; what runs the
+micro-batches is a component with one interface: with pp > 1 the
+pipeline's schedule (parallel/pipeline.py), else `Accumulate`. It
 builds the optimizer itself, over what the data-parallel component hands
 it: the parameters, or under ZeRO this replica's chunks of them
 (parallel/zero.py).
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -112,12 +113,50 @@ class NonFinitePolicy:
                                 f"(train.on_nonfinite=stop; the checkpoints written before step {int(bad_step)} are kept)")
 
 
+class Accumulate:
+    """A step's micro-batches one after another through the whole model,
+    their gradients accumulated: what runs a step without a pipeline (the
+    same calls as parallel.pipeline.Pipeline's)."""
+
+    def __init__(self, model_parts: list[torch.nn.Module], mesh, micro_batches: int):
+        (self.model,) = model_parts
+        self.mesh, self.micro_batches = mesh, micro_batches
+
+    def stream_shape(self, rows: int, seq: int, mode) -> tuple[int, ...]:
+        """Nothing crosses between stages."""
+        return ()
+
+    def forward_backward(self, micro_batches: list, criterion: Callable, tokens: int, stream: tuple,
+                         autocast: Callable, step: Optional[int] = None) -> torch.Tensor:
+        if step is not None:  # the dropout masks are keyed by it (Mesh.reseed_dropout)
+            self.mesh.draw_step = step
+        total = None
+        for micro, (x, y) in enumerate(micro_batches):
+            self.mesh.draw_micro = micro
+            with autocast():
+                loss_sum = criterion(logits_of(self.model(x)), y)
+            # (The backward outside autocast, as torch recommends: it follows the forward's dtypes.)
+            (loss_sum / tokens).backward()
+            total = loss_sum.detach() if total is None else total + loss_sum.detach()
+        return total
+
+    def loss_sums(self, micro_batches: list, criterion: Callable, stream: tuple, autocast: Callable) -> torch.Tensor:
+        total = torch.zeros((), device=self.mesh.device)
+        for x, y in micro_batches:
+            with autocast():
+                loss_sum = criterion(logits_of(self.model(x)), y)
+            total = total + loss_sum
+        return total
+
+
 class TrainStep:
     def __init__(self, par: Parallelism, model_parts: list[torch.nn.Module], cfg, schedule: Optional[Schedule] = None):
         self.par, self.model_parts, self.cfg = par, model_parts, cfg
-        self.pipeline = par.pipeline
+        # What runs a step's micro-batches: the pipeline's schedule through
+        # the stages, or one after another through the whole model.
+        self.runner = par.pipeline or Accumulate(model_parts, par.mesh, cfg.train.grad_accum)
         # Micro-batches a step's batch is cut into: the pipeline's, or train.grad_accum.
-        self.micro_count = self.pipeline.spec.microbatches if self.pipeline is not None else cfg.train.grad_accum
+        self.micro_count = self.runner.micro_batches
         # From here on the replicas' gradients are reduced in buckets during
         # each backward; the optimizer steps what this replica owns.
         self.optimizer = build_optimizer(par.dp.attach(model_parts, self.micro_count), cfg.optim)
@@ -125,10 +164,8 @@ class TrainStep:
         self.device = par.mesh.device
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
         self.nonfinite = NonFinitePolicy(cfg.train.get("on_nonfinite", "stop"), say_warning=par.mesh.rank == 0)
-        if self.pipeline is not None:
-            self.pipeline.autocast = lambda: autocast(self.device, cfg.precision)
-            rows = len(par.rows(cfg.train.batch_size, self.micro_count))
-            self.stream = self.pipeline.stream_shape(rows, cfg.train.seq_len, par.mode)
+        rows = len(par.rows(cfg.train.batch_size, self.micro_count))
+        self.stream = self.runner.stream_shape(rows, cfg.train.seq_len, par.mode)
         # Training forwards never build a key/value cache, whatever the config says.
         self.cache_off = CacheOff(torch.nn.ModuleList(model_parts))
 
@@ -137,6 +174,10 @@ class TrainStep:
         """The whole model (one part: no pipeline)."""
         (model,) = self.model_parts
         return model
+
+    def autocast(self):
+        """The autocast context of the run's precision."""
+        return autocast(self.device, self.cfg.precision)
 
     def loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The summed loss of this rank's rows of one micro-batch.
@@ -156,43 +197,26 @@ class TrainStep:
 
     def eval_loss_sum(self, micro_batches) -> torch.Tensor:
         """Forward only: the summed loss of this rank's rows of a batch."""
-        if self.pipeline is not None:
-            with self.cache_off:
-                return self.pipeline.loss_sums(list(micro_batches), self.criterion, self.stream)
-        total = torch.zeros((), device=self.device)
-        for x, y in micro_batches:
-            total = total + self.loss_sum(x, y)
-        return total
+        with self.cache_off:
+            return self.runner.loss_sums(list(micro_batches), self.criterion, self.stream, self.autocast)
 
-    def forward_backward(self, micro_batches) -> torch.Tensor:
+    def forward_backward(self, micro_batches, step: Optional[int] = None) -> torch.Tensor:
         """Forward and backward of every micro-batch; the summed loss of this
         rank's rows (detached, on the device). Each micro-batch's *sum* is
         divided by the global batch's token count, so the accumulated
         gradients are those of the global mean, whatever the split. With
         pp > 1 the pipeline's schedule runs them (the same division), and
-        every stage returns the last stage's sum."""
-        if self.pipeline is not None:
-            with self.cache_off:
-                return self.pipeline.forward_backward(list(micro_batches), self.criterion, self.tokens_per_step,
-                                                      self.stream)
-        total = None
-        for micro, (x, y) in enumerate(micro_batches):
-            self.par.mesh.draw_micro = micro
-            loss_sum = self.loss_sum(x, y)
-            (loss_sum / self.tokens_per_step).backward()
-            total = loss_sum.detach() if total is None else total + loss_sum.detach()
-        return total
+        every stage returns the last stage's sum. `step` keys the dropout
+        masks (None: as the mesh last drew)."""
+        with self.cache_off:
+            return self.runner.forward_backward(list(micro_batches), self.criterion, self.tokens_per_step,
+                                                self.stream, self.autocast, step)
 
     def finish(self, loss_sum: torch.Tensor, step: int) -> dict:
         """Sync, clip, the non-finite policy, the learning rate and the
         optimizer: the loss and the gradient norm come back as 0-dim device
         tensors (nothing here waits for the device, unless `skip` must)."""
-        params = self.par.dp.finish_grads(self.model_parts)
-        if self.pipeline is not None:
-            # After the replicas' bucket reductions have finished (both are
-            # sums, so their order is free; overlapping them is not).
-            self.pipeline.sync_tied()
-        self.par.mode.sync_grads(params)
+        params = self.par.finish_grads(self.model_parts)
         norm = self.par.clip_grads(params, self.cfg.optim.grad_clip)
         lr = self.schedule(step)
         loss = self.par.global_mean_tensor(loss_sum, self.tokens_per_step)
@@ -208,8 +232,7 @@ class TrainStep:
         for part in self.model_parts:
             part.train()
         self.par.dp.zero_grad(self.optimizer)
-        self.par.mesh.draw_step = step
-        return self.finish(self.forward_backward(micro_batches), step)
+        return self.finish(self.forward_backward(micro_batches, step), step)
 
     def memory(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds."""

@@ -51,14 +51,7 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
         return fail(f"worker module {module!r} not found (check {WORKER_MODULE_ENV})", EXIT_FAILED)
     lc = cfg.launcher
     nproc = Layout.from_config(cfg).world // lc.nnodes
-    if lc.nnodes > 1 or lc.rdzv_endpoint:
-        endpoint = lc.rdzv_endpoint
-        # Every node must name the same job; the endpoint is the same on all.
-        run_id = lc.rdzv_id or f"tpctl-{endpoint.replace(':', '-')}"
-    else:
-        addr = lc.master_addr
-        endpoint = f"{addr}:{lc.master_port or free_port(addr)}"
-        run_id = lc.rdzv_id or f"tpctl-{uuid.uuid4().hex[:12]}"
+    endpoint, run_id = _rendezvous(lc)
     if lc.nnodes > 1:
         print(f"tpctl: {node_layout(cfg)}", file=sys.stderr, flush=True)
     if lc.node_rank > 0:
@@ -69,23 +62,7 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
         print(f"tpctl: launcher.backend=gloo with device=cuda: {nproc} ranks share this machine's GPU(s); "
               "for testing every mode on few GPUs, not for speed", file=sys.stderr, flush=True)
 
-    # torchrun's CLI sets this; its Python API does not. Without it every
-    # worker starts one thread per core and they fight over the cores.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    if cfg.launcher.max_restarts > 0:
-        # By default the agent's rendezvous store is shared with the workers
-        # and outlives a restart, so a restarted rank can read the address
-        # a dead rank of the previous attempt published and fail to connect
-        # (gloo: "Connection refused"). Opting out gives each attempt a fresh
-        # store hosted by its rank 0.
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    # The agent logs every step of its life, and each failure in its own
-    # format; tpctl reports failures itself, one line per rank (below).
-    # torch sets a level on each of its loggers, so the parent's is not enough.
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith("torch.distributed.elastic"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-
+    _prepare_agent(cfg, nproc)
     agent_dir = tempfile.mkdtemp(prefix="tpctl-agent-")
     config = launch_config(LaunchConfig, DefaultLogsSpecs, cfg, agent_dir, nproc, endpoint, run_id)
     # torch installs its own SIGINT/SIGTERM handlers while workers run
@@ -114,14 +91,7 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
     except RendezvousError as e:
         # Another node never came (timeout) or the rendezvous host (node 0)
         # went away mid-run; the agent has stopped this node's workers.
-        if isinstance(e, RendezvousTimeoutError):
-            who = "the other nodes" if lc.node_rank == 0 else "node 0 is running, but not every node"
-            what = (f"no job with all {lc.nnodes} nodes formed at {endpoint}: {who} joined within "
-                    f"launcher.rdzv_timeout_s={lc.rdzv_timeout_s} (start every node with the same launcher settings)")
-        else:
-            what = (f"lost the rendezvous at {endpoint}" + (" (did node 0 stop?)" if lc.node_rank > 0 else ""))
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return fail(f"node {lc.node_rank} of {lc.nnodes}: {what}: {type(e).__name__}: {reason}", EXIT_FAILED)
+        return fail(_rendezvous_failure(e, lc, endpoint, isinstance(e, RendezvousTimeoutError)), EXIT_FAILED)
     except SignalException as e:
         print(f"tpctl: interrupted by {signal.Signals(e.sigval).name}; workers stopped", file=sys.stderr)
         return 128 + int(e.sigval)
@@ -141,6 +111,48 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
             os.environ[LAUNCHER_PID_ENV] = saved_pid
         for sig, handler in saved_handlers.items():
             signal.signal(sig, handler)
+
+
+def _rendezvous(lc) -> tuple[str, str]:
+    """(endpoint, run id) of the workers' rendezvous."""
+    if lc.nnodes > 1 or lc.rdzv_endpoint:
+        endpoint = lc.rdzv_endpoint
+        # Every node must name the same job; the endpoint is the same on all.
+        return endpoint, lc.rdzv_id or f"tpctl-{endpoint.replace(':', '-')}"
+    addr = lc.master_addr
+    return f"{addr}:{lc.master_port or free_port(addr)}", lc.rdzv_id or f"tpctl-{uuid.uuid4().hex[:12]}"
+
+
+def _prepare_agent(cfg: Any, nproc: int) -> None:
+    """The environment and logging the elastic agent and its workers need."""
+    # torchrun's CLI sets this; its Python API does not. Without it every
+    # worker starts one thread per core and they fight over the cores.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if cfg.launcher.max_restarts > 0:
+        # By default the agent's rendezvous store is shared with the workers
+        # and outlives a restart, so a restarted rank can read the address
+        # a dead rank of the previous attempt published and fail to connect
+        # (gloo: "Connection refused"). Opting out gives each attempt a fresh
+        # store hosted by its rank 0.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # The agent logs every step of its life, and each failure in its own
+    # format; tpctl reports failures itself, one line per rank (launch).
+    # torch sets a level on each of its loggers, so the parent's is not enough.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _rendezvous_failure(e: Exception, lc, endpoint: str, timed_out: bool) -> str:
+    """The one line of a rendezvous that never formed or was lost."""
+    if timed_out:
+        who = "the other nodes" if lc.node_rank == 0 else "node 0 is running, but not every node"
+        what = (f"no job with all {lc.nnodes} nodes formed at {endpoint}: {who} joined within "
+                f"launcher.rdzv_timeout_s={lc.rdzv_timeout_s} (start every node with the same launcher settings)")
+    else:
+        what = (f"lost the rendezvous at {endpoint}" + (" (did node 0 stop?)" if lc.node_rank > 0 else ""))
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"node {lc.node_rank} of {lc.nnodes}: {what}: {type(e).__name__}: {reason}"
 
 
 def launch_config(LaunchConfig, DefaultLogsSpecs, cfg: Any, agent_dir: str, nproc: int, endpoint: str, run_id: str):

@@ -316,12 +316,18 @@ class ParallelMode:
         following a fused projection's layout, the lm_head's rows padded to
         the mode's vocabulary multiple, run by `linear_fn(role)`. A mode
         defining those three needs no `convert_<role>` of its own."""
-        from .linear import ShardedLinear
-
         n = self.padded_vocab(module.out_features) if role == "lm_head" else module.out_features
         layout = self.fused_layout(role, module, ctx)
         weight = ctx.shard(module.weight, self.weight_spec(module.weight, role, layout, n))
         bias = None if module.bias is None else ctx.shard(module.bias, self.output_spec(module.bias, role, layout, n))
+        return self.linear_module(weight, bias, role)
+
+    def linear_module(self, weight: torch.Tensor, bias: Optional[torch.Tensor], role: str) -> nn.Module:
+        """The module that runs a Linear of `role` on this rank's shards of
+        its weight and bias (default: `linear_fn(role)` around them; a mode
+        with a Linear class of its own returns that)."""
+        from .linear import ShardedLinear
+
         return ShardedLinear(weight, bias, self.linear_fn(role))
 
     def convert_head_norm(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tpctl.errors import ConfigError
 
 from . import comm
-from .mode import ParallelMode, RewriteContext
+from .mode import ParallelMode
 from .geometry import Geometry, exact_root
 from .layers import ParallelDropout, SplitNorm, embedding_semantics, norm_width, to_compute, vocab_block_lookup
 from .registry import register
@@ -211,13 +211,10 @@ class ThreeD(ParallelMode):
     def stream_group(self):
         return self.mesh.groups[LAYOUT_A.hidden]
 
-    def _linear(self, linear: nn.Linear, ctx: RewriteContext, role: str, out: int | None = None) -> Linear3D:
-        layout = ROLE_LAYOUT[role]
-        fused = self.fused_layout(role, linear, ctx)
-        n = out if out is not None else linear.out_features
-        weight = ctx.shard(linear.weight, self.weight_spec(linear.weight, role, fused, n))
-        bias = None if linear.bias is None else ctx.shard(linear.bias, self.output_spec(linear.bias, role, fused, n))
-        return Linear3D(weight, bias, layout, self.mesh.groups)
+    def linear_module(self, weight, bias, role: str) -> Linear3D:
+        """A linear role's Linear on the cube, in its role's layout (the
+        default ParallelMode.convert_linear shards it by weight_spec/output_spec)."""
+        return Linear3D(weight, bias, ROLE_LAYOUT[role], self.mesh.groups)
 
     def output_spec(self, tensor, role: str, layout=None, n: int | None = None) -> ShardSpec:
         """Output features land in the flipped layout of the Linear's input."""
@@ -230,24 +227,6 @@ class ThreeD(ParallelMode):
         return self.mesh.groups[ROLE_LAYOUT[role].flip().hidden]
 
     # ---- roles ----------------------------------------------------------------
-    def convert_qkv(self, module, ctx):
-        return self._linear(module, ctx, "qkv")
-
-    def convert_attn_in(self, module, ctx):
-        return self._linear(module, ctx, "attn_in")
-
-    def convert_mlp_in(self, module, ctx):
-        return self._linear(module, ctx, "mlp_in")
-
-    def convert_attn_out(self, module, ctx):
-        return self._linear(module, ctx, "attn_out")
-
-    def convert_mlp_out(self, module, ctx):
-        return self._linear(module, ctx, "mlp_out")
-
-    def convert_lm_head(self, module, ctx):
-        return self._linear(module, ctx, "lm_head", out=self.padded_vocab(module.out_features))
-
     def convert_embedding(self, module: nn.Embedding, ctx):
         rows = self.padded_vocab(module.num_embeddings)
         in_ranges = block(module.embedding_dim, self.q, self.c[LAYOUT_A.hidden])

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tpctl.errors import ConfigError
 
 from . import comm
-from .mode import ParallelMode, RewriteContext
+from .mode import ParallelMode
 from .geometry import Geometry, exact_root
 from .layers import ParallelDropout, SplitNorm, embedding_semantics, norm_width, to_compute
 from .registry import register
@@ -260,31 +260,12 @@ class TwoD(ParallelMode):
     def stream_group(self):
         return self.grid.row_group
 
-    def _linear(self, linear: nn.Linear, ctx: RewriteContext, role: str, out: int | None = None) -> Linear2D:
-        n = out if out is not None else linear.out_features
-        layout = self.fused_layout(role, linear, ctx)
-        weight = ctx.shard(linear.weight, self.weight_spec(linear.weight, role, layout, n))
-        bias = None if linear.bias is None else ctx.shard(linear.bias, self.output_spec(linear.bias, role, layout, n))
+    def linear_module(self, weight, bias, role: str) -> Linear2D:
+        """Every linear role runs SUMMA on its (q x q) blocks (the default
+        ParallelMode.convert_linear shards them by weight_spec/output_spec)."""
         return Linear2D(weight, bias, self.grid)
 
     # ---- roles -------------------------------------------------------------
-    def convert_qkv(self, module, ctx):
-        return self._linear(module, ctx, "qkv")
-
-    def convert_attn_in(self, module, ctx):
-        return self._linear(module, ctx, "attn_in")
-
-    def convert_mlp_in(self, module, ctx):
-        return self._linear(module, ctx, "mlp_in")
-
-    def convert_attn_out(self, module, ctx):
-        return self._linear(module, ctx, "attn_out")
-
-    convert_mlp_out = convert_attn_out
-
-    def convert_lm_head(self, module, ctx):
-        return self._linear(module, ctx, "lm_head", out=self.padded_vocab(module.out_features))
-
     def convert_embedding(self, module: nn.Embedding, ctx):
         rows = self.padded_vocab(module.num_embeddings)
         spec = self._weight_spec(module.weight, block(rows, self.grid.q, self.grid.i), module.embedding_dim)

@@ -219,12 +219,13 @@ def test_2p5d_and_3d_with_dp2_train_as_mode_none(cli_run, name):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_a_1d_zero2_checkpoint_resumes_as_none_dp4_zero3(cli_run):
-    """Through the command line: 1d dp=2 zero=2 (8 ranks) saves at step 5;
-    mode=none dp=4 zero=3 (4 ranks) resumes it and continues the curve."""
-    first = cli_run("1d-4-dp2-z2", "checkpoint.every=5")
+def test_a_1d_zero2_checkpoint_resumes_as_none_dp2_zero3(cli_run):
+    """Through the command line: 1d dp=2 zero=2 (4 ranks) saves at step 5;
+    mode=none dp=2 zero=3 (2 ranks) resumes it, says which stage wrote it,
+    and continues the curve (more layouts on the pool: above)."""
+    first = cli_run("1d-2-dp2-z2", "checkpoint.every=5")
     step5 = first["dir"] / "checkpoints" / "step_5"
-    resumed = cli_run("none-dp4-z3", f"train.resume={step5}")
+    resumed = cli_run("none-dp2-z3", f"train.resume={step5}")
     assert "resumed from" in resumed["stdout"] and "zero=2" in resumed["stdout"]
     assert [r["step"] for r in resumed["metrics"]] == list(range(6, STEPS + 1))
     for want, got in zip(first["metrics"][5:], resumed["metrics"]):

@@ -29,7 +29,7 @@ SCRIPTS = {
     "bf16_band.py": (["--steps", "2", "--modes", "none", "--fp32-modes", "none", *TINY_TRAIN], "max_rel_vs_fp32_none",
                      True),
     "checkpoint_cost.py": (["--mode", "none", "--size", "1", "--steps", "2", *TINY_TRAIN], "load time", True),
-    "compare_modes.py": (["--steps", "2", "--modes", "none", "1d-2", *TINY_TRAIN], "none", True),
+    "compare_modes.py": (["--steps", "2", "--modes", "none", *TINY_TRAIN], "none", True),
     "generate_speed.py": (["--size", "2", "--new", "4", "--layers", "1", "--embd", "128", "--rounds", "1"],
                           "greedy decoding", False),
     "hf_all_families.py": (["gpt2"], "OK gpt2", False),

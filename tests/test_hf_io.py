@@ -421,9 +421,9 @@ def _tokenizer(directory) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_pretrained_directory_through_train_export_and_generate(tpctl):  # noqa: F811
-    """As a user: a Pythia-style directory (embed_out stored) trained in 2d
-    with its tokenizer, exported, and the export decoded by tpctl in 2d to
-    transformers' own greedy tokens."""
+    """As a user: a Pythia-style directory (embed_out stored) trained in 1d
+    with its tokenizer, exported, and the export decoded by tpctl in 1d to
+    transformers' own greedy tokens (every family in 2d: on the pool above)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source, tok, out = tpctl.cwd / "pythia", tpctl.cwd / "tok", tpctl.cwd / "exported"
@@ -434,7 +434,7 @@ def test_pretrained_directory_through_train_export_and_generate(tpctl):  # noqa:
     save_family("gpt_neox", source, vocab_size=vocab)
     run = tpctl.cwd / "run"
     trained = tpctl.run(["train", "model=hf", f"model.pretrained={source}", f"data.tokenizer={tok}", f"data.vocab_size={vocab}",
-                         "mode=2d", "size=4",
+                         "mode=1d", "size=2",
                          "train.steps=3", "train.batch_size=8", "train.seq_len=16", "train.eval_every=0",
                          "data.max_bytes=100000", f"hydra.run.dir={run}"], timeout=600)
     assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-2000:]
@@ -453,7 +453,7 @@ def test_pretrained_directory_through_train_export_and_generate(tpctl):  # noqa:
     with torch.no_grad():
         want = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):]
     done = tpctl.run(["generate", str(out), f"prompt={prompt}", "temperature=0", "max_new_tokens=6", "--json",
-                      "mode=2d", "size=4"], timeout=600)
+                      "mode=1d", "size=2"], timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["prompt_ids"] == ids and got["ids"] == want.tolist(), (got, want.tolist())

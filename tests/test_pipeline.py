@@ -350,10 +350,11 @@ def _metrics(run_dir) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_16_rank_pipelines_of_2_5d_and_3d_train_like_one_process(tpctl):
-    """2.5d size 8 depth 2 and 3d size 8, each with pp=2: 16 workers each
-    (measured 41 s and 71 s on 2 busy cores)."""
-    runs = {"none": [], "2.5d": ["mode=2.5d", "size=8", "depth=2"], "3d": ["mode=3d", "size=8"]}
+def test_a_16_rank_pipeline_of_3d_trains_like_one_process(tpctl):
+    """3d size 8 with pp=2: 16 workers, the stream between the stages in the
+    cube's layout (2.5d's 16 ranks run with ZeRO in test_zero: each mode
+    family's 16-rank run once)."""
+    runs = {"none": [], "3d": ["mode=3d", "size=8"]}
     curves = {}
     for name, layout in runs.items():
         stages = ["pp=2", "pipeline.microbatches=2"] if layout else []
@@ -361,7 +362,7 @@ def test_16_rank_pipelines_of_2_5d_and_3d_train_like_one_process(tpctl):
                             f"hydra.run.dir={tpctl.cwd / name}"], timeout=500)
         assert result.returncode == 0, result.stderr[-3000:]
         curves[name] = _metrics(tpctl.cwd / name)
-    for name in ("2.5d", "3d"):
+    for name in ("3d",):
         for got, want in zip(curves[name], curves["none"]):
             assert got["loss"] == pytest.approx(want["loss"], rel=REL), (name, got["step"])
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=REL), (name, got["step"])

@@ -23,9 +23,10 @@ def init_parallel(layout=None, *, seed: int = 0, device: str = "cpu", **dims):
     """The parallel machinery (parallel.parallelism.Parallelism: mesh, mode,
     data parallelism) of an initialised process group, for a `Layout` or
     its fields as keywords: init_parallel(mode="2d", size=4, dp=2)."""
-    from .parallel import init_parallel as _init_parallel
+    from .parallel.layout import Layout
+    from .parallel.parallelism import parallelism
 
-    return _init_parallel(layout, seed=seed, device=device, **dims)
+    return parallelism(layout or Layout(**dims), seed, device)
 
 
 def parallelize(model, tp, plan=None, verify: bool = False):

@@ -95,9 +95,8 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
     except SignalException as e:
         print(f"tpctl: interrupted by {signal.Signals(e.sigval).name}; workers stopped", file=sys.stderr)
         return 128 + int(e.sigval)
-    except KeyboardInterrupt:  # before the workers started: nothing to stop
-        print("tpctl: interrupted", file=sys.stderr)
-        return 128 + signal.SIGINT
+    except KeyboardInterrupt:  # before the workers started: nothing to stop; the command's one line (cli.main)
+        raise
     except Exception as e:  # the agent itself failed (e.g. node 0 cannot listen at the endpoint): one line
         reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
         error(f"node {lc.node_rank} of {lc.nnodes}: starting the workers failed at {endpoint}: "

@@ -84,6 +84,11 @@ def main(argv: list[str] | None = None) -> None:
             # Ctrl-C (or a command's SIGTERM, errors.Interrupted) where the
             # command does not say it itself: while torch is imported, the
             # config composed, the model built. One line, no traceback.
+            import signal
+
+            # A second SIGINT while leaving (a terminal's Ctrl-C reaches the
+            # whole process group) must not end the process by the signal.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             name, status = interrupted_status(e)
             print(f"tpctl: {command} interrupted by {name}", file=sys.stderr)
             sys.exit(status)

@@ -467,14 +467,15 @@ def plan_world(cfg, world: int, hw: Optional[Hardware]) -> tuple[list[SplitPlan]
     check_costed()  # not a mode planned as free of communication
     shape = model_shape(cfg.model, cfg.seed)
     t = cfg.train
+    from tpctl.training.build import pipeline_of
+
     plans, invalid = [], []
     for layout, why in splits_of(world, cfg):
         if why is not None:
             invalid.append((layout, why))
             continue
         try:
-            p = plan_split(shape, layout, t.batch_size, t.seq_len, t.grad_accum,
-                           pipeline=layout.pipeline(cfg) if layout.pp > 1 else None)
+            p = plan_split(shape, layout, t.batch_size, t.seq_len, t.grad_accum, pipeline=pipeline_of(layout, cfg))
         except ValueError as e:
             invalid.append((layout, str(e)))
             continue

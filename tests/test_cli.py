@@ -44,6 +44,7 @@ BAD_CONFIGS = [
     (["train.steps=abc"], "train.steps", "'abc'", "expected an integer"),
     (["seq_parallel=maybe"], "seq_parallel", "'maybe'", "expected true or false"),
     (["dp=2", "zero=4"], "zero", "4", "expected 0, 1, 2 or 3"),
+    (["pp=0"], "pp", "0", "expected a positive number of pipeline stages"),  # once read as `pp or 1`
     # A pipeline stage keeps its gradients whole across the schedule.
     (["dp=2", "pp=2", "zero=2"], "zero", "2", "expected zero=0 or zero=1"),
     (["model=gpt-huge"], "model", "'gpt-huge'", "available: custom, gpt-small, gpt-tiny, hf, llama-100m, mlp"),

@@ -12,6 +12,8 @@ from tpctl.errors import ConfigError
 from tpctl.parallel.geometry import Geometry
 from tpctl.parallel.layout import Layout, layouts_of
 
+from .messages import check_integer
+
 
 def check_layout(cfg: Any, layout: Optional[Layout] = None) -> Geometry:
     """Check the layout of `cfg` (or `layout`, planned for it) and
@@ -24,11 +26,14 @@ def check_layout(cfg: Any, layout: Optional[Layout] = None) -> Geometry:
         raise ConfigError("train.seq_len", cfg.train.seq_len,
                           f"seq_parallel splits the sequence {layout.size} ways: expected a multiple of {layout.size}")
     t = cfg.train
+    for key in ("grad_accum", "batch_size"):
+        check_integer(f"train.{key}", t[key])
     if t.grad_accum < 1:
         raise ConfigError("train.grad_accum", t.grad_accum, "expected a positive number of micro-batches")
     if layout.pp > 1:
         _check_pipeline(cfg, layout)  # the pipeline's own split of the batch
         return geo
+    layout.pipeline(cfg)  # its keys' values, even where one stage does not read them
     split = t.grad_accum * layout.dp * geo.batch_split
     if t.batch_size < 1 or t.batch_size % split:
         raise ConfigError(

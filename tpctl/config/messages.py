@@ -21,6 +21,14 @@ def check_at_least(key: str, value: float, low: float) -> None:
         raise ConfigError(key, value, f"expected a value >= {low}")
 
 
+def check_integer(key: str, value: Any) -> None:
+    """An integer as written: an untyped mapping (a manifest, a plan's
+    config) may hold a string, a float or a bool, which `<` and `%` would
+    take for a number."""
+    if type(value) is not int:
+        raise ConfigError(key, value, "expected an integer")
+
+
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     close = difflib.get_close_matches(word, [str(c) for c in candidates], n=2)
     return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""

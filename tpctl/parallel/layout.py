@@ -51,9 +51,10 @@ class Layout:
         """The layout of a run config (or of any mapping with its top-level
         keys; `pp` and `zero` default to 1 and 0 where a config predates them)."""
         get = cfg.get if hasattr(cfg, "get") else lambda k, d=None: getattr(cfg, k, d)
-        return cls(mode=get("mode", cls.mode), size=int(get("size", 1)), depth=int(get("depth", 1) or 1),
-                   dp=int(get("dp", 1)), pp=int(get("pp", 1) or 1), zero=int(get("zero", 0) or 0),
-                   seq_parallel=bool(get("seq_parallel", False)))
+        # Values pass as written, never coerced (`int(pp or 1)` once turned
+        # pp=0 into one stage behind validation's back): `validate` refuses them.
+        fields = {key: get(key, default) for key, default in asdict(cls()).items()}
+        return cls(**{key: getattr(cls, key) if value is None else value for key, value in fields.items()})
 
     @classmethod
     def parse(cls, name: str) -> "Layout":
@@ -148,6 +149,10 @@ class Layout:
         """Check the layout itself (a config's sizes against it:
         `tpctl.config.check_layout`); ConfigError names the first bad key.
         Returns the geometry."""
+        for key, value in self.to_dict().items():
+            wanted = str if key == "mode" else bool if key == "seq_parallel" else int
+            if type(value) is not wanted:  # bool is an int to isinstance: True is no size
+                raise ConfigError(key, value, f"expected {'a string' if wanted is str else 'true or false' if wanted is bool else 'an integer'}")
         geo = self.geo
         cls = self.mode_class
         if not cls.uses_depth and self.depth != 1:

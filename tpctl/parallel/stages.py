@@ -116,17 +116,20 @@ class PipelineSpec:
         schedule = get("schedule", "1f1b")
         if schedule not in SCHEDULES:
             raise ConfigError("pipeline.schedule", schedule, f"expected one of {', '.join(SCHEDULES)}")
+        # The counts are checked as written whatever pp is: a bad value is
+        # refused even where this run does not use it.
+        virtual, m = get("virtual_stages", 2), get("microbatches", None)
+        if type(virtual) is not int or virtual < 2:
+            raise ConfigError("pipeline.virtual_stages", virtual, "the interleaved schedule runs several chunks per rank: expected 2 or more")
+        if m is not None and (type(m) is not int or m < 1):
+            raise ConfigError("pipeline.microbatches", m, "expected a positive number of micro-batches (or null)")
         if pp == 1:  # one stage: nothing below applies
             return cls()
-        virtual = 1
-        if schedule == "interleaved":
-            virtual = get("virtual_stages", 2)
-            if not isinstance(virtual, int) or virtual < 2:
-                raise ConfigError("pipeline.virtual_stages", virtual, "the interleaved schedule runs several chunks per rank: expected 2 or more")
+        virtual = virtual if schedule == "interleaved" else 1
         split = get("split", None)
         if split is not None:
             split = tuple(split)
-            if len(split) != pp * virtual or any(not isinstance(s, int) or s < 1 for s in split):
+            if len(split) != pp * virtual or any(type(s) is not int or s < 1 for s in split):
                 where = f"pp={pp}" + (f" x virtual_stages={virtual}" if virtual > 1 else "")
                 raise ConfigError("pipeline.split", list(split), f"expected {pp * virtual} positive numbers of blocks ({where}), first stage first")
         t = cfg.train
@@ -134,7 +137,6 @@ class PipelineSpec:
             raise ConfigError("train.grad_accum", t.grad_accum, "with pp > 1 the pipeline's micro-batches split the batch: "
                               "expected train.grad_accum=1 (set pipeline.microbatches)")
         least = _least_microbatches(schedule, pp, virtual)
-        m = get("microbatches", None)
         spec = cls(pp, schedule, virtual, 1, split)
         if m is None:
             per_row = t.batch_size // row_split if t.batch_size % row_split == 0 else 0
@@ -146,8 +148,6 @@ class PipelineSpec:
                                   f"{row_split}-row blocks (dp x the mode's batch split): none does; set pipeline.microbatches "
                                   f"or train.batch_size (a multiple of {least * row_split})")
         else:
-            if not isinstance(m, int) or m < 1:
-                raise ConfigError("pipeline.microbatches", m, "expected a positive number of micro-batches (or null)")
             if schedule == "1f1b" and m < pp:
                 raise ConfigError("pipeline.microbatches", m, f"1f1b keeps one micro-batch per stage in flight: expected at least pp={pp}")
             if not _schedule_takes(schedule, pp, m):

@@ -6,6 +6,8 @@ possible; each CLI case is one short subprocess."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -49,3 +51,69 @@ def test_a_layout_read_from_a_mapping_keeps_its_values():
     assert Layout.from_config({"mode": "1d"}) == Layout("1d")  # keys a config predates: the defaults
     with pytest.raises(ConfigError, match=r"^invalid config: pp=0: expected a positive number of pipeline stages$"):
         Layout.from_config({"pp": 0}).validate()
+
+
+# --------------------------------------------------------------------------
+# tpctl export: OUT that cannot be written is one line
+# --------------------------------------------------------------------------
+
+
+def _tiny_export_inputs(hf: bool) -> tuple[dict, dict]:
+    """(manifest, whole tensors) of a checkpoint without writing one: a
+    tiny llama for the Hugging Face directory, tpctl's gpt for one file."""
+    import torch
+
+    if not hf:
+        return {"step": 1, "model": {"arch": "gpt"}, "config": {}}, {"wte.weight": torch.zeros(64, 64)}
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from tpctl.models.hf import family_config
+    from tpctl.schema import ModelConfig
+
+    model = OmegaConf.to_container(OmegaConf.structured(ModelConfig(
+        arch="llama", vocab_size=16, n_layer=1, n_head=2, n_embd=8, block_size=8, bias=None)))
+    built = AutoModelForCausalLM.from_config(family_config(OmegaConf.create(model)))
+    return {"step": 1, "model": model, "config": {}}, {k: v.detach() for k, v in built.named_parameters()}
+
+
+def _export(monkeypatch, capsys, hf: bool, out, file_limit: int | None = None) -> tuple[int, list[str]]:
+    """`tpctl export CKPT OUT` in this process on a checkpoint's stand-in;
+    (status, stderr lines)."""
+    import resource
+
+    import tpctl.checkpoint
+    from tpctl.commands import export
+
+    manifest, tensors = _tiny_export_inputs(hf)
+    monkeypatch.setattr(tpctl.checkpoint, "verify", lambda path: manifest)
+    monkeypatch.setattr(export, "full_weights", lambda path: (manifest, tensors))
+    saved = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if file_limit is not None:  # the kernel refuses writes past it (EFBIG), as a full disk does (ENOSPC)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, saved[1]))
+    try:
+        status = export.main(["ckpt", str(out)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, saved)
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("hf", [False, True], ids=["file", "hf-dir"])
+def test_an_export_that_cannot_be_written_is_one_line_naming_out(monkeypatch, capsys, tmp_path, hf):
+    name = "out" if hf else "model.safetensors"
+    # /sys: writes refused (EACCES) even to root, as on a read-only mount.
+    status, lines = _export(monkeypatch, capsys, hf, f"/sys/{name}")
+    assert status == 1 and len(lines) == 1, lines
+    assert re.fullmatch(rf"tpctl: error: export OUT='/sys/{name}': not written: OSError \[E(ACCES|PERM)\] \w.*", lines[0])
+    # Past a file-size limit, inside safetensors' writer (its own error type).
+    status, lines = _export(monkeypatch, capsys, hf, tmp_path / name, file_limit=2000)
+    assert status == 1 and lines == [f"tpctl: error: export OUT='{tmp_path / name}': not written: OSError [EFBIG] "
+                                     "File too large"], lines
+    assert list(tmp_path.iterdir()) == []  # nothing half-written left beside it
+
+
+def test_an_export_under_a_regular_file_says_so(monkeypatch, capsys, tmp_path):
+    (tmp_path / "A").write_text("a file")
+    status, lines = _export(monkeypatch, capsys, False, tmp_path / "A" / "out")
+    assert status == 2 and lines == [f"tpctl: error: export OUT='{tmp_path / 'A' / 'out'}': {tmp_path / 'A'} is a "
+                                     "file, not a directory"], lines

@@ -23,12 +23,13 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from tpctl.atomic import replacing, swap_dir
-from tpctl.errors import fail
+from tpctl.errors import EXIT_FAILED, fail, one_line
 from tpctl.schema import is_hf_arch
 
-EPILOG = "exit status: 0 written, 2 bad arguments or an invalid checkpoint"
+EPILOG = "exit status: 0 written, 1 OUT could not be written (one line: the OS error), 2 bad arguments or an invalid checkpoint"
 
 
 def full_weights(checkpoint_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -53,8 +54,11 @@ def write_hf(manifest: dict, tensors: dict[str, torch.Tensor], out: Path) -> Non
     """A Hugging Face model: a directory `from_pretrained` loads, with the
     run's tokenizer when it had one."""
     from omegaconf import OmegaConf
+    from transformers.utils import logging as hf_logging
 
     from tpctl.models.hf import save_hf
+
+    hf_logging.disable_progress_bar()  # "Writing model shards" of one file: noise on the user's terminal
 
     # Written beside OUT and renamed into place: a failed export leaves no
     # half-written directory that from_pretrained would read.
@@ -101,6 +105,35 @@ def export(checkpoint_dir: Path, out: Path) -> dict:
             "parameters": sum(t.numel() for t in tensors.values())}
 
 
+def out_problem(out: Path, directory: bool, model: dict) -> str | None:
+    """Why OUT cannot be written, decided before the checkpoint is read; None if it can."""
+    parent = out.absolute().parent
+    if not parent.exists():
+        return f"its directory {parent} does not exist"
+    if not parent.is_dir():
+        return f"{parent} is a file, not a directory"
+    if directory and out.exists() and not out.is_dir():
+        return f"a file; model.arch={model.get('arch')} exports a directory"
+    if not directory and out.is_dir():
+        return "is a directory; expected a file path"
+    return None
+
+
+def write_error(error: BaseException) -> str:
+    """One line on why writing OUT failed: the OS error's name and text.
+    safetensors' writer raises its own error, the OS error in its text."""
+    import errno
+    import re
+
+    if isinstance(error, OSError) and error.errno:
+        return f"OSError [{errno.errorcode.get(error.errno, error.errno)}] {error.strerror}"
+    found = re.search(r"os error (\d+)", str(error))
+    if found:
+        code = int(found.group(1))
+        return f"OSError [{errno.errorcode.get(code, code)}] {os.strerror(code)}"
+    return one_line(error)
+
+
 def main(args: list[str]) -> int:
     from tpctl.atomic import respect_umask
     from tpctl.checkpoint import CheckpointError, verify
@@ -125,21 +158,18 @@ def main(args: list[str]) -> int:
     model = manifest["model"]
     if out.exists() and not force:
         return fail(f"export OUT={str(out)!r}: already exists; pass --force to overwrite it")
-    if exports_directory(model):
-        if out.exists() and not out.is_dir():
-            return fail(f"export OUT={str(out)!r}: a file; model.arch={model.get('arch')} exports a directory")
-        if not out.absolute().parent.is_dir():
-            return fail(f"export OUT={str(out)!r}: its directory {out.absolute().parent} does not exist")
-        problem = hf_inputs_problem(manifest)
-        if problem:
-            return fail(f"export CHECKPOINT={str(ckpt)!r}: {problem}")
-    elif out.is_dir() or not out.absolute().parent.is_dir():
-        why = "is a directory" if out.is_dir() else f"its directory {out.absolute().parent} does not exist"
-        return fail(f"export OUT={str(out)!r}: {why}; expected a file path")
+    problem = out_problem(out, exports_directory(model), model)
+    if problem:
+        return fail(f"export OUT={str(out)!r}: {problem}")
+    problem = hf_inputs_problem(manifest) if exports_directory(model) else None
+    if problem:
+        return fail(f"export CHECKPOINT={str(ckpt)!r}: {problem}")
     try:
         done = export(ckpt, out)
     except CheckpointError as e:
         return fail(f"export CHECKPOINT={str(ckpt)!r}: {e}")
+    except (OSError, SafetensorError) as e:  # a read-only mount, a full disk: OUT is as it was (written beside it)
+        return fail(f"export OUT={str(out)!r}: not written: {write_error(e)}", EXIT_FAILED)
     respect_umask(out)  # safetensors writes 0600: a shared file system's other users must read it
     print(f"tpctl: wrote {out}: {done['tensors']} tensors, {done['parameters'] / 1e6:.2f}M parameters (step {done['step']})")
     return 0

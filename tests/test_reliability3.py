@@ -117,3 +117,52 @@ def test_an_export_under_a_regular_file_says_so(monkeypatch, capsys, tmp_path):
     status, lines = _export(monkeypatch, capsys, False, tmp_path / "A" / "out")
     assert status == 2 and lines == [f"tpctl: error: export OUT='{tmp_path / 'A' / 'out'}': {tmp_path / 'A'} is a "
                                      "file, not a directory"], lines
+
+
+# --------------------------------------------------------------------------
+# A damaged or truncated model.safetensors: found before anything starts
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt2_directory(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=256, n_embd=16, n_layer=1, n_head=2, n_positions=16,
+                                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    directory = tmp_path_factory.mktemp("gpt2")
+    transformers.GPT2LMHeadModel(config).save_pretrained(directory)
+    return directory
+
+
+def _damaged_copy(source, tmp_path, damage) -> tuple:
+    import shutil
+
+    directory = tmp_path / "pretrained"
+    shutil.copytree(source, directory)
+    weights = directory / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    weights.write_bytes(damage(data))
+    return directory, weights
+
+
+@pytest.mark.parametrize("damage,why", [
+    (lambda data: data[:-100], r"truncated: its header places tensor data up to byte (\d+), the file holds (\d+)$"),
+    (lambda data: data[:9] + b"#" + data[10:], r"its header is not JSON \(Expecting .*\): damaged$"),
+], ids=["truncated", "header"])
+def test_a_damaged_safetensors_file_is_named_before_anything_starts(gpt2_directory, tmp_path, capsys, monkeypatch,
+                                                                     damage, why):
+    from tpctl.commands import generate, train
+
+    directory, weights = _damaged_copy(gpt2_directory, tmp_path, damage)
+    capsys.readouterr()
+    expected = rf"tpctl: error: invalid config: model.pretrained='{directory}': {weights}: {why}"
+    assert generate.main([str(directory), "prompt=hi"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and re.fullmatch(expected, lines[0]), lines
+    # train: refused before its run dir exists (once a worker's short read, ~40 s in, naming no file).
+    monkeypatch.setenv("TPCTL_WORKER_MODULE", "tests.fake_worker")  # were it accepted: nothing real starts
+    monkeypatch.chdir(tmp_path)
+    assert train.main(["model=hf", f"model.pretrained={directory}", f"hydra.run.dir={tmp_path / 'run'}"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and re.fullmatch(expected, lines[0]), lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pretrained"]

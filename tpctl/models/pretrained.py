@@ -42,6 +42,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from tpctl.errors import ConfigError
 from tpctl.parallel.shard import ShardSpec
 from .init import ParamSource
 
@@ -52,14 +53,46 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 
 def read_header(path: Path) -> dict:
     """{tensor name: {"dtype", "shape", "data_offsets"}} of a safetensors
-    file, with "start": where its data begins in the file."""
+    file, with "start": where its data begins in the file. A damaged or
+    truncated file is a ConfigError naming it: the header and the file's
+    size tell, before any worker starts (a short read in a worker names
+    nothing, after the run dir exists)."""
+    path = Path(path)
+    on_disk = path.stat().st_size
     with open(path, "rb") as f:
+        if on_disk < 8:
+            raise _damaged(path, f"{on_disk} bytes, fewer than the 8 of the header's length: truncated")
         (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
+        if 8 + size > on_disk:
+            raise _damaged(path, f"its header's length says {size} bytes, the file holds {on_disk - 8} after it: truncated, "
+                           "or not a safetensors file")
+        try:
+            header = json.loads(f.read(size))
+        except ValueError as e:  # UnicodeDecodeError too
+            raise _damaged(path, f"its header is not JSON ({e}): damaged") from None
+    if not isinstance(header, dict):
+        raise _damaged(path, "its header is not a JSON object: damaged")
     header.pop("__metadata__", None)
-    for entry in header.values():
-        entry["start"] = 8 + size + entry["data_offsets"][0]
+    end = 0
+    for name, entry in header.items():
+        try:
+            first, last = entry["data_offsets"]
+            nbytes = math.prod(entry["shape"]) * torch.empty((), dtype=_DTYPES[entry["dtype"]]).element_size()
+        except (KeyError, TypeError, ValueError):
+            raise _damaged(path, f"tensor {name!r} has no valid dtype, shape and data_offsets in the header: damaged") from None
+        if not 0 <= first <= last or last - first != nbytes:
+            raise _damaged(path, f"tensor {name!r} spans bytes {first}..{last} of the data, but its dtype and shape "
+                           f"take {nbytes}: damaged")
+        entry["start"] = 8 + size + first
+        end = max(end, last)
+    if 8 + size + end > on_disk:
+        raise _damaged(path, f"truncated: its header places tensor data up to byte {8 + size + end}, the file "
+                       f"holds {on_disk}")
     return header
+
+
+def _damaged(path: Path, why: str) -> ConfigError:
+    return ConfigError("model.pretrained", str(path.parent), f"{path}: {why}")
 
 
 def read_box(fd: int, entry: dict, box) -> torch.Tensor:
@@ -109,7 +142,10 @@ class SafetensorsSource(ParamSource):
         self.transposed = set(getattr(model, "tpctl_transposed", ()))
         index = self.directory / "model.safetensors.index.json"
         if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise _damaged(index, f"not a safetensors index ({type(e).__name__}: {e}): damaged") from None
         elif (self.directory / "model.safetensors").exists():
             files = ["model.safetensors"]
         else:

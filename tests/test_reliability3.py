@@ -166,3 +166,19 @@ def test_a_damaged_safetensors_file_is_named_before_anything_starts(gpt2_directo
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and re.fullmatch(expected, lines[0]), lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pretrained"]
+
+
+# --------------------------------------------------------------------------
+# tpctl bench: pp with no mode that runs stages
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_bench_refuses_stages_that_no_listed_mode_runs(capsys):
+    from tpctl.commands import bench
+
+    # Once: exit 0, a header of "3 ranks (pp=3)" over one rank of a 2-block model.
+    assert bench.main(["size=1", "modes=[none]", "pp=3", "steps=1", "rounds=1", "warmup=0"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"tpctl: error: invalid config: pp=3: pipeline stages are for "
+                                                   "tpctl's tensor-parallel modes, and modes=[none] has none"), lines

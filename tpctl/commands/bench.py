@@ -62,6 +62,17 @@ def _parse(args: list[str]):
     return opts, overrides
 
 
+def check_stages(modes: list[str], pp: int) -> None:
+    """pp=P pipelines tpctl's tensor-parallel modes only: with none of them
+    listed nothing would run P stages (and `check` would never see P
+    against the model) while the header said P x size ranks."""
+    staged = [m for m in modes if not (one_rank(m) or m == BASELINE or is_layout_name(m))]
+    if pp > 1 and not staged:
+        raise ConfigError("pp", pp, f"pipeline stages are for tpctl's tensor-parallel modes, and modes=[{','.join(modes)}] "
+                          "has none (none and plain run on one rank, dtensor and layout names without stages): expected "
+                          "pp=1, or a mode such as 1d in modes")
+
+
 def main(args: list[str]) -> int:
     if any(a in ("-h", "--help") for a in args):
         print(__doc__, end="")
@@ -73,6 +84,7 @@ def main(args: list[str]) -> int:
         cfg = compose_jobs(overrides)[0]
         modes = opts["modes"] or ([m for m in DEFAULT_MODES if m != "dtensor"] if opts["pp"] > 1 else DEFAULT_MODES)
         check(cfg, modes, opts["size"], opts["depth"], opts["pp"])
+        check_stages(modes, opts["pp"])
         from tpctl.cost.planner import load_hardware
 
         load_hardware(opts["hardware"])

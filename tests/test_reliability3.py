@@ -182,3 +182,26 @@ def test_bench_refuses_stages_that_no_listed_mode_runs(capsys):
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"tpctl: error: invalid config: pp=3: pipeline stages are for "
                                                    "tpctl's tensor-parallel modes, and modes=[none] has none"), lines
+
+
+# --------------------------------------------------------------------------
+# Generation: transformers' current interface, no warnings on the terminal
+# --------------------------------------------------------------------------
+
+
+def test_decoding_a_transformers_model_warns_nothing(gpt2_directory):
+    import warnings
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tpctl.training.generation import Stepper
+
+    stepper = Stepper(AutoModelForCausalLM.from_pretrained(gpt2_directory).eval())
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        first = stepper(torch.tensor([[1, 2, 3]]))
+        second = stepper(torch.tensor([[4]]))  # through the cache
+    assert [str(w.message) for w in caught] == []
+    assert first.shape[1] == 3 and second.shape[1] == 1
+    assert stepper.cache.get_seq_length() == 4

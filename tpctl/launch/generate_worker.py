@@ -15,6 +15,7 @@ if __name__ == "__main__":  # first of all (see `serve`)
     quiet_interrupts()
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -39,6 +40,9 @@ def run(argv: list[str]) -> None:
     opts = json.loads((run_dir / OPTIONS).read_text())
     # Decoding feeds whole sequences: no sequence parallelism.
     cfg, par = start_worker(config_path, adjust=lambda layout: layout.replace(seq_parallel=False))
+    # The text is the output: a dependency's warnings (a deprecation inside
+    # transformers) go to logs/rank<r>.log, not between the user's tokens.
+    logging.captureWarnings(True)
     mode, mesh, device = par.mode, par.mesh, par.mesh.device
     model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode, cfg.model.get("plan"), training=False).to(device)
     if opts.get("checkpoint"):

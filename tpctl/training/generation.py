@@ -21,13 +21,15 @@ the activations. Three choices make that work and keep it exact:
   or a seeded draw) and broadcasts it over the tensor-parallel group, so every
   rank feeds the same token even where round-off differs between row blocks.
 * **The cache.** tpctl's GPT takes a `KVCache` (models/gpt.py); a Hugging
-  Face model takes its own `DynamicCache` as `past_key_values`. Either one
+  Face model takes its own `DynamicCache` (as `cache`; `past_key_values`
+  before transformers 5 renamed it, the old name warning). Either one
   stores the keys and values this rank computed: its heads, its rows. Other
   models are re-run on the whole sequence at every step.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -69,7 +71,7 @@ class TextStream:
 # ---- one forward ------------------------------------------------------------
 
 def is_hf(model: nn.Module) -> bool:
-    """A transformers model (its forward takes past_key_values)."""
+    """A transformers model (its forward takes a cache)."""
     try:
         from transformers import PreTrainedModel
     except ImportError:
@@ -93,13 +95,16 @@ class Stepper:
             from transformers import DynamicCache
 
             self.cache = DynamicCache(config=model.config)
+            # transformers 5 renamed the forward's past_key_values to cache (the
+            # old name warns on the user's terminal); 4.x takes only the old one.
+            self.cache_key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "gpt":
             return self.model(x, cache=self.cache) if self.cached else self.model(x)
         if self.kind == "hf":
             if self.cached:
-                return logits_of(self.model(input_ids=x, past_key_values=self.cache, use_cache=True))
+                return logits_of(self.model(input_ids=x, use_cache=True, **{self.cache_key: self.cache}))
             return logits_of(self.model(input_ids=x, use_cache=False))
         return logits_of(self.model(x))
 

@@ -22,6 +22,15 @@ REPO = Path(__file__).resolve().parent.parent
 MARKER_VAR = "TPCTL_TEST_MARKER"
 
 
+def default_sigint() -> None:
+    """A child's SIGINT back to the default before it execs (`preexec_fn`):
+    started from a non-interactive shell's background job or under nohup,
+    this test process ignores SIGINT and every child would inherit that
+    (tpctl rightly keeps an inherited ignore), so a test's Ctrl-C would do
+    nothing. A test that interrupts a process starts it with this."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @dataclass
 class Tpctl:
     """Runs `python -m tpctl.cli ARGS` in `cwd` with a marked environment."""
@@ -46,7 +55,8 @@ class Tpctl:
         return subprocess.run(self.command(args), cwd=self.cwd, env=self.env(), capture_output=True, text=True, timeout=timeout)
 
     def start(self, args: list[str]) -> subprocess.Popen:
-        return subprocess.Popen(self.command(args), cwd=self.cwd, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(self.command(args), cwd=self.cwd, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, preexec_fn=default_sigint)
 
     def leftover_pids(self, wait_s: float = 5.0) -> list[int]:
         """Processes still alive with this test's marker, after up to wait_s."""

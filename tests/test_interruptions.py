@@ -9,12 +9,13 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from cli_support import marked_pids, tpctl  # noqa: F401  (fixture)
+from cli_support import default_sigint, marked_pids, tpctl  # noqa: F401  (fixture)
 from tpctl.data import prepare as corpus
 
 
@@ -36,7 +37,8 @@ def _interrupt_prepare(tpctl, tmp_path: Path, sig: int, group: bool, workers: in
     proc = subprocess.Popen(tpctl.command(["prepare-data", str(src), f"out={tmp_path / 'out'}", "tokenizer=bytes",
                                            f"workers={workers}"]),
                             cwd=tmp_path, env=tpctl.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group, as a terminal's job
+                            start_new_session=True,  # its own process group, as a terminal's job
+                            preexec_fn=default_sigint)  # and Ctrl-C's default, however this suite was started
     try:
         deadline = time.monotonic() + 120
         while not list(tmp_path.glob(".out.*.tmp" + ("/train-*.bin" if when == "mid" else ""))):
@@ -65,6 +67,17 @@ def test_an_interrupted_prepare_data_stops_in_seconds_with_one_line_and_no_tempo
     assert seconds < 30
     assert not list(tmp_path.glob(".out.*")) and not (tmp_path / "out").exists(), [list(p.iterdir()) for p in tmp_path.glob(".out.*")]
     assert tpctl.leftover_pids() == []
+
+
+def test_a_child_started_to_be_interrupted_gets_ctrl_c_even_if_the_suite_ignores_it():
+    saved = signal.signal(signal.SIGINT, signal.SIG_IGN)  # this process, as under nohup or a script's `(make test &)`
+    try:
+        probe = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+        inherited, reset = (subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                                           **options).stdout.strip() for options in ({}, {"preexec_fn": default_sigint}))
+    finally:
+        signal.signal(signal.SIGINT, saved)
+    assert (inherited, reset) == ("False", "True")
 
 
 def test_the_temporary_dirs_of_killed_runs_are_removed_by_the_next_run_and_a_live_one_is_kept(tmp_path):
@@ -108,7 +121,7 @@ def _ctrl_c(tpctl, args: list[str], when) -> tuple[int, str]:
     """Run `tpctl ARGS` as a terminal's job, send SIGINT to its process
     group once `when(pid)` is true: (exit status, stderr)."""
     proc = subprocess.Popen(tpctl.command(args), cwd=tpctl.cwd, env=tpctl.env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 180
         while not when(proc.pid):

@@ -205,3 +205,58 @@ def test_decoding_a_transformers_model_warns_nothing(gpt2_directory):
     assert [str(w.message) for w in caught] == []
     assert first.shape[1] == 3 and second.shape[1] == 1
     assert stepper.cache.get_seq_length() == 4
+
+
+# --------------------------------------------------------------------------
+# Dropout under pipeline stages: what the equality is
+# --------------------------------------------------------------------------
+
+MICRO = 4
+
+
+def _dropout_curves() -> dict:
+    """Two steps of a 2-block GPT with dropout 0.3: as pp=2 with M=MICRO
+    (both ranks), and on rank 0 alone as one process accumulating over
+    MICRO micro-batches and over one: {run: [(loss, grad_norm)]}."""
+    import torch.distributed as dist
+
+    from conftest import build_trainer, tiny_config
+
+    def curve(layout: Layout, **overrides) -> list:
+        cfg = layout.write_to(tiny_config(2, **{"model.n_layer": 2, "model.dropout": 0.3, "data.name": "synthetic",
+                                                "data.synthetic_tokens": 4096, **overrides}))
+        check_layout(cfg, layout)
+        pooled = layout.world > 1  # one process: no process groups at all
+        trainer = build_trainer(cfg, layout, pooled=pooled, **({} if pooled else {"groups": False}))
+        return [(r["loss"], r["grad_norm"]) for r in trainer.fit()]
+
+    out = {"pp2": curve(Layout("none", pp=2), **{"pipeline.microbatches": MICRO})}
+    if dist.get_rank() == 0:
+        out["accumulated"] = curve(Layout("none"), **{"train.grad_accum": MICRO})
+        out["one batch"] = curve(Layout("none"))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_pipeline_with_dropout_is_one_process_accumulating_over_its_micro_batches():
+    """The README's statement: masks are drawn per (step, micro-batch,
+    block), so pp=P with M micro-batches equals mode=none train.grad_accum=M
+    (fp32 round-off), not one unsplit batch."""
+    from tpctl.launch.pool import DistPool
+    from tpctl.parallel.stages import PipelineSpec
+
+    # What the start-up line and `tpctl inspect` say of such a run.
+    assert PipelineSpec(2, "1f1b", 1, MICRO).dropout_note(0.3) == (
+        f"dropout=0.3 with M={MICRO} micro-batches: masks are drawn per micro-batch, so this run equals pp=1 "
+        f"train.grad_accum={MICRO} (fp32 round-off), not pp=1 on one unsplit batch")
+    assert PipelineSpec(2, "1f1b", 1, MICRO).dropout_note(0.0) is None
+
+    pool = DistPool(2, timeout_s=240)
+    try:
+        rank0, rank1 = pool.run(_dropout_curves)
+    finally:
+        pool.close()
+    assert rank0["pp2"] == rank1["pp2"], "every rank logs the same loss"
+    for (loss, norm), (want_loss, want_norm) in zip(rank0["pp2"], rank0["accumulated"]):
+        assert loss == pytest.approx(want_loss, rel=1e-6) and norm == pytest.approx(want_norm, rel=1e-5)
+    assert abs(rank0["pp2"][0][0] - rank0["one batch"][0][0]) > 1e-4, "dropout draws other masks for one batch"

@@ -179,6 +179,9 @@ def _print(cfg, rows, verdicts: dict, summary) -> None:
     if "held" in summary:
         caption += (f"; rank 0 holds between steps with dp={layout.dp} zero={layout.zero}: "
                     + ", ".join(f"{what} {mib(n)}" for what, n in summary["held"].items()))
+    if layout.pp > 1:
+        note = layout.pipeline(cfg).dropout_note(cfg.model.get("dropout") or 0)
+        caption += f"; {note}" if note else ""
     table = Table(title=title, caption=caption)
     columns = ["module", "type", "role", "becomes", "shard shape on rank 0", "bytes", "note"]
     if layout.pp > 1:  # the pipeline rank that holds it ("all": every stage runs it)

@@ -185,6 +185,9 @@ def run(argv: list[str]) -> None:
         stages = f", {par.pipeline.spec.label()}" if par.pipeline is not None else ""
         print(f"tpctl: {par.layout.label()} ({mesh.world_size} ranks{stages}), "
               f"{cfg.model.get('_target_') or cfg.model.arch} with {whole / 1e6:.2f}M parameters, {data.describe()}", flush=True)
+        note = par.pipeline.spec.dropout_note(cfg.model.get("dropout") or 0) if par.pipeline is not None else None
+        if note:
+            print(f"tpctl: {note}", flush=True)
         if par.layout.zero and par.layout.dp == 1:
             print(f"tpctl: zero={par.layout.zero} with dp=1: one replica has nothing to share, "
                   "so every rank keeps its whole state (as zero=0)", flush=True)

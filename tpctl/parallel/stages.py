@@ -74,6 +74,16 @@ class PipelineSpec:
         per_round = m // max(1, m // p)
         return min(m * v, (v - 1) * per_round + 2 * (p - 1 - rank) + 1) / v
 
+    def dropout_note(self, dropout: float) -> str | None:
+        """What this pipeline trains with dropout on, said at start-up and by
+        `tpctl inspect` (docs/DESIGN.md, "Dropout"); None where nothing differs.
+        Masks are drawn per (step, micro-batch, block): how the batch is cut
+        into micro-batches changes them, as `train.grad_accum` does."""
+        if not dropout or self.microbatches <= 1:
+            return None
+        return (f"dropout={dropout} with M={self.microbatches} micro-batches: masks are drawn per micro-batch, so this run "
+                f"equals pp=1 train.grad_accum={self.microbatches} (fp32 round-off), not pp=1 on one unsplit batch")
+
     def label(self) -> str:
         v = f" v={self.virtual}" if self.schedule == "interleaved" else ""
         return f"pp={self.stages} {self.schedule}{v} M={self.microbatches}"

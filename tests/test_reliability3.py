@@ -11,7 +11,6 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from cli_support import tpctl  # noqa: F401  (fixture)
 from tpctl.config import compose_jobs
 from tpctl.config.layout_checks import check_layout
 from tpctl.errors import ConfigError
@@ -180,7 +179,7 @@ def test_bench_refuses_stages_that_no_listed_mode_runs(capsys):
     # Once: exit 0, a header of "3 ranks (pp=3)" over one rank of a 2-block model.
     assert bench.main(["size=1", "modes=[none]", "pp=3", "steps=1", "rounds=1", "warmup=0"]) == 2
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"tpctl: error: invalid config: pp=3: pipeline stages are for "
+    assert len(lines) == 1 and lines[0].startswith("tpctl: error: invalid config: pp=3: pipeline stages are for "
                                                    "tpctl's tensor-parallel modes, and modes=[none] has none"), lines
 
 

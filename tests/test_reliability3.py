@@ -236,7 +236,7 @@ def _dropout_curves() -> dict:
     return out
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_a_pipeline_with_dropout_is_one_process_accumulating_over_its_micro_batches():
     """The README's statement: masks are drawn per (step, micro-batch,
     block), so pp=P with M micro-batches equals mode=none train.grad_accum=M
@@ -250,7 +250,7 @@ def test_a_pipeline_with_dropout_is_one_process_accumulating_over_its_micro_batc
         f"train.grad_accum={MICRO} (fp32 round-off), not pp=1 on one unsplit batch")
     assert PipelineSpec(2, "1f1b", 1, MICRO).dropout_note(0.0) is None
 
-    pool = DistPool(2, timeout_s=240)
+    pool = DistPool(2, timeout_s=500)
     try:
         rank0, rank1 = pool.run(_dropout_curves)
     finally:

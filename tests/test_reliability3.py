@@ -109,6 +109,8 @@ def test_an_export_that_cannot_be_written_is_one_line_naming_out(monkeypatch, ca
     assert status == 1 and lines == [f"tpctl: error: export OUT='{tmp_path / name}': not written: OSError [EFBIG] "
                                      "File too large"], lines
     assert list(tmp_path.iterdir()) == []  # nothing half-written left beside it
+    status, lines = _export(monkeypatch, capsys, hf, tmp_path / name)  # and where it can be written, it is
+    assert status == 0 and lines == [] and [p.name for p in tmp_path.iterdir()] == [name], lines
 
 
 def test_an_export_under_a_regular_file_says_so(monkeypatch, capsys, tmp_path):

@@ -104,6 +104,9 @@ def test_the_cuda_policy_sizes_chunks_for_the_device():
     assert loss_mod.cuda_policy(80 * 2**30).elements == loss_mod.CUDA_CHUNK_MAX == 1 << 28
     assert loss_mod.cuda_policy(2**30).elements == loss_mod.CHUNK_ELEMENTS
     assert loss_mod.policy_for(torch.device("cpu")) == loss_mod.CPU_POLICY
+    chunks = list(loss_mod.cuda_policy(80 * 2**30).rows(16384, 50257))
+    assert len(chunks) == 4 and chunks[-1].stop == 16384
+    assert all(c.start * 50257 * 2 % 16 == 0 for c in chunks), "bf16 chunks 16-byte aligned (inductor copies others)"
 
 
 def test_the_fused_chunks_compile_without_a_graph_break(monkeypatch):

@@ -109,6 +109,15 @@ def test_the_cuda_policy_sizes_chunks_for_the_device():
     assert all(c.start * 50257 * 2 % 16 == 0 for c in chunks), "bf16 chunks 16-byte aligned (inductor copies others)"
 
 
+def test_a_compiler_that_fails_leaves_the_fused_chunks_eager(monkeypatch, capsys):
+    monkeypatch.setenv("TPCTL_COMPILE_BACKEND", "no-such-backend")
+    monkeypatch.setattr(loss_mod, "_FAILED", set())
+    logits, targets = _case()
+    got = vocab_parallel_cross_entropy(logits, targets, 0, 50, None, 0.0, ChunkPolicy(fused=True, compiled=True))
+    torch.testing.assert_close(got, F.cross_entropy(logits, targets, reduction="none"), **TOL)
+    assert "did not compile" in capsys.readouterr().err
+
+
 def test_the_fused_chunks_compile_without_a_graph_break(monkeypatch):
     """The compiled policy's functions as torch.compile sees them (fullgraph:
     a graph break raises), through dynamo only (backend eager: no code is

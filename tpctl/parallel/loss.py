@@ -33,6 +33,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from tpctl.errors import warning
+
 from . import comm
 
 # Elements of the largest fp32 temporary on a CPU (one chunk of rows): 4M = 16 MiB.
@@ -113,11 +115,24 @@ def _compiled(fn, backend: str):
     return torch.compile(fn, backend=backend, fullgraph=True, dynamic=None)
 
 
+# Backends that failed to compile a chunk in this process: the same math runs eagerly.
+_FAILED: set = set()
+
+
 def _call(policy: ChunkPolicy, fn, *args):
-    if not policy.compiled:
-        return fn(*args)
     # train.compile's test hook (training/compile.py) names the backend here too.
-    return _compiled(fn, os.environ.get("TPCTL_COMPILE_BACKEND", "inductor"))(*args)
+    backend = os.environ.get("TPCTL_COMPILE_BACKEND", "inductor")
+    if policy.compiled and backend not in _FAILED:
+        try:
+            return _compiled(fn, backend)(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # a compiler that cannot build it here: slower, not wrong
+            _FAILED.add(backend)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            warning(f"the loss's fused chunks did not compile ({type(e).__name__}: {first[:200]}); "
+                    "they run eagerly (the same math, slower)")
+    return fn(*args)
 
 
 class _VocabParallelCE(torch.autograd.Function):

@@ -118,12 +118,13 @@ def test_a_compiler_that_fails_leaves_the_fused_chunks_eager(monkeypatch, capsys
     assert "did not compile" in capsys.readouterr().err
 
 
-def test_the_fused_chunks_compile_without_a_graph_break(monkeypatch):
+@pytest.mark.parametrize("pad", [0, 6])  # the whole gradient from one kernel; the real columns' block
+def test_the_fused_chunks_compile_without_a_graph_break(monkeypatch, pad):
     """The compiled policy's functions as torch.compile sees them (fullgraph:
     a graph break raises), through dynamo only (backend eager: no code is
-    generated on a CPU), against the eager functions, ragged last chunk included."""
+    generated on a CPU), against the eager functions in chunks of 10 rows."""
     monkeypatch.setenv("TPCTL_COMPILE_BACKEND", "eager")
-    logits, targets = _case(rows=24, vocab=50, pad=6)
+    logits, targets = _case(rows=24, vocab=50, pad=pad)
     weights = torch.rand(24, generator=torch.Generator().manual_seed(3))
     got, want = [], []
     for policy, out in ((ChunkPolicy(10 * 56, fused=True, compiled=True), got), (ChunkPolicy(10 * 56, fused=True), want)):

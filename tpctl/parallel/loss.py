@@ -15,12 +15,13 @@ logits' device (`policy_for`) or passed in, so the CUDA policy's code runs
 (and is tested) on a CPU too:
 
   * CPU: 4M elements (16 MiB of fp32), the memory table of the README;
-  * CUDA: chunks sized for the device (1/64 of its memory, at most 1 GiB of
-    fp32): a 4M-element chunk is ~200 launches of small kernels per loss on
-    gpt-small's logits, which cost more than the math. `fused`: each chunk's
-    forward and backward are one function each that torch.compile turns
-    into one kernel reading the logits in their own dtype (no fp32
-    temporary at all); without a compiler they run eagerly, the same math.
+  * CUDA (`fused`): the forward's sums and the backward's gradient are one
+    function each that torch.compile turns into one kernel reading the
+    logits in their own dtype: no fp32 temporary at all, so the whole block
+    is one chunk (a 4M-element chunk would be ~200 launches of small kernels
+    per loss on gpt-small's logits, which cost more than the math). Without
+    a compiler the same functions run eagerly, in chunks sized for the
+    device (1/64 of its memory, at most 1 GiB of fp32).
 """
 
 from __future__ import annotations
@@ -119,9 +120,21 @@ def _compiled(fn, backend: str):
 _FAILED: set = set()
 
 
-def _call(policy: ChunkPolicy, fn, *args):
+def _backend() -> str:
     # train.compile's test hook (training/compile.py) names the backend here too.
-    backend = os.environ.get("TPCTL_COMPILE_BACKEND", "inductor")
+    return os.environ.get("TPCTL_COMPILE_BACKEND", "inductor")
+
+
+def _walk(policy: ChunkPolicy, rows: int, width: int):
+    """The chunks a block is computed in: one where each is a compiled
+    kernel (no temporary to bound), else the policy's."""
+    if policy.fused and policy.compiled and _backend() not in _FAILED:
+        return [slice(0, rows)]
+    return policy.rows(rows, width)
+
+
+def _call(policy: ChunkPolicy, fn, *args):
+    backend = _backend()
     if policy.compiled and backend not in _FAILED:
         try:
             return _compiled(fn, backend)(*args)
@@ -153,7 +166,7 @@ class _VocabParallelCE(torch.autograd.Function):
         stats = torch.zeros(3, rows, device=logits.device)  # sum exp, target logit, logit sum
         target = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).float() - row_max
         stats[1] = torch.where(in_block, target, 0.0)
-        for r in policy.rows(rows, real) if real > 0 else ():
+        for r in _walk(policy, rows, real) if real > 0 else ():
             if policy.fused:
                 stats[0::2, r] = _call(policy, chunk_stats, block[r], row_max[r], bool(smoothing))
                 continue
@@ -176,12 +189,16 @@ class _VocabParallelCE(torch.autograd.Function):
         logits, log_norm, local_t, in_block = ctx.saved_tensors
         smoothing, real, policy = ctx.smoothing, ctx.real, ctx.policy
         rows, width = logits.shape
+        chunks = list(_walk(policy, rows, real)) if real > 0 else []
+        if policy.fused and real == width and len(chunks) == 1:  # one kernel makes the whole gradient
+            return (_call(policy, chunk_grad, logits, log_norm, local_t, in_block, grad_loss, float(smoothing),
+                          ctx.vocab_size), None, None, None, None, None, None)
         grad = torch.empty_like(logits)
         if real < width:
             grad[:, real:] = 0  # padding columns: no probability, no gradient
         block = grad if real == width else grad[:, :real]
         in_place = grad.dtype == torch.float32  # else each chunk is computed in fp32, then cast
-        for r in policy.rows(rows, real) if real > 0 else ():
+        for r in chunks:
             if policy.fused:
                 block[r] = _call(policy, chunk_grad, logits[r, :real], log_norm[r], local_t[r], in_block[r],
                                  grad_loss[r], float(smoothing), ctx.vocab_size)

@@ -211,7 +211,7 @@ def _compare_with_the_cuda_loss(key: str) -> int:
         loss.policy_for = saved
 
 
-@pytest.mark.parametrize("key", ["1d-4-sp-dp2", "2d-4-dp2", "2.5d-8-d2", "3d-8"])
+@pytest.mark.parametrize("key", ["1d-4-sp-dp2", "3d-8"])  # the loss group of 1d, and of 3d's grid
 def test_the_cuda_loss_policy_in_every_mode(pool, key):
     assert all(n > 0 for n in pool.run(_compare_with_the_cuda_loss, key))
 

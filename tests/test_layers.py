@@ -212,7 +212,7 @@ def _compare_with_the_cuda_loss(key: str) -> int:
 
 
 @pytest.mark.parametrize("key", ["1d-4-sp-dp2", "3d-8"])  # the loss group of 1d, and of 3d's grid
-def test_the_cuda_loss_policy_in_every_mode(pool, key):
+def test_the_cuda_loss_policy_across_a_loss_group(pool, key):
     assert all(n > 0 for n in pool.run(_compare_with_the_cuda_loss, key))
 
 

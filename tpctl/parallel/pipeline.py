@@ -233,13 +233,84 @@ class _ChunkModule(nn.Module):
         return pipeline.forward_chunk(self.chunk, None if self.chunk.first else x, ids, pipeline._step.autocast)
 
 
+class _HostStaging:
+    """torch's PipelineStage methods around its exchange, through host
+    buffers where `self.pipeline.host_staging` (see `host_staging`). torch's
+    schedule waits on a micro-batch's receives before the stage reads them
+    (_retrieve_recv_*), which is where a host buffer is copied into the
+    device buffer torch's stage owns."""
+
+    def get_fwd_recv_ops(self, fwd_chunk_id):
+        return self._staged_recvs(super().get_fwd_recv_ops(fwd_chunk_id), ("fwd", fwd_chunk_id))
+
+    def get_bwd_recv_ops(self, bwd_chunk_id):
+        return self._staged_recvs(super().get_bwd_recv_ops(bwd_chunk_id), ("bwd", bwd_chunk_id))
+
+    def _retrieve_recv_activations(self, fwd_chunk_id):
+        self._land(("fwd", fwd_chunk_id))
+        return super()._retrieve_recv_activations(fwd_chunk_id)
+
+    def _retrieve_recv_grads(self, bwd_chunk_id):
+        self._land(("bwd", bwd_chunk_id))
+        return super()._retrieve_recv_grads(bwd_chunk_id)
+
+    def _staged_sends(self, ops):
+        if not self.pipeline.host_staging:
+            return ops
+        import torch.distributed as dist
+
+        staged = [dist.P2POp(op.op, to_host(op.tensor), op.peer, op.group, op.tag) for op in ops]
+        self.pipeline.staged_bytes += sum(op.tensor.nbytes for op in staged)
+        return staged
+
+    def _staged_recvs(self, ops, key):
+        if not self.pipeline.host_staging or not ops:
+            return ops
+        import torch.distributed as dist
+
+        hosts = [torch.empty(op.tensor.shape, dtype=op.tensor.dtype, device="cpu") for op in ops]
+        self._landing = getattr(self, "_landing", {})
+        self._landing[key] = [(host, op.tensor) for host, op in zip(hosts, ops)]
+        return [dist.P2POp(op.op, host, op.peer, op.group, op.tag) for host, op in zip(hosts, ops)]
+
+    def _land(self, key):
+        with torch.no_grad():  # the device buffer may already be an autograd leaf
+            for host, buffer in getattr(self, "_landing", {}).pop(key, ()):
+                buffer.copy_(host)
+                self.pipeline.staged_bytes += host.nbytes
+
+    # torch's start-up exchanges (the warm-up vote, shape metadata, the
+    # neighbours' first ops) make their tensors on the stage's device: on the host instead.
+    def _warmup_forward_vote(self, *args, **kwargs):
+        with self._on_host():
+            return super()._warmup_forward_vote(*args, **kwargs)
+
+    def _warmup_backward_result(self, *args, **kwargs):
+        with self._on_host():
+            return super()._warmup_backward_result(*args, **kwargs)
+
+    def _get_init_p2p_neighbors_ops(self):
+        with self._on_host():
+            return super()._get_init_p2p_neighbors_ops()
+
+    @contextlib.contextmanager
+    def _on_host(self):
+        device = self.device
+        if self.pipeline.host_staging:
+            self.device = torch.device("cpu")
+        try:
+            yield
+        finally:
+            self.device = device
+
+
 @functools.cache
 def _stage_class():
     """torch's PipelineStage, counting and timing (its module is imported on
     first use: a run without stages never pays for it)."""
     from torch.distributed.pipelining import PipelineStage
 
-    class CountedStage(PipelineStage):
+    class CountedStage(_HostStaging, PipelineStage):
         """torch's stage, with its sends counted by comm.py, the busy time of
         its chunk timed, and the micro-batch a forward runs told to the
         mesh (dropout streams are keyed by it)."""
@@ -260,73 +331,6 @@ def _stage_class():
                 comm.count_send(op.tensor)
             return self._staged_sends(ops)
 
-        # ---- host staging (Pipeline.host_staging) --------------------------------
-        # torch's schedule waits on a micro-batch's receives before the stage
-        # reads them (_retrieve_recv_*), which is where a host buffer is
-        # copied into the device buffer torch's stage owns.
-
-        def get_fwd_recv_ops(self, fwd_chunk_id):
-            return self._staged_recvs(super().get_fwd_recv_ops(fwd_chunk_id), ("fwd", fwd_chunk_id))
-
-        def get_bwd_recv_ops(self, bwd_chunk_id):
-            return self._staged_recvs(super().get_bwd_recv_ops(bwd_chunk_id), ("bwd", bwd_chunk_id))
-
-        def _retrieve_recv_activations(self, fwd_chunk_id):
-            self._land(("fwd", fwd_chunk_id))
-            return super()._retrieve_recv_activations(fwd_chunk_id)
-
-        def _retrieve_recv_grads(self, bwd_chunk_id):
-            self._land(("bwd", bwd_chunk_id))
-            return super()._retrieve_recv_grads(bwd_chunk_id)
-
-        def _staged_sends(self, ops):
-            if not self.pipeline.host_staging:
-                return ops
-            import torch.distributed as dist
-
-            staged = [dist.P2POp(op.op, to_host(op.tensor), op.peer, op.group, op.tag) for op in ops]
-            self.pipeline.staged_bytes += sum(op.tensor.nbytes for op in staged)
-            return staged
-
-        def _staged_recvs(self, ops, key):
-            if not self.pipeline.host_staging or not ops:
-                return ops
-            import torch.distributed as dist
-
-            hosts = [torch.empty(op.tensor.shape, dtype=op.tensor.dtype, device="cpu") for op in ops]
-            self._landing = getattr(self, "_landing", {})
-            self._landing[key] = [(host, op.tensor) for host, op in zip(hosts, ops)]
-            return [dist.P2POp(op.op, host, op.peer, op.group, op.tag) for host, op in zip(hosts, ops)]
-
-        def _land(self, key):
-            with torch.no_grad():  # the device buffer may already be an autograd leaf
-                for host, buffer in getattr(self, "_landing", {}).pop(key, ()):
-                    buffer.copy_(host)
-                    self.pipeline.staged_bytes += host.nbytes
-
-        # torch's start-up exchanges (the warm-up vote, shape metadata, the
-        # neighbours' first ops) make their tensors on the stage's device: on the host instead.
-        def _warmup_forward_vote(self, *args, **kwargs):
-            with self._on_host():
-                return super()._warmup_forward_vote(*args, **kwargs)
-
-        def _warmup_backward_result(self, *args, **kwargs):
-            with self._on_host():
-                return super()._warmup_backward_result(*args, **kwargs)
-
-        def _get_init_p2p_neighbors_ops(self):
-            with self._on_host():
-                return super()._get_init_p2p_neighbors_ops()
-
-        @contextlib.contextmanager
-        def _on_host(self):
-            device = self.device
-            if self.pipeline.host_staging:
-                self.device = torch.device("cpu")
-            try:
-                yield
-            finally:
-                self.device = device
 
         def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
             self.pipeline.mesh.draw_micro = fwd_chunk_id

@@ -208,8 +208,9 @@ class _VocabParallelCE(torch.autograd.Function):
             if smoothing:
                 g -= smoothing / ctx.vocab_size
             g.scatter_add_(-1, local_t[r].unsqueeze(-1), (-(1 - smoothing) * in_block[r].float()).unsqueeze(-1))
-            # The last pass writes the block in its own dtype: no separate cast pass.
-            torch.mul(g, grad_loss[r].unsqueeze(-1), out=block[r])
+            g *= grad_loss[r].unsqueeze(-1)
+            if not in_place:
+                block[r] = g
             del g
         return grad, None, None, None, None, None, None
 

@@ -28,11 +28,13 @@ def test_flops_per_token_and_mfu():
     # gpt-small: 124.4M parameters, 0.79M of them the position table; 12 layers x 768 x 1024.
     expected = 6 * (124_439_808 - 1024 * 768) + 12 * 12 * 768 * 1024
     assert flops_per_token(cfg) == pytest.approx(expected)
-    hw = SimpleNamespace(peak_flops=1e12, peak_flops_bf16=4e12)
+    hw = SimpleNamespace(name="made-up", peak_flops=1e15, peak_flops_bf16=4e15, peak_flops_tf32=2e15)
     tokens = cfg.train.batch_size * cfg.train.seq_len
-    assert mfu(cfg, hw, 1.0, 2) == pytest.approx(expected * tokens / 2e12)
+    assert mfu(cfg, hw, 1.0, 2) == pytest.approx(expected * tokens / 2e15)
+    cfg.device, cfg.train.tf32 = "cuda", True  # fp32 matmuls in TF32: its peak
+    assert mfu(cfg, hw, 1.0, 1) == pytest.approx(expected * tokens / 2e15)
     cfg.precision = "bf16"
-    assert mfu(cfg, hw, 1.0, 1) == pytest.approx(expected * tokens / 4e12)
+    assert mfu(cfg, hw, 1.0, 1) == pytest.approx(expected * tokens / 4e15)
 
 
 @pytest.mark.slow

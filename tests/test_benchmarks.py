@@ -32,6 +32,7 @@ SCRIPTS = {
     "compare_modes.py": (["--steps", "2", "--modes", "none", *TINY_TRAIN], "none", True),
     "generate_speed.py": (["--size", "2", "--new", "4", "--layers", "1", "--embd", "128", "--rounds", "1"],
                           "greedy decoding", False),
+    "gpu_step.py": (["--cpu"], "tpctl / plain", False),  # the CPU's smoke run: tiny shapes, dynamo only
     "hf_all_families.py": (["gpt2"], "OK gpt2", False),
     "loss_memory.py": (["64", "256"], "", False),
     "papers_vs_plan.py": ([], "|", False),

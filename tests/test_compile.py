@@ -108,3 +108,57 @@ def pool1():
 def test_inductor_equals_eager(pool1):
     """The default backend, end to end on CPU: mode=none on one rank."""
     _close(pool1.run(_train, "none-1", "true", backend="inductor"), pool1.run(_train, "none-1", "false"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["none", "1d-1"])
+def test_no_graph_break_and_no_recompile_in_none_and_1d_size_1(monkeypatch, name):
+    """Counted by dynamo over 2 steps (the step index changes; tracing only,
+    backend eager): one graph, no break. With model.dropout > 0 this fails
+    (tpctl's dropout generators: zlib.crc32 and a Generator argument)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from conftest import build
+    from tpctl.training.compile import BACKEND_ENV, compile_model
+
+    monkeypatch.setenv(BACKEND_ENV, "eager")
+    layout = Layout.parse(name)
+    run = build(layout.write_to(_cfg()), layout, pooled=False, groups=False)
+    torch._dynamo.reset()
+    counters.clear()
+    assert compile_model(run.model, "true", "cpu", say=print)
+    ids = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
+    for step in range(2):
+        run.step([(ids[:, :-1], ids[:, 1:])], step)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
+def test_the_compile_log_is_kept_in_a_file(monkeypatch, tmp_path):
+    """keep_log (each rank's <run dir>/logs/compile_rank<r>.log): a graph
+    break is written there with its reason."""
+    import torch
+    import torch._logging
+
+    from tpctl.training.compile import keep_log
+
+    monkeypatch.setenv("TORCH_LOGS_OUT", "")
+    path = tmp_path / "logs" / "compile_rank0.log"
+    try:
+        keep_log(path)
+        torch._dynamo.reset()
+
+        def broken(x):
+            x = x + 1
+            torch._dynamo.graph_break()
+            return x * 2
+
+        torch.compile(broken, backend="eager")(torch.ones(2))
+    finally:
+        monkeypatch.delenv("TORCH_LOGS_OUT")
+        torch._logging.set_logs()
+        torch._dynamo.reset()
+    text = path.read_text()
+    assert "Graph break" in text or "graph break" in text, text[:2000]

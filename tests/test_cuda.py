@@ -4,6 +4,9 @@ gloo (launcher.backend=gloo), so one GPU runs every mode:
 
   * every mode on CUDA reproduces mode=none on CUDA (fp32), and bf16 stays
     in the suite's bf16 band;
+  * every pipeline schedule (the stage exchange through host buffers: gloo
+    does not send CUDA tensors) and every ZeRO stage reproduce mode=none;
+  * the loss's CUDA policy (fused chunks, compiled) equals F.cross_entropy;
   * torch.compile (inductor) equals eager on CUDA;
   * a checkpoint saved and resumed through `tpctl train device=cuda`
     continues the uninterrupted curve (the CUDA generators included);
@@ -21,6 +24,7 @@ import torch
 
 from cli_support import tpctl  # noqa: F401 (fixture)
 from conftest import build_trainer, layouts, tiny_config
+from tpctl.parallel.layout import Layout
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pytest -m cuda on a GPU machine)")]
@@ -42,10 +46,15 @@ def _train_cuda(key: str, **overrides) -> list[float]:
     gpu = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
     torch.cuda.set_device(gpu)
     torch._dynamo.reset()
-    trainer = build_trainer(_cfg(**MESHES[key].to_dict(), **overrides), pooled=False, device=gpu)
+    layout = MESHES[key] if key in MESHES else Layout.parse(key)
+    trainer = build_trainer(_cfg(**layout.to_dict(), **overrides), pooled=False, device=gpu)
     model = trainer.model
     assert all(p.is_cuda for p in model.parameters())
-    return [r["loss"] for r in trainer.fit()]
+    staged = trainer.par.pipeline.staged_bytes if trainer.par.pipeline is not None else None
+    losses = [r["loss"] for r in trainer.fit()]
+    if staged is not None:  # gloo: the stages' exchange went through host buffers
+        assert trainer.par.pipeline.staged_bytes > 0
+    return losses
 
 
 def _rel(a, b) -> float:
@@ -104,10 +113,11 @@ def test_checkpoint_saved_and_resumed_on_cuda(tpctl):
 
 @pytest.mark.timeout(600)
 def test_bench_on_cuda(tpctl):
-    result = tpctl.run(["bench", "device=cuda", "hardware=h100", "size=2", "modes=[none,plain,1d]", "steps=2",
+    """hardware=auto: the GPU's own profile (an H100 or H200 here), named in the columns."""
+    result = tpctl.run(["bench", "device=cuda", "size=2", "modes=[none,plain,1d]", "steps=2",
                         "rounds=1", "warmup=1", "model.n_layer=1"], timeout=500)
     assert result.returncode == 0, result.stderr
-    assert "MFU (h100)" in result.stdout and "x plain" in result.stdout
+    assert "MFU (h" in result.stdout and "plan ms (cpu)" not in result.stdout and "x plain" in result.stdout
 
 
 def test_nccl_with_more_ranks_than_gpus_exits_2(tpctl):
@@ -117,3 +127,58 @@ def test_nccl_with_more_ranks_than_gpus_exits_2(tpctl):
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert "CUDA devices with NCCL" in lines[0] and "launcher.backend=gloo" in lines[0]
+
+
+DEEP = {"model.n_layer": 4, "pipeline.microbatches": 2, "pipeline.virtual_stages": 2}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("key, schedule", [("none-pp2-dp4", "gpipe"), ("1d-2-pp2-dp2", "1f1b"),
+                                           ("none-pp2-dp4", "interleaved"), ("2d-4-pp2", "1f1b")])
+def test_every_pipeline_schedule_on_one_gpu_over_gloo(pool, key, schedule):
+    want = pool.run(_train_cuda, "none-dp8", **DEEP)[0]
+    for losses in pool.run(_train_cuda, key, **DEEP, **{"pipeline.schedule": schedule}):
+        assert _rel(losses, want) <= TOL, (losses, want)
+
+
+@pytest.mark.parametrize("key", ["none-dp8-z1", "none-dp8-z2", "none-dp8-z3", "2d-4-dp2-z3"])
+def test_every_zero_stage_on_cuda_matches_none(pool, reference, key):
+    for losses in pool.run(_train_cuda, key):
+        assert _rel(losses, reference["fp32"]) <= TOL, (losses, reference["fp32"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cuda_loss_policy_equals_torch_on_cuda(dtype):
+    """The device's own policy (policy_for: one compiled kernel each way
+    where Triton is), and its eager fallback in ragged chunks, padding included."""
+    import torch.nn.functional as F
+
+    from tpctl.parallel import loss
+
+    policy = loss.policy_for(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (3 * torch.randn(1000, 300, device="cuda", generator=g)).to(dtype)
+    targets = torch.randint(0, 290, (1000,), device="cuda", generator=g)
+    for p in (policy, loss.ChunkPolicy(7 * 290, fused=True)):
+        ours_in = logits.clone().requires_grad_()
+        ref_in = logits[:, :290].float().clone().requires_grad_()
+        ours = loss.vocab_parallel_cross_entropy(ours_in, targets, 0, 290, None, 0.1, p)
+        ref = F.cross_entropy(ref_in, targets, reduction="none", label_smoothing=0.1)
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+        ours.sum().backward()
+        ref.sum().backward()
+        assert ours_in.grad.dtype == dtype and not ours_in.grad[:, 290:].any()
+        torch.testing.assert_close(ours_in.grad[:, :290].float(), ref_in.grad.to(dtype).float(),
+                                   rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
+def test_tf32_is_named_at_start_and_set():
+    from tpctl.training.step import set_tf32
+
+    line = set_tf32(False, torch.device("cuda"), "fp32")
+    if torch.cuda.get_device_capability() >= (8, 0):
+        assert "train.tf32=true" in line
+    set_tf32(True, torch.device("cuda"))
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    set_tf32(False, torch.device("cuda"))

@@ -198,6 +198,24 @@ def test_label_smoothing(pool, key):
     pool.run(_compare, key, "head-untied-bias", 0.1)
 
 
+def _compare_with_the_cuda_loss(key: str) -> int:
+    """_compare with the loss walked by the CUDA policy (fused chunks, run
+    eagerly: no GPU here), in chunks of a few rows."""
+    from tpctl.parallel import loss
+
+    saved = loss.policy_for
+    loss.policy_for = lambda device: loss.ChunkPolicy(3 * 64, fused=True, compiled=False)
+    try:
+        return _compare(key, "head-untied-bias", 0.1)
+    finally:
+        loss.policy_for = saved
+
+
+@pytest.mark.parametrize("key", ["1d-4-sp-dp2", "3d-8"])  # the loss group of 1d, and of 3d's grid
+def test_the_cuda_loss_policy_across_a_loss_group(pool, key):
+    assert all(n > 0 for n in pool.run(_compare_with_the_cuda_loss, key))
+
+
 @pytest.mark.parametrize("key,same", [
     ("1d-4-dp2", [True, False]),  # replicated residual stream; heads split
     ("1d-4-sp-dp2", [False, False]),  # sequence shards

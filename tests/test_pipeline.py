@@ -94,6 +94,46 @@ def test_pipeline_trains_like_one_process(pool, name, schedule, m, arch):
     _assert_same_curve([r[0] for r in results], _reference(pool, arch))
 
 
+def _run_through_host(name: str, steps: int, spec: PipelineSpec):
+    """_run with the stage exchange staged through host buffers (what gloo
+    with device=cuda needs; forced here, on a CPU): the curve, and the bytes
+    that crossed through host buffers on this rank."""
+    from tpctl.parallel import pipeline
+
+    made, init = [], pipeline.Pipeline.__init__
+
+    def keep(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    pipeline.Pipeline.force_host_staging, pipeline.Pipeline.__init__ = True, keep
+    try:
+        curve = _run(name, steps, spec)[0]
+    finally:
+        pipeline.Pipeline.force_host_staging, pipeline.Pipeline.__init__ = False, init
+    return curve, sum(p.staged_bytes for p in made)
+
+
+@pytest.mark.timeout(900)
+def test_the_stage_exchange_through_host_buffers_trains_like_one_process(pool):
+    """Every send copied to the host, every receive landed from a host
+    buffer into torch's device buffer (training and evaluation; the
+    interleaved schedule: two chunks per rank, each exchanging): the same
+    curve; a receive not landed leaves the stage reading stale buffers (checked: it fails)."""
+    spec = PipelineSpec(2, "interleaved", 2, 2)
+    results = pool.run(_run_through_host, "none-pp2-dp4", 4, spec)
+    assert all(staged > 0 for _, staged in results)
+    _assert_same_curve([curve for curve, _ in results], _reference(pool, "gpt"))
+
+
+def test_only_a_device_tensor_over_a_host_backend_is_staged():
+    from tpctl.parallel.pipeline import host_staging
+
+    cuda = torch.device("cuda", 0)
+    assert host_staging(cuda, "gloo") and not host_staging(cuda, "nccl")
+    assert not host_staging(torch.device("cpu"), "gloo") and not host_staging(cuda, None)
+
+
 @pytest.mark.timeout(900)
 def test_a_2d_pp2_checkpoint_resumes_as_3d_and_as_1d_pp2_dp2(pool, tmp_path):
     """The checkpoint of a pipeline (each stage writes its parameters under

@@ -115,6 +115,10 @@ class TrainLoopConfig:
     # torch.compile the model's forward: false | true | auto (compile where
     # the compiler works, else run eager and say so).
     compile: Any = False
+    # precision=fp32 on a GPU: matmuls and convolutions in TensorFloat32
+    # (10-bit mantissa inputs, fp32 accumulation), faster and not exact.
+    # false keeps fp32 exact; a CPU ignores it.
+    tf32: Any = False
     # Before step 1, check the rewritten model against the original, module
     # by module and block by block (parallel/verify.py): refuse to train if
     # they differ beyond fp32 round-off.

@@ -1,7 +1,7 @@
 """`tpctl bench`: modes side by side on one model, batch and world.
 
     tpctl bench model=gpt-tiny size=4 modes=[none,plain,1d,dtensor,2d] [steps=5] [rounds=3] [compile=true]
-                [pp=2 pipeline.schedule=1f1b ...] [device=cuda hardware=h100] [train.batch_size=16 ...]
+                [pp=2 pipeline.schedule=1f1b ...] [device=cuda hardware=auto|h100|h200] [train.batch_size=16 ...]
     tpctl bench model=gpt-tiny size=4 modes=[none-dp4,none-dp4-z1,none-dp4-z3,1d-2-dp2-z2]
 
 A mode is a name (`1d`, `2d`: one tensor-parallel group of `size` ranks) or
@@ -23,13 +23,17 @@ tpctl's mode=none must be as fast as ("x plain").
 
 device=cuda puts the ranks on the machine's GPUs (shared over gloo when
 there are fewer GPUs than ranks) and adds an MFU column: model FLOPs per
-token x tokens/s / the hardware profile's peak (bf16 peak at precision=bf16)
-over the ranks. compile=true compiles every mode's model (torch.compile).
+token x tokens/s / the hardware profile's peak (bf16 peak at precision=bf16,
+TF32's with train.tf32=true) over the ranks; an MFU above 1 (a profile
+that is not the device's) is not printed. hardware=auto (the default)
+prices on the device's profile: cpu, or the GPU's by its name (H100, H200,
+A100, V100). train.tf32=true holds for every row, the plain one too.
+compile=true compiles every mode's model (torch.compile).
 
 A step is a whole optimizer step: forward, parallel loss, backward, gradient
 sync, clipping, AdamW. Per rank: parameter + gradient + AdamW bytes measured
 from the tensors, communication bytes per step from comm.STATS, and the
-step time `tpctl plan` predicts with the `cpu` hardware profile beside the
+step time `tpctl plan` predicts with the hardware profile beside the
 measured one.
 """
 
@@ -37,8 +41,8 @@ from __future__ import annotations
 
 
 from tpctl.commands.options import integer, name_list, parse_options, refused, text
-from tpctl.cost.measure import (BASELINE, DEFAULT_MODES, PLAIN, REFERENCE, bench, check, is_layout_name, layout_of, mfu,
-                                one_rank, predicted_ms)
+from tpctl.cost.measure import (BASELINE, DEFAULT_MODES, PLAIN, REFERENCE, ImpossibleMFU, bench, check, hardware_for,
+                                is_layout_name, layout_of, mfu, one_rank, predicted_ms)
 from tpctl.errors import ConfigError, fail
 
 
@@ -54,7 +58,7 @@ def _parse(args: list[str]):
                         "(modes=[none-dp4,none-dp4-z2] with size=4)")
     opts, overrides = parse_options(args, {
         "size": (None, positive), "modes": (None, name_list), "steps": (5, positive), "rounds": (3, positive),
-        "warmup": (2, integer(0, "expected a positive integer")), "depth": (None, positive), "hardware": ("cpu", text),
+        "warmup": (2, integer(0, "expected a positive integer")), "depth": (None, positive), "hardware": ("auto", text),
         "mode": (None, one_group), "dp": (None, one_group), "compile": (False, boolean), "pp": (1, positive)},
         flags=("--json",))
     if opts["size"] is None:
@@ -85,12 +89,13 @@ def main(args: list[str]) -> int:
         modes = opts["modes"] or ([m for m in DEFAULT_MODES if m != "dtensor"] if opts["pp"] > 1 else DEFAULT_MODES)
         check(cfg, modes, opts["size"], opts["depth"], opts["pp"])
         check_stages(modes, opts["pp"])
-        from tpctl.cost.planner import load_hardware
-
-        load_hardware(opts["hardware"])
         from tpctl.config import check_backend
 
         check_backend(cfg)  # device=cuda needs a CUDA device (the ranks share it)
+        from tpctl.cost.planner import load_hardware
+
+        opts["hardware"] = hardware_for(opts["hardware"], cfg.device)  # auto: the device's own profile
+        load_hardware(opts["hardware"])
         if opts["compile"]:
             from tpctl.training.compile import preflight
 
@@ -110,11 +115,22 @@ def main(args: list[str]) -> int:
 
         hw = load_hardware(opts["hardware"])
         print(json.dumps({m: {**r, "predicted_ms": predicted.get(m), "tokens_per_s": tokens / r["median_s"],
-                              "mfu": mfu(cfg, hw, r["median_s"], 1 if one_rank(m) else size * pp)}
+                              "mfu": _mfu(cfg, hw, r["median_s"], 1 if one_rank(m) else size * pp, m)}
                           for m, r in results.items()}, indent=1))
         return 0
     print_table(results, predicted, cfg, size, opts)
     return 0
+
+
+def _mfu(cfg, hw, median_s: float, ranks: int, name: str):
+    """The MFU of a row; above 1 never printed: one line on stderr, and no value."""
+    try:
+        return mfu(cfg, hw, median_s, ranks)
+    except ImpossibleMFU as e:
+        import sys
+
+        print(f"tpctl: bench: {name}: MFU {e}", file=sys.stderr)
+        return None
 
 
 def print_table(results: dict, predicted: dict, cfg, size: int, opts: dict) -> None:
@@ -153,7 +169,7 @@ def print_table(results: dict, predicted: dict, cfg, size: int, opts: dict) -> N
                f"{tokens / r['median_s']:,.0f}", speed, vs_plain, comm_mib, f"{mem / 2**20:,.2f}", mem_ratio,
                f"{r['first_loss']:.6f}", f"{predicted[name]:,.1f}" if predicted.get(name) is not None else "-"]
         if cuda:
-            value = mfu(cfg, hw, r["median_s"], ranks)
+            value = _mfu(cfg, hw, r["median_s"], ranks, name)
             row.append(f"{value:.3f}" if value is not None else "-")
         table.add_row(*row)
     console = Console(width=220)

@@ -87,6 +87,8 @@ def _check_loop(cfg: Any) -> None:
         raise ConfigError("train.seq_len", t.seq_len, f"expected at most model.block_size={m.block_size}")
     if _sized(m) and t.sample_every and t.sample_tokens >= m.block_size:
         raise ConfigError("train.sample_tokens", t.sample_tokens, f"the prompt needs a position too: expected less than model.block_size={m.block_size}")
+    if not isinstance(t.get("tf32", False), bool):
+        raise ConfigError("train.tf32", t.tf32, "expected true or false")
     if not 0.0 <= t.label_smoothing < 1.0:
         raise ConfigError("train.label_smoothing", t.label_smoothing, "expected a value in [0, 1)")
     if not o.lr > 0:

@@ -142,6 +142,9 @@ def setup(name: str, cfg_dict: dict, size: int, depth: Optional[int], compile: b
     layout = layout_of(name, size, depth, pp)
     rank = dist.get_rank()
     device = _device(cfg)
+    from tpctl.training.step import set_tf32
+
+    set_tf32(bool(cfg.train.get("tf32", False)), device, cfg.precision)  # every row, the plain one too
     if name == BASELINE:
         st = _setup_dtensor(cfg, size)
     elif one_rank(name) and rank != 0:
@@ -356,14 +359,50 @@ def flops_per_token(cfg) -> float:
     return 6.0 * weights + 12.0 * shape.attention_layers * shape.n_embd * cfg.train.seq_len
 
 
+class ImpossibleMFU(ValueError):
+    """A measured speed above the profile's peak: the profile is not this
+    device's (an MFU above 1 is never printed)."""
+
+
 def mfu(cfg, hw, median_s: float, ranks: int) -> Optional[float]:
     """Model FLOPs utilisation of `ranks` devices of profile `hw` at the
-    measured step time (the bf16 peak at precision=bf16, where known)."""
-    peak = hw.peak_flops_bf16 if cfg.precision == "bf16" and hw.peak_flops_bf16 else hw.peak_flops
+    measured step time: against the bf16 peak at precision=bf16, the TF32
+    peak at fp32 with train.tf32=true, where known; ImpossibleMFU above 1."""
+    peak = hw.peak_flops
+    if cfg.precision == "bf16" and hw.peak_flops_bf16:
+        peak = hw.peak_flops_bf16
+    elif cfg.device == "cuda" and cfg.train.get("tf32", False) and hw.peak_flops_tf32:
+        peak = hw.peak_flops_tf32
     if not peak:
         return None
     tokens = cfg.train.batch_size * cfg.train.seq_len
-    return flops_per_token(cfg) * tokens / median_s / (peak * ranks)
+    value = flops_per_token(cfg) * tokens / median_s / (peak * ranks)
+    if value > 1:
+        raise ImpossibleMFU(f"{value:.2f} on hardware={hw.name} (peak {peak / 1e12:,.1f} TFLOP/s per rank): "
+                            "faster than the profile's peak, so it is not this device's; name it with hardware=")
+    return value
+
+
+# A GPU's profile by its name (torch.cuda.get_device_name), first match.
+DEVICE_PROFILES = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"), ("V100", "v100"))
+
+
+def hardware_for(setting: str, device: str) -> str:
+    """bench's hardware=: a profile's name, or auto: the CPU's on device=cpu,
+    on device=cuda the profile of GPU 0 by its name (ConfigError without one)."""
+    if setting != "auto":
+        return setting
+    if device != "cuda":
+        return "cpu"
+    import torch
+
+    name = torch.cuda.get_device_name(0)
+    for part, profile in DEVICE_PROFILES:
+        if part in name.upper():
+            return profile
+    known = ", ".join(p for _, p in DEVICE_PROFILES)
+    raise ConfigError("hardware", "auto", f"no profile matches {name!r}: name one with hardware= ({known}, "
+                      "or a file of configs/hardware/)")
 
 
 def predicted_ms(cfg, modes, size, depth, hardware: str, pp: int = 1) -> dict[str, Optional[float]]:

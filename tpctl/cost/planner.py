@@ -402,6 +402,7 @@ class Hardware:
     memory_bytes: float = 0.0  # per rank (device memory); 0: not checked
     cores: int = 0  # CPU profiles: ranks beyond this many share cores (0: one device per rank)
     peak_flops_bf16: float = 0.0  # per rank, dense bf16 (tensor cores); 0: unknown (bench's MFU at bf16)
+    peak_flops_tf32: float = 0.0  # per rank, dense TF32 (train.tf32=true); 0: none (bench's MFU at fp32)
     note: str = ""
 
 

@@ -145,6 +145,11 @@ def start_worker(config_path: Path, adjust=None):
     cfg = load_worker_config(config_path)
     device = init_distributed(cfg.device, cfg.launcher.collective_timeout_s, cfg.launcher.get("backend", "auto"))
     setup_logging(config_path.parent, dist.get_rank())
+    from tpctl.training.step import set_tf32
+
+    line = set_tf32(bool(cfg.train.get("tf32", False)), device, cfg.precision)
+    if line and dist.get_rank() == 0:
+        print(line, flush=True)
     layout = Layout.from_config(cfg)
     layout = adjust(layout) if adjust else layout
     par = build_parallelism(cfg, layout, device)

@@ -10,6 +10,12 @@ The schedules are torch.distributed.pipelining's (GPipe, 1F1B, interleaved
 1F1B) on `PipelineStage`s with static shapes; the loss function scales each
 micro-batch's summed loss by the global batch's token count, never a mean of
 means, and the point-to-point sends are counted by comm.py.
+
+The stage exchange over a backend that cannot carry device tensors (gloo
+with device=cuda: ranks sharing one GPU) goes through host buffers
+(`host_staging`): a send is copied to the host first, a receive lands in a
+host buffer copied to the stage's device buffer before the stage reads it.
+NCCL (and the CPU) send the tensors themselves.
 """
 
 from __future__ import annotations
@@ -31,6 +37,21 @@ from .stages import PipelineSpec
 
 __all__ = ["Pipeline", "PipelineRefused", "StageOutput", "StageStack", "StandIn", "Chunk"]
 
+# Backends whose point-to-point carries CUDA tensors themselves.
+DEVICE_BACKENDS = ("nccl",)
+
+
+def host_staging(device: torch.device, backend: Optional[str]) -> bool:
+    """Whether the stage exchange on `device` over `backend` goes through
+    host buffers: a device tensor over a backend that cannot send it."""
+    return device.type != "cpu" and backend is not None and backend not in DEVICE_BACKENDS
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of `tensor` (always a copy, the CPU's too: a send must not
+    see later writes to what it sends)."""
+    return tensor.to("cpu", copy=True)
+
 
 @dataclass
 class _Step:
@@ -47,9 +68,17 @@ class Pipeline(StageCut):
     """This rank's stage (StageCut: what it holds, cut and wired) and the
     schedule that runs a step through the stages: `forward_backward`."""
 
+    # Tests set it to run the host staging on a CPU (where host_staging says no).
+    force_host_staging = False
+
     def __init__(self, mesh: Mesh, spec: PipelineSpec, weigh: Callable[[nn.Module], float] = parameter_count):
         super().__init__(mesh, spec, weigh)
         self.group = mesh.groups.get("pp")
+        import torch.distributed as dist
+
+        backend = dist.get_backend(self.group) if self.group is not None else None
+        self.host_staging = self.force_host_staging or host_staging(torch.device(mesh.device), backend)
+        self.staged_bytes = 0  # what crossed through host buffers (sent and received)
         self._schedule = None
         self._stages: list = []
         # The step running now, from forward_backward's arguments (torch's
@@ -127,15 +156,23 @@ class Pipeline(StageCut):
                         continue
                     inp = None
                     if not chunk.first:
-                        inp = comm.recv(torch.empty(stream, device=self.mesh.device),
-                                        self._global(self.spec.rank_of(index - 1)), self.group)
+                        inp = self._receive(stream, self._global(self.spec.rank_of(index - 1)))
                     out = self.forward_chunk(chunk, inp, x, autocast)
                     if chunk.last:
                         with autocast():
                             total = total + criterion(out, y)
                     else:
-                        comm.send(out, self._global(self.spec.rank_of(index + 1)), self.group)
+                        sent = to_host(out) if self.host_staging else out
+                        self.staged_bytes += sent.nbytes if self.host_staging else 0
+                        comm.send(sent, self._global(self.spec.rank_of(index + 1)), self.group)
         return comm.all_reduce(total.reshape(1).clone(), self.group)[0]
+
+    def _receive(self, shape: tuple, peer: int) -> torch.Tensor:
+        """A blocking receive of the stream from `peer`, on this stage's device."""
+        where = "cpu" if self.host_staging else self.mesh.device
+        got = comm.recv(torch.empty(shape, device=where), peer, self.group)
+        self.staged_bytes += got.nbytes if self.host_staging else 0
+        return got.to(self.mesh.device)
 
     def bubble(self) -> Optional[float]:
         """This rank's measured idle fraction: 1 - busy / wall over the
@@ -196,13 +233,84 @@ class _ChunkModule(nn.Module):
         return pipeline.forward_chunk(self.chunk, None if self.chunk.first else x, ids, pipeline._step.autocast)
 
 
+class _HostStaging:
+    """torch's PipelineStage methods around its exchange, through host
+    buffers where `self.pipeline.host_staging` (see `host_staging`). torch's
+    schedule waits on a micro-batch's receives before the stage reads them
+    (_retrieve_recv_*), which is where a host buffer is copied into the
+    device buffer torch's stage owns."""
+
+    def get_fwd_recv_ops(self, fwd_chunk_id):
+        return self._staged_recvs(super().get_fwd_recv_ops(fwd_chunk_id), ("fwd", fwd_chunk_id))
+
+    def get_bwd_recv_ops(self, bwd_chunk_id):
+        return self._staged_recvs(super().get_bwd_recv_ops(bwd_chunk_id), ("bwd", bwd_chunk_id))
+
+    def _retrieve_recv_activations(self, fwd_chunk_id):
+        self._land(("fwd", fwd_chunk_id))
+        return super()._retrieve_recv_activations(fwd_chunk_id)
+
+    def _retrieve_recv_grads(self, bwd_chunk_id):
+        self._land(("bwd", bwd_chunk_id))
+        return super()._retrieve_recv_grads(bwd_chunk_id)
+
+    def _staged_sends(self, ops):
+        if not self.pipeline.host_staging:
+            return ops
+        import torch.distributed as dist
+
+        staged = [dist.P2POp(op.op, to_host(op.tensor), op.peer, op.group, op.tag) for op in ops]
+        self.pipeline.staged_bytes += sum(op.tensor.nbytes for op in staged)
+        return staged
+
+    def _staged_recvs(self, ops, key):
+        if not self.pipeline.host_staging or not ops:
+            return ops
+        import torch.distributed as dist
+
+        hosts = [torch.empty(op.tensor.shape, dtype=op.tensor.dtype, device="cpu") for op in ops]
+        self._landing = getattr(self, "_landing", {})
+        self._landing[key] = [(host, op.tensor) for host, op in zip(hosts, ops)]
+        return [dist.P2POp(op.op, host, op.peer, op.group, op.tag) for host, op in zip(hosts, ops)]
+
+    def _land(self, key):
+        with torch.no_grad():  # the device buffer may already be an autograd leaf
+            for host, buffer in getattr(self, "_landing", {}).pop(key, ()):
+                buffer.copy_(host)
+                self.pipeline.staged_bytes += host.nbytes
+
+    # torch's start-up exchanges (the warm-up vote, shape metadata, the
+    # neighbours' first ops) make their tensors on the stage's device: on the host instead.
+    def _warmup_forward_vote(self, *args, **kwargs):
+        with self._on_host():
+            return super()._warmup_forward_vote(*args, **kwargs)
+
+    def _warmup_backward_result(self, *args, **kwargs):
+        with self._on_host():
+            return super()._warmup_backward_result(*args, **kwargs)
+
+    def _get_init_p2p_neighbors_ops(self):
+        with self._on_host():
+            return super()._get_init_p2p_neighbors_ops()
+
+    @contextlib.contextmanager
+    def _on_host(self):
+        device = self.device
+        if self.pipeline.host_staging:
+            self.device = torch.device("cpu")
+        try:
+            yield
+        finally:
+            self.device = device
+
+
 @functools.cache
 def _stage_class():
     """torch's PipelineStage, counting and timing (its module is imported on
     first use: a run without stages never pays for it)."""
     from torch.distributed.pipelining import PipelineStage
 
-    class CountedStage(PipelineStage):
+    class CountedStage(_HostStaging, PipelineStage):
         """torch's stage, with its sends counted by comm.py, the busy time of
         its chunk timed, and the micro-batch a forward runs told to the
         mesh (dropout streams are keyed by it)."""
@@ -215,13 +323,14 @@ def _stage_class():
             ops = super().get_fwd_send_ops(fwd_chunk_id)
             for op in ops:
                 comm.count_send(op.tensor)
-            return ops
+            return self._staged_sends(ops)
 
         def get_bwd_send_ops(self, bwd_chunk_id):
             ops = super().get_bwd_send_ops(bwd_chunk_id)
             for op in ops:
                 comm.count_send(op.tensor)
-            return ops
+            return self._staged_sends(ops)
+
 
         def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
             self.pipeline.mesh.draw_micro = fwd_chunk_id

@@ -12,6 +12,11 @@ compiled pieces are the local math between them.
   * auto: each worker probes; where compiling fails it trains eagerly and
     rank 0 says so in one line.
 
+Each rank's compile log (dynamo's steps, every graph break and recompile
+with its reason) goes to <run dir>/logs/compile_rank<r>.log (`keep_log`),
+not to the terminal. On CUDA the loss's chunks compile too, whatever this
+setting (parallel/loss.py's CUDA policy: one fused kernel each).
+
 Test hook: TPCTL_COMPILE_BACKEND names another torch.compile backend (e.g.
 aot_eager: dynamo and AOT autograd without inductor's code generation).
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 from typing import Callable, Optional
 
 BACKEND_ENV = "TPCTL_COMPILE_BACKEND"
@@ -96,13 +102,36 @@ def preflight(setting: str, device: str) -> Optional[str]:
     return compiler_problem(device) or probe(device)
 
 
-def compile_model(model, setting: str, device: str, say: Callable[[str], None], per_block: bool = False) -> bool:
+def keep_log(path: Path) -> None:
+    """torch.compile's log of this process into `path` only: dynamo's steps
+    (INFO), graph breaks and recompiles with their reasons."""
+    import logging
+
+    import torch._logging
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCH_LOGS_OUT"] = str(path)  # where torch's own log setup adds a file handler
+    torch._logging.set_logs(dynamo=logging.INFO, graph_breaks=True, recompiles=True)
+    try:
+        from torch._logging._internal import log_registry
+
+        names = log_registry.get_log_qnames() | log_registry.get_artifact_log_qnames()
+    except (ImportError, AttributeError):  # another torch's internals: the terminal keeps a copy
+        return
+    for name in names:  # the file, not the terminal: eight ranks' tracing would bury the run's lines
+        logger = logging.getLogger(name)
+        logger.handlers = [h for h in logger.handlers if type(h) is not logging.StreamHandler]
+
+
+def compile_model(model, setting: str, device: str, say: Callable[[str], None], per_block: bool = False,
+                  log_path: Optional[Path] = None) -> bool:
     """Compile `model` in place per train.compile `setting`; True if it is.
 
     per_block (a pipeline stage): compile each block of the stack instead
     of the model's forward, whose code around the blocks a stage runs
     with stand-ins and leaves early (parallel/pipeline.py): the blocks are
-    nearly all of the compute, and the stage's hooks stay eager."""
+    nearly all of the compute, and the stage's hooks stay eager.
+    log_path: where this rank's compile log goes (`keep_log`)."""
     if setting == "false":
         return False
     if setting == "auto":
@@ -112,6 +141,8 @@ def compile_model(model, setting: str, device: str, say: Callable[[str], None], 
             return False
     from tpctl.parallel import comm
 
+    if log_path is not None:
+        keep_log(log_path)
     comm.keep_collectives_eager()
     if per_block:
         import torch

@@ -54,7 +54,8 @@ class Trainer:
 
         self.compiled = compile_model(model, compile_setting(cfg), self.mesh.device.type,
                                       say=lambda line: print(line, flush=True) if self.mesh.rank == 0 else None,
-                                      per_block=par.pipeline is not None)
+                                      per_block=par.pipeline is not None,
+                                      log_path=run_dir / "logs" / f"compile_rank{self.mesh.rank}.log" if run_dir else None)
         self.tokens_per_step = self.step.tokens_per_step
         # The real vocabulary (the LM head's width before any padding): the
         # bound every id read must be inside.

@@ -65,6 +65,33 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
+def set_tf32(enabled: bool, device: torch.device, precision: str = "fp32") -> Optional[str]:
+    """train.tf32 for this process's fp32 matmuls on a GPU (a CPU is left
+    alone: there "high" precision may mean bf16 passes); returns the start-up
+    line that names the key, where fp32 runs on a GPU that has TF32 (None: nothing to say)."""
+    if device.type != "cuda":
+        return None
+    mode = "tf32" if enabled else "ieee"
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9: mixing old and new flags raises
+        torch.backends.cuda.matmul.fp32_precision = mode
+        torch.backends.cudnn.conv.fp32_precision = mode
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    if torch.cuda.get_device_capability(device) < (8, 0):  # TF32 tensor cores came with Ampere
+        return None
+    import warnings
+
+    # Inductor's own advice names a torch call; ours (below) names the key.
+    warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores")
+    name = torch.cuda.get_device_name(device)
+    if enabled:
+        return f"tpctl: train.tf32=true: fp32 matmuls on {name} run in TensorFloat32 (faster, not exact)"
+    if precision != "fp32":
+        return None
+    return (f"tpctl: precision=fp32 on {name}: matmuls in exact fp32; train.tf32=true runs them in "
+            "TensorFloat32 (faster, not exact), precision=bf16 faster still")
+
+
 class NonFiniteLoss(TpctlError, RuntimeError):
     """The loss or the gradient norm of a step is NaN or infinite
     (train.on_nonfinite=stop); the message names the step."""

@@ -302,6 +302,70 @@ class ParallelMode:
                                                                 index=(None,) + plane.index))
         return DenseExperts(module, gate_up, down, weights, self.linear_fn("mlp_in"), self.linear_fn("mlp_out"))
 
+    # ---- latent attention (roles.LATENT_ROLES) and elementwise modules ----
+    def attention_rows(self, x: torch.Tensor, gathered: bool = False) -> torch.Tensor:
+        """Whole hidden vectors of the rows this rank's attention holds (its
+        queries' rows), from its piece of the stream; the backward sums the
+        gradients of every rank computing on them (each with its heads).
+        `gathered`: an entry hook already gathered the sequence (1d + SP)."""
+        group = self.stream_group()
+        if group is not None:  # rows held with other ranks' hidden features
+            return comm.gather_along(x, group, -1)
+        if gathered:
+            return x
+        if self.geo.size > 1 and self.sequence_parallel and getattr(self, "seq_parallel", False):
+            return comm.gather_along(x, self.mesh.tp_group, 1)
+        return comm.copy_to_group(x, self.mesh.tp_group)
+
+    def convert_latent(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """A latent attention's down-projection, whole on every rank, run on
+        whole rows of the rows its attention holds: each rank's gradient
+        holds its heads' (and rows') part, summed over the group."""
+        if not self.rewrites:
+            return module
+        for param in module.parameters():
+            self.replicated(param, "tp", partial=True)
+        gathered = ctx.name in getattr(self, "gathered", ())
+        module.register_forward_pre_hook(
+            lambda mod, args: (self.attention_rows(args[0], gathered), *args[1:]))
+        return module
+
+    def convert_latent_norm(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """A norm of a latent (whole, like its down-projection)."""
+        for param in module.parameters() if self.rewrites else ():
+            self.replicated(param, "tp", partial=True)
+        return module
+
+    def convert_latent_up(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """A latent attention's up-projection: this rank's heads (whole:
+        rotary and other features together), on the whole latent of its
+        attention's rows; ranks with the same heads and other rows hold
+        replicas (rewrite.py shares them)."""
+        if not self.rewrites:
+            return module
+        from .linear import ShardedLinear
+
+        layout = self.layouts[ctx.name]
+        split = self.geo.head_split
+        ranges = layout.ranges(split, split, self.head_block())
+        weight = ctx.shard(module.weight, self.split_spec(module.weight, 0, ranges))
+        bias = None if module.bias is None else ctx.shard(module.bias, self.split_spec(module.bias, 0, ranges))
+        return ShardedLinear(weight, bias, torch.nn.functional.linear)
+
+    def convert_elementwise(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """An elementwise module on the stream: its scalars replicated,
+        their gradients partial where the stream is split."""
+        for param in module.parameters() if self.rewrites else ():
+            self.replicated(param, "tp", partial=self.splits_stream(ctx))
+        return module
+
+    def convert_split_elementwise(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """An elementwise module on a split activation (a learned activation
+        inside the MLP): each rank's gradient of its scalars is partial."""
+        for param in module.parameters() if self.rewrites else ():
+            self.replicated(param, "tp", partial=True)
+        return module
+
     def weight_spec(self, weight: torch.Tensor, role: str, layout=None, n: Optional[int] = None) -> ShardSpec:
         """The ShardSpec of a Linear's (out, in) weight for `role`."""
         raise ValueError(f"mode {self.name} has no weight layout for role {role!r}")

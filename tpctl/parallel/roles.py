@@ -18,7 +18,18 @@ import torch.nn as nn
 ROLES = (
     "embedding", "pos_embedding", "qkv", "attn_in", "attn_out", "mlp_in", "mlp_out",
     "norm", "lm_head", "dropout", "attn_dropout", "head_norm", "proj_norm", "experts", "router", "pos_table",
+    "latent", "latent_norm", "latent_up", "elementwise", "split_elementwise",
 )
+# Latent attention (DeepSeek's MLA): `latent` Linears project the stream down
+# (q_a_proj, kv_a_proj_with_mqa: a latent and a rotary part shared by all
+# heads), `latent_norm`s normalise a latent, `latent_up` Linears project a
+# latent up to per-head q, k, v. The first two run whole on every rank, on
+# whole rows of the rows its attention holds; the last holds its heads.
+LATENT_ROLES = ("latent", "latent_norm", "latent_up")
+# Elementwise modules with parameters (a learned activation's scalars): on
+# the stream (`elementwise`) or on a split activation inside attention or an
+# MLP (`split_elementwise`); their parameters are replicated.
+ELEMENTWISE_ROLES = ("elementwise", "split_elementwise")
 # Roles whose Linear is fed the residual stream and produces a split
 # activation (Megatron's column-parallel ones); the other Linears are fed a
 # split activation and produce the stream.

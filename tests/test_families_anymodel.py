@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 KEYS = ("1d-2-dp4", "2d-4-dp2", "3d-8", "1d-2-pp2-dp2")
 STEPS = 4
-FAMILIES = ("deepseek_v3", "apertus")
+FAMILIES = ("deepseek_v3", "dbrx", "apertus")
 
 
 @pytest.fixture(scope="module")

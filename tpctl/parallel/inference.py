@@ -25,9 +25,9 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from .experts import experts_layout
+from .experts import experts_layout, own_split
 from .fused import FusedLayout, ProbeError, attention_layout, mlp_layout
-from .layers import norm_width, on_cpu
+from .layers import is_experts, norm_width, on_cpu
 from .roles import GROUP_ATTRS, HEAD_ATTRS, RATIO_ATTRS, ROLES, Heads, RolePlan
 from .tracing import TRACE_BATCH, random_draws, trace
 
@@ -328,8 +328,14 @@ class _Inference:
         for n in nodes:
             if n.kind == "experts" and n.name not in roles:
                 layout = self.probe((type(modules[n.name]), n.name), lambda: experts_layout(modules[n.name])[2])
+                if isinstance(layout, ProbeError):  # run by its own forward, split as measured
+                    call = self.first_inputs.get(n.name, ((), {}))
+                    layout = self.probe((type(modules[n.name]), n.name, "own"),
+                                        lambda: own_split(modules[n.name], *call, hidden))
                 if isinstance(layout, ProbeError):
-                    self.problems[n.name] = f"a mixture of experts tpctl cannot shard: {layout}"
+                    self.problems[n.name] = f"a mixture of experts tpctl cannot shard: {layout}" \
+                        if is_experts(modules[n.name]) or "routing" not in str(layout) else \
+                        f"an unsupported layer type ({type(modules[n.name]).__name__}) with parameters"
                     continue
                 self.assign(n.name, "experts")
                 self.layouts[n.name] = layout
@@ -439,7 +445,8 @@ class _Inference:
         for name, module in self.model.named_modules():
             if isinstance(module, nn.Dropout) and name not in roles:
                 self.assign(name, "attn_dropout" if owners and name.startswith(owners) else "dropout")
-        called = {id(p) for name in calls for p in self.modules[name].parameters(recurse=False)}
+        called = {id(p) for name in calls
+                  for p in self.modules[name].parameters(recurse=roles.get(name) == "experts")}
         for name, module in self.model.named_modules():
             own = list(module.parameters(recurse=False))
             if name and name not in calls and own and not all(id(p) in called for p in own):

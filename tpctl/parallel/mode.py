@@ -23,7 +23,7 @@ import torch.nn as nn
 from . import comm
 from .mesh import Mesh
 from .geometry import Geometry, padded_vocab
-from .experts import DenseExperts, experts_layout
+from .experts import DenseExperts, OwnSplit, experts_layout, routing_weights_arg
 from .fused import FusedLayout, held_units
 from .layers import SplitNorm, norm_width
 from .loss import vocab_parallel_cross_entropy
@@ -205,6 +205,8 @@ class ParallelMode:
 
     # ---- layers -------------------------------------------------------
     def convert(self, role: str, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        if role == "experts" and isinstance(self.layouts.get(ctx.name), OwnSplit):
+            return self.convert_own_experts(module, ctx) if self.rewrites else module
         converter: Optional[Callable] = getattr(self, f"convert_{role}", None)
         if converter is None:
             raise ValueError(f"mode {self.name} has no layer for role {role!r}")
@@ -364,6 +366,41 @@ class ParallelMode:
         inside the MLP): each rank's gradient of its scalars is partial."""
         for param in module.parameters() if self.rewrites else ():
             self.replicated(param, "tp", partial=True)
+        return module
+
+    def convert_own_experts(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """Experts in a model's own module (experts.OwnSplit), run by its own
+        forward on whole rows: the ranks holding a row's hidden features
+        (all of 1d's, which hold whole rows) each hold a block of every
+        expert's inner features, and their partial outputs are summed (in
+        2d/3d onto each rank's hidden block). Ranks with other rows hold
+        replicas (rewrite.py shares them)."""
+        split, group = self.layouts[ctx.name], self.stream_group()
+        whole_rows = group is None
+        group = self.mesh.tp_group if whole_rows else group
+        shards, s = self.geo.size if whole_rows else self.geo.q, comm.group_rank(group)  # (also in a dry run)
+        for name, full in list(module.named_parameters()):
+            dim, ranges = split.ranges(name, shards, s)
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, ctx.shard(full, self.split_spec(full, dim, ranges)))
+        for owner, attr in split.attrs:
+            setattr(module.get_submodule(owner), attr, split.inner // shards)
+
+        def entry(mod, args, kwargs):
+            args, kwargs = list(args), dict(kwargs)
+            if not whole_rows:
+                return (comm.gather_along(args[0], group, -1), *args[1:]), kwargs
+            # Whole replicated rows: the input's and the routing weights'
+            # gradients (each rank's a part) summed over the group.
+            at = routing_weights_arg(args, kwargs)
+            for where in (0, at):
+                box = args if isinstance(where, int) else kwargs
+                box[where] = comm.copy_to_group(box[where], group)
+            return tuple(args), kwargs
+
+        module.register_forward_pre_hook(entry, with_kwargs=True)
+        module.register_forward_hook(lambda mod, args, out: comm.reduce_to_replicated(out, group) if whole_rows
+                                     else comm.reduce_scatter_along(out, group, -1))
         return module
 
     def weight_spec(self, weight: torch.Tensor, role: str, layout=None, n: Optional[int] = None) -> ShardSpec:

@@ -128,7 +128,8 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
     shared = [name for name, layout in plan.layouts.items() if layout.shares(split)]
     shared += [norm for norm, source in mode.sources.items() if source in shared]
     shared += list(plan.head_lists) + list(plan.head_rows) if split > 1 else []
-    shared += [name for name, role in plan.roles.items() if role == "latent_up" and mode.rewrites]
+    shared += [name for name, role in plan.roles.items() if mode.rewrites and (
+        role == "latent_up" or role == "experts" and type(plan.layouts.get(name)).__name__ == "OwnSplit")]
     if shared and not dry_run:  # (which rank shares what is learnt by communicating)
         share_slices(model, shared, mode.mesh)
     record_replicas(model, mode.mesh.group_ranks["dp"], mode.mesh.groups["dp"])

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .experts import holds_experts
 from .layers import CacheOff, is_experts, is_norm, on_cpu
 from .roles import logits_of
 
@@ -148,7 +149,7 @@ def _kind(module: nn.Module) -> Optional[str]:
         return "norm"
     if isinstance(module, nn.Dropout):
         return "dropout"
-    if is_experts(module):
+    if is_experts(module) or holds_experts(module):
         return "experts"
     if any(True for _ in module.parameters(recurse=False)):
         return "layer"
@@ -224,8 +225,12 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
     def hooks(name, module, kind):
         def before(mod, args, kwargs):
             mod._tpctl_in = tracer.prov((args, kwargs))
+            # Inside an experts module, weights indexed by routing decisions
+            # are no activations: it is one node, its ops not followed.
+            tracer.paused = kind == "experts"
 
         def after(mod, args, kwargs, out):
+            tracer.paused = False
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else ()
             found = kind
             if kind == "layer":
@@ -247,10 +252,13 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
             inputs.setdefault(name, (args, kwargs))
         handles.append(model.get_submodule(name).register_forward_pre_hook(before, with_kwargs=True))
 
+    holders: tuple = ()  # experts modules: what is inside them is theirs
     for name, module in model.named_modules():
-        kind = _kind(module)
+        kind = None if holders and name.startswith(holders) else _kind(module)
         if kind is not None and name:
             hooks(name, module, kind)
+            if kind == "experts":
+                holders += (f"{name}.",)
         if inputs is not None:
             keep(name)
     if draws is not None:

@@ -28,7 +28,7 @@ import torch.nn as nn
 from .experts import experts_layout, own_split
 from .fused import FusedLayout, ProbeError, attention_layout, mlp_layout
 from .layers import is_experts, norm_width, on_cpu
-from .roles import GROUP_ATTRS, HEAD_ATTRS, RATIO_ATTRS, ROLES, Heads, RolePlan
+from .roles import GROUP_ATTRS, HEAD_ATTRS, RATIO_ATTRS, ROLES, Heads, RolePlan, blocks_of, common_parent
 from .tracing import TRACE_BATCH, random_draws, trace
 
 
@@ -174,7 +174,7 @@ class _Inference:
         if set().union(*(nodes[j].inputs for j in self.calls[out_proj])) - members:
             problems[out_proj] = "reads the attention's output mixed with other activations"
         first = nodes[ops[0]]
-        owner = _common_parent(feeders + [out_proj])
+        owner = common_parent(feeders + [out_proj])
         latent = self.latent_projections(owner, out_proj)
         if latent:
             self.latent_attention(first, owner, feeders, latent, out_proj)
@@ -287,7 +287,7 @@ class _Inference:
             self.assign(name, "mlp_out")
             for source in fed_by:
                 self.assign(source, "mlp_in")
-            owner = _common_parent(sorted(fed_by) + [name])
+            owner = common_parent(sorted(fed_by) + [name])
             self.units[owner] = sorted(fed_by) + [name]
             for source in fed_by:
                 if modules[source].out_features == modules[name].in_features:
@@ -473,7 +473,7 @@ class _Inference:
         unsupported = lambda item: item[1].startswith("an unsupported layer type")  # noqa: E731
         problems = dict(sorted(self.problems.items(),
                                key=lambda item: (0, item[0].count(".")) if unsupported(item) else (1, 0)))
-        return RolePlan(ordered, "inferred", self.heads, problems, _blocks(self.model, ordered), self.units,
+        return RolePlan(ordered, "inferred", self.heads, problems, blocks_of(self.model, ordered), self.units,
                         self.layouts, self.sources, self.head_lists, self.head_rows,
                         random_draws(self.model, vocab_size), self.widths)
 
@@ -491,27 +491,3 @@ def _per_head_args(call, heads: int) -> list:
 
     found = [i for i, a in enumerate(args) if i and per_head(a)]
     return found + [k for k, a in kwargs.items() if k != "hidden_states" and per_head(a)]
-
-
-def _common_parent(names: list[str]) -> str:
-    parts = [n.split(".") for n in names]
-    common = []
-    for level in zip(*parts):
-        if len(set(level)) != 1:
-            break
-        common.append(level[0])
-    if len(common) == min(len(p) for p in parts):  # one of them is the parent itself
-        common = common[:-1]
-    return ".".join(common)
-
-
-def _blocks(model: nn.Module, roles: dict[str, str]) -> Optional[str]:
-    """The nn.ModuleList holding the transformer blocks: the one whose
-    children hold the attention and MLP layers."""
-    best, count = None, 0
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module):
-            inside = sum(1 for r in roles if r.startswith(f"{name}." if name else ""))
-            if inside > count:
-                best, count = name, inside
-    return best

@@ -144,3 +144,27 @@ def repeated_blocks(model: nn.Module) -> Optional[nn.ModuleList]:
         if not inside and (best is None or len(module) > len(best)):
             best = module
     return best
+
+
+def common_parent(names: list[str]) -> str:
+    parts = [n.split(".") for n in names]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    if len(common) == min(len(p) for p in parts):  # one of them is the parent itself
+        common = common[:-1]
+    return ".".join(common)
+
+
+def blocks_of(model: nn.Module, roles: dict[str, str]) -> Optional[str]:
+    """The nn.ModuleList holding the transformer blocks: the one whose
+    children hold the attention and MLP layers."""
+    best, count = None, 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module):
+            inside = sum(1 for r in roles if r.startswith(f"{name}." if name else ""))
+            if inside > count:
+                best, count = name, inside
+    return best

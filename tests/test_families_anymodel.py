@@ -35,3 +35,50 @@ def test_a_mechanism_trains_like_mode_none(pool, reference, family, key):
     assert got[0] != "refused", got[1]
     loss, norm = deviation(want, got)
     assert len(got) == STEPS and loss < 1e-4 and norm < 1e-4, (loss, norm)
+
+
+# ---- the mechanisms on modules of no family, in one process ------------------
+
+def _toy(act):
+    import torch.nn as nn
+
+    class Toy(nn.Module):  # embedding, one MLP with the activation under test, a head
+        def __init__(self):
+            super().__init__()
+            self.emb, self.up, self.act, self.down, self.head = (
+                nn.Embedding(37, 16), nn.Linear(16, 32), act, nn.Linear(32, 16), nn.Linear(16, 37))
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            return self.head(h + self.down(self.act(self.up(h))))
+
+    return Toy()
+
+
+def test_elementwise_modules_are_found_by_what_they_do_not_by_name():
+    import torch
+    import torch.nn as nn
+
+    from tpctl.parallel.inference import infer_plan
+
+    class Gate(nn.Module):  # a scalar gate and a learned slope: acts on each element alone
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Parameter(torch.ones(())), nn.Parameter(torch.full((1,), 0.5))
+
+        def forward(self, x):
+            return self.a * torch.where(x > 0, x, self.b * x)
+
+    class Scale(Gate):  # one scale per feature
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.ones(32))
+
+    class Mix(Gate):  # each output reads its neighbour: not elementwise
+        def forward(self, x):
+            return self.a * x + self.b * x.roll(1, -1)
+
+    plan = infer_plan(_toy(Gate()))
+    assert plan.roles["act"] == "split_elementwise" and plan.roles["down"] == "mlp_out" and not plan.problems
+    assert "tpctl replicates only scalar ones" in infer_plan(_toy(Scale())).problems["act"]
+    assert infer_plan(_toy(Mix())).problems["act"].startswith("an unsupported layer type (Mix)")

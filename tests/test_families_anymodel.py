@@ -82,3 +82,28 @@ def test_elementwise_modules_are_found_by_what_they_do_not_by_name():
     assert plan.roles["act"] == "split_elementwise" and plan.roles["down"] == "mlp_out" and not plan.problems
     assert "tpctl replicates only scalar ones" in infer_plan(_toy(Scale())).problems["act"]
     assert infer_plan(_toy(Mix())).problems["act"].startswith("an unsupported layer type (Mix)")
+
+
+def noisy_build(vocab_size: int = 37):
+    """A model=custom target whose build warns as transformers' families do."""
+    import logging
+    import warnings
+
+    logging.getLogger("transformers.activations").warning("CUDA-fused xIELU not available")
+    warnings.warn("rope_parameters look odd")
+    return _toy(__import__("torch").nn.GELU())
+
+
+def test_a_models_build_warnings_go_to_the_log_not_the_terminal(capfd, caplog):
+    import logging
+
+    import transformers  # noqa: F401  (its logger and handler, as a family's build has them)
+    from omegaconf import OmegaConf
+
+    from tpctl.models import build_model
+
+    with caplog.at_level(logging.INFO, logger="tpctl.model"):
+        build_model(OmegaConf.create({"arch": "custom", "_target_": "test_families_anymodel.noisy_build"}), 0)
+    assert capfd.readouterr().err == ""
+    logged = " ".join(r.getMessage() for r in caplog.records if r.name == "tpctl.model")
+    assert "CUDA-fused xIELU not available" in logged and "rope_parameters look odd" in logged

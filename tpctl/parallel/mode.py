@@ -375,9 +375,8 @@ class ParallelMode:
         expert's inner features, and their partial outputs are summed (in
         2d/3d onto each rank's hidden block). Ranks with other rows hold
         replicas (rewrite.py shares them)."""
-        split, group = self.layouts[ctx.name], self.stream_group()
-        whole_rows = group is None
-        group = self.mesh.tp_group if whole_rows else group
+        split, whole_rows = self.layouts[ctx.name], self.replicated_activations
+        group = self.mesh.tp_group if whole_rows else self.stream_group()
         shards, s = self.geo.size if whole_rows else self.geo.q, comm.group_rank(group)  # (also in a dry run)
         for name, full in list(module.named_parameters()):
             dim, ranges = split.ranges(name, shards, s)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import layouts
 from test_families import _curve, deviation
 
 pytest.importorskip("transformers")
@@ -17,6 +16,29 @@ pytest.importorskip("transformers")
 KEYS = ("1d-2-dp4", "2d-4-dp2", "3d-8", "1d-2-pp2-dp2")
 STEPS = 4
 FAMILIES = ("deepseek_v3", "dbrx", "apertus")
+
+
+def _planned_shapes_and_curve(key: str, family: str, steps: int):
+    """This rank's parameter shapes as the planner's dry run of the rewrite
+    gives them (what it counts bytes from), as the real rewrite makes them,
+    and the training curve (test_families._curve)."""
+    import torch.distributed as dist
+
+    from tpctl.models import build_model
+    from tpctl.parallel.layout import Layout
+    from tpctl.parallel.parallelism import parallelism
+    from tpctl.parallel.rewrite import parallelize
+    from tpctl.parallel.shard import spec_of
+    from test_families import _cfg
+    from conftest import build
+
+    cfg, layout = _cfg(key, family, steps), Layout.parse(key)
+    dry = parallelize(build_model(cfg.model, cfg.seed), parallelism(layout, rank=dist.get_rank(), groups=False),
+                      dry_run=True)
+    planned = {n: tuple(spec_of(p).local_shape()) for n, p in dry.named_parameters()}
+    real = build(cfg, layout, lazy=False, verify=False, step=False).model
+    counted = {n: tuple(p.shape) for n, p in real.named_parameters()}
+    return planned, counted, _curve(key, family, steps)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +53,10 @@ def test_a_mechanism_trains_like_mode_none(pool, reference, family, key):
     if family not in reference:
         reference[family] = pool.run(_curve, "none-dp8", family, STEPS)[0]
     want = reference[family]
-    got = pool.run(_curve, key, family, STEPS)[0]
+    ranks = pool.run(_planned_shapes_and_curve, key, family, STEPS)
+    for rank, (planned, counted, _) in enumerate(ranks):  # what the planner counts bytes from (its stage's, pp > 1)
+        assert {n: planned.get(n) for n in counted} == counted, f"rank {rank}"
+    got = ranks[0][2]
     assert got[0] != "refused", got[1]
     loss, norm = deviation(want, got)
     assert len(got) == STEPS and loss < 1e-4 and norm < 1e-4, (loss, norm)

@@ -285,7 +285,7 @@ class ParallelMode:
         a partial sum over the group (and the gather's backward sums the
         input's)."""
         group = self.stream_group()
-        if group is None:  # whole rows, replicated: every rank computes the same gradient
+        if self.replicated_activations:  # whole rows, replicated: every rank computes the same gradient
             return module
         for param in module.parameters():
             self.replicated(param, "tp", partial=True)

@@ -26,30 +26,32 @@ FAMILIES = ("gpt_neox", "bloom", "gpt_bigcode", "gpt_bigcode_mha", "falcon", "fa
 REFUSED: dict = {}
 
 
-def _cfg(key: str, family: str):
+def _cfg(key: str, family: str, steps: int = STEPS):
     from omegaconf import OmegaConf
 
     from tpctl.config import default_config
+    from tpctl.parallel.layout import Layout
 
-    cfg = MESHES[key].write_to(default_config())
+    cfg = Layout.parse(key).write_to(default_config())
     cfg.model = OmegaConf.create({"arch": "custom", "_target_": "tests.hf_families.build", "family": family,
                                   "vocab_size": 256, "width": 32, "depth": 2, "max_len": 64})
     for k, v in {"data.name": "text",
                  "data.max_bytes": 200_000, "train.batch_size": BATCH, "train.seq_len": SEQ,
-                 "train.steps": STEPS, "train.eval_every": 0, "train.log_every": 1, "train.progress": False,
+                 "train.steps": steps, "train.eval_every": 0, "train.log_every": 1, "train.progress": False,
                  "optim.lr": 1e-2, "optim.warmup_steps": 0}.items():
         OmegaConf.update(cfg, k, v)
     return cfg
 
 
-def _curve(key: str, family: str):
+def _curve(key: str, family: str, steps: int = STEPS):
     """[(loss, grad norm)] of every step, or ("refused", reason)."""
     from tpctl.models import build_model
+    from tpctl.parallel.layout import Layout
     from tpctl.parallel.verify import RewriteRefused
 
-    cfg = _cfg(key, family)
+    cfg = _cfg(key, family, steps)
     try:  # as a worker does it: rewritten, then proven against the original
-        run = build(cfg, MESHES[key], lazy=False, verify=True, step=False)
+        run = build(cfg, Layout.parse(key), lazy=False, verify=True, step=False)
     except (ValueError, RewriteRefused) as e:
         return ("refused", str(e))
     model = run.model

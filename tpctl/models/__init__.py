@@ -4,8 +4,11 @@ when a model has no plan)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ from .mlp import TokenMLP
 __all__ = ["ARCHS", "BUILTIN_MODELS", "GPT", "TokenMLP", "ParamInit", "RolePlan", "build_model", "logits_of",
            "resolve_plan", "vocab_size_of"]
 
+log = logging.getLogger("tpctl.model")
 BUILTIN_MODELS = {"gpt": GPT, "mlp": TokenMLP}  # one class per schema.BUILTIN_ARCHS name
 # Keys of the model config that are tpctl's, not a custom model's arguments.
 CUSTOM_RESERVED = ("arch", "_target_", "plan", "pretrained")
@@ -39,6 +43,36 @@ def build_model(cfg: Any, seed: int, lazy: bool = False) -> torch.nn.Module:
     A custom model (`arch=custom`, `_target_` a callable) is built by its own
     code under `torch.manual_seed(seed)`, whole, with its own initialisation.
     """
+    with build_warnings_to_log():
+        return _build(cfg, seed, lazy)
+
+
+@contextlib.contextmanager
+def build_warnings_to_log():
+    """What a model's own code warns while it is built (transformers'
+    logger, Python warnings: a fallback kernel, a config's odd rope
+    settings) goes to tpctl's log (a worker's rank log), not to the
+    terminal: a refusal that follows stays the one line it is."""
+    library = logging.getLogger("transformers")
+    saved = library.handlers[:], library.propagate
+
+    class ToLog(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            log.info("%s: %s", record.name, record.getMessage())
+
+    caught: list = []
+    library.handlers, library.propagate = [ToLog()], False
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        library.handlers, library.propagate = saved
+        for w in caught:
+            log.info("%s: %s", w.category.__name__, w.message)
+
+
+def _build(cfg: Any, seed: int, lazy: bool) -> torch.nn.Module:
     if cfg.arch in BUILTIN_MODELS:
         with on_meta():
             model = BUILTIN_MODELS[cfg.arch](cfg)

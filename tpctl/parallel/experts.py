@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Callable
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -119,3 +121,109 @@ def routing_weights_arg(args: tuple, kwargs: dict):
     if len(args) >= 3:
         return 2
     return "top_k_weights" if "top_k_weights" in kwargs else "routing_weights"
+
+
+# ---- experts in a model's own module, run by its own forward ------------------
+
+def holds_experts(module: nn.Module) -> bool:
+    """A module holding expert weights as raw parameters (no Linear inside),
+    at least two, each of two or more dimensions: DBRX's (experts x inner,
+    hidden) matrices in a module of their own, Llama 4's (experts, hidden,
+    2 x inner). Whether it is one is then measured (`own_split`)."""
+    params = list(module.parameters())
+    return len(params) >= 2 and all(p.dim() >= 2 for p in params) \
+        and not any(isinstance(m, (nn.Linear, nn.Embedding)) for m in module.modules())
+
+
+@dataclass(frozen=True)
+class OwnSplit:
+    """How an experts module run by its own forward splits: per parameter
+    (name inside the module), the dimension holding the inner features and
+    how it is laid out (`groups` experts, each `parts` parts of `inner`
+    features: [gate; up]), and the integer attributes holding the inner
+    width (module path, attribute), set to a shard's. A shard holds block
+    s of S of every part of every expert, in order."""
+
+    dims: tuple[tuple[str, int, int, int], ...]  # (parameter, dim, groups, parts)
+    inner: int
+    attrs: tuple[tuple[str, str], ...]
+
+    def ranges(self, name: str, shards: int, s: int):
+        _, dim, groups, parts = next(d for d in self.dims if d[0] == name)
+        step = self.inner // shards
+        return dim, tuple((u * self.inner + s * step, u * self.inner + (s + 1) * step) for u in range(groups * parts))
+
+    def split_problem(self, shards: int, blocks: Optional[int] = None) -> Optional[str]:
+        if self.inner % shards:
+            return f"{self.inner} inner features of each expert do not split {shards} ways"
+        return None
+
+    def shares(self, shards: int) -> bool:
+        return False
+
+    def describe(self) -> str:
+        return f"own forward, {self.inner} inner features an expert: " + \
+            ", ".join(f"{n} dim {d} ({g} x {p})" for n, d, g, p in self.dims)
+
+
+def _candidates(shape: tuple, hidden: int, counts: set[int]):
+    """(dim, groups, parts, inner) a parameter's inner features may lie in."""
+    for dim, size in enumerate(shape):
+        if dim == 0 and len(shape) == 3 or size == hidden and len(shape) == 2 and dim == 1:
+            continue  # (the experts' own dimension; a 2-d matrix's hidden side)
+        for groups in sorted({1} | {c for c in counts if len(shape) == 2 and dim == 0}):
+            for parts in (1, 2):
+                if size % (groups * parts) == 0 and size // (groups * parts) > 1:
+                    yield dim, groups, parts, size // (groups * parts)
+
+
+def _run_shard(clone: nn.Module, split: OwnSplit, shards: int, s: int, args, kwargs):
+    shard = copy.deepcopy(clone)
+    for name, p in list(shard.named_parameters()):
+        dim, ranges = split.ranges(name, shards, s)
+        owner, _, leaf = name.rpartition(".")
+        piece = torch.cat([p.narrow(dim, a, b - a) for a, b in ranges], dim)
+        setattr(shard.get_submodule(owner), leaf, nn.Parameter(piece, requires_grad=False))
+    for owner, attr in split.attrs:
+        setattr(shard.get_submodule(owner), attr, split.inner // shards)
+    return shard(*args, **kwargs)
+
+
+def own_split(module: nn.Module, args, kwargs, hidden: int) -> OwnSplit:
+    """The split of an experts module run by its own forward, measured: of
+    the layouts its parameters' shapes allow, the first whose two shards'
+    outputs, on the module's traced call with random weights and input, sum
+    to the whole module's (each expert's MLP is a sum over its inner
+    features). ProbeError if none does."""
+    from .fused import real_copy
+
+    if not any(isinstance(a, torch.Tensor) and not a.is_floating_point() for a in [*args, *kwargs.values()]):
+        raise ProbeError("no routing indices among its arguments")
+    params = dict(module.named_parameters())
+    counts = {v for m in module.modules() for v in vars(m).values()
+              if isinstance(v, int) and not isinstance(v, bool) and v > 1}
+    options = [[(name, *c) for c in _candidates(tuple(p.shape), hidden, counts)] for name, p in params.items()]
+    clone = real_copy(module)
+    gen = torch.Generator().manual_seed(4)
+    args = [torch.randn(a.shape, generator=gen, dtype=torch.float32).to(a.dtype) if i == 0 else a
+            for i, a in enumerate(args)]
+    with torch.no_grad():
+        whole = clone(*args, **kwargs)
+        for combo in itertools.islice(itertools.product(*options), 256):
+            inner = {c[4] for c in combo}
+            if len(inner) != 1 or inner.pop() % 2:
+                continue
+            split = OwnSplit(tuple(c[:4] for c in combo), combo[0][4],
+                             tuple((n, a) for n, m in clone.named_modules() for a, v in vars(m).items()
+                                   if v == combo[0][4] and isinstance(v, int) and not isinstance(v, bool)))
+            try:
+                parts = [_run_shard(clone, split, 2, s, args, kwargs) for s in range(2)]
+            except Exception:  # the module's forward does not run on this split: not it
+                continue
+            # Round-off is relative to the output's scale (a sum of large
+            # terms may cancel near 0); a wrong split is off by O(1) of it.
+            if all(isinstance(t, torch.Tensor) and t.shape == whole.shape for t in parts) \
+                    and (parts[0] + parts[1] - whole).abs().max() <= 1e-5 * whole.abs().max():
+                return split
+    raise ProbeError(f"{type(module).__name__}: no split of its parameters by an expert's inner features "
+                     f"({', '.join(f'{n} {tuple(p.shape)}' for n, p in params.items())}) reproduces its output")

@@ -25,10 +25,10 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from .experts import experts_layout
+from .experts import experts_layout, own_split
 from .fused import FusedLayout, ProbeError, attention_layout, mlp_layout
-from .layers import norm_width, on_cpu
-from .roles import GROUP_ATTRS, HEAD_ATTRS, RATIO_ATTRS, ROLES, Heads, RolePlan
+from .layers import is_experts, norm_width, on_cpu
+from .roles import GROUP_ATTRS, HEAD_ATTRS, RATIO_ATTRS, ROLES, Heads, RolePlan, blocks_of, common_parent
 from .tracing import TRACE_BATCH, random_draws, trace
 
 
@@ -105,6 +105,7 @@ class _Inference:
         self.sources: dict[str, str] = {}
         self.head_rows: dict[str, str] = {}
         self.head_lists: dict[str, str] = {}
+        self.latent_nodes: set[int] = set()  # the calls of latent attentions' down-projections
 
     def assign(self, name: str, role: str) -> None:
         if self.roles.get(name, role) != role:
@@ -173,11 +174,15 @@ class _Inference:
         if set().union(*(nodes[j].inputs for j in self.calls[out_proj])) - members:
             problems[out_proj] = "reads the attention's output mixed with other activations"
         first = nodes[ops[0]]
+        owner = common_parent(feeders + [out_proj])
+        latent = self.latent_projections(owner, out_proj)
+        if latent:
+            self.latent_attention(first, owner, feeders, latent, out_proj)
+            return
         head_dim = first.shape[-1] if len(first.shape) == 4 else None
         q_name = next((node_name[j] for j in linears(first.operands[0])), feeders[0])
         k_name = next((node_name[j] for j in linears(first.operands[1])), None) \
             if len(first.operands) > 1 else None
-        owner = _common_parent(feeders + [out_proj])
         if len(feeders) == 1:
             assign(feeders[0], "qkv")
             fused = feeders[0]
@@ -213,6 +218,51 @@ class _Inference:
         self.heads[owner] = Heads(h, kv, head_dim, attrs, _per_head_args(self.first_inputs.get(owner), h))
         self.units[owner] = feeders + [out_proj]
 
+    def read_linears(self, name: str) -> set[str]:
+        """The Linears whose output a Linear's calls read (through norms)."""
+        return {self.node_name[j] for i in self.calls[name] for j in self.linears(self.nodes[i].inputs)}
+
+    def latent_projections(self, owner: str, out_proj: str) -> list[str]:
+        """The Linears inside attention module `owner` whose output another
+        Linear inside it reads (through norms): the down-projections of a
+        latent attention (DeepSeek's MLA), in call order. A plain
+        attention's projections read the stream, which comes from outside."""
+        inside = [n.name for n in self.nodes if n.kind == "linear" and owner and n.name.startswith(owner + ".")
+                  and n.name != out_proj]
+        inside = list(dict.fromkeys(inside))
+        read = set().union(*(self.read_linears(name) for name in inside)) if inside else set()
+        return [name for name in inside if name in read]
+
+    def latent_attention(self, first, owner: str, feeders: list[str], latent: list[str], out_proj: str) -> None:
+        """A latent attention: its down-projections and their norms run
+        whole (on whole rows of the rows a rank's attention holds), its
+        up-projections and any plain projection split by heads (each head's
+        rotary and other features together: a head's features are
+        contiguous), the output projection as in any attention. Its heads
+        are those of the queries' [batch, heads, seq, head_dim] operand."""
+        modules = self.modules
+        if len(first.shape) != 4:
+            self.problems[owner] = "a latent attention whose queries are not [batch, heads, seq, head_dim]"
+            return
+        heads, head_dim = first.shape[1], first.shape[-1]
+        for name in latent:
+            self.assign(name, "latent")
+        for name in feeders:
+            if name in latent:
+                continue
+            up = bool(self.read_linears(name) & set(latent))
+            self.assign(name, "latent_up" if up else "attn_in")
+            if modules[name].out_features % heads:
+                self.problems[name] = f"{modules[name].out_features} output features are not {heads} heads"
+            elif up:
+                self.layouts[name] = FusedLayout.heads(modules[name].out_features, heads, "q")
+        self.assign(out_proj, "attn_out")
+        self.latent_nodes.update(i for name in latent for i in self.calls[name])
+        attrs = {a: v for a, v in vars(modules[owner]).items() if isinstance(v, int) and not isinstance(v, bool)
+                 and (a in HEAD_ATTRS[:8] and v == heads or a in RATIO_ATTRS and v == 1)}
+        self.heads[owner] = Heads(heads, heads, head_dim, attrs, _per_head_args(self.first_inputs.get(owner), heads))
+        self.units[owner] = list(dict.fromkeys(latent + feeders + [out_proj]))
+
     def lm_head(self) -> None:
         """The LM head: the Linear the logits come from."""
         out = self.out
@@ -237,7 +287,7 @@ class _Inference:
             self.assign(name, "mlp_out")
             for source in fed_by:
                 self.assign(source, "mlp_in")
-            owner = _common_parent(sorted(fed_by) + [name])
+            owner = common_parent(sorted(fed_by) + [name])
             self.units[owner] = sorted(fed_by) + [name]
             for source in fed_by:
                 if modules[source].out_features == modules[name].in_features:
@@ -256,7 +306,7 @@ class _Inference:
         width follows from the token embedding."""
         nodes, roles, modules = self.nodes, self.roles, self.modules
         self.inner = {i for i, n in enumerate(nodes) if n.kind == "attention"
-                      or (n.kind == "linear" and roles.get(n.name) in ("qkv", "attn_in", "mlp_in"))}
+                      or (n.kind == "linear" and roles.get(n.name) in ("qkv", "attn_in", "mlp_in", "latent", "latent_up"))}
         input_ids = self.input_ids = {i for i, n in enumerate(nodes) if n.kind == "input"}
         token = [n.name for n in nodes if n.kind == "embedding" and n.inputs & input_ids]
         if len(set(token)) > 1:  # positions derived from the ids: prefer the vocabulary-sized table
@@ -278,8 +328,14 @@ class _Inference:
         for n in nodes:
             if n.kind == "experts" and n.name not in roles:
                 layout = self.probe((type(modules[n.name]), n.name), lambda: experts_layout(modules[n.name])[2])
+                if isinstance(layout, ProbeError):  # run by its own forward, split as measured
+                    call = self.first_inputs.get(n.name, ((), {}))
+                    layout = self.probe((type(modules[n.name]), n.name, "own"),
+                                        lambda: own_split(modules[n.name], *call, hidden))
                 if isinstance(layout, ProbeError):
-                    self.problems[n.name] = f"a mixture of experts tpctl cannot shard: {layout}"
+                    self.problems[n.name] = f"a mixture of experts tpctl cannot shard: {layout}" \
+                        if is_experts(modules[n.name]) or "routing" not in str(layout) else \
+                        f"an unsupported layer type ({type(modules[n.name]).__name__}) with parameters"
                     continue
                 self.assign(n.name, "experts")
                 self.layouts[n.name] = layout
@@ -316,7 +372,7 @@ class _Inference:
         modules, roles, hidden = self.modules, self.roles, self.hidden
         head_dims = {h.head_dim for h in self.heads.values()}
         projections = {i for i, n in enumerate(self.nodes) if n.kind == "linear"
-                       and roles.get(n.name) in ("qkv", "attn_in")}
+                       and roles.get(n.name) in ("qkv", "attn_in", "latent_up")}
         for n in self.nodes:
             if n.kind == "norm":
                 self.norm(n, projections, head_dims)
@@ -327,9 +383,22 @@ class _Inference:
                 # stream, added to it (XGLM's sinusoidal positions): each rank
                 # keeps its piece of the stream's layout.
                 self.assign(n.name, "pos_table")
+            elif n.kind == "elementwise" and n.name not in roles:
+                self.elementwise(n)
             elif n.kind in ("layer", "experts") and n.name not in roles:
                 self.problems.setdefault(n.name, f"an unsupported layer type ({type(modules[n.name]).__name__}) "
                                                  "with parameters")
+
+    def elementwise(self, n) -> None:
+        """A module measured to act on each element alone (tracing.py): its
+        parameters are replicated, so each must be one scalar."""
+        module = self.modules[n.name]
+        wide = [f"{a} {tuple(p.shape)}" for a, p in module.named_parameters() if p.numel() != 1]
+        if wide:
+            self.problems[n.name] = (f"an elementwise module ({type(module).__name__}) with parameters of more than "
+                                     f"one element ({', '.join(wide)}): tpctl replicates only scalar ones")
+        else:
+            self.assign(n.name, "split_elementwise" if n.inputs & self.inner else "elementwise")
 
     def norm(self, n, projections: set[int], head_dims: set[int]) -> None:
         """One norm: on the stream (`norm`), over each head (`head_norm`,
@@ -339,7 +408,9 @@ class _Inference:
         size = norm_width(modules[n.name])
         source = self.node_name[next(iter(n.inputs))] if len(n.inputs) == 1 and n.inputs <= projections else None
         weight = getattr(modules[n.name], "weight", None)
-        if weight is not None and weight.dim() == 2:  # one row per head
+        if n.inputs and n.inputs <= self.latent_nodes:  # a latent attention's latent: whole on every rank
+            self.assign(n.name, "latent_norm")
+        elif weight is not None and weight.dim() == 2:  # one row per head
             owner = next((o for o in heads if n.name.startswith(o + ".")), None)
             if owner is not None and n.inputs and n.inputs <= projections and size == heads[owner].head_dim \
                     and weight.shape[0] in (heads[owner].heads, heads[owner].kv_heads):
@@ -374,7 +445,8 @@ class _Inference:
         for name, module in self.model.named_modules():
             if isinstance(module, nn.Dropout) and name not in roles:
                 self.assign(name, "attn_dropout" if owners and name.startswith(owners) else "dropout")
-        called = {id(p) for name in calls for p in self.modules[name].parameters(recurse=False)}
+        called = {id(p) for name in calls
+                  for p in self.modules[name].parameters(recurse=roles.get(name) == "experts")}
         for name, module in self.model.named_modules():
             own = list(module.parameters(recurse=False))
             if name and name not in calls and own and not all(id(p) in called for p in own):
@@ -401,7 +473,7 @@ class _Inference:
         unsupported = lambda item: item[1].startswith("an unsupported layer type")  # noqa: E731
         problems = dict(sorted(self.problems.items(),
                                key=lambda item: (0, item[0].count(".")) if unsupported(item) else (1, 0)))
-        return RolePlan(ordered, "inferred", self.heads, problems, _blocks(self.model, ordered), self.units,
+        return RolePlan(ordered, "inferred", self.heads, problems, blocks_of(self.model, ordered), self.units,
                         self.layouts, self.sources, self.head_lists, self.head_rows,
                         random_draws(self.model, vocab_size), self.widths)
 
@@ -419,27 +491,3 @@ def _per_head_args(call, heads: int) -> list:
 
     found = [i for i, a in enumerate(args) if i and per_head(a)]
     return found + [k for k, a in kwargs.items() if k != "hidden_states" and per_head(a)]
-
-
-def _common_parent(names: list[str]) -> str:
-    parts = [n.split(".") for n in names]
-    common = []
-    for level in zip(*parts):
-        if len(set(level)) != 1:
-            break
-        common.append(level[0])
-    if len(common) == min(len(p) for p in parts):  # one of them is the parent itself
-        common = common[:-1]
-    return ".".join(common)
-
-
-def _blocks(model: nn.Module, roles: dict[str, str]) -> Optional[str]:
-    """The nn.ModuleList holding the transformer blocks: the one whose
-    children hold the attention and MLP layers."""
-    best, count = None, 0
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module):
-            inside = sum(1 for r in roles if r.startswith(f"{name}." if name else ""))
-            if inside > count:
-                best, count = name, inside
-    return best

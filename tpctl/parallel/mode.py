@@ -23,7 +23,7 @@ import torch.nn as nn
 from . import comm
 from .mesh import Mesh
 from .geometry import Geometry, padded_vocab
-from .experts import DenseExperts, experts_layout
+from .experts import DenseExperts, OwnSplit, experts_layout, routing_weights_arg
 from .fused import FusedLayout, held_units
 from .layers import SplitNorm, norm_width
 from .loss import vocab_parallel_cross_entropy
@@ -205,6 +205,8 @@ class ParallelMode:
 
     # ---- layers -------------------------------------------------------
     def convert(self, role: str, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        if role == "experts" and isinstance(self.layouts.get(ctx.name), OwnSplit):
+            return self.convert_own_experts(module, ctx) if self.rewrites else module
         converter: Optional[Callable] = getattr(self, f"convert_{role}", None)
         if converter is None:
             raise ValueError(f"mode {self.name} has no layer for role {role!r}")
@@ -283,7 +285,7 @@ class ParallelMode:
         a partial sum over the group (and the gather's backward sums the
         input's)."""
         group = self.stream_group()
-        if group is None:  # whole rows, replicated: every rank computes the same gradient
+        if self.replicated_activations:  # whole rows, replicated: every rank computes the same gradient
             return module
         for param in module.parameters():
             self.replicated(param, "tp", partial=True)
@@ -301,6 +303,104 @@ class ParallelMode:
             weights[name] = ctx.shard(full, dataclasses.replace(plane, full_shape=tuple(full.shape),
                                                                 index=(None,) + plane.index))
         return DenseExperts(module, gate_up, down, weights, self.linear_fn("mlp_in"), self.linear_fn("mlp_out"))
+
+    # ---- latent attention (roles.LATENT_ROLES) and elementwise modules ----
+    def attention_rows(self, x: torch.Tensor, gathered: bool = False) -> torch.Tensor:
+        """Whole hidden vectors of the rows this rank's attention holds (its
+        queries' rows), from its piece of the stream; the backward sums the
+        gradients of every rank computing on them (each with its heads).
+        `gathered`: an entry hook already gathered the sequence (1d + SP)."""
+        group = self.stream_group()
+        if group is not None:  # rows held with other ranks' hidden features
+            return comm.gather_along(x, group, -1)
+        if gathered:
+            return x
+        if self.geo.size > 1 and self.sequence_parallel and getattr(self, "seq_parallel", False):
+            return comm.gather_along(x, self.mesh.tp_group, 1)
+        return comm.copy_to_group(x, self.mesh.tp_group)
+
+    def convert_latent(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """A latent attention's down-projection, whole on every rank, run on
+        whole rows of the rows its attention holds: each rank's gradient
+        holds its heads' (and rows') part, summed over the group."""
+        if not self.rewrites:
+            return module
+        for param in module.parameters():
+            self.replicated(param, "tp", partial=True)
+        gathered = ctx.name in getattr(self, "gathered", ())
+        module.register_forward_pre_hook(
+            lambda mod, args: (self.attention_rows(args[0], gathered), *args[1:]))
+        return module
+
+    def convert_latent_norm(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """A norm of a latent (whole, like its down-projection)."""
+        for param in module.parameters() if self.rewrites else ():
+            self.replicated(param, "tp", partial=True)
+        return module
+
+    def convert_latent_up(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """A latent attention's up-projection: this rank's heads (whole:
+        rotary and other features together), on the whole latent of its
+        attention's rows; ranks with the same heads and other rows hold
+        replicas (rewrite.py shares them)."""
+        if not self.rewrites:
+            return module
+        from .linear import ShardedLinear
+
+        layout = self.layouts[ctx.name]
+        split = self.geo.head_split
+        ranges = layout.ranges(split, split, self.head_block())
+        weight = ctx.shard(module.weight, self.split_spec(module.weight, 0, ranges))
+        bias = None if module.bias is None else ctx.shard(module.bias, self.split_spec(module.bias, 0, ranges))
+        return ShardedLinear(weight, bias, torch.nn.functional.linear)
+
+    def convert_elementwise(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """An elementwise module on the stream: its scalars replicated,
+        their gradients partial where the stream is split."""
+        for param in module.parameters() if self.rewrites else ():
+            self.replicated(param, "tp", partial=self.splits_stream(ctx))
+        return module
+
+    def convert_split_elementwise(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """An elementwise module on a split activation (a learned activation
+        inside the MLP): each rank's gradient of its scalars is partial."""
+        for param in module.parameters() if self.rewrites else ():
+            self.replicated(param, "tp", partial=True)
+        return module
+
+    def convert_own_experts(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """Experts in a model's own module (experts.OwnSplit), run by its own
+        forward on whole rows: the ranks holding a row's hidden features
+        (all of 1d's, which hold whole rows) each hold a block of every
+        expert's inner features, and their partial outputs are summed (in
+        2d/3d onto each rank's hidden block). Ranks with other rows hold
+        replicas (rewrite.py shares them)."""
+        split, whole_rows = self.layouts[ctx.name], self.replicated_activations
+        group = self.mesh.tp_group if whole_rows else self.stream_group()
+        shards, s = self.geo.size if whole_rows else self.geo.q, comm.group_rank(group)  # (also in a dry run)
+        for name, full in list(module.named_parameters()):
+            dim, ranges = split.ranges(name, shards, s)
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, ctx.shard(full, self.split_spec(full, dim, ranges)))
+        for owner, attr in split.attrs:
+            setattr(module.get_submodule(owner), attr, split.inner // shards)
+
+        def entry(mod, args, kwargs):
+            args, kwargs = list(args), dict(kwargs)
+            if not whole_rows:
+                return (comm.gather_along(args[0], group, -1), *args[1:]), kwargs
+            # Whole replicated rows: the input's and the routing weights'
+            # gradients (each rank's a part) summed over the group.
+            at = routing_weights_arg(args, kwargs)
+            for where in (0, at):
+                box = args if isinstance(where, int) else kwargs
+                box[where] = comm.copy_to_group(box[where], group)
+            return tuple(args), kwargs
+
+        module.register_forward_pre_hook(entry, with_kwargs=True)
+        module.register_forward_hook(lambda mod, args, out: comm.reduce_to_replicated(out, group) if whole_rows
+                                     else comm.reduce_scatter_along(out, group, -1))
+        return module
 
     def weight_spec(self, weight: torch.Tensor, role: str, layout=None, n: Optional[int] = None) -> ShardSpec:
         """The ShardSpec of a Linear's (out, in) weight for `role`."""

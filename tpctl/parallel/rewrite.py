@@ -128,6 +128,7 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
     shared = [name for name, layout in plan.layouts.items() if layout.shares(split)]
     shared += [norm for norm, source in mode.sources.items() if source in shared]
     shared += list(plan.head_lists) + list(plan.head_rows) if split > 1 else []
+    shared += held_by_heads_or_slices(plan) if mode.rewrites else []
     if shared and not dry_run:  # (which rank shares what is learnt by communicating)
         share_slices(model, shared, mode.mesh)
     record_replicas(model, mode.mesh.group_ranks["dp"], mode.mesh.groups["dp"])
@@ -139,6 +140,16 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
         model.tpctl_rewritten, model.tpctl_problems = rewritten, problems
     return model
 
+
+
+def held_by_heads_or_slices(plan) -> list[str]:
+    """Modules whose parameters ranks with other rows hold alike, by
+    heads (a latent attention's up-projections) or by slices of experts
+    (experts run by their own forward): rewrite learns their replicas."""
+    from .experts import OwnSplit
+
+    return [name for name, role in plan.roles.items()
+            if role == "latent_up" or role == "experts" and isinstance(plan.layouts.get(name), OwnSplit)]
 
 
 def key_dropout_streams(model: nn.Module, mesh: Mesh) -> None:

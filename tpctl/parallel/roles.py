@@ -18,7 +18,18 @@ import torch.nn as nn
 ROLES = (
     "embedding", "pos_embedding", "qkv", "attn_in", "attn_out", "mlp_in", "mlp_out",
     "norm", "lm_head", "dropout", "attn_dropout", "head_norm", "proj_norm", "experts", "router", "pos_table",
+    "latent", "latent_norm", "latent_up", "elementwise", "split_elementwise",
 )
+# Latent attention (DeepSeek's MLA): `latent` Linears project the stream down
+# (q_a_proj, kv_a_proj_with_mqa: a latent and a rotary part shared by all
+# heads), `latent_norm`s normalise a latent, `latent_up` Linears project a
+# latent up to per-head q, k, v. The first two run whole on every rank, on
+# whole rows of the rows its attention holds; the last holds its heads.
+LATENT_ROLES = ("latent", "latent_norm", "latent_up")
+# Elementwise modules with parameters (a learned activation's scalars): on
+# the stream (`elementwise`) or on a split activation inside attention or an
+# MLP (`split_elementwise`); their parameters are replicated.
+ELEMENTWISE_ROLES = ("elementwise", "split_elementwise")
 # Roles whose Linear is fed the residual stream and produces a split
 # activation (Megatron's column-parallel ones); the other Linears are fed a
 # split activation and produce the stream.
@@ -132,4 +143,28 @@ def repeated_blocks(model: nn.Module) -> Optional[nn.ModuleList]:
         inside = any(other != name and name.startswith(f"{other}." if other else "") for other, _ in lists)
         if not inside and (best is None or len(module) > len(best)):
             best = module
+    return best
+
+
+def common_parent(names: list[str]) -> str:
+    parts = [n.split(".") for n in names]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    if len(common) == min(len(p) for p in parts):  # one of them is the parent itself
+        common = common[:-1]
+    return ".".join(common)
+
+
+def blocks_of(model: nn.Module, roles: dict[str, str]) -> Optional[str]:
+    """The nn.ModuleList holding the transformer blocks: the one whose
+    children hold the attention and MLP layers."""
+    best, count = None, 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module):
+            inside = sum(1 for r in roles if r.startswith(f"{name}." if name else ""))
+            if inside > count:
+                best, count = name, inside
     return best

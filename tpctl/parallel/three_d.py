@@ -211,6 +211,12 @@ class ThreeD(ParallelMode):
     def stream_group(self):
         return self.mesh.groups[LAYOUT_A.hidden]
 
+    def attention_rows(self, x: torch.Tensor, gathered: bool = False) -> torch.Tensor:
+        """Rows (i, j) of the stream made whole, gathered to block i, cut to
+        the attention's rows (i, l) (ParallelMode.attention_rows)."""
+        x = comm.gather_along(comm.gather_along(x, self.stream_group(), -1), self.mesh.groups[LAYOUT_A.rows], 0)
+        return x.chunk(self.q, 0)[self.c[LAYOUT_B.rows]]
+
     def linear_module(self, weight, bias, role: str) -> Linear3D:
         """A linear role's Linear on the cube, in its role's layout (the
         default ParallelMode.convert_linear shards it by weight_spec/output_spec)."""

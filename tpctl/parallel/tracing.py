@@ -9,6 +9,7 @@ a model too large to build whole can still be traced.
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -17,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .experts import holds_experts
 from .layers import CacheOff, is_experts, is_norm, on_cpu
 from .roles import logits_of
 
@@ -29,7 +31,10 @@ _MATMULS = {torch.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.__matmul_
 
 @dataclass
 class _Node:
-    kind: str  # input, linear, embedding, norm, dropout, attention, layer (other parameter holder)
+    # input, linear, embedding, norm, dropout, attention, elementwise (a
+    # parameter holder measured to act on each element alone), layer (other
+    # parameter holder)
+    kind: str
     name: str  # module name ("" for ops)
     inputs: frozenset  # ids of the nodes this one reads (through any ops in between)
     operands: list = field(default_factory=list)  # attention: provenance of each operand
@@ -46,6 +51,7 @@ class _Trace(TorchFunctionMode):
         self.stand_ins = stand_ins
         self._prov: dict[int, frozenset] = {}
         self._alive: list[torch.Tensor] = []  # keeps ids unique during the trace
+        self.paused = False  # a probe runs inside a hook: its ops are no part of the model's flow
 
     def prov(self, value) -> frozenset:
         out: set = set()
@@ -65,6 +71,8 @@ class _Trace(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
         out = _skip_stand_in(func, args, kwargs, self.stand_ins)
         if out is None:
             out = func(*args, **kwargs)
@@ -77,6 +85,33 @@ class _Trace(TorchFunctionMode):
                 prov = frozenset({self.add(_Node("attention", "", prov, sources, shape))})
         self.tag(out, prov)
         return out
+
+
+def is_elementwise(module: nn.Module, args, kwargs, out) -> bool:
+    """Whether `module`, called on one tensor giving one of its shape, acts
+    on each element alone (a learned activation, a scalar gate): a copy
+    with random parameters, run on a random input and on the same input
+    with a random half of its elements changed, gives bitwise the same
+    output at the elements left alone, and another at those changed."""
+    if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) or not isinstance(out, torch.Tensor) \
+            or not args[0].is_floating_point() or tuple(out.shape) != tuple(args[0].shape):
+        return False
+    if any(b.is_meta for b in module.buffers()) or len(list(module.parameters())) != len(module._parameters):
+        return False  # (its own parameters only: a module holding others is no elementwise op)
+    gen = torch.Generator().manual_seed(6)
+    clone = copy.copy(module)  # shallow: its own parameters made anew, random
+    clone._parameters = {a: None if p is None else nn.Parameter(
+        torch.randn(p.shape, generator=gen).to(p.dtype) * 0.5, requires_grad=False) for a, p in module._parameters.items()}
+    a = torch.randn(args[0].shape, generator=gen).to(args[0].dtype)
+    for _ in range(2):
+        changed = torch.rand(a.shape, generator=gen) < 0.5
+        b = torch.where(changed, torch.randn(a.shape, generator=gen).to(a.dtype), a)
+        with torch.no_grad():
+            ya, yb = clone.forward(a), clone.forward(b)  # (forward itself: the copy shares the hooks)
+        if not isinstance(ya, torch.Tensor) or ya.shape != a.shape or not torch.equal(ya[~changed], yb[~changed]) \
+                or torch.equal(ya[changed], yb[changed]):
+            return False
+    return True
 
 
 def _skip_stand_in(func, args, kwargs, stand_ins: set[int]):
@@ -114,7 +149,7 @@ def _kind(module: nn.Module) -> Optional[str]:
         return "norm"
     if isinstance(module, nn.Dropout):
         return "dropout"
-    if is_experts(module):
+    if is_experts(module) or holds_experts(module):
         return "experts"
     if any(True for _ in module.parameters(recurse=False)):
         return "layer"
@@ -190,14 +225,25 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
     def hooks(name, module, kind):
         def before(mod, args, kwargs):
             mod._tpctl_in = tracer.prov((args, kwargs))
+            # Inside an experts module, weights indexed by routing decisions
+            # are no activations: it is one node, its ops not followed.
+            tracer.paused = kind == "experts"
 
         def after(mod, args, kwargs, out):
+            tracer.paused = False
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else ()
-            node = tracer.add(_Node(kind, name, mod._tpctl_in, shape=shape))
+            found = kind
+            if kind == "layer":
+                tracer.paused = True
+                try:
+                    found = "elementwise" if is_elementwise(mod, args, kwargs, out) else kind
+                finally:
+                    tracer.paused = False
+            node = tracer.add(_Node(found, name, mod._tpctl_in, shape=shape))
             calls.setdefault(name, []).append(node)
-            # Dropout and tables of constants pass their input's provenance
-            # on: they change no layout.
-            tracer.tag(out, mod._tpctl_in if kind in ("dropout", "table") else frozenset({node}))
+            # Dropout, tables of constants and elementwise modules pass their
+            # input's provenance on: they change no layout.
+            tracer.tag(out, mod._tpctl_in if found in ("dropout", "table", "elementwise") else frozenset({node}))
         handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
         handles.append(module.register_forward_hook(after, with_kwargs=True))
 
@@ -206,10 +252,13 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
             inputs.setdefault(name, (args, kwargs))
         handles.append(model.get_submodule(name).register_forward_pre_hook(before, with_kwargs=True))
 
+    holders: tuple = ()  # experts modules: what is inside them is theirs
     for name, module in model.named_modules():
-        kind = _kind(module)
+        kind = None if holders and name.startswith(holders) else _kind(module)
         if kind is not None and name:
             hooks(name, module, kind)
+            if kind == "experts":
+                holders += (f"{name}.",)
         if inputs is not None:
             keep(name)
     if draws is not None:

@@ -1,0 +1,134 @@
+"""Mechanisms rather than classes (issue 32): latent attention, expert
+weights fused into a model's own module, elementwise modules with learned
+parameters. Each family (tests/hf_families.py: tiny, random init,
+transformers' defaults) trains a few steps in 1d, 2d, 3d and 1d with two
+pipeline stages within 1e-4 of mode=none, on the shared pool, in process.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from test_families import _curve, deviation
+
+pytest.importorskip("transformers")
+
+KEYS = ("1d-2-dp4", "2d-4-dp2", "3d-8", "1d-2-pp2-dp2")
+STEPS = 4
+FAMILIES = ("deepseek_v3", "dbrx", "apertus")
+
+
+def _planned_shapes_and_curve(key: str, family: str, steps: int):
+    """This rank's parameter shapes as the planner's dry run of the rewrite
+    gives them (what it counts bytes from), as the real rewrite makes them,
+    and the training curve (test_families._curve)."""
+    import torch.distributed as dist
+
+    from tpctl.models import build_model
+    from tpctl.parallel.layout import Layout
+    from tpctl.parallel.parallelism import parallelism
+    from tpctl.parallel.rewrite import parallelize
+    from tpctl.parallel.shard import spec_of
+    from test_families import _cfg
+    from conftest import build
+
+    cfg, layout = _cfg(key, family, steps), Layout.parse(key)
+    dry = parallelize(build_model(cfg.model, cfg.seed), parallelism(layout, rank=dist.get_rank(), groups=False),
+                      dry_run=True)
+    planned = {n: tuple(spec_of(p).local_shape()) for n, p in dry.named_parameters()}
+    real = build(cfg, layout, lazy=False, verify=False, step=False).model
+    counted = {n: tuple(p.shape) for n, p in real.named_parameters()}
+    return planned, counted, _curve(key, family, steps)
+
+
+@pytest.fixture(scope="module")
+def reference(pool):
+    return {}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("key", KEYS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_mechanism_trains_like_mode_none(pool, reference, family, key):
+    if family not in reference:
+        reference[family] = pool.run(_curve, "none-dp8", family, STEPS)[0]
+    want = reference[family]
+    ranks = pool.run(_planned_shapes_and_curve, key, family, STEPS)
+    for rank, (planned, counted, _) in enumerate(ranks):  # what the planner counts bytes from (its stage's, pp > 1)
+        assert {n: planned.get(n) for n in counted} == counted, f"rank {rank}"
+    got = ranks[0][2]
+    assert got[0] != "refused", got[1]
+    loss, norm = deviation(want, got)
+    assert len(got) == STEPS and loss < 1e-4 and norm < 1e-4, (loss, norm)
+
+
+# ---- the mechanisms on modules of no family, in one process ------------------
+
+def _toy(act):
+    import torch.nn as nn
+
+    class Toy(nn.Module):  # embedding, one MLP with the activation under test, a head
+        def __init__(self):
+            super().__init__()
+            self.emb, self.up, self.act, self.down, self.head = (
+                nn.Embedding(37, 16), nn.Linear(16, 32), act, nn.Linear(32, 16), nn.Linear(16, 37))
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            return self.head(h + self.down(self.act(self.up(h))))
+
+    return Toy()
+
+
+def test_elementwise_modules_are_found_by_what_they_do_not_by_name():
+    import torch
+    import torch.nn as nn
+
+    from tpctl.parallel.inference import infer_plan
+
+    class Gate(nn.Module):  # a scalar gate and a learned slope: acts on each element alone
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Parameter(torch.ones(())), nn.Parameter(torch.full((1,), 0.5))
+
+        def forward(self, x):
+            return self.a * torch.where(x > 0, x, self.b * x)
+
+    class Scale(Gate):  # one scale per feature
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.ones(32))
+
+    class Mix(Gate):  # each output reads its neighbour: not elementwise
+        def forward(self, x):
+            return self.a * x + self.b * x.roll(1, -1)
+
+    plan = infer_plan(_toy(Gate()))
+    assert plan.roles["act"] == "split_elementwise" and plan.roles["down"] == "mlp_out" and not plan.problems
+    assert "tpctl replicates only scalar ones" in infer_plan(_toy(Scale())).problems["act"]
+    assert infer_plan(_toy(Mix())).problems["act"].startswith("an unsupported layer type (Mix)")
+
+
+def noisy_build(vocab_size: int = 37):
+    """A model=custom target whose build warns as transformers' families do."""
+    import logging
+    import warnings
+
+    logging.getLogger("transformers.activations").warning("CUDA-fused xIELU not available")
+    warnings.warn("rope_parameters look odd")
+    return _toy(__import__("torch").nn.GELU())
+
+
+def test_a_models_build_warnings_go_to_the_log_not_the_terminal(capfd, caplog):
+    import logging
+
+    import transformers  # noqa: F401  (its logger and handler, as a family's build has them)
+    from omegaconf import OmegaConf
+
+    from tpctl.models import build_model
+
+    with caplog.at_level(logging.INFO, logger="tpctl.model"):
+        build_model(OmegaConf.create({"arch": "custom", "_target_": "test_families_anymodel.noisy_build"}), 0)
+    assert capfd.readouterr().err == ""
+    logged = " ".join(r.getMessage() for r in caplog.records if r.name == "tpctl.model")
+    assert "CUDA-fused xIELU not available" in logged and "rope_parameters look odd" in logged

@@ -115,6 +115,11 @@ class TrainLoopConfig:
     # torch.compile the model's forward: false | true | auto (compile where
     # the compiler works, else run eager and say so).
     compile: Any = False
+    # Collectives issued asynchronously beside the compute that does not
+    # depend on them (1d's input-gradient all-reduce during the weight
+    # gradient's product, 2d's next broadcasts, ...); false waits for each at
+    # once. Either way the same bits (docs/DESIGN.md, "Overlap").
+    overlap: bool = True
     # Before step 1, check the rewritten model against the original, module
     # by module and block by block (parallel/verify.py): refuse to train if
     # they differ beyond fp32 round-off.

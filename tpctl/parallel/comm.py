@@ -75,28 +75,49 @@ def all_reduce(tensor: torch.Tensor, group: Group, op=dist.ReduceOp.SUM) -> torc
     return tensor
 
 
-def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
-    """Concatenate every rank's `tensor` along `dim`, in group-rank order."""
-    world = group_size(group)
-    if world == 1:
-        return tensor
-    tensor = tensor.movedim(dim, 0).contiguous()
-    out = torch.empty((world * tensor.shape[0],) + tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
-    STATS.add("all_gather", out, world)
-    _all_gather_tensor(out, tensor, group=group)
-    return out.movedim(0, dim)
+def _blocks_first(shape, dim: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fresh tensor of `shape` laid out with `dim` outermost, and the
+    contiguous view of it with `dim` moved first: the collective writes the
+    view, the caller gets the tensor itself -- no view returned, no copy
+    into the usual layout (a custom Function's view output could not be
+    modified in place)."""
+    order = [dim] + [d for d in range(len(shape)) if d != dim]
+    strides, step = [0] * len(shape), 1
+    for d in reversed(order):
+        strides[d], step = step, step * shape[d]
+    out = torch.empty_strided(shape, strides, dtype=like.dtype, device=like.device)
+    return out, out.movedim(dim, 0)
 
 
-def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
-    """Sum over the group, then keep this rank's block of `dim`."""
+def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: bool = False):
+    """Concatenate every rank's `tensor` along `dim`, in group-rank order,
+    into a fresh tensor (async: with the work handle to wait on)."""
     world = group_size(group)
     if world == 1:
-        return tensor
-    tensor = tensor.movedim(dim, 0).contiguous()
-    out = torch.empty((tensor.shape[0] // world,) + tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
-    STATS.add("reduce_scatter", tensor, world)
-    _reduce_scatter_tensor(out, tensor, group=group)
-    return out.movedim(0, dim)
+        return (tensor, None) if async_op else tensor
+    dim %= tensor.dim()
+    shape = list(tensor.shape)
+    shape[dim] *= world
+    out, flat = _blocks_first(shape, dim, tensor)
+    STATS.add("all_gather", flat, world)
+    work = _all_gather_tensor(flat, tensor.movedim(dim, 0).contiguous(), group=group, async_op=async_op)
+    return (out, work) if async_op else out
+
+
+def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: bool = False):
+    """Sum over the group, then keep this rank's block of `dim`, in a fresh
+    tensor (async: with the work handle to wait on)."""
+    world = group_size(group)
+    if world == 1:
+        return (tensor, None) if async_op else tensor
+    dim %= tensor.dim()
+    shape = list(tensor.shape)
+    shape[dim] //= world
+    out, flat = _blocks_first(shape, dim, tensor)
+    full = tensor.movedim(dim, 0).contiguous()  # the blocks in rank order: the collective's input layout
+    STATS.add("reduce_scatter", full, world)
+    work = _reduce_scatter_tensor(flat, full, group=group, async_op=async_op)
+    return (out, work) if async_op else out
 
 
 # ---- flat buffers of the data-parallel component (parallel/zero.py): in
@@ -221,27 +242,55 @@ def split_block(tensor: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
 
 
 class _Adjoint(torch.autograd.Function):
+    """Each forward and backward collective returns a fresh tensor of its own
+    (never a view, never its input), so no output needs a defensive copy."""
+
     @staticmethod
     def forward(ctx, x, group, forward, backward):
         ctx.group, ctx.backward_fn = group, backward
-        out = forward(x, group)
-        # A view returned from a custom Function may not be modified in
-        # place, and a model may (Falcon: `mlp_output += attention_output`).
-        return out.clone() if out._base is not None or out is x else out
+        return forward(x, group)
 
     @staticmethod
     def backward(ctx, grad):
         return ctx.backward_fn(grad, ctx.group), None, None, None
 
 
-def _identity(x, group):
-    return x
+def _owned(x: torch.Tensor) -> bool:
+    """Whether an in-place collective may overwrite `x` (marked dirty, so
+    autograd refuses loudly if anything saved it): a dense non-view result
+    of another operation, not a leaf."""
+    return x.is_contiguous() and x._base is None and x.grad_fn is not None
 
 
-def _sum(x, group):
-    # A fresh buffer: all_reduce works in place, and autograd may still
-    # need the tensor it was handed.
+class _SumInPlace(torch.autograd.Function):
+    """All-reduce a fresh partial result in place (Megatron's `g`; with
+    both_ways also the backward, for statistics each rank then uses for its
+    own slice)."""
+
+    @staticmethod
+    def forward(ctx, x, group, both_ways: bool):
+        ctx.group, ctx.both_ways = group, both_ways
+        ctx.mark_dirty(x)
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (_summed(grad, ctx.group) if ctx.both_ways else grad), None, None
+
+
+def _summed(x, group):
+    # The collective's own buffer: all_reduce works in place, and a tensor
+    # handed in by autograd (a gradient two branches share) or by the
+    # caller may still be needed as it is.
     return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
+
+
+def _sum_partial(x, group, both_ways: bool):
+    if group_size(group) == 1:
+        return x
+    if _owned(x):
+        return _SumInPlace.apply(x, group, both_ways)
+    return _Adjoint.apply(x, group, _summed, _summed if both_ways else lambda t, g: t)
 
 
 def _apply(x, group, forward, backward):
@@ -250,20 +299,28 @@ def _apply(x, group, forward, backward):
 
 def copy_to_group(x, group):
     """Forward identity, backward all-reduce (Megatron's `f`): the input is
-    replicated over the group and each rank uses it for a different slice."""
-    return _apply(x, group, _identity, _sum)
+    replicated over the group and each rank uses it for a different slice.
+    The identity is an ordinary view (a model may modify it in place); the
+    all-reduce hooks its gradient (1d's linears fuse theirs, see one_d.py)."""
+    if group_size(group) == 1:
+        return x
+    out = x.view_as(x)
+    if out.requires_grad:
+        out.register_hook(lambda grad: _summed(grad, group))
+    return out
 
 
 def reduce_to_replicated(x, group):
     """Forward all-reduce of partial sums, backward identity (Megatron's `g`):
-    every rank then computes the same thing from the replicated sum."""
-    return _apply(x, group, _sum, _identity)
+    every rank then computes the same thing from the replicated sum. A
+    partial sum the caller produced and no longer reads is summed in place."""
+    return _sum_partial(x, group, both_ways=False)
 
 
 def sum_shared(x, group):
     """All-reduce both ways: for statistics (norm moments) that every rank
     then uses for its *own* slice, so the gradient contributions sum back."""
-    return _apply(x, group, _sum, _sum)
+    return _sum_partial(x, group, both_ways=True)
 
 
 def gather_along(x, group, dim):
@@ -276,15 +333,21 @@ def reduce_scatter_along(x, group, dim):
     return _apply(x, group, lambda t, g: reduce_scatter(t, g, dim), lambda t, g: all_gather(t, g, dim))
 
 
+def _own_block(t, g, dim):
+    # This rank's block in a buffer of its own: a slice would be a view.
+    return t.narrow(dim, group_rank(g) * (t.shape[dim] // group_size(g)),
+                    t.shape[dim] // group_size(g)).clone(memory_format=torch.contiguous_format)
+
+
 def split_along(x, group, dim):
     """Forward keep this rank's block of `dim` of a replicated tensor,
     backward all-gather the blocks' gradients (every rank's replicated
     computation before the split needs the whole gradient)."""
-    return _apply(x, group, lambda t, g: split_block(t, g, dim), lambda t, g: all_gather(t, g, dim))
+    return _apply(x, group, lambda t, g: _own_block(t, g, dim), lambda t, g: all_gather(t, g, dim))
 
 
 def gather_to_replicated(x, group, dim):
     """Forward all-gather along `dim` into a tensor every rank then uses
     whole and alike; backward keep this rank's block of the (identical)
     gradient. The adjoint of split_along."""
-    return _apply(x, group, lambda t, g: all_gather(t, g, dim), lambda t, g: split_block(t, g, dim))
+    return _apply(x, group, lambda t, g: all_gather(t, g, dim), lambda t, g: _own_block(t, g, dim))

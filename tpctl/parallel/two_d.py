@@ -179,6 +179,15 @@ class TwoD(ParallelMode):
         self.grid = Grid(mesh.geo.q, c["i"], c["j"], mesh.groups["row"], mesh.groups["col"],
                          mesh.group_ranks["row"], mesh.group_ranks["col"])
 
+    @property
+    def overlap(self) -> bool:
+        """train.overlap: the next SUMMA step's broadcasts in flight during this one's matmul."""
+        return self.grid.overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self.grid.overlap = on
+
     # ---- cost (mode.ParallelMode) -------------------------------------------
     loss_group_name = "row"
 

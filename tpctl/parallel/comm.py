@@ -9,6 +9,7 @@ names its forward and backward collective.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Optional
 
@@ -27,12 +28,16 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 class CommStats:
     """What this rank hands to collectives, per kind of collective: calls,
     payload bytes (the full tensor of the collective) and wire bytes (what a
-    ring algorithm sends per rank, the unit of docs/DESIGN.md's cost table)."""
+    ring algorithm sends per rank, the unit of docs/DESIGN.md's cost table);
+    and the seconds its thread spent in them (issuing, or waiting for one)
+    -- the communication not hidden behind compute -- by the wrapper that
+    issued it (`*_flat`: data parallelism's buckets)."""
 
     def __init__(self) -> None:
         self.calls: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)
         self.wire_bytes: dict[str, float] = defaultdict(float)
+        self.exposed_s: dict[str, float] = defaultdict(float)
 
     def add(self, op: str, full: torch.Tensor, group_size: int) -> None:
         nbytes = full.numel() * full.element_size()
@@ -44,6 +49,7 @@ class CommStats:
         self.calls.clear()
         self.bytes.clear()
         self.wire_bytes.clear()
+        self.exposed_s.clear()
 
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
@@ -53,6 +59,33 @@ class CommStats:
 
 
 STATS = CommStats()
+
+
+class _Timed:
+    """An async collective's work handle whose wait counts as exposed."""
+
+    __slots__ = ("work", "name")
+
+    def __init__(self, work, name: str):
+        self.work, self.name = work, name
+
+    def wait(self):
+        start = time.perf_counter()
+        try:
+            return self.work.wait()
+        finally:
+            STATS.exposed_s[self.name] += time.perf_counter() - start
+
+
+def _issue(name: str, collective, *args, async_op: bool = False, **kwargs):
+    """Run torch's `collective`, timing what the caller waits for: the whole
+    call when synchronous, the issue now and the wait later when async."""
+    start = time.perf_counter()
+    try:
+        work = collective(*args, async_op=async_op, **kwargs)
+    finally:
+        STATS.exposed_s[name] += time.perf_counter() - start
+    return _Timed(work, name) if async_op and work is not None else work
 
 
 # `None` means "this rank alone" (a collective over it is a no-op), never
@@ -67,12 +100,14 @@ def group_rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def all_reduce(tensor: torch.Tensor, group: Group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce; a group of one is free."""
+def all_reduce(tensor: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """In-place all-reduce; a group of one is free. Returns the tensor (async:
+    with the work handle to wait on)."""
+    work = None
     if group_size(group) > 1:
         STATS.add("all_reduce", tensor, group_size(group))
-        dist.all_reduce(tensor, op=op, group=group)
-    return tensor
+        work = _issue("all_reduce", dist.all_reduce, tensor, op=op, group=group, async_op=async_op)
+    return (tensor, work) if async_op else tensor
 
 
 def _blocks_first(shape, dim: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +135,8 @@ def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: bool 
     shape[dim] *= world
     out, flat = _blocks_first(shape, dim, tensor)
     STATS.add("all_gather", flat, world)
-    work = _all_gather_tensor(flat, tensor.movedim(dim, 0).contiguous(), group=group, async_op=async_op)
+    work = _issue("all_gather", _all_gather_tensor, flat, tensor.movedim(dim, 0).contiguous(), group=group,
+                  async_op=async_op)
     return (out, work) if async_op else out
 
 
@@ -116,7 +152,7 @@ def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: b
     out, flat = _blocks_first(shape, dim, tensor)
     full = tensor.movedim(dim, 0).contiguous()  # the blocks in rank order: the collective's input layout
     STATS.add("reduce_scatter", full, world)
-    work = _reduce_scatter_tensor(flat, full, group=group, async_op=async_op)
+    work = _issue("reduce_scatter", _reduce_scatter_tensor, flat, full, group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 
@@ -129,7 +165,7 @@ def all_reduce_flat(flat: torch.Tensor, group: Group, async_op: bool = False):
     if group_size(group) == 1:
         return None
     STATS.add("all_reduce", flat, group_size(group))
-    return dist.all_reduce(flat, group=group, async_op=async_op)
+    return _issue("all_reduce_flat", dist.all_reduce, flat, group=group, async_op=async_op)
 
 
 def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group: Group, async_op: bool = False):
@@ -139,7 +175,7 @@ def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group: Group, asy
         out.copy_(flat)
         return None
     STATS.add("reduce_scatter", flat, group_size(group))
-    return _reduce_scatter_tensor(out, flat, group=group, async_op=async_op)
+    return _issue("reduce_scatter_flat", _reduce_scatter_tensor, out, flat, group=group, async_op=async_op)
 
 
 def all_gather_flat(out: torch.Tensor, segment: torch.Tensor, group: Group, async_op: bool = False):
@@ -148,7 +184,7 @@ def all_gather_flat(out: torch.Tensor, segment: torch.Tensor, group: Group, asyn
         out.copy_(segment)
         return None
     STATS.add("all_gather", out, group_size(group))
-    return _all_gather_tensor(out, segment, group=group, async_op=async_op)
+    return _issue("all_gather_flat", _all_gather_tensor, out, segment, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = False):
@@ -156,7 +192,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = Fal
     if group_size(group) == 1:
         return None
     STATS.add("broadcast", tensor, group_size(group))
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _issue("broadcast", dist.broadcast, tensor, src=src, group=group, async_op=async_op)
 
 
 def reduce(tensor: torch.Tensor, dst: int, group: Group, async_op: bool = False):
@@ -164,7 +200,7 @@ def reduce(tensor: torch.Tensor, dst: int, group: Group, async_op: bool = False)
     if group_size(group) == 1:
         return None
     STATS.add("reduce", tensor, group_size(group))
-    return dist.reduce(tensor, dst=dst, group=group, async_op=async_op)
+    return _issue("reduce", dist.reduce, tensor, dst=dst, group=group, async_op=async_op)
 
 
 def count_send(tensor: torch.Tensor) -> None:

@@ -55,8 +55,8 @@ class _ColumnLinearFn(torch.autograd.Function):
             if ctx.gather:
                 grad_x, work = comm.reduce_scatter(grad_x, ctx.group, SEQ_DIM, async_op=True)
             else:
-                grad_x = grad_x.contiguous()  # autograd's own fresh buffer: summed in place
-                work = comm.all_reduce_flat(grad_x, ctx.group, async_op=True)
+                # autograd's own fresh buffer (of a leaf of this function's graph): summed in place
+                grad_x, work = comm.all_reduce(grad_x.contiguous(), ctx.group, async_op=True)
             if not ctx.overlap:
                 work.wait()
                 work = None

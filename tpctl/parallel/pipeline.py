@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from . import comm
-from .cut import Chunk, PipelineRefused, StageCut, StageOutput, StageStack, StandIn, parameter_count
+from .cut import Chunk, PipelineRefused, StageCut, StageOutput, StageStack, StandIn, compute_weight
 from .mesh import Mesh
 from .roles import logits_of
 from .stages import PipelineSpec
@@ -47,7 +47,7 @@ class Pipeline(StageCut):
     """This rank's stage (StageCut: what it holds, cut and wired) and the
     schedule that runs a step through the stages: `forward_backward`."""
 
-    def __init__(self, mesh: Mesh, spec: PipelineSpec, weigh: Callable[[nn.Module], float] = parameter_count):
+    def __init__(self, mesh: Mesh, spec: PipelineSpec, weigh: Callable[[nn.Module], float] = compute_weight):
         super().__init__(mesh, spec, weigh)
         self.group = mesh.groups.get("pp")
         self._schedule = None

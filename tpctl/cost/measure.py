@@ -400,7 +400,8 @@ def predicted_ms(cfg, modes, size, depth, hardware: str, pp: int = 1) -> dict[st
     for m in modes:
         layout = layout_of(m, size, depth, pp)
         spec = pipeline_of(layout, cfg)
-        out[m] = predict(plan_split(shape, layout, cfg.train.batch_size, cfg.train.seq_len, pipeline=spec), hw).step_time_s * 1e3
+        plan = plan_split(shape, layout, cfg.train.batch_size, cfg.train.seq_len, pipeline=spec)
+        out[m] = predict(plan, hw, overlap=overlapped(m)[1]).step_time_s * 1e3
     return out
 
 

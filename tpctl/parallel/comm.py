@@ -248,14 +248,23 @@ _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "redu
                 "reduce_scatter_flat", "all_gather_flat")
 
 
+# Functions of other modules that issue collectives inside autograd
+# functions of their own (1d's and 3d's fused linears): (module globals, name).
+_ALSO_EAGER: list[tuple[dict, str]] = []
+
+
+def also_eager(module_globals: dict, name: str) -> None:
+    """Have keep_collectives_eager leave `name` of that module to eager mode too."""
+    _ALSO_EAGER.append((module_globals, name))
+
+
 def keep_collectives_eager() -> None:
     """Make torch.compile leave every collective above to eager mode (a graph
     break at each): dynamo never traces into them, so each call still runs
     once per step and STATS counts it. Called by training.compile before a
     model is compiled (not at import: torch._dynamo costs seconds to load);
     idempotent."""
-    module = globals()
-    for name in _COLLECTIVES:
+    for module, name in [(globals(), n) for n in _COLLECTIVES] + _ALSO_EAGER:
         fn = module[name]
         if not getattr(fn, "_tpctl_eager", False):
             eager = torch.compiler.disable(fn)

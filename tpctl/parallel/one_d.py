@@ -86,7 +86,14 @@ class ColumnLinear(nn.Module):
         x = to_compute(x)  # under autocast: the gather and the backward all-reduce in the compute dtype
         if self.entry == "gathered" or comm.group_size(self.group) == 1:
             return F.linear(x, self.weight, self.bias)
-        return _ColumnLinearFn.apply(x, self.weight, self.bias, self.group, self.entry == "seq_shards", self.overlap)
+        return _column_linear(x, self.weight, self.bias, self.group, self.entry == "seq_shards", self.overlap)
+
+
+def _column_linear(x, weight, bias, group, gather: bool, overlap: bool) -> torch.Tensor:
+    return _ColumnLinearFn.apply(x, weight, bias, group, gather, overlap)
+
+
+comm.also_eager(globals(), "_column_linear")  # its backward runs a graph of its own: never compiled
 
 
 class RowLinear(nn.Module):
@@ -183,11 +190,12 @@ class OneD(ParallelMode):
 
     def cost_linear(self, add, role: str, tokens: int, n: int, k: int) -> int:
         if role in COLUMN_ROLES:
+            # the input gradient's sum runs beside the weight gradient's product (_ColumnLinearFn)
             if self.seq_parallel:  # gather the input's sequence shards; backward: reduce-scatter its gradient
                 add("all_gather", "tp", tokens * k)
-                add("reduce_scatter", "tp", tokens * k)
+                add("reduce_scatter", "tp", tokens * k, hidden=True)
             else:
-                add("all_reduce", "tp", tokens * k)  # backward of copy_to_group
+                add("all_reduce", "tp", tokens * k, hidden=True)
             return tokens * k
         self._cost_reduce_out(add, tokens * n)
         return tokens * k // self.world

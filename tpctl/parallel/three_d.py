@@ -111,6 +111,9 @@ def cube_linear(x: torch.Tensor, weight: torch.Tensor, layout: Layout3D, groups:
     return _CubeLinearFn.apply(to_compute(x), to_compute(weight), layout, groups, overlap)
 
 
+comm.also_eager(globals(), "cube_linear")  # its backward runs a graph of its own: never compiled
+
+
 class Linear3D(nn.Module):
     def __init__(self, weight, bias, layout: Layout3D, groups: dict, overlap: bool = True):
         super().__init__()
@@ -193,7 +196,7 @@ class ThreeD(ParallelMode):
         x, w, y = tokens // q * (k // q), (n // q) * (k // q), tokens // q * (n // q)
         for group, numel in ((layout.rows, x), ("i", w)):  # X and W gathered; backward: reduce-scattered
             add("all_gather", group, numel)
-            add("reduce_scatter", group, numel)
+            add("reduce_scatter", group, numel, hidden=group != "i")  # dX's beside dW's product
         add("reduce_scatter", layout.hidden, y)
         add("all_gather", layout.hidden, y)
         return x + w

@@ -279,6 +279,15 @@ def test_the_stage_weighting_is_pluggable():
     assert heavy_last.blocks_of == [range(0, 3), range(3, 4)] and weighed[:4] == list(model.blocks)
 
 
+def test_the_planned_bubble_counts_what_each_stage_costs():
+    """Equal stages: the schedule's formula; a last stage three times as
+    costly (GPT-2's head) paces the others, who then wait longer."""
+    spec = PipelineSpec(4, "1f1b", 1, 8)
+    assert spec.bubble_for([2.0] * 4) == pytest.approx(spec.bubble())
+    # wall = 7 * 3 + 6 = 27 per-micro-batch units, busy 8 * 1.5 on average
+    assert spec.bubble_for([1, 1, 1, 3]) == pytest.approx(1 - 8 * 1.5 / 27)
+
+
 # ---- what cannot be pipelined is refused before any worker starts, in one line
 
 def flat_lm(vocab_size: int = 32, width: int = 16):

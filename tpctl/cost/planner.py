@@ -268,8 +268,8 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
         pipeline = PipelineSpec(layout.pp, "1f1b", 1, layout.pp)
     if layout.pp > 1 and stage is None:
         stages = [plan_split(shape, layout, batch_size, seq_len, grad_accum, bucket_bytes, pipeline, s) for s in range(layout.pp)]
-        worst = max(stages, key=lambda p: p.memory_bytes)
-        return dataclasses.replace(worst, stages=stages)
+        worst = max(stages, key=lambda p: p.memory_bytes)  # its bubble: the stages' FLOPs, as the cut left them
+        return dataclasses.replace(worst, stages=stages, bubble=pipeline.bubble_for([p.flops for p in stages]))
     rank = layout.rank_of({"pp": stage or 0})
     par = parallelism(layout, groups=False, rank=rank, pipeline=pipeline)
     mode, pipe = par.mode, par.pipeline
@@ -437,12 +437,12 @@ def predict(plan: SplitPlan, hw: Hardware, overlap: bool = True) -> SplitPlan:
     slowest link its groups span, less (train.overlap) the asynchronous ones
     up to BESIDE_SHARE of the compute (hidden_s; comm_s: the exposed rest).
     A pipeline's step is its slowest stage's, whose compute is stretched by
-    the bubble (busy for 1 - bubble of the step)."""
+    the bubble (busy for 1 - bubble of the step, on average)."""
     if plan.stages:
         for stage in plan.stages:
             predict(stage, hw, overlap)
         slowest = max(plan.stages, key=lambda p: p.step_time_s)
-        plan.compute_s = slowest.compute_s / (1 - plan.bubble)
+        plan.compute_s = sum(p.compute_s for p in plan.stages) / len(plan.stages) / (1 - plan.bubble)
         plan.comm_s = slowest.comm_s
         plan.step_time_s = plan.compute_s + plan.comm_s
         plan.fits = all(p.fits for p in plan.stages)

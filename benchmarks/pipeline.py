@@ -12,7 +12,9 @@ every M. Per row:
     same world;
   * the bubble: measured (each rank's idle share of its steps: 1 - busy /
     wall, busy = its chunks' forwards, backwards and loss; mean over the
-    ranks), the plan's formula (p-1)/(v*m+p-1), and the formula for the
+    ranks), the plan's (`tpctl plan`: the stages' FLOPs as the cut left
+    them, PipelineSpec.bubble_for; equal stages give (p-1)/(v*m+p-1)), and
+    the formula for the
     stages' measured costs (the slowest stage paces the steady state:
     wall = (m - 1 + (v-1)/v) * t_max + sum(t_r) / v, t_r a rank's busy
     time per micro-batch), which is what equal stages would give exactly;
@@ -118,12 +120,14 @@ def _run(pool_of, args, pp: int, schedule: str, m: int, world: int) -> dict:
            "send_bytes_stage0": per_rank[0]["send_bytes"]}
     if pp > 1:
         spec = layout.pipeline(cfg)
+        from tpctl.cost.planner import model_shape, plan_split
+
         busy = [r["busy_per_micro"] for r in per_rank[:pp]]  # replica 0's stages, in pp order
-        v = spec.virtual
-        wall = (m - 1 + (v - 1) / v) * max(busy) + sum(busy) / v
-        row.update(bubble=statistics.mean(r["bubble"] for r in per_rank), planned=spec.bubble(),
-                   planned_for_costs=1 - m * statistics.mean(busy) / wall, in_flight=spec.in_flight(0),
-                   v=v, split=[len(r) for r in _cut(cfg, layout)])
+        plan = plan_split(model_shape(cfg.model, cfg.seed), layout, cfg.train.batch_size, cfg.train.seq_len,
+                          pipeline=spec)
+        row.update(bubble=statistics.mean(r["bubble"] for r in per_rank), planned=plan.bubble,
+                   planned_for_costs=spec.bubble_for(busy), in_flight=spec.in_flight(0),
+                   v=spec.virtual, split=[len(r) for r in _cut(cfg, layout)])
     return row
 
 
@@ -202,7 +206,7 @@ def _line(row: dict, base: dict) -> str:
 
 
 if __name__ == "__main__":
-    print("| world | schedule [blocks per stage] | M | ms/step | x pp=1 | bubble measured | planned (p-1)/(vm+p-1) | "
+    print("| world | schedule [blocks per stage] | M | ms/step | x pp=1 | bubble measured | planned (stage FLOPs) | "
           "planned for the stages' costs | stage-0 activation peak MiB | p2p MiB/step (stage 0) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     sys.exit(main())

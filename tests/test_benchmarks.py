@@ -35,6 +35,8 @@ SCRIPTS = {
     "gpu_step.py": (["--cpu"], "tpctl / plain", False),  # the CPU's smoke run: tiny shapes, dynamo only
     "hf_all_families.py": (["gpt2"], "OK gpt2", False),
     "loss_memory.py": (["64", "256"], "", False),
+    "overlap.py": (["--model", "gpt-tiny", "--size", "2", "--modes", "1d", "--steps", "1", "--rounds", "1", "--",
+                    "train.batch_size=2", "train.seq_len=8"], "overlapped vs blocking", False),
     "papers_vs_plan.py": ([], "|", False),
     "param_memory.py": (["--vocab-size", "64", "--n-layer", "1", "--n-head", "4", "--n-embd", "16", "--block-size", "16"],
                         "parameter memory per rank", False),

@@ -291,9 +291,11 @@ def test_a_custom_loop_over_a_pipeline_sums_the_tied_weight(pool):
 
 
 def test_the_stage_weighting_is_pluggable():
-    """The stages are balanced by a weight per block: its parameter count
-    by default (4 equal blocks: 2 and 2), or what `weigh` says (the last
-    block heavy: it alone on the last stage)."""
+    """The stages are balanced by a weight per block: its training FLOPs
+    by default (4 equal blocks and the tied LM head, 1.3 blocks of FLOPs,
+    on the last stage, the embedding none: 3 and 1; by parameters, which
+    count the embedding first, it was 2 and 2), or what `weigh` says (the
+    last block heavy: it alone on the last stage)."""
     from tpctl.models import build_model
     from tpctl.parallel.cut import StageCut
     from tpctl.parallel.mesh import build_mesh
@@ -303,7 +305,7 @@ def test_the_stage_weighting_is_pluggable():
     spec = PipelineSpec(2, "1f1b", 1, 2)
     default = StageCut(mesh, spec)
     default.assign(build_model(cfg.model, cfg.seed, lazy=True))
-    assert default.blocks_of == [range(0, 2), range(2, 4)]
+    assert default.blocks_of == [range(0, 3), range(3, 4)]
     weighed: list = []
 
     def weigh(block):
@@ -311,8 +313,19 @@ def test_the_stage_weighting_is_pluggable():
         return 10**9 if len(weighed) == 4 else 1
 
     heavy_last = StageCut(mesh, spec, weigh)
-    heavy_last.assign(build_model(cfg.model, cfg.seed, lazy=True))
-    assert heavy_last.blocks_of == [range(0, 3), range(3, 4)] and len(weighed) == 4
+    model = build_model(cfg.model, cfg.seed, lazy=True)
+    heavy_last.assign(model)
+    # the blocks weighed first, then what runs before and after them
+    assert heavy_last.blocks_of == [range(0, 3), range(3, 4)] and weighed[:4] == list(model.blocks)
+
+
+def test_the_planned_bubble_counts_what_each_stage_costs():
+    """Equal stages: the schedule's formula; a last stage three times as
+    costly (GPT-2's head) paces the others, who then wait longer."""
+    spec = PipelineSpec(4, "1f1b", 1, 8)
+    assert spec.bubble_for([2.0] * 4) == pytest.approx(spec.bubble())
+    # wall = 7 * 3 + 6 = 27 per-micro-batch units, busy 8 * 1.5 on average
+    assert spec.bubble_for([1, 1, 1, 3]) == pytest.approx(1 - 8 * 1.5 / 27)
 
 
 # ---- what cannot be pipelined is refused before any worker starts, in one line

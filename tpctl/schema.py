@@ -119,6 +119,11 @@ class TrainLoopConfig:
     # (10-bit mantissa inputs, fp32 accumulation), faster and not exact.
     # false keeps fp32 exact; a CPU ignores it.
     tf32: Any = False
+    # Collectives issued asynchronously beside the compute that does not
+    # depend on them (1d's input-gradient all-reduce during the weight
+    # gradient's product, 2d's next broadcasts, ...); false waits for each at
+    # once. Either way the same bits (docs/DESIGN.md, "Overlap").
+    overlap: bool = True
     # Before step 1, check the rewritten model against the original, module
     # by module and block by block (parallel/verify.py): refuse to train if
     # they differ beyond fp32 round-off.

@@ -3,11 +3,14 @@
     tpctl bench model=gpt-tiny size=4 modes=[none,plain,1d,dtensor,2d] [steps=5] [rounds=3] [compile=true]
                 [pp=2 pipeline.schedule=1f1b ...] [device=cuda hardware=auto|h100|h200] [train.batch_size=16 ...]
     tpctl bench model=gpt-tiny size=4 modes=[none-dp4,none-dp4-z1,none-dp4-z3,1d-2-dp2-z2]
+    tpctl bench model=gpt-small size=4 modes=[1d,1d-blocking,2d,2d-blocking]
 
 A mode is a name (`1d`, `2d`: one tensor-parallel group of `size` ranks) or
 a layout's short name of `size` ranks in all, with data parallelism and a
 ZeRO stage (`2d-4-dp2-z3`: 2d on 4 ranks times 2 replicas, zero=3; the rows
-show its label).
+show its label). `<mode>-blocking` (`1d-blocking`, `2d-4-dp2-blocking`) is
+the same run with train.overlap=false: every collective waited for at once,
+the row to compare the overlapped one with (the same bits).
 
 One pool of `size` gloo ranks runs every mode (and `dtensor`: PyTorch's own
 tensor parallelism, torch.distributed.tensor.parallel's ColwiseParallel /
@@ -42,7 +45,7 @@ from __future__ import annotations
 
 from tpctl.commands.options import integer, name_list, parse_options, refused, text
 from tpctl.cost.measure import (BASELINE, DEFAULT_MODES, PLAIN, REFERENCE, ImpossibleMFU, bench, check, hardware_for,
-                                is_layout_name, layout_of, mfu, one_rank, predicted_ms)
+                                is_layout_name, layout_of, mfu, one_rank, overlapped, predicted_ms)
 from tpctl.errors import ConfigError, fail
 
 
@@ -150,7 +153,7 @@ def print_table(results: dict, predicted: dict, cfg, size: int, opts: dict) -> N
              f"{cfg.precision}{', compiled' if opts['compile'] else ''}, "
              f"median of {opts['rounds']}x{opts['steps']} steps")
     table = Table(title=title)
-    columns = ["mode", "ranks", "ms/step", "best ms", "tokens/s", "x none", "x plain", "comm MiB/step",
+    columns = ["mode", "ranks", "ms/step", "best ms", "tokens/s", "x none", "x plain", "comm MiB/step", "exposed comm ms",
                "params+grads+AdamW MiB/rank", "x none ", "step-1 loss", f"plan ms ({opts['hardware']})"]
     if cuda:
         columns.append(f"MFU ({opts['hardware']})")
@@ -158,7 +161,8 @@ def print_table(results: dict, predicted: dict, cfg, size: int, opts: dict) -> N
         table.add_column(c, justify="left" if c == "mode" else "right")
     for name, r in results.items():
         mem = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
-        label = layout_of(name, size, opts["depth"]).label() if is_layout_name(name) else name
+        label = layout_of(name, size, opts["depth"]).label() + ("" if overlapped(name)[1] else " blocking") \
+            if is_layout_name(name) else name
         label += " (torch TP)" if name == BASELINE else ""
         speed = f"{ref['median_s'] / r['median_s']:.2f}" if ref else "-"
         vs_plain = f"{plain['median_s'] / r['median_s']:.2f}" if plain else "-"
@@ -166,15 +170,24 @@ def print_table(results: dict, predicted: dict, cfg, size: int, opts: dict) -> N
         comm_mib = "not counted" if name == BASELINE else f"{r['comm_bytes'] / 2**20:,.2f}"
         ranks = 1 if one_rank(name) else size * opts["pp"]
         row = [label, str(ranks), f"{r['median_s'] * 1e3:,.1f}", f"{r['best_s'] * 1e3:,.1f}",
-               f"{tokens / r['median_s']:,.0f}", speed, vs_plain, comm_mib, f"{mem / 2**20:,.2f}", mem_ratio,
+               f"{tokens / r['median_s']:,.0f}", speed, vs_plain, comm_mib, _exposed(r, name), f"{mem / 2**20:,.2f}", mem_ratio,
                f"{r['first_loss']:.6f}", f"{predicted[name]:,.1f}" if predicted.get(name) is not None else "-"]
         if cuda:
             value = _mfu(cfg, hw, r["median_s"], ranks, name)
             row.append(f"{value:.3f}" if value is not None else "-")
         table.add_row(*row)
-    console = Console(width=220)
+    console = Console(width=240)
     console.print(table)
     console.print("x none / x plain: speed-up (tokens/s) relative to mode=none on one rank and to a plain PyTorch loop "
                   "(F.cross_entropy, clip_grad_norm_) on one rank; memory relative to none; comm: payload bytes "
-                  "handed to collectives by rank 0 (comm.py); plan ms: `tpctl plan`'s prediction"
+                  "handed to collectives by rank 0 (comm.py); exposed comm: the time a rank's thread spent issuing or "
+                  "waiting for collectives (mean over ranks; dp: data parallelism's bucket reductions, not hidden behind "
+                  "the backward); plan ms: `tpctl plan`'s prediction"
                   + ("; MFU: model FLOPs per token x tokens/s / (peak x ranks)." if cuda else "."))
+
+
+def _exposed(r: dict, name: str) -> str:
+    if name == BASELINE or "exposed_comm_s" not in r:
+        return "not counted"
+    dp = f" (dp {r['exposed_dp_s'] * 1e3:,.1f})" if r["exposed_dp_s"] else ""
+    return f"{r['exposed_comm_s'] * 1e3:,.1f}{dp}"

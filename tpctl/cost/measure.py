@@ -22,6 +22,15 @@ PLAIN = "plain"
 # tpctl in one process: the reference every mode must match.
 REFERENCE = "none"
 DEFAULT_MODES = [REFERENCE, PLAIN, "1d", BASELINE, "2d"]
+# `<mode>-blocking`: the same run with train.overlap=false (every collective
+# waited for at once), a row beside the overlapped one.
+BLOCKING = "-blocking"
+
+
+def overlapped(name: str) -> tuple[str, bool]:
+    """A bench mode name without its `-blocking` suffix, and whether it
+    overlaps communication (True unless the suffix was there)."""
+    return (name[:-len(BLOCKING)], False) if name.endswith(BLOCKING) else (name, True)
 
 
 def mode_names() -> list[str]:
@@ -46,6 +55,7 @@ def layout_of(name: str, size: int, depth: Optional[int], pp: int = 1):
     name (Layout.parse: `none-dp4-z2`, `2d-4-dp2-z3`) of `size` ranks in all."""
     from tpctl.parallel.layout import Layout
 
+    name = overlapped(name)[0]
     if is_layout_name(name):
         return Layout.parse(name)
     if name in (REFERENCE, PLAIN):
@@ -75,6 +85,7 @@ def _fits(layout) -> bool:
 
 def is_layout_name(name: str) -> bool:
     """Whether a bench mode name is a layout's short name (`2d-4-dp2-z1`)."""
+    name = overlapped(name)[0]
     return "-" in name and not _sequence_parallel(name)
 
 
@@ -89,6 +100,9 @@ def check(cfg, modes: list[str], size: int, depth: Optional[int], pp: int = 1) -
 
     valid = mode_names()
     for m in modes:
+        if not overlapped(m)[1] and overlapped(m)[0] in (PLAIN, BASELINE, REFERENCE):
+            raise ConfigError("modes", m, f"{overlapped(m)[0]} has no collectives of tpctl's to overlap: "
+                                          "-blocking follows a tensor-parallel mode (1d-blocking) or a layout name")
         if is_layout_name(m):
             try:
                 layout = layout_of(m, size, depth)
@@ -98,7 +112,7 @@ def check(cfg, modes: list[str], size: int, depth: Optional[int], pp: int = 1) -
             if layout.world != size:
                 raise ConfigError("modes", m, f"{layout.label()} runs on {layout.world} ranks: expected {size} (size={size})")
             continue
-        if m not in valid:
+        if overlapped(m)[0] not in valid:
             example = Layout(dp=size, zero=1).name
             raise ConfigError("modes", m, f"expected a list of {', '.join(valid)}, or layout names such as {example}")
         if m == BASELINE and pp > 1:
@@ -138,6 +152,7 @@ def setup(name: str, cfg_dict: dict, size: int, depth: Optional[int], compile: b
     from tpctl.training.step import build_optimizer
 
     cfg = OmegaConf.create(cfg_dict)
+    cfg.train.overlap = overlapped(name)[1]
     import_mode_module(cfg.get("mode_module"))  # a pool rank finds a mode defined outside tpctl by name
     layout = layout_of(name, size, depth, pp)
     rank = dist.get_rank()
@@ -166,7 +181,7 @@ def setup(name: str, cfg_dict: dict, size: int, depth: Optional[int], compile: b
     st["cfg"], st["device"] = cfg, device
     g = torch.Generator().manual_seed(cfg.seed)
     st["ids"] = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1), generator=g).to(device)
-    st["times"], st["comm"] = [], []
+    st["times"], st["comm"], st["exposed"] = [], [], []
     rank_state[name] = st
     return {"param_bytes": _memory(st)["param_bytes"]}
 
@@ -278,6 +293,8 @@ def _run(name: str, steps: int, record: bool) -> None:
         if record and not st.get("idle"):
             st["times"].append(elapsed)
             st["comm"].append(comm.STATS.total_bytes())
+            exposed = comm.STATS.exposed_s
+            st["exposed"].append((sum(exposed.values()), sum(v for k, v in exposed.items() if k.endswith("_flat"))))
     comm.barrier()
 
 
@@ -288,7 +305,7 @@ def _collect(name: str) -> dict:
     if st.get("idle"):
         return {}
     return {"times": st["times"], "first_loss": st.get("first_loss"), "comm_bytes": st["comm"][-1] if st["comm"] else 0,
-            **_memory(st)}
+            "exposed": st["exposed"], **_memory(st)}
 
 
 def _memory(st: dict) -> dict:
@@ -339,6 +356,11 @@ def bench(cfg, modes: list[str], size: int, steps: int, rounds: int, warmup: int
             times = [max(rr["times"][k] for rr in per_rank if rr) for k in range(len(r["times"]))]
             r["times"] = times
             r["median_s"] = statistics.median(times)
+            # communication the ranks' threads waited for (comm.STATS.exposed_s), per step: the mean over ranks
+            exposed = [[statistics.fmean(rr["exposed"][k][part] for rr in per_rank if rr) for k in range(len(times))]
+                       for part in (0, 1)]
+            r["exposed_comm_s"], r["exposed_dp_s"] = (statistics.median(e) if e else 0.0 for e in exposed)
+            del r["exposed"]
             r["best_s"] = min(times)
             results[m] = r
         return results
@@ -417,7 +439,8 @@ def predicted_ms(cfg, modes, size, depth, hardware: str, pp: int = 1) -> dict[st
     for m in modes:
         layout = layout_of(m, size, depth, pp)
         spec = pipeline_of(layout, cfg)
-        out[m] = predict(plan_split(shape, layout, cfg.train.batch_size, cfg.train.seq_len, pipeline=spec), hw).step_time_s * 1e3
+        plan = plan_split(shape, layout, cfg.train.batch_size, cfg.train.seq_len, pipeline=spec)
+        out[m] = predict(plan, hw, overlap=overlapped(m)[1]).step_time_s * 1e3
     return out
 
 

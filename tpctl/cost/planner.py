@@ -148,6 +148,9 @@ class Comm:
     bytes: int = 0  # payload, as comm.CommStats counts it
     wire_bytes: float = 0.0
     group_size: int = 1
+    # issued beside compute under train.overlap: add(hidden=True), and data parallelism's buckets
+    hidden_calls: int = 0
+    hidden_wire_bytes: float = 0.0
 
 
 @dataclass
@@ -170,6 +173,7 @@ class SplitPlan:
     bubble: Optional[float] = None
     # A ZeRO stage that fits where the same layout with zero=0 does not.
     fits_by_zero: bool = False
+    hidden_s: float = 0.0  # communication predicted to run beside compute (not in step_time_s)
 
     @property
     def label(self) -> str:
@@ -201,7 +205,7 @@ class SplitPlan:
                  optim_bytes=self.optim_bytes, activation_bytes=self.activation_bytes, gathered_bytes=self.gathered_bytes,
                  memory_bytes=self.memory_bytes, flops=self.flops, comm_bytes=self.comm_bytes,
                  wire_bytes=self.wire_bytes, step_time_s=self.step_time_s, compute_s=self.compute_s,
-                 comm_s=self.comm_s, fits=self.fits, fits_by_zero=self.fits_by_zero, by_kind=self.by_kind(),
+                 comm_s=self.comm_s, hidden_s=self.hidden_s, fits=self.fits, fits_by_zero=self.fits_by_zero, by_kind=self.by_kind(),
                  bubble=self.bubble,
                  comm=[{"kind": k, "group": g, **dataclasses.asdict(c)} for (k, g), c in sorted(self.comm.items())])
         return d
@@ -221,7 +225,7 @@ class _Counter:
             self.sizes[group] = len(self.layout.group_of(group, self.rank))
         return self.sizes[group]
 
-    def add(self, kind: str, group: str, numel: int, times: int = 1, elem: int = F32) -> None:
+    def add(self, kind: str, group: str, numel: int, times: int = 1, elem: int = F32, hidden: bool = False) -> None:
         p = self.size(group)
         if p <= 1 or times == 0:
             return
@@ -229,13 +233,15 @@ class _Counter:
         c.calls += times
         c.bytes += times * numel * elem
         c.wire_bytes += times * WIRE_FACTOR[kind](p) * numel * elem
+        if hidden or (group == "dp" and kind in ("all_reduce", "reduce_scatter")):
+            c.hidden_calls += times
+            c.hidden_wire_bytes += times * WIRE_FACTOR[kind](p) * numel * elem
 
     def merge(self, other: "_Counter", times: int) -> None:
         for key, c in other.comm.items():
             total = self.comm.setdefault(key, Comm(group_size=c.group_size))
-            total.calls += times * c.calls
-            total.bytes += times * c.bytes
-            total.wire_bytes += times * c.wire_bytes
+            for f in ("calls", "bytes", "wire_bytes", "hidden_calls", "hidden_wire_bytes"):
+                setattr(total, f, getattr(total, f) + times * getattr(c, f))
 
 
 def _replica_group(layout: Layout, spec, rank: int = 0) -> Optional[str]:
@@ -262,8 +268,8 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
         pipeline = PipelineSpec(layout.pp, "1f1b", 1, layout.pp)
     if layout.pp > 1 and stage is None:
         stages = [plan_split(shape, layout, batch_size, seq_len, grad_accum, bucket_bytes, pipeline, s) for s in range(layout.pp)]
-        worst = max(stages, key=lambda p: p.memory_bytes)
-        return dataclasses.replace(worst, stages=stages)
+        worst = max(stages, key=lambda p: p.memory_bytes)  # its bubble: the stages' FLOPs, as the cut left them
+        return dataclasses.replace(worst, stages=stages, bubble=pipeline.bubble_for([p.flops for p in stages]))
     rank = layout.rank_of({"pp": stage or 0})
     par = parallelism(layout, groups=False, rank=rank, pipeline=pipeline)
     mode, pipe = par.mode, par.pipeline
@@ -423,16 +429,21 @@ def load_hardware(name: str) -> Hardware:
         raise ConfigError("hardware", name, f"{path} needs numbers for {', '.join(sorted(fields - {'name', 'note'}))}: {e}") from None
 
 
-def predict(plan: SplitPlan, hw: Hardware) -> SplitPlan:
+# What compute an asynchronous collective hides behind: a third of a step's (its weight-gradient products).
+BESIDE_SHARE = 1 / 3
+
+
+def predict(plan: SplitPlan, hw: Hardware, overlap: bool = True) -> SplitPlan:
     """Fill in step_time_s: compute + every collective at the speed of the
-    slowest link its groups span (no overlap of compute and communication).
+    slowest link its groups span, less (train.overlap) the asynchronous ones
+    up to BESIDE_SHARE of the compute (hidden_s; comm_s: the exposed rest).
     A pipeline's step is its slowest stage's, whose compute is stretched by
-    the bubble (busy for 1 - bubble of the step)."""
+    the bubble (busy for 1 - bubble of the step, on average)."""
     if plan.stages:
         for stage in plan.stages:
-            predict(stage, hw)
+            predict(stage, hw, overlap)
         slowest = max(plan.stages, key=lambda p: p.step_time_s)
-        plan.compute_s = slowest.compute_s / (1 - plan.bubble)
+        plan.compute_s = sum(p.compute_s for p in plan.stages) / len(plan.stages) / (1 - plan.bubble)
         plan.comm_s = slowest.comm_s
         plan.step_time_s = plan.compute_s + plan.comm_s
         plan.fits = all(p.fits for p in plan.stages)
@@ -440,14 +451,17 @@ def predict(plan: SplitPlan, hw: Hardware) -> SplitPlan:
     compute = plan.flops / (hw.peak_flops * hw.efficiency)
     if hw.cores and plan.layout.world > hw.cores:
         compute *= plan.layout.world / hw.cores  # oversubscribed CPU: ranks take turns
-    comm_s = 0.0
+    comm_s = hideable = 0.0
     for (kind, group), c in plan.comm.items():
         spans = any(len({r // hw.ranks_per_node for r in members}) > 1
                     for members in plan.layout.group_members(group))
         bw, lat = (hw.inter_bw, hw.inter_latency) if spans else (hw.intra_bw, hw.intra_latency)
         steps = LATENCY_STEPS.get(kind, lambda p: p - 1)(c.group_size)
         comm_s += c.calls * steps * lat + c.wire_bytes / bw
-    plan.compute_s, plan.comm_s, plan.step_time_s = compute, comm_s, compute + comm_s
+        hideable += c.hidden_calls * steps * lat + c.hidden_wire_bytes / bw
+    plan.hidden_s = min(hideable, BESIDE_SHARE * compute) if overlap else 0.0
+    plan.compute_s, plan.comm_s = compute, comm_s - plan.hidden_s
+    plan.step_time_s = compute + plan.comm_s
     plan.fits = not hw.memory_bytes or plan.memory_bytes <= hw.memory_bytes
     return plan
 

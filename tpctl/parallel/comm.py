@@ -9,6 +9,7 @@ names its forward and backward collective.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Optional
 
@@ -27,12 +28,16 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 class CommStats:
     """What this rank hands to collectives, per kind of collective: calls,
     payload bytes (the full tensor of the collective) and wire bytes (what a
-    ring algorithm sends per rank, the unit of docs/DESIGN.md's cost table)."""
+    ring algorithm sends per rank, the unit of docs/DESIGN.md's cost table);
+    and the seconds its thread spent in them (issuing, or waiting for one)
+    -- the communication not hidden behind compute -- by the wrapper that
+    issued it (`*_flat`: data parallelism's buckets)."""
 
     def __init__(self) -> None:
         self.calls: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)
         self.wire_bytes: dict[str, float] = defaultdict(float)
+        self.exposed_s: dict[str, float] = defaultdict(float)
 
     def add(self, op: str, full: torch.Tensor, group_size: int) -> None:
         nbytes = full.numel() * full.element_size()
@@ -44,6 +49,7 @@ class CommStats:
         self.calls.clear()
         self.bytes.clear()
         self.wire_bytes.clear()
+        self.exposed_s.clear()
 
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
@@ -53,6 +59,33 @@ class CommStats:
 
 
 STATS = CommStats()
+
+
+class _Timed:
+    """An async collective's work handle whose wait counts as exposed."""
+
+    __slots__ = ("work", "name")
+
+    def __init__(self, work, name: str):
+        self.work, self.name = work, name
+
+    def wait(self):
+        start = time.perf_counter()
+        try:
+            return self.work.wait()
+        finally:
+            STATS.exposed_s[self.name] += time.perf_counter() - start
+
+
+def _issue(name: str, collective, *args, async_op: bool = False, **kwargs):
+    """Run torch's `collective`, timing what the caller waits for: the whole
+    call when synchronous, the issue now and the wait later when async."""
+    start = time.perf_counter()
+    try:
+        work = collective(*args, async_op=async_op, **kwargs)
+    finally:
+        STATS.exposed_s[name] += time.perf_counter() - start
+    return _Timed(work, name) if async_op and work is not None else work
 
 
 # `None` means "this rank alone" (a collective over it is a no-op), never
@@ -67,36 +100,60 @@ def group_rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def all_reduce(tensor: torch.Tensor, group: Group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce; a group of one is free."""
+def all_reduce(tensor: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """In-place all-reduce; a group of one is free. Returns the tensor (async:
+    with the work handle to wait on)."""
+    work = None
     if group_size(group) > 1:
         STATS.add("all_reduce", tensor, group_size(group))
-        dist.all_reduce(tensor, op=op, group=group)
-    return tensor
+        work = _issue("all_reduce", dist.all_reduce, tensor, op=op, group=group, async_op=async_op)
+    return (tensor, work) if async_op else tensor
 
 
-def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
-    """Concatenate every rank's `tensor` along `dim`, in group-rank order."""
+def _blocks_first(shape, dim: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fresh tensor of `shape` laid out with `dim` outermost, and the
+    contiguous view of it with `dim` moved first: the collective writes the
+    view, the caller gets the tensor itself -- no view returned, no copy
+    into the usual layout (a custom Function's view output could not be
+    modified in place)."""
+    order = [dim] + [d for d in range(len(shape)) if d != dim]
+    strides, step = [0] * len(shape), 1
+    for d in reversed(order):
+        strides[d], step = step, step * shape[d]
+    out = torch.empty_strided(shape, strides, dtype=like.dtype, device=like.device)
+    return out, out.movedim(dim, 0)
+
+
+def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: bool = False):
+    """Concatenate every rank's `tensor` along `dim`, in group-rank order,
+    into a fresh tensor (async: with the work handle to wait on)."""
     world = group_size(group)
     if world == 1:
-        return tensor
-    tensor = tensor.movedim(dim, 0).contiguous()
-    out = torch.empty((world * tensor.shape[0],) + tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
-    STATS.add("all_gather", out, world)
-    _all_gather_tensor(out, tensor, group=group)
-    return out.movedim(0, dim)
+        return (tensor, None) if async_op else tensor
+    dim %= tensor.dim()
+    shape = list(tensor.shape)
+    shape[dim] *= world
+    out, flat = _blocks_first(shape, dim, tensor)
+    STATS.add("all_gather", flat, world)
+    work = _issue("all_gather", _all_gather_tensor, flat, tensor.movedim(dim, 0).contiguous(), group=group,
+                  async_op=async_op)
+    return (out, work) if async_op else out
 
 
-def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
-    """Sum over the group, then keep this rank's block of `dim`."""
+def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: bool = False):
+    """Sum over the group, then keep this rank's block of `dim`, in a fresh
+    tensor (async: with the work handle to wait on)."""
     world = group_size(group)
     if world == 1:
-        return tensor
-    tensor = tensor.movedim(dim, 0).contiguous()
-    out = torch.empty((tensor.shape[0] // world,) + tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
-    STATS.add("reduce_scatter", tensor, world)
-    _reduce_scatter_tensor(out, tensor, group=group)
-    return out.movedim(0, dim)
+        return (tensor, None) if async_op else tensor
+    dim %= tensor.dim()
+    shape = list(tensor.shape)
+    shape[dim] //= world
+    out, flat = _blocks_first(shape, dim, tensor)
+    full = tensor.movedim(dim, 0).contiguous()  # the blocks in rank order: the collective's input layout
+    STATS.add("reduce_scatter", full, world)
+    work = _issue("reduce_scatter", _reduce_scatter_tensor, flat, full, group=group, async_op=async_op)
+    return (out, work) if async_op else out
 
 
 # ---- flat buffers of the data-parallel component (parallel/zero.py): in
@@ -108,7 +165,7 @@ def all_reduce_flat(flat: torch.Tensor, group: Group, async_op: bool = False):
     if group_size(group) == 1:
         return None
     STATS.add("all_reduce", flat, group_size(group))
-    return dist.all_reduce(flat, group=group, async_op=async_op)
+    return _issue("all_reduce_flat", dist.all_reduce, flat, group=group, async_op=async_op)
 
 
 def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group: Group, async_op: bool = False):
@@ -118,7 +175,7 @@ def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group: Group, asy
         out.copy_(flat)
         return None
     STATS.add("reduce_scatter", flat, group_size(group))
-    return _reduce_scatter_tensor(out, flat, group=group, async_op=async_op)
+    return _issue("reduce_scatter_flat", _reduce_scatter_tensor, out, flat, group=group, async_op=async_op)
 
 
 def all_gather_flat(out: torch.Tensor, segment: torch.Tensor, group: Group, async_op: bool = False):
@@ -127,7 +184,7 @@ def all_gather_flat(out: torch.Tensor, segment: torch.Tensor, group: Group, asyn
         out.copy_(segment)
         return None
     STATS.add("all_gather", out, group_size(group))
-    return _all_gather_tensor(out, segment, group=group, async_op=async_op)
+    return _issue("all_gather_flat", _all_gather_tensor, out, segment, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = False):
@@ -135,7 +192,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = Fal
     if group_size(group) == 1:
         return None
     STATS.add("broadcast", tensor, group_size(group))
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _issue("broadcast", dist.broadcast, tensor, src=src, group=group, async_op=async_op)
 
 
 def reduce(tensor: torch.Tensor, dst: int, group: Group, async_op: bool = False):
@@ -143,7 +200,7 @@ def reduce(tensor: torch.Tensor, dst: int, group: Group, async_op: bool = False)
     if group_size(group) == 1:
         return None
     STATS.add("reduce", tensor, group_size(group))
-    return dist.reduce(tensor, dst=dst, group=group, async_op=async_op)
+    return _issue("reduce", dist.reduce, tensor, dst=dst, group=group, async_op=async_op)
 
 
 def count_send(tensor: torch.Tensor) -> None:
@@ -191,14 +248,23 @@ _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "redu
                 "reduce_scatter_flat", "all_gather_flat")
 
 
+# Functions of other modules that issue collectives inside autograd
+# functions of their own (1d's and 3d's fused linears): (module globals, name).
+_ALSO_EAGER: list[tuple[dict, str]] = []
+
+
+def also_eager(module_globals: dict, name: str) -> None:
+    """Have keep_collectives_eager leave `name` of that module to eager mode too."""
+    _ALSO_EAGER.append((module_globals, name))
+
+
 def keep_collectives_eager() -> None:
     """Make torch.compile leave every collective above to eager mode (a graph
     break at each): dynamo never traces into them, so each call still runs
     once per step and STATS counts it. Called by training.compile before a
     model is compiled (not at import: torch._dynamo costs seconds to load);
     idempotent."""
-    module = globals()
-    for name in _COLLECTIVES:
+    for module, name in [(globals(), n) for n in _COLLECTIVES] + _ALSO_EAGER:
         fn = module[name]
         if not getattr(fn, "_tpctl_eager", False):
             eager = torch.compiler.disable(fn)
@@ -221,27 +287,55 @@ def split_block(tensor: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
 
 
 class _Adjoint(torch.autograd.Function):
+    """Each forward and backward collective returns a fresh tensor of its own
+    (never a view, never its input), so no output needs a defensive copy."""
+
     @staticmethod
     def forward(ctx, x, group, forward, backward):
         ctx.group, ctx.backward_fn = group, backward
-        out = forward(x, group)
-        # A view returned from a custom Function may not be modified in
-        # place, and a model may (Falcon: `mlp_output += attention_output`).
-        return out.clone() if out._base is not None or out is x else out
+        return forward(x, group)
 
     @staticmethod
     def backward(ctx, grad):
         return ctx.backward_fn(grad, ctx.group), None, None, None
 
 
-def _identity(x, group):
-    return x
+def _owned(x: torch.Tensor) -> bool:
+    """Whether an in-place collective may overwrite `x` (marked dirty, so
+    autograd refuses loudly if anything saved it): a dense non-view result
+    of another operation, not a leaf."""
+    return x.is_contiguous() and x._base is None and x.grad_fn is not None
 
 
-def _sum(x, group):
-    # A fresh buffer: all_reduce works in place, and autograd may still
-    # need the tensor it was handed.
+class _SumInPlace(torch.autograd.Function):
+    """All-reduce a fresh partial result in place (Megatron's `g`; with
+    both_ways also the backward, for statistics each rank then uses for its
+    own slice)."""
+
+    @staticmethod
+    def forward(ctx, x, group, both_ways: bool):
+        ctx.group, ctx.both_ways = group, both_ways
+        ctx.mark_dirty(x)
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (_summed(grad, ctx.group) if ctx.both_ways else grad), None, None
+
+
+def _summed(x, group):
+    # The collective's own buffer: all_reduce works in place, and a tensor
+    # handed in by autograd (a gradient two branches share) or by the
+    # caller may still be needed as it is.
     return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
+
+
+def _sum_partial(x, group, both_ways: bool):
+    if group_size(group) == 1:
+        return x
+    if _owned(x):
+        return _SumInPlace.apply(x, group, both_ways)
+    return _Adjoint.apply(x, group, _summed, _summed if both_ways else lambda t, g: t)
 
 
 def _apply(x, group, forward, backward):
@@ -250,20 +344,28 @@ def _apply(x, group, forward, backward):
 
 def copy_to_group(x, group):
     """Forward identity, backward all-reduce (Megatron's `f`): the input is
-    replicated over the group and each rank uses it for a different slice."""
-    return _apply(x, group, _identity, _sum)
+    replicated over the group and each rank uses it for a different slice.
+    The identity is an ordinary view (a model may modify it in place); the
+    all-reduce hooks its gradient (1d's linears fuse theirs, see one_d.py)."""
+    if group_size(group) == 1:
+        return x
+    out = x.view_as(x)
+    if out.requires_grad:
+        out.register_hook(lambda grad: _summed(grad, group))
+    return out
 
 
 def reduce_to_replicated(x, group):
     """Forward all-reduce of partial sums, backward identity (Megatron's `g`):
-    every rank then computes the same thing from the replicated sum."""
-    return _apply(x, group, _sum, _identity)
+    every rank then computes the same thing from the replicated sum. A
+    partial sum the caller produced and no longer reads is summed in place."""
+    return _sum_partial(x, group, both_ways=False)
 
 
 def sum_shared(x, group):
     """All-reduce both ways: for statistics (norm moments) that every rank
     then uses for its *own* slice, so the gradient contributions sum back."""
-    return _apply(x, group, _sum, _sum)
+    return _sum_partial(x, group, both_ways=True)
 
 
 def gather_along(x, group, dim):
@@ -276,15 +378,21 @@ def reduce_scatter_along(x, group, dim):
     return _apply(x, group, lambda t, g: reduce_scatter(t, g, dim), lambda t, g: all_gather(t, g, dim))
 
 
+def _own_block(t, g, dim):
+    # This rank's block in a buffer of its own: a slice would be a view.
+    return t.narrow(dim, group_rank(g) * (t.shape[dim] // group_size(g)),
+                    t.shape[dim] // group_size(g)).clone(memory_format=torch.contiguous_format)
+
+
 def split_along(x, group, dim):
     """Forward keep this rank's block of `dim` of a replicated tensor,
     backward all-gather the blocks' gradients (every rank's replicated
     computation before the split needs the whole gradient)."""
-    return _apply(x, group, lambda t, g: split_block(t, g, dim), lambda t, g: all_gather(t, g, dim))
+    return _apply(x, group, lambda t, g: _own_block(t, g, dim), lambda t, g: all_gather(t, g, dim))
 
 
 def gather_to_replicated(x, group, dim):
     """Forward all-gather along `dim` into a tensor every rank then uses
     whole and alike; backward keep this rank's block of the (identical)
     gradient. The adjoint of split_along."""
-    return _apply(x, group, lambda t, g: all_gather(t, g, dim), lambda t, g: split_block(t, g, dim))
+    return _apply(x, group, lambda t, g: all_gather(t, g, dim), lambda t, g: _own_block(t, g, dim))

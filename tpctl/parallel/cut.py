@@ -5,7 +5,9 @@ pipeline.py's.
   * The repeated blocks (`roles.repeated_blocks`, the stack activation
     checkpointing and the start-up check use) are cut into contiguous chunks
     (`stages.PipelineSpec.cut`, balanced by a weight per block: its
-    parameter count unless told otherwise). A rank keeps only its chunks'
+    training FLOPs, parameters breaking ties, unless told otherwise; what
+    runs before and after the blocks weighed alike: an embedding costs
+    nothing, the LM head and its loss about five GPT-2 blocks). A rank keeps only its chunks'
     blocks, under their whole-model indices (`StageStack`), so every
     parameter keeps its name: checkpoints and exports reshard.
   * The modules beside the stack are placed by one traced forward: what runs
@@ -150,8 +152,24 @@ class _Beside:
 
 
 def parameter_count(block: nn.Module) -> int:
-    """The default weight of a block when the stages are balanced."""
+    """A block's parameters: the tie-break of the stages' balance."""
     return sum(p.numel() for p in block.parameters())
+
+
+def training_flops(module: nn.Module) -> int:
+    """FLOPs per token of a module's forward and backward, as the planner
+    counts them: 6 per weight of every matrix that multiplies activations
+    (2 forward, 4 backward); a lookup table (nn.Embedding) none. Left out:
+    attention's scores, the same in every block, and the loss (about 8 per
+    logit against the LM head's 6 x width)."""
+    return sum(6 * p.numel() for m in module.modules() if not isinstance(m, nn.Embedding)
+               for p in m.parameters(recurse=False) if p.dim() == 2)
+
+
+def compute_weight(module: nn.Module, tie_break: int = 1 << 40) -> int:
+    """A module's weight in the balance of the stages: its training FLOPs,
+    then its parameters breaking ties (`tie_break` above any count)."""
+    return training_flops(module) * tie_break + parameter_count(module)
 
 
 class StageCut:
@@ -161,7 +179,7 @@ class StageCut:
     rewritten stage. `weigh` gives each repeated block its weight in the
     balance of the stages."""
 
-    def __init__(self, mesh: Mesh, spec: PipelineSpec, weigh: Callable[[nn.Module], float] = parameter_count):
+    def __init__(self, mesh: Mesh, spec: PipelineSpec, weigh: Callable[[nn.Module], float] = compute_weight):
         self.mesh, self.spec = mesh, spec
         self.size, self.rank = spec.stages, mesh.pp_rank
         self.weigh = weigh
@@ -232,11 +250,10 @@ class StageCut:
         if loose:
             raise PipelineRefused(f"{what} holds parameter {loose[0]!r} itself, outside any module: a pipeline "
                                   "stage cannot tell where it is used")
-        weight = {id(p): p.numel() for p in model.parameters()}
         blocks = list(stack._modules.values())
         per_block = [self.weigh(b) for b in blocks]
-        before = sum(weight.get(i, 0) for b in self.beside if b.where == "before" for _, i in b.params)
-        after = sum(weight.get(i, 0) for b in self.beside if b.where == "after" for _, i in b.params)
+        before, after = (sum(self.weigh(model.get_submodule(b.name)) for b in self.beside if b.where == where)
+                         for where in ("before", "after"))
         try:
             self.blocks_of = self.spec.cut(per_block, before, after)
         except ValueError as e:

@@ -53,6 +53,7 @@ class DataParallel:
         self.stage = mesh.layout.zero if self.size > 1 else 0
         self.bucket_bytes = bucket_bytes
         self.zero: Optional[Zero] = None
+        self.overlap = True  # train.overlap: bucket reductions run during the backward (False: waited at once)
 
     def share(self, batch_size: int, grad_accum: int, micro: int) -> range:
         """Rows of the global batch that this replica reads for micro-batch
@@ -71,6 +72,7 @@ class DataParallel:
         if self.size == 1:
             return [p for part in model_parts for p in part.parameters()]
         self.zero = Zero(self.group, self.size, self.rank, self.stage, self.bucket_bytes)
+        self.zero.overlap = self.overlap
         return self.zero.attach(model_parts, micro_batches)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:

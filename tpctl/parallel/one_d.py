@@ -26,24 +26,74 @@ from .shard import ShardSpec, block
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
 
 
+class _ColumnLinearFn(torch.autograd.Function):
+    """Y = X W^T (+ b) on the replicated (or gathered) input, whose backward
+    issues the input gradient's all-reduce (reduce-scatter onto sequence
+    shards) before the weight gradient's product and waits for it after, as
+    Megatron-LM does: the collective runs beside the matmul. The products are
+    F.linear's own backward, asked for the input's gradient first and the
+    weight's second, so overlap=False (wait at once) gives the same bits."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, gather: bool, overlap: bool):
+        if gather:
+            x = comm.all_gather(x, group, SEQ_DIM)  # a fresh tensor: the one F.linear keeps for the backward
+        needs = ctx.needs_input_grad
+        with torch.enable_grad():
+            leaves = [t if t is None else t.detach().requires_grad_(need) for t, need in zip((x, weight, bias), needs)]
+            y = F.linear(*leaves)
+        ctx.graph, ctx.group, ctx.gather, ctx.overlap = (leaves, y), group, gather, overlap
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x, weight, bias), y = ctx.graph
+        del ctx.graph
+        grad_x = work = None
+        if x.requires_grad:
+            (grad_x,) = torch.autograd.grad(y, x, grad, retain_graph=True)
+            if ctx.gather:
+                grad_x, work = comm.reduce_scatter(grad_x, ctx.group, SEQ_DIM, async_op=True)
+            else:
+                # autograd's own fresh buffer (of a leaf of this function's graph): summed in place
+                grad_x, work = comm.all_reduce(grad_x.contiguous(), ctx.group, async_op=True)
+            if not ctx.overlap:
+                work.wait()
+                work = None
+        params = [t for t in (weight, bias) if t is not None and t.requires_grad]
+        grads = iter(torch.autograd.grad(y, params, grad) if params else ())
+        if work is not None:
+            work.wait()
+        grad_w = next(grads) if weight.requires_grad else None
+        grad_b = next(grads) if bias is not None and bias.requires_grad else None
+        return grad_x, grad_w, grad_b, None, None, None
+
+
 class ColumnLinear(nn.Module):
     """Y[:, p] = X W[p]^T (+ b[p]): output split along features. The input
     is replicated (`entry="replicated"`), sequence shards that it gathers
     (`"seq_shards"`), or already gathered by the attention or MLP module it
-    sits in (`"gathered"`: that module's entry hook does the communication)."""
+    sits in (`"gathered"`: that module's entry hook does the communication).
+    overlap: the input gradient's collective runs beside the weight
+    gradient's product (False: waited for at once; the same bits)."""
 
-    def __init__(self, weight, bias, group, entry: str = "replicated"):
+    def __init__(self, weight, bias, group, entry: str = "replicated", overlap: bool = True):
         super().__init__()
         self.weight, self.bias = weight, bias
-        self.group, self.entry = group, entry
+        self.group, self.entry, self.overlap = group, entry, overlap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = to_compute(x)  # under autocast: the gather and the backward all-reduce in the compute dtype
-        if self.entry == "seq_shards":
-            x = comm.gather_along(x, self.group, SEQ_DIM)
-        elif self.entry == "replicated":
-            x = comm.copy_to_group(x, self.group)
-        return F.linear(x, self.weight, self.bias)
+        if self.entry == "gathered" or comm.group_size(self.group) == 1:
+            return F.linear(x, self.weight, self.bias)
+        return _column_linear(x, self.weight, self.bias, self.group, self.entry == "seq_shards", self.overlap)
+
+
+def _column_linear(x, weight, bias, group, gather: bool, overlap: bool) -> torch.Tensor:
+    return _ColumnLinearFn.apply(x, weight, bias, group, gather, overlap)
+
+
+comm.also_eager(globals(), "_column_linear")  # its backward runs a graph of its own: never compiled
 
 
 class RowLinear(nn.Module):
@@ -122,6 +172,9 @@ class OneD(ParallelMode):
         # that module list; None: the first way.
         self.blocks: str | None = None
         self.gathered: set[str] = set()  # Linears whose input a module's entry hook gathered
+        # train.overlap: collectives issued async beside independent compute
+        # (False: each waited for at once, the same bits; for measuring it).
+        self.overlap = True
 
     # ---- cost (mode.ParallelMode) -----------------------------------------
     loss_group_name = "tp"
@@ -137,11 +190,12 @@ class OneD(ParallelMode):
 
     def cost_linear(self, add, role: str, tokens: int, n: int, k: int) -> int:
         if role in COLUMN_ROLES:
+            # the input gradient's sum runs beside the weight gradient's product (_ColumnLinearFn)
             if self.seq_parallel:  # gather the input's sequence shards; backward: reduce-scatter its gradient
                 add("all_gather", "tp", tokens * k)
-                add("reduce_scatter", "tp", tokens * k)
+                add("reduce_scatter", "tp", tokens * k, hidden=True)
             else:
-                add("all_reduce", "tp", tokens * k)  # backward of copy_to_group
+                add("all_reduce", "tp", tokens * k, hidden=True)
             return tokens * k
         self._cost_reduce_out(add, tokens * n)
         return tokens * k // self.world
@@ -242,7 +296,7 @@ class OneD(ParallelMode):
         weight = ctx.shard(linear.weight, self._split(linear.weight, 0, n, layout))
         bias = None if linear.bias is None else ctx.shard(linear.bias, self.output_spec(linear.bias, role, layout, n))
         entry = "gathered" if ctx.name in self.gathered else "seq_shards" if self._shards_sequence(ctx) else "replicated"
-        return ColumnLinear(weight, bias, self.group, entry)
+        return ColumnLinear(weight, bias, self.group, entry, self.overlap)
 
     def convert_qkv(self, module: nn.Linear, ctx):
         return self._column(module, ctx, "qkv")

@@ -19,7 +19,7 @@ from .data_parallel import DataParallel, all_reduce_coalesced
 from .geometry import Geometry
 from .layout import Layout
 from .mesh import Mesh, build_mesh
-from .cut import parameter_count
+from .cut import compute_weight
 from .pipeline import Pipeline
 from .shard import spec_of
 from .stages import PipelineSpec
@@ -196,12 +196,13 @@ def _scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
 
 def parallelism(layout: Layout, seed: int = 0, device: str | torch.device = "cpu", groups: bool = True,
                 rank: int | None = None, pipeline: Optional[PipelineSpec] = None,
-                weigh: Callable[[nn.Module], float] = parameter_count) -> Parallelism:
+                weigh: Callable[[nn.Module], float] = compute_weight) -> Parallelism:
     """The parallel machinery of `layout` on this rank (groups=False: the
     process-group-free version, for tools that only look at layouts).
     `pipeline`: the schedule of a layout with pp > 1 (default: 1F1B over
-    pp micro-batches); `weigh`: each repeated block's weight when the
-    stages are balanced (default: its parameter count)."""
+    pp micro-batches); `weigh`: each repeated block's (and what runs
+    before and after them) weight when the stages are balanced (default:
+    training FLOPs, parameters breaking ties: cut.compute_weight)."""
     mesh = build_mesh(layout, rank, device, seed, groups)
     stages = None
     if layout.pp > 1:

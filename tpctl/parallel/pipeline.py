@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from . import comm
-from .cut import Chunk, PipelineRefused, StageCut, StageOutput, StageStack, StandIn, parameter_count
+from .cut import Chunk, PipelineRefused, StageCut, StageOutput, StageStack, StandIn, compute_weight
 from .mesh import Mesh
 from .roles import logits_of
 from .stages import PipelineSpec
@@ -71,7 +71,7 @@ class Pipeline(StageCut):
     # Tests set it to run the host staging on a CPU (where host_staging says no).
     force_host_staging = False
 
-    def __init__(self, mesh: Mesh, spec: PipelineSpec, weigh: Callable[[nn.Module], float] = parameter_count):
+    def __init__(self, mesh: Mesh, spec: PipelineSpec, weigh: Callable[[nn.Module], float] = compute_weight):
         super().__init__(mesh, spec, weigh)
         self.group = mesh.groups.get("pp")
         import torch.distributed as dist

@@ -56,9 +56,18 @@ class PipelineSpec:
         return list(range(pp_rank, self.chunks, self.stages))
 
     def bubble(self) -> float:
-        """The planned idle fraction of a stage."""
+        """The planned idle fraction of a stage (stages of equal cost)."""
         p = self.stages
         return (p - 1) / (self.virtual * self.microbatches + p - 1)
+
+    def bubble_for(self, costs: Sequence[float]) -> float:
+        """The idle fraction of the stages (mean over them) when each costs
+        `costs[r]` per micro-batch (or per step: only the ratios matter):
+        the slowest paces the steady state, so a step lasts
+        (m - 1 + (v-1)/v) * max + sum / v; equal costs give bubble()."""
+        m, v = self.microbatches, self.virtual
+        wall = (m - 1 + (v - 1) / v) * max(costs) + sum(costs) / v
+        return 1 - m * (sum(costs) / len(costs)) / wall if wall else 0.0
 
     def in_flight(self, rank: int = 0) -> float:
         """Micro-batches whose activations pipeline rank `rank` holds at

@@ -56,22 +56,72 @@ ROLE_LAYOUT = {"qkv": LAYOUT_A, "attn_in": LAYOUT_A, "mlp_in": LAYOUT_A, "lm_hea
                "attn_out": LAYOUT_B, "mlp_out": LAYOUT_B}
 
 
-def cube_linear(x: torch.Tensor, weight: torch.Tensor, layout: Layout3D, groups: dict) -> torch.Tensor:
+def _waited(work) -> None:
+    if work is not None:
+        work.wait()
+
+
+class _CubeLinearFn(torch.autograd.Function):
+    """Y = reduce-scatter_h(gather_r(X) gather_i(W)^T). The weight's gather
+    is issued first (it depends on no activation), the input's beside it;
+    backward, the input gradient's reduce-scatter is issued before the
+    weight gradient's product and the weight gradient's own after it, both
+    waited for last. The products are F.linear's own backward, asked for one
+    gradient at a time, so overlap=False (each collective waited for at
+    once) gives the same bits."""
+
+    @staticmethod
+    def forward(ctx, x, weight, layout: Layout3D, groups: dict, overlap: bool):
+        pending = []
+
+        def start(t, group):
+            out, work = comm.all_gather(t, group, 0, async_op=True)
+            pending.append(work) if overlap else _waited(work)
+            return out
+
+        weight_full, x_full = start(weight, groups["i"]), start(x, groups[layout.rows])
+        for work in pending:
+            _waited(work)
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need) for t, need in zip((x_full, weight_full), ctx.needs_input_grad)]
+            y = F.linear(*leaves)
+        ctx.graph, ctx.layout, ctx.groups, ctx.overlap = (leaves, y), layout, groups, overlap
+        return comm.reduce_scatter(y.detach(), groups[layout.hidden], 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x, weight), y = ctx.graph
+        del ctx.graph
+        grad = comm.all_gather(grad.contiguous(), ctx.groups[ctx.layout.hidden], 0)
+        out, pending = [None, None], []
+        for k, (leaf, group) in enumerate(((x, ctx.groups[ctx.layout.rows]), (weight, ctx.groups["i"]))):
+            if leaf.requires_grad:
+                (full,) = torch.autograd.grad(y, leaf, grad, retain_graph=k == 0 and weight.requires_grad)
+                out[k], work = comm.reduce_scatter(full, group, 0, async_op=True)
+                pending.append(work) if ctx.overlap else _waited(work)
+        for work in pending:
+            _waited(work)
+        return out[0], out[1], None, None, None
+
+
+def cube_linear(x: torch.Tensor, weight: torch.Tensor, layout: Layout3D, groups: dict,
+                overlap: bool = True) -> torch.Tensor:
     """X W^T of this rank's blocks, X fed in `layout` (rows on dim 0)."""
     # Under autocast, X and W are gathered (and Y reduce-scattered) in the compute dtype.
-    x = comm.gather_along(to_compute(x), groups[layout.rows], 0)
-    weight = comm.gather_along(to_compute(weight), groups["i"], 0)
-    return comm.reduce_scatter_along(F.linear(x, weight), groups[layout.hidden], 0)
+    return _CubeLinearFn.apply(to_compute(x), to_compute(weight), layout, groups, overlap)
+
+
+comm.also_eager(globals(), "cube_linear")  # its backward runs a graph of its own: never compiled
 
 
 class Linear3D(nn.Module):
-    def __init__(self, weight, bias, layout: Layout3D, groups: dict):
+    def __init__(self, weight, bias, layout: Layout3D, groups: dict, overlap: bool = True):
         super().__init__()
         self.weight, self.bias, self.layout = weight, bias, layout
-        self.groups = groups
+        self.groups, self.overlap = groups, overlap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = cube_linear(x, self.weight, self.layout, self.groups)
+        y = cube_linear(x, self.weight, self.layout, self.groups, self.overlap)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -102,6 +152,7 @@ class ThreeD(ParallelMode):
     # Lines along each cube axis, and the two planes over which a
     # hidden-split parameter is replicated in each layout.
     grid_groups = {"i": ("i",), "j": ("j",), "l": ("l",), "ij": ("i", "j"), "il": ("i", "l")}
+    overlap = True  # train.overlap (training.build sets it): each linear's collectives beside each other and its products
 
     @classmethod
     def geometry(cls, size: int, depth: int = 1) -> Geometry:
@@ -145,7 +196,7 @@ class ThreeD(ParallelMode):
         x, w, y = tokens // q * (k // q), (n // q) * (k // q), tokens // q * (n // q)
         for group, numel in ((layout.rows, x), ("i", w)):  # X and W gathered; backward: reduce-scattered
             add("all_gather", group, numel)
-            add("reduce_scatter", group, numel)
+            add("reduce_scatter", group, numel, hidden=group != "i")  # dX's beside dW's product
         add("reduce_scatter", layout.hidden, y)
         add("all_gather", layout.hidden, y)
         return x + w
@@ -206,7 +257,8 @@ class ThreeD(ParallelMode):
         return ShardSpec(tuple(weight.shape), (self._weight_ranges(n, fed, layout), in_ranges))
 
     def linear_fn(self, role: str):
-        return lambda x, weight: cube_linear(x, weight, ROLE_LAYOUT[role], self.mesh.groups)
+        overlap = self.overlap
+        return lambda x, weight: cube_linear(x, weight, ROLE_LAYOUT[role], self.mesh.groups, overlap)
 
     def stream_group(self):
         return self.mesh.groups[LAYOUT_A.hidden]
@@ -220,7 +272,7 @@ class ThreeD(ParallelMode):
     def linear_module(self, weight, bias, role: str) -> Linear3D:
         """A linear role's Linear on the cube, in its role's layout (the
         default ParallelMode.convert_linear shards it by weight_spec/output_spec)."""
-        return Linear3D(weight, bias, ROLE_LAYOUT[role], self.mesh.groups)
+        return Linear3D(weight, bias, ROLE_LAYOUT[role], self.mesh.groups, self.overlap)
 
     def output_spec(self, tensor, role: str, layout=None, n: int | None = None) -> ShardSpec:
         """Output features land in the flipped layout of the Linear's input."""

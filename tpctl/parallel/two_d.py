@@ -179,6 +179,15 @@ class TwoD(ParallelMode):
         self.grid = Grid(mesh.geo.q, c["i"], c["j"], mesh.groups["row"], mesh.groups["col"],
                          mesh.group_ranks["row"], mesh.group_ranks["col"])
 
+    @property
+    def overlap(self) -> bool:
+        """train.overlap: the next SUMMA step's broadcasts in flight during this one's matmul."""
+        return self.grid.overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self.grid.overlap = on
+
     # ---- cost (mode.ParallelMode) -------------------------------------------
     loss_group_name = "row"
 
@@ -200,10 +209,14 @@ class TwoD(ParallelMode):
     def cost_linear(self, add, role: str, tokens: int, n: int, k: int) -> int:
         q, rows = self.grid.q, self.cost_rows(tokens)
         w, y = (n // q) * (k // q), rows * (n // q)
-        add("broadcast", "col", w, times=2 * q)  # W, forward and backward
-        add("broadcast", "row", y, times=q)  # dY, backward
-        add("reduce", "row", y, times=q)  # Y, forward
-        add("reduce", "col", w, times=q)  # dW, backward
+        # All but the first of q broadcasts in flight during the previous
+        # step's matmul; all but the last reduce during the next one's.
+        for hidden in (False, True):
+            times = q - 1 if hidden else 1
+            add("broadcast", "col", w, times=2 * times, hidden=hidden)  # W, forward and backward
+            add("broadcast", "row", y, times=times, hidden=hidden)  # dY, backward
+            add("reduce", "row", y, times=times, hidden=hidden)  # Y, forward
+            add("reduce", "col", w, times=times, hidden=hidden)  # dW, backward
         return rows * (k // q)
 
     # ---- data: rows block i, hidden block j --------------------------------

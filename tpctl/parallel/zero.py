@@ -64,6 +64,8 @@ class Zero:
     """Data parallelism of one rank at ZeRO stage `stage` (0: buckets only)
     over `group` (dp replicas, this one `rank`)."""
 
+    overlap = True  # DataParallel sets train.overlap
+
     def __init__(self, group, dp: int, rank: int, stage: int, bucket_bytes: int = BUCKET_BYTES):
         self.group, self.dp, self.rank, self.stage = group, dp, rank, stage
         self.bucket_bytes = bucket_bytes
@@ -220,7 +222,7 @@ class Zero:
                 if grad is None or grad.data_ptr() != view.data_ptr():
                     view.copy_(grad if grad is not None else torch.zeros_like(view))
                     self.params[i].grad = view
-            self.works.append(comm.all_reduce_flat(flat, self.group, async_op=True))
+            self._started(comm.all_reduce_flat(flat, self.group, async_op=True))
             self.launched[k] = True
             return
         cuts = self.plan.cuts
@@ -236,12 +238,21 @@ class Zero:
                 if cut.rows > whole * cut.per_rank:
                     dst[whole, :cut.rows - whole * cut.per_rank].copy_(grad[whole * cut.per_rank:])
                 p.grad = None  # the whole gradient goes: only the chunk is kept
-        self.works.append(comm.reduce_scatter_flat(self.grad_chunks[k], send.view(-1), self.group, async_op=True))
+        self._started(comm.reduce_scatter_flat(self.grad_chunks[k], send.view(-1), self.group, async_op=True))
         self.launched[k] = True
         while len(self.works) > IN_FLIGHT:  # the oldest send buffer goes once its reduction is done
             work = self.works.pop(0)
             if work is not None:
                 work.wait()
+
+    def _started(self, work) -> None:
+        """A bucket's reduction in flight during the backward (overlap=False,
+        train.overlap=false: waited for at once, to measure what the backward
+        hides of it)."""
+        if work is not None and not self.overlap:
+            work.wait()
+            work = None
+        self.works.append(work)
 
     def finish(self) -> list[nn.Parameter]:
         """Wait for every bucket's reduction (starting those the backward did

@@ -83,6 +83,7 @@ def build_run(cfg, par: Optional[Parallelism] = None, *, layout: Optional[Layout
 
     if par is None:
         par = build_parallelism(cfg, layout, device, groups)
+    par.mode.overlap = par.dp.overlap = bool(cfg.train.get("overlap", True))  # read as layers and buckets are built
     model, verified = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=lazy), par, cfg.model.get("plan"),
                                            verify)
     train_step = build_step(cfg, par, model, schedule) if step else None

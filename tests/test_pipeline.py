@@ -184,8 +184,8 @@ def test_a_pipeline_composes_with(pool, feature):
     facts = [r[3] for r in results]
     if feature == "compile":
         assert all(f["compiled"] for f in facts)
-    else:  # every block a stage holds (two of the four) recomputes
-        assert all(f["checkpointed"] == [True, True] for f in facts)
+    else:  # every block a stage holds recomputes (each stage holds some)
+        assert all(f["checkpointed"] and all(f["checkpointed"]) for f in facts), facts
 
 
 # ---- one process: a stage computes what its blocks compute in the whole model
@@ -244,7 +244,13 @@ def test_a_stage_keeps_the_whole_models_names_and_only_its_share():
     names = dict(whole.named_parameters())
     held = [dict(stage.named_parameters()) for _, stage in stages]
     assert set(held[0]) | set(held[1]) == set(names), "every parameter on some stage, under its own name"
-    assert [k for k in held[0] if k.startswith("blocks.")] == [k for k in names if k.startswith(("blocks.0.", "blocks.1."))]
+    # The blocks in order, a prefix on the first stage and the rest on the second (where the cut falls is
+    # the cut's business: tests/test_pipeline.py's weighting tests).
+    first = sorted({int(k.split(".")[1]) for k in held[0] if k.startswith("blocks.")})
+    assert 0 < len(first) < 4 and first == list(range(len(first))), first
+    for part, wanted in ((held[0], first), (held[1], range(len(first), 4))):
+        prefixes = tuple(f"blocks.{i}." for i in wanted)
+        assert [k for k in part if k.startswith("blocks.")] == [k for k in names if k.startswith(prefixes)]
     assert "wte.weight" in held[1] and held[1]["wte.weight"] is stages[1][1].lm_head.weight, "tied: one parameter"
     # The record of the tied weight: the first stage's copy is the one counted and written.
     assert not spec_of(held[1]["wte.weight"]).first_on_stages(1) and spec_of(held[0]["wte.weight"]).first_on_stages(0)
@@ -253,7 +259,9 @@ def test_a_stage_keeps_the_whole_models_names_and_only_its_share():
         for name, p in part.items():
             assert torch.equal(p, names[name]), name
     whole_bytes = sum(p.numel() * 4 for p in names.values())
-    assert max(sum(p.numel() * 4 for p in part.values()) for part in held) <= 0.65 * whole_bytes
+    # Only its share: nothing held twice but the tied weight's second copy (the cut by FLOPs decides the sizes).
+    held_bytes = [sum(p.numel() * 4 for p in part.values()) for part in held]
+    assert sum(held_bytes) == whole_bytes + names["wte.weight"].numel() * 4 and max(held_bytes) < whole_bytes
 
 
 def _custom_loop_grads() -> int:

@@ -44,27 +44,41 @@ class _ReplayGenerators:
     """The two contexts checkpoint's `context_fn` asks for: the first
     records the generators' states as the block's forward starts; the
     second sets them back for the recomputation and, after it, restores the
-    states the generators had reached."""
+    states the generators had reached. Both are objects, not generator
+    functions, because torch may recompute a block more than once (a
+    backward that asks for one gradient at a time, 1d's overlapped linear)
+    and enters the same context each time: each entry replays the same
+    masks."""
 
     def __init__(self, generators: list[torch.Generator]):
         self.generators = generators
         self.start_states: list[torch.Tensor] = []
+        self.forward, self.recompute = _Record(self), _Replay(self)
 
-    @contextlib.contextmanager
-    def forward(self):
-        self.start_states = [g.get_state() for g in self.generators]
-        yield
 
-    @contextlib.contextmanager
-    def recompute(self):
-        now = [g.get_state() for g in self.generators]
-        for g, state in zip(self.generators, self.start_states):
+class _Record:
+    def __init__(self, replay: _ReplayGenerators):
+        self.replay = replay
+
+    def __enter__(self):
+        self.replay.start_states = [g.get_state() for g in self.replay.generators]
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class _Replay:
+    def __init__(self, replay: _ReplayGenerators):
+        self.replay, self.reached = replay, []
+
+    def __enter__(self):
+        self.reached = [g.get_state() for g in self.replay.generators]
+        for g, state in zip(self.replay.generators, self.replay.start_states):
             g.set_state(state)
-        try:
-            yield
-        finally:
-            for g, state in zip(self.generators, now):
-                g.set_state(state)
+
+    def __exit__(self, *exc) -> None:
+        for g, state in zip(self.replay.generators, self.reached):
+            g.set_state(state)
 
 
 def _checkpointed_forward(original, generators, *args, **kwargs):
@@ -72,7 +86,7 @@ def _checkpointed_forward(original, generators, *args, **kwargs):
         return original(*args, **kwargs)
     replay = _ReplayGenerators(generators)
     return checkpoint(original, *args, use_reentrant=False,
-                      context_fn=lambda: (replay.forward(), replay.recompute()), **kwargs)
+                      context_fn=lambda: (replay.forward, replay.recompute), **kwargs)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> int:

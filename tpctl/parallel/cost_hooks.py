@@ -105,5 +105,5 @@ class CostHooks:
         if e.own:
             self._cost_stream_gather(add, tokens, hidden, times=2)  # the entry's gather, the exit's reduce-scatter
             return self.cost_rows(tokens) * hidden
-        return e.experts * (self.cost_linear(add, "mlp_in", tokens, e.gate_up, hidden)
-                            + self.cost_linear(add, "mlp_out", tokens, hidden, e.inner))
+        return sum(self.cost_linear(add, "mlp_in", tokens, e.gate_up, hidden)
+                   + self.cost_linear(add, "mlp_out", tokens, hidden, e.inner) for _ in range(e.experts))

@@ -57,6 +57,9 @@ def _planned_shapes_and_curve(key: str, family: str, steps: int):
     return planned, counted, kinds, _curve(key, family, steps)
 
 
+_SHAPES: dict = {}
+
+
 def _planned_comm(key: str, family: str) -> list[dict]:
     """The planner's collectives per kind of one step, per pipeline stage:
     from the model's shapes and roles (a dry run), not from running it."""
@@ -65,7 +68,9 @@ def _planned_comm(key: str, family: str) -> list[dict]:
     from test_families import _cfg
 
     cfg, layout = _cfg(key, family), Layout.parse(key)
-    plan = plan_split(model_shape(cfg.model, cfg.seed), layout, cfg.train.batch_size, cfg.train.seq_len, layout.pp)
+    if family not in _SHAPES:  # (the same model in every layout: traced once)
+        _SHAPES[family] = model_shape(cfg.model, cfg.seed)
+    plan = plan_split(_SHAPES[family], layout, cfg.train.batch_size, cfg.train.seq_len, layout.pp)
     return [{k: (v["calls"], v["bytes"], v["wire_bytes"]) for k, v in p.by_kind().items()} for p in plan.stages or [plan]]
 
 

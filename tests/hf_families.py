@@ -40,6 +40,10 @@ FAMILIES = {
                                              moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                                              n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
                                              q_lora_rank=24, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8)),
+    # Latent attention alone: every layer dense (1d + sequence parallelism refuses experts).
+    "deepseek_v3_dense": ("DeepseekV3Config", dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,
+                                                   first_k_dense_replace=2, kv_lora_rank=16, q_lora_rank=24,
+                                                   qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8)),
     # Experts as (experts x inner, hidden) matrices in a module of the family's own, run by its forward.
     "dbrx": ("DbrxConfig", dict(n_heads=4, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                                 ffn_config=dict(ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2))),

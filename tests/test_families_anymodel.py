@@ -16,19 +16,27 @@ pytest.importorskip("transformers")
 KEYS = ("1d-2-dp4", "2d-4-dp2", "3d-8", "1d-2-pp2-dp2")
 STEPS = 4
 FAMILIES = ("deepseek_v3", "dbrx", "apertus")
+# (family, layout): each family in each of KEYS; latent attention alone in
+# 2.5d and in 1d with sequence parallelism too.
+CASES = [(f, k) for f in FAMILIES for k in KEYS] + [("deepseek_v3_dense", "2.5d-8-d2"),
+                                                     ("deepseek_v3_dense", "1d-4-sp-dp2")]
 
 
 def _planned_shapes_and_curve(key: str, family: str, steps: int):
     """This rank's parameter shapes as the planner's dry run of the rewrite
-    gives them (what it counts bytes from), as the real rewrite makes them,
-    and the training curve (test_families._curve)."""
+    gives them (what it counts bytes from) and as the real rewrite makes
+    them, the collectives (comm.STATS per kind) of one training step of the
+    real run, and the training curve (test_families._curve)."""
+    import torch
     import torch.distributed as dist
 
     from tpctl.models import build_model
+    from tpctl.parallel import comm
     from tpctl.parallel.layout import Layout
     from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.rewrite import parallelize
     from tpctl.parallel.shard import spec_of
+    from tpctl.parallel.stages import PipelineSpec
     from test_families import _cfg
     from conftest import build
 
@@ -36,9 +44,34 @@ def _planned_shapes_and_curve(key: str, family: str, steps: int):
     dry = parallelize(build_model(cfg.model, cfg.seed), parallelism(layout, rank=dist.get_rank(), groups=False),
                       dry_run=True)
     planned = {n: tuple(spec_of(p).local_shape()) for n, p in dry.named_parameters()}
-    real = build(cfg, layout, lazy=False, verify=False, step=False).model
-    counted = {n: tuple(p.shape) for n, p in real.named_parameters()}
-    return planned, counted, _curve(key, family, steps)
+    real = build(cfg, layout, pipeline=PipelineSpec(layout.pp, "1f1b", 1, layout.pp) if layout.pp > 1 else None,
+                 lazy=False, verify=False, schedule=False)
+    counted = {n: tuple(p.shape) for n, p in real.model.named_parameters()}
+    accum, t = layout.pp, cfg.train
+    ids = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    comm.STATS.reset()
+    real.step([(real.par.shard_batch(ids[:, :-1], m, accum), real.par.shard_targets(ids[:, 1:], m, accum))
+               for m in range(accum)], 0)
+    s = comm.STATS
+    kinds = {k: (s.calls[k], s.bytes[k], s.wire_bytes[k]) for k in s.calls}
+    return planned, counted, kinds, _curve(key, family, steps)
+
+
+_SHAPES: dict = {}
+
+
+def _planned_comm(key: str, family: str) -> list[dict]:
+    """The planner's collectives per kind of one step, per pipeline stage:
+    from the model's shapes and roles (a dry run), not from running it."""
+    from tpctl.cost.planner import model_shape, plan_split
+    from tpctl.parallel.layout import Layout
+    from test_families import _cfg
+
+    cfg, layout = _cfg(key, family), Layout.parse(key)
+    if family not in _SHAPES:  # (the same model in every layout: traced once)
+        _SHAPES[family] = model_shape(cfg.model, cfg.seed)
+    plan = plan_split(_SHAPES[family], layout, cfg.train.batch_size, cfg.train.seq_len, layout.pp)
+    return [{k: (v["calls"], v["bytes"], v["wire_bytes"]) for k, v in p.by_kind().items()} for p in plan.stages or [plan]]
 
 
 @pytest.fixture(scope="module")
@@ -47,16 +80,32 @@ def reference(pool):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("key", KEYS)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family,key", CASES)
 def test_a_mechanism_trains_like_mode_none(pool, reference, family, key):
+    """... and counted == planned: every rank's parameter shapes equal the
+    planner's dry run, and its collectives of one step the plan's (calls,
+    bytes, wire bytes of each kind: latent attention's entries, routers,
+    experts in Linears' 3-d weights or a module's own, replica sums). Not
+    with sequence parallelism: a Hugging Face attention or MLP module's
+    entry gathers the sequence for all its Linears, which the planner does
+    not count (cost/layer_comm.py)."""
+    from tpctl.parallel.layout import Layout
+
     if family not in reference:
         reference[family] = pool.run(_curve, "none-dp8", family, STEPS)[0]
     want = reference[family]
+    layout = Layout.parse(key)
+    stages = None if layout.seq_parallel else _planned_comm(key, family)
     ranks = pool.run(_planned_shapes_and_curve, key, family, STEPS)
-    for rank, (planned, counted, _) in enumerate(ranks):  # what the planner counts bytes from (its stage's, pp > 1)
+    for rank, (planned, counted, kinds, _) in enumerate(ranks):  # (its stage's, pp > 1)
         assert {n: planned.get(n) for n in counted} == counted, f"rank {rank}"
-    got = ranks[0][2]
+        if stages is None:
+            continue
+        plan = stages[layout.coords(rank)["pp"]]
+        assert {k: v[:2] for k, v in kinds.items()} == {k: v[:2] for k, v in plan.items()}, f"rank {rank}"
+        for k, v in kinds.items():  # wire bytes also check each group's size
+            assert v[2] == pytest.approx(plan[k][2], rel=1e-9), f"rank {rank} {k}"
+    got = ranks[0][3]
     assert got[0] != "refused", got[1]
     loss, norm = deviation(want, got)
     assert len(got) == STEPS and loss < 1e-4 and norm < 1e-4, (loss, norm)

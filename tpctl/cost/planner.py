@@ -29,6 +29,7 @@ from tpctl.parallel.registry import check_costed
 from tpctl.parallel.stages import PipelineSpec
 
 from tpctl.config import CONFIG_DIR, check_layout
+from .layer_comm import count_layers, layer_shapes, sliced_sums
 
 HARDWARE_DIR = CONFIG_DIR / "hardware"
 F32 = 4  # bytes of an fp32 element: parameters, activations, gradients
@@ -63,7 +64,6 @@ class ModelShape:
     linears: list[tuple[str, str, int, int, bool]]  # (name, role, out, in, bias)
     roles: dict[str, str]
     embeddings: dict[str, tuple[int, int]]  # name -> (rows, dim) for embedding / pos_embedding roles
-    norms: list[str]
     vocab_size: int
     n_embd: int
     n_head: int
@@ -71,6 +71,7 @@ class ModelShape:
     model_cfg: Any = None
     seed: int = 0
     plan: Any = None  # parallel.roles.RolePlan
+    layers: Any = None  # layer_comm.LayerShapes: the layers other than Linears
 
     def rewritten(self, par):
         """The model rewritten for `par` (a Parallelism), shapes only: with
@@ -101,7 +102,7 @@ def model_shape(model_cfg, seed: int = 0) -> ModelShape:
     for mname, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             owner.setdefault(id(p), (mname, pname))
-    params, linears, embeddings, norms = [], [], {}, []
+    params, linears, embeddings = [], [], {}
     for name, role in roles.items():
         module = model.get_submodule(name)
         if role in LINEAR_ROLES:
@@ -109,16 +110,15 @@ def model_shape(model_cfg, seed: int = 0) -> ModelShape:
             linears.append((name, role, out_f, in_f, getattr(module, "bias", None) is not None))
         elif role in ("embedding", "pos_embedding"):
             embeddings[name] = tuple(module.weight.shape)
-        elif role == "norm":
-            norms.append(name)
     for pname, p in model.named_parameters():  # tied parameters once
         mname, leaf = owner[id(p)]
         role = roles.get(mname)
         kind = "table" if role in ("embedding", "pos_embedding") else ("bias" if leaf == "bias" else "weight")
         params.append(Param(pname, role, kind, tuple(p.shape)))
     attention = [lin for lin in linears if lin[1] == "attn_out"]  # one per attention layer
-    return ModelShape(params, linears, roles, embeddings, norms, model_cfg.vocab_size, model_cfg.n_embd,
-                      model_cfg.n_head, len(attention), model_cfg, seed, plan)
+    layers = layer_shapes(model, plan, model_cfg)
+    return ModelShape(params, linears, roles, embeddings, model_cfg.vocab_size, layers.hidden,
+                      layers.heads, len(attention), model_cfg, seed, plan, layers)
 
 
 def _linear_dims(module) -> tuple[int, int]:
@@ -310,9 +310,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     for name, (_, dim) in shape.embeddings.items():
         if shape.roles[name] == "embedding" and holds(name):
             mode.cost_embedding(micro.add, tokens, vp, dim)
-    for name in shape.norms:
-        if holds(name):
-            act += mode.cost_norm(micro.add, tokens, shape.n_embd)
+    act += count_layers(shape.layers, mode, micro.add, tokens, holds)  # norms, latent attention, experts
     rows = mode.cost_rows(tokens)
     linears = [lin for lin in shape.linears if holds(lin[0])]
     for _, role, out_f, in_f, _ in linears:
@@ -338,7 +336,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     # replica sums, the global norm, the logged loss
     if dp_plan:
         dp_plan.count(counter.add, grad_accum)
-    for group, numel in buckets.items():
+    for group, numel in [*buckets.items(), *sliced_sums(shape.plan, mode, named, dp_plan).items()]:
         counter.add("all_reduce", group, numel)
     counter.add("all_reduce", "grad_norm", 1, elem=F64)
     counter.add("all_reduce", "batch", 1, elem=F64)

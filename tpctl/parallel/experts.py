@@ -123,6 +123,18 @@ def routing_weights_arg(args: tuple, kwargs: dict):
     return "top_k_weights" if "top_k_weights" in kwargs else "routing_weights"
 
 
+def routed_per_row(args, kwargs: dict, hidden: Optional[int]) -> int:
+    """Routing weights per row (the top-k) of an experts call: of its
+    routing weights' elements, one row's share of the hidden states'
+    (0 where the call has none)."""
+    x = args[0] if args else kwargs.get("hidden_states")
+    at = routing_weights_arg(tuple(args), kwargs)
+    weights = args[at] if isinstance(at, int) else kwargs.get(at)
+    if not all(isinstance(t, torch.Tensor) for t in (x, weights)) or not hidden or not x.numel():
+        return 0
+    return weights.numel() * hidden // x.numel()
+
+
 # ---- experts in a model's own module, run by its own forward ------------------
 
 def holds_experts(module: nn.Module) -> bool:

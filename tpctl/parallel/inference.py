@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from .experts import experts_layout, own_split
+from .experts import experts_layout, own_split, routed_per_row
 from .fused import FusedLayout, ProbeError, attention_layout, mlp_layout
 from .layers import is_experts, norm_width, on_cpu
 from .roles import GROUP_ATTRS, HEAD_ATTRS, RATIO_ATTRS, ROLES, Heads, RolePlan, blocks_of, common_parent
@@ -102,6 +102,7 @@ class _Inference:
         self.inner: set[int] = set()  # nodes inside attention or an MLP
         self.input_ids: set[int] = set()
         self.widths: dict[str, dict[str, int]] = {}
+        self.routed: dict[str, int] = {}  # experts module -> routing weights per row (RolePlan.routed)
         self.sources: dict[str, str] = {}
         self.head_rows: dict[str, str] = {}
         self.head_lists: dict[str, str] = {}
@@ -339,6 +340,7 @@ class _Inference:
                     continue
                 self.assign(n.name, "experts")
                 self.layouts[n.name] = layout
+                self.routed[n.name] = routed_per_row(*self.first_inputs.get(n.name, ((), {})), hidden)
                 moe_blocks.append(n.name.rpartition(".")[0])
                 block = modules[moe_blocks[-1]]
                 self.widths[moe_blocks[-1]] = {a: v for a, v in vars(block).items()
@@ -475,7 +477,7 @@ class _Inference:
                                key=lambda item: (0, item[0].count(".")) if unsupported(item) else (1, 0)))
         return RolePlan(ordered, "inferred", self.heads, problems, blocks_of(self.model, ordered), self.units,
                         self.layouts, self.sources, self.head_lists, self.head_rows,
-                        random_draws(self.model, vocab_size), self.widths)
+                        random_draws(self.model, vocab_size), self.widths, self.routed)
 
 
 def _per_head_args(call, heads: int) -> list:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
+from .cost_hooks import CostHooks
 from .mesh import Mesh
 from .geometry import Geometry, padded_vocab
 from .experts import DenseExperts, OwnSplit, experts_layout, routing_weights_arg
@@ -60,7 +61,7 @@ class RewriteContext:
         return made
 
 
-class ParallelMode:
+class ParallelMode(CostHooks):
     """Base class of the modes; subclasses fill in the role converters and
     declare their grid. A mode registers itself (`registry.register`)."""
 
@@ -162,46 +163,8 @@ class ParallelMode:
         `params`: a model, or the parameters the optimizer steps."""
         sync_replicas(params)
 
-    # ---- cost: the planner's model of one micro-batch on this rank -----
-    # cost/planner.py calls these with `add(kind, group, numel, times=1)`,
-    # which counts a collective over the named mesh group; they return the
-    # activation elements kept for the backward (an estimate). Comm counts
-    # are exact: tests/test_plan.py checks them against comm.STATS. The
-    # defaults are mode=none's: nothing is split, nothing is sent.
-    # The group of the vocab-parallel cross entropy (loss_group), by name.
-    loss_group_name: Optional[str] = None
-
-    def cost_rows(self, tokens: int) -> int:
-        """Token rows of a micro-batch this rank computes on (of `tokens`,
-        its replica's)."""
-        return tokens
-
-    def cost_hidden(self, hidden: int) -> int:
-        """This rank's features of a hidden (or vocabulary) dimension where
-        activations hold it."""
-        return hidden
-
-    def cost_vocab(self, vocab: int) -> int:
-        """This rank's columns of the (padded) logits."""
-        return self.cost_hidden(vocab)
-
-    def cost_embedding(self, add, tokens: int, vocab: int, dim: int) -> None:
-        """The lookup of `tokens` ids in a (padded) `vocab` x `dim` table."""
-
-    def cost_norm(self, add, tokens: int, hidden: int) -> int:
-        return 2 * self.cost_rows(tokens) * self.cost_hidden(hidden)
-
-    def cost_linear(self, add, role: str, tokens: int, n: int, k: int) -> int:
-        """A Linear of role `role`, k -> n features, on `tokens` rows."""
-        return tokens * k
-
-    def cost_loss(self, add, tokens: int) -> None:
-        """The vocab-parallel cross entropy: the row max, then (sum-exp,
-        target logit, sum) over the ranks that share the rows."""
-        if self.loss_group_name:
-            rows = self.cost_rows(tokens)
-            add("all_reduce", self.loss_group_name, rows)
-            add("all_reduce", self.loss_group_name, 3 * rows)
+    # ---- cost: the planner's model of one micro-batch on this rank
+    # (cost_hooks.CostHooks: cost_rows, cost_linear, ..., mode=none's)
 
     # ---- layers -------------------------------------------------------
     def convert(self, role: str, module: nn.Module, ctx: RewriteContext) -> nn.Module:

@@ -182,8 +182,22 @@ class OneD(ParallelMode):
     def cost_vocab(self, vocab: int) -> int:
         return vocab // self.world
 
-    def cost_norm(self, add, tokens: int, hidden: int) -> int:
+    def cost_norm(self, add, tokens: int, hidden: int, moments: int = 2) -> int:
         return 2 * (tokens // self.world if self.seq_parallel else tokens) * hidden
+
+    def cost_latent(self, add, tokens: int, hidden: int) -> None:
+        # copy_to_group: the heads' partial input gradients summed. (With
+        # sequence parallelism the attention module's entry gathers the
+        # sequence for all its Linears: counted by none of these hooks.)
+        if not self.seq_parallel:
+            add("all_reduce", "tp", tokens * hidden)
+
+    def cost_experts(self, add, tokens: int, hidden: int, e) -> int:
+        # (own module or not) the partial output summed; backward: the
+        # input's and the routing weights' partial gradients
+        for numel in (tokens * hidden, tokens * hidden, tokens * e.routed):
+            add("all_reduce", "tp", numel)
+        return tokens * hidden
 
     def cost_embedding(self, add, tokens: int, vocab: int, dim: int) -> None:
         self._cost_reduce_out(add, tokens * dim)

@@ -112,6 +112,10 @@ class RolePlan:
     # Mixture-of-experts blocks -> their attributes holding the hidden width
     # (GraniteMoE views its output as input_size): set to the rank's.
     widths: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Mixture-of-experts blocks' experts modules -> routing weights per row
+    # (the top-k) in the traced call: the planner's count of 1d's sum of
+    # their gradient.
+    routed: dict[str, int] = field(default_factory=dict)
 
 
 def logits_of(output: Any) -> torch.Tensor:

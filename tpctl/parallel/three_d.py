@@ -172,7 +172,7 @@ class ThreeD(ParallelMode):
         self.c = mesh.coords
 
     # ---- cost (mode.ParallelMode) -------------------------------------------
-    loss_group_name = LAYOUT_B.hidden
+    loss_group_name, stream_group_name = LAYOUT_B.hidden, LAYOUT_A.hidden
 
     def cost_rows(self, tokens: int) -> int:
         return tokens // (self.q * self.q)
@@ -187,9 +187,19 @@ class ThreeD(ParallelMode):
         add("reduce_scatter", LAYOUT_A.rows, tokens // q * (dim // q))
         add("all_gather", LAYOUT_A.rows, tokens // q * (dim // q))
 
-    def cost_norm(self, add, tokens: int, hidden: int) -> int:
-        add("all_reduce", LAYOUT_A.hidden, 2 * self.cost_rows(tokens), times=2)
+    def cost_norm(self, add, tokens: int, hidden: int, moments: int = 2) -> int:
+        add("all_reduce", LAYOUT_A.hidden, moments * self.cost_rows(tokens), times=2)
         return super().cost_norm(add, tokens, hidden)
+
+    def cost_sliced_replicas(self, role: str) -> str:
+        # heads in layout B's hidden block; own experts by layout A's
+        return (LAYOUT_B if role == "latent_up" else LAYOUT_A).replica_plane
+
+    def cost_latent(self, add, tokens: int, hidden: int) -> None:
+        # rows (i, j) made whole, then gathered to block i (attention_rows)
+        super().cost_latent(add, tokens, hidden)
+        add("all_gather", LAYOUT_A.rows, tokens // self.q * hidden)
+        add("reduce_scatter", LAYOUT_A.rows, tokens // self.q * hidden)
 
     def cost_linear(self, add, role: str, tokens: int, n: int, k: int) -> int:
         q, layout = self.q, ROLE_LAYOUT[role]

@@ -189,7 +189,7 @@ class TwoD(ParallelMode):
         self.grid.overlap = on
 
     # ---- cost (mode.ParallelMode) -------------------------------------------
-    loss_group_name = "row"
+    loss_group_name = stream_group_name = "row"
 
     def cost_rows(self, tokens: int) -> int:
         return tokens // self.geo.batch_split
@@ -202,8 +202,8 @@ class TwoD(ParallelMode):
         add("all_gather", "col", vocab * (dim // self.grid.q))
         add("reduce_scatter", "col", vocab * (dim // self.grid.q))
 
-    def cost_norm(self, add, tokens: int, hidden: int) -> int:
-        add("all_reduce", "row", 2 * self.cost_rows(tokens), times=2)  # the moments forward, their gradient backward
+    def cost_norm(self, add, tokens: int, hidden: int, moments: int = 2) -> int:
+        add("all_reduce", "row", moments * self.cost_rows(tokens), times=2)  # the moments forward, their gradient backward
         return super().cost_norm(add, tokens, hidden)
 
     def cost_linear(self, add, role: str, tokens: int, n: int, k: int) -> int:

@@ -1,0 +1,101 @@
+"""The planner's count of the layers that are not Linears of a linear role:
+norms over the stream (a LayerNorm's two moments or an RMSNorm's one), a
+latent attention's down-projections (their entry makes whole rows of the
+attention's rows), mixture-of-experts routers (fed whole rows) and experts
+modules (in 3-d Linear weights, or run by a model's own forward), each by
+its mode's `cost_*` hook (parallel/cost_hooks.py). Read once from the model
+on the meta device and its role plan, never by running it.
+
+Not counted: a norm over all heads of q or k (`proj_norm`, OLMo-2's), and
+with 1d sequence parallelism the gather an attention or MLP module's entry
+makes for all its Linears (Hugging Face families).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch.nn as nn
+
+from tpctl.parallel.cost_hooks import ExpertsShape
+from tpctl.parallel.experts import OwnSplit, experts_layout
+from tpctl.parallel.layers import is_rms_norm, norm_width
+from tpctl.parallel.rewrite import held_by_heads_or_slices
+from tpctl.parallel.shard import spec_of
+
+
+@dataclass
+class LayerShapes:
+    hidden: int  # the residual stream's width
+    heads: int  # query heads of the first attention (0: none found)
+    norms: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (width, moments)
+    latents: list[str] = field(default_factory=list)
+    routers: list[str] = field(default_factory=list)
+    experts: dict[str, ExpertsShape] = field(default_factory=dict)
+
+
+def layer_shapes(model: nn.Module, plan, model_cfg) -> LayerShapes:
+    """The shapes of `model`'s (meta device, linearized) layers other than
+    Linears, by their roles in `plan` (a roles.RolePlan); the stream's
+    width is the token embedding's, the config's without one."""
+    roles = plan.roles
+    tables = [model.get_submodule(n).weight for n, r in roles.items() if r == "embedding"]
+    heads = next(iter(plan.heads.values())).heads if plan.heads else getattr(model_cfg, "n_head", 0)
+    out = LayerShapes(tables[0].shape[1] if tables else getattr(model_cfg, "n_embd", 0), heads)
+    for name, role in roles.items():
+        module = model.get_submodule(name)
+        if role == "norm":
+            out.norms[name] = (norm_width(module), 1 if is_rms_norm(module) else 2)
+        elif role == "latent":
+            out.latents.append(name)
+        elif role == "router":
+            out.routers.append(name)
+        elif role == "experts":
+            routed = plan.routed.get(name, 0)
+            if isinstance(plan.layouts.get(name), OwnSplit):
+                out.experts[name] = ExpertsShape(0, 0, 0, routed, own=True)
+            else:
+                gate_up, down, _ = experts_layout(module)
+                (experts, n, _), inner = getattr(module, gate_up).shape, getattr(module, down).shape[2]
+                out.experts[name] = ExpertsShape(experts, n, inner, routed, own=False)
+    return out
+
+
+def count_layers(layers: LayerShapes, mode, add, tokens: int, holds: Callable[[str], bool]) -> int:
+    """Count one micro-batch of `tokens` rows through the layers of
+    `layers` this rank (`holds`: its pipeline stage) holds, with `add`
+    (planner._Counter.add); the activation elements they keep."""
+    act, hidden = 0, layers.hidden
+    for name, (width, moments) in layers.norms.items():
+        if holds(name):
+            act += mode.cost_norm(add, tokens, width, moments=moments)
+    for name in filter(holds, layers.latents):
+        mode.cost_latent(add, tokens, hidden)
+    for name in filter(holds, layers.routers):
+        mode.cost_router(add, tokens, hidden)
+    for name, e in layers.experts.items():
+        if holds(name):
+            act += mode.cost_experts(add, tokens, hidden, e)
+    return act
+
+
+def sliced_sums(plan, mode, named: list, dp_plan=None) -> dict[str, int]:
+    """{mesh group: gradient elements}: the parameters of latent
+    up-projections (held by heads) and of experts run by their own forward
+    (held by slices), which ranks with other rows hold alike. A real
+    rewrite learns those replicas by communicating (replicas.share_slices),
+    a dry run does not; the mode names the group they span
+    (`cost_sliced_replicas`), and sync_replicas sums them in a call of their
+    own (their process group is not the mesh's group of the same ranks).
+    `named`: the rewritten stage's (name, parameter) in order; `dp_plan`:
+    its data-parallel plan (the gradient elements each holds), if any."""
+    owners = {name: mode.cost_sliced_replicas(plan.roles[name]) for name in held_by_heads_or_slices(plan)}
+    out: dict[str, int] = defaultdict(int)
+    for i, (name, p) in enumerate(named):
+        group = next((g for owner, g in owners.items() if name.startswith(owner + ".")), None)
+        if group is not None:
+            out[group] += dp_plan.grad_numel(i) if dp_plan else math.prod(spec_of(p).local_shape())
+    return out

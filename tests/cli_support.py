@@ -101,3 +101,15 @@ def tpctl(tmp_path):
     runner = Tpctl(cwd=tmp_path, marker=new_marker(), extra_env={})
     yield runner
     runner.kill_leftovers()
+
+
+def tiny_gpt2_directory(tmp_path_factory, n_positions: int = 16) -> Path:
+    """A randomly initialised one-layer GPT-2 saved as a Hugging Face
+    directory (no download): what `model.pretrained=`, `generate` and
+    `export` read."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=256, n_embd=16, n_layer=1, n_head=2, n_positions=n_positions,
+                                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    directory = tmp_path_factory.mktemp("gpt2")
+    transformers.GPT2LMHeadModel(config).save_pretrained(directory)
+    return directory

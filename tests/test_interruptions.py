@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_support import default_sigint, marked_pids, tpctl  # noqa: F401  (fixture)
+from cli_support import default_sigint, marked_pids, tiny_gpt2_directory, tpctl  # noqa: F401  (fixture)
 from tpctl.data import prepare as corpus
 
 
@@ -151,12 +151,7 @@ def _after(seconds: float):
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory) -> Path:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(vocab_size=256, n_embd=16, n_layer=1, n_head=2, n_positions=512,
-                                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    directory = tmp_path_factory.mktemp("gpt2")
-    transformers.GPT2LMHeadModel(config).save_pretrained(directory)
-    return directory
+    return tiny_gpt2_directory(tmp_path_factory, n_positions=512)
 
 
 @pytest.mark.timeout(300)

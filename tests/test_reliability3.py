@@ -11,6 +11,7 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
+from cli_support import tiny_gpt2_directory
 from tpctl.config import compose_jobs
 from tpctl.config.layout_checks import check_layout
 from tpctl.errors import ConfigError
@@ -127,12 +128,7 @@ def test_an_export_under_a_regular_file_says_so(monkeypatch, capsys, tmp_path):
 
 @pytest.fixture(scope="module")
 def gpt2_directory(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(vocab_size=256, n_embd=16, n_layer=1, n_head=2, n_positions=16,
-                                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    directory = tmp_path_factory.mktemp("gpt2")
-    transformers.GPT2LMHeadModel(config).save_pretrained(directory)
-    return directory
+    return tiny_gpt2_directory(tmp_path_factory, n_positions=16)
 
 
 def _damaged_copy(source, tmp_path, damage) -> tuple:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from tpctl.errors import ConfigError
+from tpctl.parallel.cut import LOSS_FLOPS_PER_LOGIT
 from tpctl.parallel.geometry import WIRE_FACTOR, padded_vocab
 from tpctl.parallel.layout import ZERO_STAGES, Layout, layouts_of
 from tpctl.parallel.registry import check_costed
@@ -264,8 +265,8 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.shard import spec_of
 
-    if layout.pp > 1 and pipeline is None:
-        pipeline = PipelineSpec(layout.pp, "1f1b", 1, layout.pp)
+    if layout.pp > 1:  # the cut costs attention at this length
+        pipeline = dataclasses.replace(pipeline or PipelineSpec(layout.pp, "1f1b", 1, layout.pp), seq_len=seq_len)
     if layout.pp > 1 and stage is None:
         stages = [plan_split(shape, layout, batch_size, seq_len, grad_accum, bucket_bytes, pipeline, s) for s in range(layout.pp)]
         worst = max(stages, key=lambda p: p.memory_bytes)  # its bubble: the stages' FLOPs, as the cut left them
@@ -294,6 +295,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
         dp_plan = zero_plan.plan(named, layout.dp, layout.zero, bucket_bytes or zero_plan.BUCKET_BYTES, units)
     param_numel = 0
     buckets: dict[str, int] = defaultdict(int)
+    early: list[tuple[str, int]] = []  # (group, numel) of each gradient summed during the backward
     for i, (name, p) in enumerate(named):
         spec = spec_of(p)
         numel = math.prod(spec.local_shape())
@@ -302,7 +304,10 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
             group = _replica_group(layout, spec, rank)
             if group is None:
                 raise ValueError(f"parameter {name!r}: its replicas {spec.replica_ranks} are no group of the mesh")
-            buckets[group] += dp_plan.grad_numel(i) if dp_plan else numel
+            if mode.sums_during_backward(spec):  # issued as its gradient is final, beside the backward
+                early.append((group, numel))
+            else:
+                buckets[group] += dp_plan.grad_numel(i) if dp_plan else numel
 
     # ---- forward and backward of one micro-batch, layer by layer (the mode's own counts)
     counter, micro = _Counter(layout, rank), _Counter(layout, rank)
@@ -330,6 +335,8 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
         mode.cost_loss(micro.add, tokens)
     counter.merge(micro, grad_accum)
     flops *= 3 * grad_accum  # backward = two products per forward product
+    if any(lin[1] == "lm_head" for lin in linears):  # the cross entropy over the rank's logits
+        flops += LOSS_FLOPS_PER_LOGIT * rows * mode.cost_vocab(vp) * grad_accum
     if pipe is not None:  # micro-batches in flight: their activations are held at once
         act = int(act * pipe.spec.in_flight(stage))
 
@@ -338,6 +345,8 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     # replica sums, the global norm, the logged loss
     if dp_plan:
         dp_plan.count(counter.add, grad_accum)
+    for group, numel in early:
+        counter.add("all_reduce", group, numel, hidden=True)
     for group, numel in buckets.items():
         counter.add("all_reduce", group, numel)
     counter.add("all_reduce", "grad_norm", 1, elem=F64)

@@ -265,7 +265,9 @@ class StageCut:
                                   "stage cannot tell where it is used")
         blocks = list(stack._modules.values())
         if self.weigh is compute_weight:  # FLOPs: each block's attention, the loss over the logits
-            widths = _attention_widths(nodes, [calls.get(f"{prefix}{k}", [0])[0] for k in stack._modules])
+            ends_at = [max((i for n_, ids in calls.items() if n_.startswith(f"{prefix}{k}.") for i in ids), default=0)
+                       for k in stack._modules]  # a block's last layer call
+            widths = _attention_widths(nodes, ends_at)
             seq = self.spec.seq_len
             per_block = [compute_weight(b, seq_len=seq, attention_width=w) for b, w in zip(blocks, widths)]
             vocab = next((nodes[i].shape[-1] for i in out if nodes[i].shape), 0)
@@ -457,9 +459,10 @@ def _first_tensor(call) -> Optional[torch.Tensor]:
 
 
 def _attention_widths(nodes: list, block_nodes: list[int]) -> list[int]:
-    """Per block (its call's node id, in order), the query features of the
-    first attention the trace saw inside it (0: none): a product of two
-    activations (queries first) between the previous block's node and its own."""
+    """Per block (the node id of its last layer's call, in order), the
+    query features of the first attention the trace saw inside it (0:
+    none): a product of two activations (queries first) after the previous
+    block's last layer."""
     widths, start = [], -1
     for end in block_nodes:
         first = next((n for n in nodes[start + 1:end] if n.kind == "attention" and n.shape), None)

@@ -335,10 +335,13 @@ class ThreeD(ParallelMode):
     def linear_module(self, weight, bias, role: str) -> Linear3D:
         """A linear role's Linear on the cube, in its role's layout (the
         default ParallelMode.convert_linear shards it by weight_spec/output_spec)."""
-        if self.overlap and getattr(self, "prefetch", None) is None:
+        layout = self.mesh.layout
+        # (ZeRO 3 gathers a block's weights just before its forward: none to read ahead of it.)
+        ahead = self.overlap and not (layout.dp > 1 and layout.zero == 3)
+        if ahead and getattr(self, "prefetch", None) is None:
             self.prefetch = _Prefetch(self.mesh.groups["i"])
         return Linear3D(weight, bias, ROLE_LAYOUT[role], self.mesh.groups, self.overlap,
-                        self.prefetch if self.overlap else None)
+                        self.prefetch if ahead else None)
 
     def output_spec(self, tensor, role: str, layout=None, n: int | None = None) -> ShardSpec:
         """Output features land in the flipped layout of the Linear's input."""

@@ -75,6 +75,9 @@ class TwoPointFiveD(TwoD):
                 and spec.replica_ranks == tuple(self.mesh.group_ranks["depth"]) and self.mesh.layout.dp == 1)
 
     def attach_grads(self, model_parts: list[nn.Module], micro_batches: int) -> None:
+        if self.depth_sums is not None:  # a step built anew on the same model: its hooks replace the old
+            self.depth_sums.remove()
+            self.depth_sums = None
         params = [p for part in model_parts for p in part.parameters() if self.sums_during_backward(spec_of(p))]
         if params and comm.group_size(self.mesh.groups.get("depth")) > 1:
             self.depth_sums = _DepthSums(params, self.mesh.groups["depth"], micro_batches, self.overlap)
@@ -109,8 +112,11 @@ class _DepthSums:
         self.count = {id(p): 0 for p in params}
         self.pending: list = []
         self.issued: set[int] = set()
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._ready)
+        self.hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
 
     def _ready(self, p: torch.Tensor) -> None:
         self.count[id(p)] += 1

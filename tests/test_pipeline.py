@@ -244,7 +244,8 @@ def test_a_stage_keeps_the_whole_models_names_and_only_its_share():
     names = dict(whole.named_parameters())
     held = [dict(stage.named_parameters()) for _, stage in stages]
     assert set(held[0]) | set(held[1]) == set(names), "every parameter on some stage, under its own name"
-    assert [k for k in held[0] if k.startswith("blocks.")] == [k for k in names if k.startswith(("blocks.0.", "blocks.1."))]
+    first = tuple(f"blocks.{i}." for i in stages[0][0].pipeline.blocks_of[0])  # as the FLOPs cut them
+    assert [k for k in held[0] if k.startswith("blocks.")] == [k for k in names if k.startswith(first)]
     assert "wte.weight" in held[1] and held[1]["wte.weight"] is stages[1][1].lm_head.weight, "tied: one parameter"
     # The record of the tied weight: the first stage's copy is the one counted and written.
     assert not spec_of(held[1]["wte.weight"]).first_on_stages(1) and spec_of(held[0]["wte.weight"]).first_on_stages(0)
@@ -253,7 +254,7 @@ def test_a_stage_keeps_the_whole_models_names_and_only_its_share():
         for name, p in part.items():
             assert torch.equal(p, names[name]), name
     whole_bytes = sum(p.numel() * 4 for p in names.values())
-    assert max(sum(p.numel() * 4 for p in part.values()) for part in held) <= 0.65 * whole_bytes
+    assert max(sum(p.numel() * 4 for p in part.values()) for part in held) < 0.85 * whole_bytes  # the FLOPs cut: 3 of 4 blocks beside the embedding on the first
 
 
 def _custom_loop_grads() -> int:

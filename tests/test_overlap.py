@@ -36,6 +36,38 @@ def test_overlap_is_bitwise_the_blocking_path(pool, layout):
     assert all(pool.run(_overlap_equals_blocking, layout))
 
 
+def _issued_ahead(layout) -> tuple[int, int]:
+    """What train.overlap issues ahead in a step's second forward and
+    backward, and how much of it could be: 2.5d, the depth sums in flight
+    when the backward ends (of the weights summed over depth alone); 3d, the
+    linears whose weight gather the previous linear issued (of all but the
+    first)."""
+    from tpctl.parallel.shard import spec_of
+
+    cfg = tiny_config(2, mode=layout.mode, size=layout.size, depth=layout.depth, **{"train.verify_rewrite": False})
+    run = build(cfg, layout)
+    ids = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
+    batch = [(run.par.shard_batch(ids[:, :-1]), run.par.shard_targets(ids[:, 1:]))]
+    mode = run.par.mode
+    for step in range(2):
+        loss = run.step.forward_backward(batch, step)
+        if layout.mode == "2.5d":
+            depth = [p for p in run.model.parameters() if mode.sums_during_backward(spec_of(p))]
+            got = (len(mode.depth_sums.pending), len(depth))
+        else:
+            got = (mode.prefetch.used, sum(1 for m in run.model.modules() if type(m).__name__ == "Linear3D") - 1)
+            mode.prefetch.used = 0
+        run.step.finish(loss, step)
+    return got
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", layouts("2.5d-8-d2", "3d-8").values(), ids=["2.5d", "3d"])
+def test_overlap_issues_ahead(pool, layout):
+    for issued, could in pool.run(_issued_ahead, layout):
+        assert issued == could > 0
+
+
 class _CommAllocations(TorchDispatchMode):
     """Bytes of every tensor allocated by an operation whose nearest tpctl
     caller is parallel/comm.py (an output sharing no storage with an input)."""

@@ -327,6 +327,31 @@ def test_the_stage_weighting_is_pluggable():
     assert heavy_last.blocks_of == [range(0, 3), range(3, 4)] and weighed[:4] == list(model.blocks)
 
 
+def test_the_cut_weighs_what_the_plan_counts():
+    """The stages are balanced by the FLOPs the planner counts for them:
+    each block's products and attention scores at the run's seq_len, the
+    LM head's product and the cross entropy over its logits (nothing for
+    the embedding), so the cut and the planned bubble see the same costs."""
+    from tpctl.cost.planner import model_shape, plan_split
+    from tpctl.models import build_model
+    from tpctl.parallel.cut import StageCut
+    from tpctl.parallel.mesh import build_mesh
+
+    cfg = tiny_config(1, **{"model.n_layer": 4})
+    layout = Layout("none", pp=2)
+    spec = PipelineSpec(2, "1f1b", 1, 2, seq_len=cfg.train.seq_len)
+    cut = StageCut(build_mesh(layout, rank=0, groups=False), spec)
+    cut.assign(build_model(cfg.model, cfg.seed, lazy=True))
+    blocks, before, after = cut.weights
+    per_block, before, after = [w >> 40 for w in blocks], before >> 40, after >> 40  # FLOPs (parameters below)
+    per_token = [sum(per_block[i] for i in r) + (before if c == 0 else 0) + (after if c == 1 else 0)
+                 for c, r in enumerate(cut.blocks_of)]
+    plan = plan_split(model_shape(cfg.model, cfg.seed), layout, cfg.train.batch_size, cfg.train.seq_len, pipeline=spec)
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    assert [p.flops for p in plan.stages] == pytest.approx([f * tokens for f in per_token], rel=1e-12)
+    assert before == 0 and after > 6 * 256 * 16  # the head's product and the loss
+
+
 def test_the_planned_bubble_counts_what_each_stage_costs():
     """Equal stages: the schedule's formula; a last stage three times as
     costly (GPT-2's head) paces the others, who then wait longer."""

@@ -66,7 +66,8 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
 
     from tpctl.config import compose_jobs
     from tpctl.parallel.layout import Layout
-    from .planner import HARDWARE_DIR, WIRE_FACTOR, model_shape, plan_split
+    from .hardware import HARDWARE_DIR
+    from .planner import WIRE_FACTOR, model_shape, plan_split
     from tpctl.launch.pool import DistPool
 
     from omegaconf import OmegaConf

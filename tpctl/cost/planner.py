@@ -23,15 +23,16 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from tpctl.errors import ConfigError
+from tpctl.parallel.cut import LOSS_FLOPS_PER_LOGIT
 from tpctl.parallel.geometry import WIRE_FACTOR, padded_vocab
 from tpctl.parallel.layout import ZERO_STAGES, Layout, layouts_of
 from tpctl.parallel.registry import check_costed
 from tpctl.parallel.stages import PipelineSpec
 
-from tpctl.config import CONFIG_DIR, check_layout
+from tpctl.config import check_layout
+from .hardware import Hardware, load_hardware  # noqa: F401  (re-exported: callers name the planner)
 from .layer_comm import count_layers, layer_shapes, sliced_sums
 
-HARDWARE_DIR = CONFIG_DIR / "hardware"
 F32 = 4  # bytes of an fp32 element: parameters, activations, gradients
 F64 = 8  # the gradient norm and the global loss mean are reduced in float64
 
@@ -264,8 +265,8 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.shard import spec_of
 
-    if layout.pp > 1 and pipeline is None:
-        pipeline = PipelineSpec(layout.pp, "1f1b", 1, layout.pp)
+    if layout.pp > 1:  # the cut costs attention at this length
+        pipeline = dataclasses.replace(pipeline or PipelineSpec(layout.pp, "1f1b", 1, layout.pp), seq_len=seq_len)
     if layout.pp > 1 and stage is None:
         stages = [plan_split(shape, layout, batch_size, seq_len, grad_accum, bucket_bytes, pipeline, s) for s in range(layout.pp)]
         worst = max(stages, key=lambda p: p.memory_bytes)  # its bubble: the stages' FLOPs, as the cut left them
@@ -294,6 +295,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
         dp_plan = zero_plan.plan(named, layout.dp, layout.zero, bucket_bytes or zero_plan.BUCKET_BYTES, units)
     param_numel = 0
     buckets: dict[str, int] = defaultdict(int)
+    early: list[tuple[str, int]] = []  # (group, numel) of each gradient summed during the backward
     for i, (name, p) in enumerate(named):
         spec = spec_of(p)
         numel = math.prod(spec.local_shape())
@@ -302,7 +304,10 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
             group = _replica_group(layout, spec, rank)
             if group is None:
                 raise ValueError(f"parameter {name!r}: its replicas {spec.replica_ranks} are no group of the mesh")
-            buckets[group] += dp_plan.grad_numel(i) if dp_plan else numel
+            if mode.sums_during_backward(spec):  # issued as its gradient is final, beside the backward
+                early.append((group, numel))
+            else:
+                buckets[group] += dp_plan.grad_numel(i) if dp_plan else numel
 
     # ---- forward and backward of one micro-batch, layer by layer (the mode's own counts)
     counter, micro = _Counter(layout, rank), _Counter(layout, rank)
@@ -328,6 +333,8 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
         mode.cost_loss(micro.add, tokens)
     counter.merge(micro, grad_accum)
     flops *= 3 * grad_accum  # backward = two products per forward product
+    if any(lin[1] == "lm_head" for lin in linears):  # the cross entropy over the rank's logits
+        flops += LOSS_FLOPS_PER_LOGIT * rows * mode.cost_vocab(vp) * grad_accum
     if pipe is not None:  # micro-batches in flight: their activations are held at once
         act = int(act * pipe.spec.in_flight(stage))
 
@@ -336,6 +343,8 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     # replica sums, the global norm, the logged loss
     if dp_plan:
         dp_plan.count(counter.add, grad_accum)
+    for group, numel in early:
+        counter.add("all_reduce", group, numel, hidden=True)
     for group, numel in [*buckets.items(), *sliced_sums(shape.plan, mode, named, dp_plan).items()]:
         counter.add("all_reduce", group, numel)
     counter.add("all_reduce", "grad_norm", 1, elem=F64)
@@ -387,44 +396,6 @@ def splits_of(world: int, cfg) -> list[tuple[Layout, Optional[str]]]:
         except ConfigError as e:
             out.append((layout, str(e).removeprefix("invalid config: ")))
     return out
-
-
-# --------------------------------------------------------------------------
-# Hardware
-
-
-@dataclass
-class Hardware:
-    name: str
-    peak_flops: float  # per rank, fp32 (what tpctl computes in today)
-    efficiency: float  # achieved fraction of peak on these matmuls
-    ranks_per_node: int
-    intra_bw: float  # bytes/s per rank, inside a node
-    intra_latency: float  # seconds per ring step
-    inter_bw: float  # bytes/s per rank, across nodes
-    inter_latency: float
-    memory_bytes: float = 0.0  # per rank (device memory); 0: not checked
-    cores: int = 0  # CPU profiles: ranks beyond this many share cores (0: one device per rank)
-    peak_flops_bf16: float = 0.0  # per rank, dense bf16 (tensor cores); 0: unknown (bench's MFU at bf16)
-    peak_flops_tf32: float = 0.0  # per rank, dense TF32 (train.tf32=true); 0: none (bench's MFU at fp32)
-    note: str = ""
-
-
-def load_hardware(name: str) -> Hardware:
-    import yaml
-
-    path = HARDWARE_DIR / f"{name}.yaml"
-    if not path.exists():
-        valid = ", ".join(sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml")))
-        raise ConfigError("hardware", name, f"expected one of {valid}")
-    raw = yaml.safe_load(path.read_text())
-    fields = {f.name for f in dataclasses.fields(Hardware)}
-    try:
-        values = {k: (str(v) if k == "note" else int(v) if k in ("ranks_per_node", "cores") else float(v))
-                  for k, v in raw.items() if k in fields and k != "name"}
-        return Hardware(name=name, **values)
-    except (TypeError, ValueError) as e:  # PyYAML reads 1.0e9 as text, hence float() above
-        raise ConfigError("hardware", name, f"{path} needs numbers for {', '.join(sorted(fields - {'name', 'note'}))}: {e}") from None
 
 
 # What compute an asynchronous collective hides behind: a third of a step's (its weight-gradient products).

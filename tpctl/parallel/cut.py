@@ -5,9 +5,10 @@ pipeline.py's.
   * The repeated blocks (`roles.repeated_blocks`, the stack activation
     checkpointing and the start-up check use) are cut into contiguous chunks
     (`stages.PipelineSpec.cut`, balanced by a weight per block: its
-    training FLOPs, parameters breaking ties, unless told otherwise; what
-    runs before and after the blocks weighed alike: an embedding costs
-    nothing, the LM head and its loss about five GPT-2 blocks). A rank keeps only its chunks'
+    training FLOPs with attention's scores, parameters breaking ties, unless
+    told otherwise; what runs before and after the blocks weighed alike: an
+    embedding costs nothing, the LM head and its loss about five GPT-2
+    blocks). A rank keeps only its chunks'
     blocks, under their whole-model indices (`StageStack`), so every
     parameter keeps its name: checkpoints and exports reshard.
   * The modules beside the stack are placed by one traced forward: what runs
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -43,7 +45,7 @@ import torch.nn as nn
 from .layers import ParallelDropout
 from .mesh import Mesh
 from .roles import RolePlan, repeated_blocks
-from .tracing import trace
+from .tracing import TRACE_BATCH, TRACE_SEQ, trace
 from .shard import spec_of
 from .stages import PipelineSpec
 
@@ -156,20 +158,30 @@ def parameter_count(block: nn.Module) -> int:
     return sum(p.numel() for p in block.parameters())
 
 
-def training_flops(module: nn.Module) -> int:
+# The vocab-parallel cross entropy's work per logit (parallel/loss.py): max,
+# subtract, exp and sum forward; subtract, exp and the scale backward.
+LOSS_FLOPS_PER_LOGIT = 7
+
+
+def training_flops(module: nn.Module, seq_len: int = 0, attention_width: int = 0) -> int:
     """FLOPs per token of a module's forward and backward, as the planner
     counts them: 6 per weight of every matrix that multiplies activations
-    (2 forward, 4 backward); a lookup table (nn.Embedding) none. Left out:
-    attention's scores, the same in every block, and the loss (about 8 per
-    logit against the LM head's 6 x width)."""
-    return sum(6 * p.numel() for m in module.modules() if not isinstance(m, nn.Embedding)
-               for p in m.parameters(recurse=False) if p.dim() == 2)
+    (2 forward, 4 backward); a lookup table (nn.Embedding) none; attention
+    over `attention_width` query features (heads x head width) at `seq_len`
+    tokens: scores and weighted sum, 4 x seq_len x width forward, 3 times
+    that with the backward."""
+    weights = sum(6 * p.numel() for m in module.modules() if not isinstance(m, nn.Embedding)
+                  for p in m.parameters(recurse=False) if p.dim() == 2)
+    return weights + 12 * seq_len * attention_width
 
 
-def compute_weight(module: nn.Module, tie_break: int = 1 << 40) -> int:
-    """A module's weight in the balance of the stages: its training FLOPs,
-    then its parameters breaking ties (`tie_break` above any count)."""
-    return training_flops(module) * tie_break + parameter_count(module)
+def compute_weight(module: nn.Module, tie_break: int = 1 << 40, seq_len: int = 0, attention_width: int = 0,
+                   logits: int = 0) -> int:
+    """A module's weight in the balance of the stages: its training FLOPs
+    (with `logits` per token: the loss over them), then its parameters
+    breaking ties (`tie_break` above any count)."""
+    flops = training_flops(module, seq_len, attention_width) + LOSS_FLOPS_PER_LOGIT * logits
+    return flops * tie_break + parameter_count(module)
 
 
 class StageCut:
@@ -177,7 +189,8 @@ class StageCut:
     and what they hold. Built before the rewrite: `assign` reads the whole
     model, `cut` trims it to this rank's stage, `install` wires the
     rewritten stage. `weigh` gives each repeated block its weight in the
-    balance of the stages."""
+    balance of the stages (the default, compute_weight, also costs each
+    block's attention at the spec's seq_len and the loss over the logits)."""
 
     def __init__(self, mesh: Mesh, spec: PipelineSpec, weigh: Callable[[nn.Module], float] = compute_weight):
         self.mesh, self.spec = mesh, spec
@@ -219,7 +232,7 @@ class StageCut:
             raise PipelineRefused(f"{self.spec.describe_chunks()}, more than the {n} blocks of {what}: expected at most {n} stages",
                                   "pp" if self.spec.virtual == 1 else "pipeline.virtual_stages")
         first_call: dict = {}
-        _, _, calls = trace(model, vocab_size=_vocab(model), inputs=first_call)
+        nodes, out, calls = trace(model, vocab_size=_vocab(model), inputs=first_call)
         prefix = f"{self.stack_name}." if self.stack_name else ""
         inside = [i for name, ids in calls.items() if name.startswith(prefix) for i in ids]
         if not inside:
@@ -251,9 +264,19 @@ class StageCut:
             raise PipelineRefused(f"{what} holds parameter {loose[0]!r} itself, outside any module: a pipeline "
                                   "stage cannot tell where it is used")
         blocks = list(stack._modules.values())
-        per_block = [self.weigh(b) for b in blocks]
-        before, after = (sum(self.weigh(model.get_submodule(b.name)) for b in self.beside if b.where == where)
+        if self.weigh is compute_weight:  # FLOPs: each block's attention, the loss over the logits
+            ends_at = [max((i for n_, ids in calls.items() if n_.startswith(f"{prefix}{k}.") for i in ids), default=0)
+                       for k in stack._modules]  # a block's last layer call
+            widths = _attention_widths(nodes, ends_at)
+            seq = self.spec.seq_len
+            per_block = [compute_weight(b, seq_len=seq, attention_width=w) for b, w in zip(blocks, widths)]
+            vocab = next((nodes[i].shape[-1] for i in out if nodes[i].shape), 0)
+            ends = {"before": 0, "after": compute_weight(nn.Module(), logits=vocab)}
+        else:
+            per_block, ends = [self.weigh(b) for b in blocks], {"before": 0, "after": 0}
+        before, after = (ends[where] + sum(self.weigh(model.get_submodule(b.name)) for b in self.beside if b.where == where)
                          for where in ("before", "after"))
+        self.weights = (per_block, before, after)  # what the cut balanced (tests compare it with the plan's FLOPs)
         try:
             self.blocks_of = self.spec.cut(per_block, before, after)
         except ValueError as e:
@@ -433,6 +456,19 @@ def _first_tensor(call) -> Optional[torch.Tensor]:
         return None
     return find(tuple(args)) if find(tuple(args)) is not None else (
         kwargs.get("hidden_states") if isinstance(kwargs.get("hidden_states"), torch.Tensor) else None)
+
+
+def _attention_widths(nodes: list, block_nodes: list[int]) -> list[int]:
+    """Per block (the node id of its last layer's call, in order), the
+    query features of the first attention the trace saw inside it (0:
+    none): a product of two activations (queries first) after the previous
+    block's last layer."""
+    widths, start = [], -1
+    for end in block_nodes:
+        first = next((n for n in nodes[start + 1:end] if n.kind == "attention" and n.shape), None)
+        widths.append(math.prod(first.shape) // (TRACE_BATCH * TRACE_SEQ) if first is not None else 0)
+        start = end
+    return widths
 
 
 def _vocab(model: nn.Module) -> int:

@@ -90,6 +90,8 @@ class DataParallel:
         if self.zero is not None:
             return self.zero.finish()
         params = [p for part in model_parts for p in part.parameters()]
+        if self.size == 1:  # nothing to sum: no per-parameter walk each step
+            return params
         by_group: dict[int, tuple] = {}
         for p in params:
             spec = spec_of(p)

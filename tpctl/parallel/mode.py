@@ -163,6 +163,15 @@ class ParallelMode(CostHooks):
         `params`: a model, or the parameters the optimizer steps."""
         sync_replicas(params)
 
+    def attach_grads(self, model_parts: list[nn.Module], micro_batches: int) -> None:
+        """Before a training step's first backward (gradients final after
+        `micro_batches` accumulations): a mode that sums some gradients
+        during the backward installs its hooks (2.5d's depth sums)."""
+
+    def sums_during_backward(self, spec) -> bool:
+        """Whether a parameter's replica sum runs during the backward (the planner counts it hidden)."""
+        return False
+
     # ---- cost: the planner's model of one micro-batch on this rank
     # (cost_hooks.CostHooks: cost_rows, cost_linear, ..., mode=none's)
 

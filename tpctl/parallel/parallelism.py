@@ -104,6 +104,14 @@ class Parallelism:
         return self.global_mean_tensor(local_sum, count).item()
 
     # ---- gradients ---------------------------------------------------------------
+    def attach(self, model_parts: list[nn.Module], micro_batches: int) -> list[nn.Parameter]:
+        """A training step's gradient reductions installed: the data-parallel
+        buckets (DataParallel.attach) and the mode's sums during the
+        backward; returns the optimizer's parameters."""
+        params = self.dp.attach(model_parts, micro_batches)
+        self.mode.attach_grads(model_parts, micro_batches)
+        return params
+
     def finish_grads(self, model_parts: list[nn.Module]) -> list[nn.Parameter]:
         """The one gradient finalisation, after a step's backwards (the
         training step's and a custom loop's alike), as Megatron's

@@ -135,10 +135,15 @@ class Pipeline(StageCut):
             schedule.step(x, target=torch.cat(ys), ids=x)
         else:
             schedule.step(target=torch.cat(ys), ids=x)
-        self.timings.append((self.busy_s, time.perf_counter() - start))
         sums = self._step.loss_sums
         total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.mesh.device)
-        return comm.all_reduce(total.detach().reshape(1).clone(), self.group)[0]
+        total = comm.all_reduce(total.detach().reshape(1).clone(), self.group)[0]
+        # The step's wall ends where every stage is done (this all-reduce
+        # returns once the last backward, the first stage's, has run), as
+        # the plan's bubble counts it: a later stage finishes its own
+        # schedule earlier and then waits for the drain.
+        self.timings.append((self.busy_s, time.perf_counter() - start))
+        return total
 
     def loss_sums(self, micro_batches: list, criterion: Callable, stream: tuple,
                   autocast: Callable[[], Any] = contextlib.nullcontext) -> torch.Tensor:

@@ -42,6 +42,7 @@ class PipelineSpec:
     virtual: int = 1
     microbatches: int = 1
     split: Optional[tuple[int, ...]] = None
+    seq_len: int = 0  # tokens per sequence: the stages' attention cost (0: not counted)
 
     @property
     def chunks(self) -> int:
@@ -177,7 +178,7 @@ class PipelineSpec:
             raise ConfigError("train.batch_size", t.batch_size,
                               f"the global batch is split into pipeline.microbatches({m}) x {row_split} row blocks "
                               f"(dp x the mode's batch split): expected a positive multiple of {m * row_split}")
-        return cls(pp, schedule, virtual, m, split)
+        return cls(pp, schedule, virtual, m, split, t.seq_len)
 
     def label_without_m(self) -> str:
         return f"pp={self.stages} {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else "")

@@ -71,7 +71,7 @@ class _CubeLinearFn(torch.autograd.Function):
     once) gives the same bits."""
 
     @staticmethod
-    def forward(ctx, x, weight, layout: Layout3D, groups: dict, overlap: bool):
+    def forward(ctx, x, weight, layout: Layout3D, groups: dict, overlap: bool, ahead=None):
         pending = []
 
         def start(t, group):
@@ -79,7 +79,9 @@ class _CubeLinearFn(torch.autograd.Function):
             pending.append(work) if overlap else _waited(work)
             return out
 
-        weight_full, x_full = start(weight, groups["i"]), start(x, groups[layout.rows])
+        # `ahead`: the weight's gather, issued during the previous linear (_Prefetch)
+        weight_full = ahead() if ahead is not None else start(weight, groups["i"])
+        x_full = start(x, groups[layout.rows])
         for work in pending:
             _waited(work)
         with torch.enable_grad():
@@ -101,27 +103,82 @@ class _CubeLinearFn(torch.autograd.Function):
                 pending.append(work) if ctx.overlap else _waited(work)
         for work in pending:
             _waited(work)
-        return out[0], out[1], None, None, None
+        return out[0], out[1], None, None, None, None
 
 
 def cube_linear(x: torch.Tensor, weight: torch.Tensor, layout: Layout3D, groups: dict,
-                overlap: bool = True) -> torch.Tensor:
-    """X W^T of this rank's blocks, X fed in `layout` (rows on dim 0)."""
+                overlap: bool = True, ahead=None) -> torch.Tensor:
+    """X W^T of this rank's blocks, X fed in `layout` (rows on dim 0);
+    `ahead()`: the weight's gather, already issued."""
     # Under autocast, X and W are gathered (and Y reduce-scattered) in the compute dtype.
-    return _CubeLinearFn.apply(to_compute(x), to_compute(weight), layout, groups, overlap)
+    return _CubeLinearFn.apply(to_compute(x), to_compute(weight), layout, groups, overlap, ahead)
 
 
+class _Prefetch:
+    """The next Linear3D's weight all-gather (over i) issued as a Linear3D's
+    forward starts, so it runs during this linear's products
+    (train.overlap). The next is the one after it in the first forward
+    since `reset` (the training step's attach: after the start-up proof's
+    own forwards). A gather is used only by its own linear, with the weight
+    unchanged since (its version: the optimizer steps in place) and the
+    same compute dtype; anything else (a recomputed block) is waited for
+    and dropped. Every rank of a group runs the same forwards, so the
+    gathers pair up in one order; the last linear has no next, so nothing
+    is in flight between steps."""
+
+    def __init__(self, group):
+        self.group = group
+        self.reset()
+
+    def reset(self) -> None:
+        self.after: dict[int, "nn.Module | None"] = {}  # id(linear) -> the next one
+        self.last: "nn.Module | None" = None
+        self.ahead = None  # (linear, version, dtype, gathered, work)
+        self.used = 0  # gathers a linear took from here (counted for tests and benchmarks)
+
+    def take(self, module: nn.Module):
+        """As `module`'s forward starts: its gather if one was issued (a
+        thunk that waits for it; None: gather now), and the next linear's
+        gather issued."""
+        if id(module) not in self.after:
+            if self.last is not None:
+                self.after[id(self.last)] = module
+            self.after[id(module)], self.last = None, module
+        mine, self.ahead = self.ahead, None
+        following = self.after[id(module)]
+        if following is not None:
+            w = to_compute(following.weight).detach()
+            out, work = comm.all_gather(w, self.group, 0, async_op=True)
+            self.ahead = (following, following.weight._version, w.dtype, out, work)
+        if mine is None:
+            return None
+        owner, version, dtype, out, work = mine
+        if owner is not module or version != module.weight._version or dtype != to_compute(module.weight).dtype:
+            _waited(work)
+            return None
+        self.used += 1
+        return lambda: (_waited(work), out)[1]
+
+
+def _take(prefetch: _Prefetch, module: nn.Module):
+    return prefetch.take(module)
+
+
+comm.also_eager(globals(), "_take")  # issues a collective and reads versions: never traced
 comm.also_eager(globals(), "cube_linear")  # its backward runs a graph of its own: never compiled
 
 
 class Linear3D(nn.Module):
-    def __init__(self, weight, bias, layout: Layout3D, groups: dict, overlap: bool = True):
+    def __init__(self, weight, bias, layout: Layout3D, groups: dict, overlap: bool = True,
+                 prefetch: "_Prefetch | None" = None):
         super().__init__()
         self.weight, self.bias, self.layout = weight, bias, layout
         self.groups, self.overlap = groups, overlap
+        object.__setattr__(self, "prefetch", prefetch)  # shared by the mode's linears: not a submodule
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = cube_linear(x, self.weight, self.layout, self.groups, self.overlap)
+        ahead = _take(self.prefetch, self) if self.prefetch is not None else None
+        y = cube_linear(x, self.weight, self.layout, self.groups, self.overlap, ahead)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -279,10 +336,22 @@ class ThreeD(ParallelMode):
         x = comm.gather_along(comm.gather_along(x, self.stream_group(), -1), self.mesh.groups[LAYOUT_A.rows], 0)
         return x.chunk(self.q, 0)[self.c[LAYOUT_B.rows]]
 
+    def attach_grads(self, model_parts: list[nn.Module], micro_batches: int) -> None:
+        """Training starts: the weight prefetch learns the linears' order anew
+        (the start-up proof ran them in its own)."""
+        if getattr(self, "prefetch", None) is not None:
+            self.prefetch.reset()
+
     def linear_module(self, weight, bias, role: str) -> Linear3D:
         """A linear role's Linear on the cube, in its role's layout (the
         default ParallelMode.convert_linear shards it by weight_spec/output_spec)."""
-        return Linear3D(weight, bias, ROLE_LAYOUT[role], self.mesh.groups, self.overlap)
+        layout = self.mesh.layout
+        # (ZeRO 3 gathers a block's weights just before its forward: none to read ahead of it.)
+        ahead = self.overlap and not (layout.dp > 1 and layout.zero == 3)
+        if ahead and getattr(self, "prefetch", None) is None:
+            self.prefetch = _Prefetch(self.mesh.groups["i"])
+        return Linear3D(weight, bias, ROLE_LAYOUT[role], self.mesh.groups, self.overlap,
+                        self.prefetch if ahead else None)
 
     def output_spec(self, tensor, role: str, layout=None, n: int | None = None) -> ShardSpec:
         """Output features land in the flipped layout of the Linear's input."""

@@ -5,8 +5,13 @@ of rows: rank (h, i, j) holds rows block (h, i) of d*q, hidden block j, and
 weight block (i, j), the same block as every other layer. So per rank the
 activations are 1/(d*q*q) and the weights 1/(q*q) of the whole. Each layer's
 SUMMA sums a weight's gradient over that layer's rows only: the d replicas
-must add their gradients over the depth group, exactly once, after backward
-(sync_grads, driven by the weight's ShardSpec), or they drift apart.
+must add their gradients over the depth group, exactly once per step (driven
+by the weight's ShardSpec), or they drift apart. In a training step each
+weight's depth sum is issued as soon as its gradient is final (its last
+micro-batch's accumulation), asynchronously, and waited for at the step's end
+(`_DepthSums`; train.overlap=false: waited for at once, the same calls);
+what is left (norms, biases, shared heads, tied weights, anything with
+data-parallel replicas) is summed at the end (sync_grads).
 """
 
 from __future__ import annotations
@@ -14,12 +19,15 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn as nn
 
 from tpctl.errors import ConfigError
 
+from . import comm
 from .geometry import Geometry, exact_root
 from .registry import register
-from .shard import ShardSpec
+from .replicas import sync_replicas
+from .shard import ShardSpec, spec_of
 from .two_d import TwoD
 
 
@@ -56,6 +64,29 @@ class TwoPointFiveD(TwoD):
     def __init__(self, mesh):
         super().__init__(mesh)
         self.depth, self.h = mesh.geo.depth, mesh.coords["h"]
+        self.depth_sums: "_DepthSums | None" = None
+
+    def sums_during_backward(self, spec: ShardSpec | None) -> bool:
+        """A weight whose whole gradient is summed over the depth group
+        alone, on a rank without data-parallel replicas (their buckets hold
+        the gradient during the backward and are reduced first) and not
+        tied across stages (summed between the stages first)."""
+        return (spec is not None and spec.partial_grad and not spec.row_replicas and not len(spec.stage_ranks) > 1
+                and spec.replica_ranks == tuple(self.mesh.group_ranks["depth"]) and self.mesh.layout.dp == 1)
+
+    def attach_grads(self, model_parts: list[nn.Module], micro_batches: int) -> None:
+        if self.depth_sums is not None:  # a step built anew on the same model: its hooks replace the old
+            self.depth_sums.remove()
+            self.depth_sums = None
+        params = [p for part in model_parts for p in part.parameters() if self.sums_during_backward(spec_of(p))]
+        if params and comm.group_size(self.mesh.groups.get("depth")) > 1:
+            self.depth_sums = _DepthSums(params, self.mesh.groups["depth"], micro_batches, self.overlap)
+
+    def sync_grads(self, params) -> None:
+        done = self.depth_sums.finish() if self.depth_sums is not None else set()
+        if isinstance(params, nn.Module):
+            params = params.parameters()
+        sync_replicas([p for p in params if id(p) not in done])
 
     def cost_rows(self, tokens: int) -> int:
         return tokens // (self.depth * self.grid.q)
@@ -67,3 +98,39 @@ class TwoPointFiveD(TwoD):
         spec = super()._weight_spec(full, out_ranges, in_dim)
         return dataclasses.replace(spec, replica_ranks=tuple(self.mesh.group_ranks["depth"]), partial_grad=True,
                                    replica_group=self.mesh.groups["depth"])
+
+
+class _DepthSums:
+    """The depth sums of `params`' gradients over `group`, each issued once
+    its gradient has been accumulated `micro_batches` times in a step (a
+    post-accumulate-grad hook), so the sums run while the backward goes on;
+    `finish` waits for them. Every depth replica runs the same backward, so
+    the calls pair up in one order; overlap=False waits for each at once."""
+
+    def __init__(self, params: list[nn.Parameter], group, micro_batches: int, overlap: bool):
+        self.group, self.micro_batches, self.overlap = group, micro_batches, overlap
+        self.count = {id(p): 0 for p in params}
+        self.pending: list = []
+        self.issued: set[int] = set()
+        self.hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+    def _ready(self, p: torch.Tensor) -> None:
+        self.count[id(p)] += 1
+        if self.count[id(p)] == self.micro_batches:
+            _, work = comm.all_reduce(p.grad, self.group, async_op=True)
+            self.pending.append(work) if self.overlap else work.wait()
+            self.issued.add(id(p))
+
+    def finish(self) -> set[int]:
+        """Wait for the step's sums; the ids of the parameters they summed
+        (a gradient that never became final is left to the caller)."""
+        for work in self.pending:
+            work.wait()
+        issued = self.issued
+        self.pending, self.issued = [], set()
+        self.count = dict.fromkeys(self.count, 0)
+        return issued

@@ -186,7 +186,7 @@ class TrainStep:
         self.micro_count = self.runner.micro_batches
         # From here on the replicas' gradients are reduced in buckets during
         # each backward; the optimizer steps what this replica owns.
-        self.optimizer = build_optimizer(par.dp.attach(model_parts, self.micro_count), cfg.optim)
+        self.optimizer = build_optimizer(par.attach(model_parts, self.micro_count), cfg.optim)
         self.schedule = schedule or (lambda step: cfg.optim.lr)
         self.device = par.mesh.device
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len

@@ -1,0 +1,47 @@
+"""A machine's profile for the planner's time model: peak rates, links and
+memory per rank, read from configs/hardware/<name>.yaml (or written there by
+`tpctl plan --calibrate`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from tpctl.config import CONFIG_DIR
+from tpctl.errors import ConfigError
+
+HARDWARE_DIR = CONFIG_DIR / "hardware"
+
+
+@dataclass
+class Hardware:
+    name: str
+    peak_flops: float  # per rank, fp32 (what tpctl computes in today)
+    efficiency: float  # achieved fraction of peak on these matmuls
+    ranks_per_node: int
+    intra_bw: float  # bytes/s per rank, inside a node
+    intra_latency: float  # seconds per ring step
+    inter_bw: float  # bytes/s per rank, across nodes
+    inter_latency: float
+    memory_bytes: float = 0.0  # per rank (device memory); 0: not checked
+    cores: int = 0  # CPU profiles: ranks beyond this many share cores (0: one device per rank)
+    peak_flops_bf16: float = 0.0  # per rank, dense bf16 (tensor cores); 0: unknown (bench's MFU at bf16)
+    peak_flops_tf32: float = 0.0  # per rank, dense TF32 (train.tf32=true); 0: none (bench's MFU at fp32)
+    note: str = ""
+
+
+def load_hardware(name: str) -> Hardware:
+    import yaml
+
+    path = HARDWARE_DIR / f"{name}.yaml"
+    if not path.exists():
+        valid = ", ".join(sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml")))
+        raise ConfigError("hardware", name, f"expected one of {valid}")
+    raw = yaml.safe_load(path.read_text())
+    fields = {f.name for f in dataclasses.fields(Hardware)}
+    try:
+        values = {k: (str(v) if k == "note" else int(v) if k in ("ranks_per_node", "cores") else float(v))
+                  for k, v in raw.items() if k in fields and k != "name"}
+        return Hardware(name=name, **values)
+    except (TypeError, ValueError) as e:  # PyYAML reads 1.0e9 as text, hence float() above
+        raise ConfigError("hardware", name, f"{path} needs numbers for {', '.join(sorted(fields - {'name', 'note'}))}: {e}") from None

@@ -165,6 +165,30 @@ def mfu_of(cfg, seconds: float):
         return None
 
 
+def profile(cfg, device, out_dir: str) -> None:
+    """Where the eager step's time goes: torch.profiler's tables (self CUDA
+    time, self CPU time) of 3 steps of plain and of tpctl, one file each."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    os.makedirs(out_dir, exist_ok=True)
+    batch = batch_of(cfg, device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for name, kind in (("plain", Plain), ("tpctl", Tpctl)):
+        run = kind(cfg, device, False)
+        timed(run, batch, device, 3, 0)
+        with profiler(activities=activities) as prof:
+            timed(run, batch, device, 3, 3)
+        events = prof.key_averages()
+        by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        with open(os.path.join(out_dir, f"profile_{name}.txt"), "w") as f:
+            f.write(events.table(sort_by=by, row_limit=40) + "\n")
+            f.write(events.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
+        print(f"profile of {name}: {out_dir}/profile_{name}.txt", flush=True)
+        del run
+        free(device)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round (default 5)")
@@ -172,6 +196,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compiling happens here)")
     parser.add_argument("--skip-llama", action="store_true", help="gpt-small only")
     parser.add_argument("--cpu", action="store_true", help="the tiny CPU smoke run even where a GPU is")
+    parser.add_argument("--profile", metavar="DIR", help="also write torch.profiler tables of gpt-small's eager step there")
     args = parser.parse_args()
     gpu = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
@@ -202,6 +227,10 @@ def main() -> None:
         print(f"| {label} | {m['plain'] * 1e3:,.1f} | {m['tpctl'] * 1e3:,.1f} | {tokens / m['plain']:,.0f} | "
               f"{tokens / m['tpctl']:,.0f} | {mfus[0]} | {mfus[1]} | {m['tpctl'] / m['plain']:.2f} |")
     print("tpctl / plain: step time ratio (<= 1.00: tpctl as fast as the plain loop or faster)")
+    if args.profile:
+        cfg = config(GPT_SMALL, tiny=not gpu)
+        cfg.device = device.type
+        profile(cfg, device, args.profile)
 
 
 if __name__ == "__main__":

@@ -126,6 +126,39 @@ def test_the_stage_exchange_through_host_buffers_trains_like_one_process(pool):
     _assert_same_curve([curve for curve, _ in results], _reference(pool, "gpt"))
 
 
+def _run_with_written_back_broadcasts(name: str, steps: int, spec: PipelineSpec):
+    """_run with every broadcast writing its tensor back on every rank, the
+    source included, as gloo does with a CUDA tensor (its host buffer is
+    copied back): the tensor's autograd version moves, its values do not."""
+    from tpctl.parallel import comm
+
+    issue = comm.broadcast
+
+    def written_back(tensor, src, group, async_op=False):
+        handle = issue(tensor, src, group, async_op)
+        with torch.no_grad():
+            tensor.add_(0)
+        return handle
+
+    comm.broadcast = written_back
+    try:
+        return _run(name, steps, spec)[0]
+    finally:
+        comm.broadcast = issue
+
+
+@pytest.mark.timeout(300)
+def test_summa_broadcasts_leave_the_saved_weights_alone_with_micro_batches_in_flight(pool):
+    """2d under 1F1B holds two micro-batches' forwards before their
+    backwards: a SUMMA broadcast that wrote into the weight it sends (gloo's
+    CUDA path, failing on an H100 with 'modified by an inplace operation')
+    would invalidate the first one's saved weight. Checked: it fails when the
+    owner broadcasts the weight tensor itself."""
+    spec = PipelineSpec(2, "1f1b", 2, 2)
+    for curve in pool.run(_run_with_written_back_broadcasts, "2d-4-pp2", 2, spec):
+        assert curve == pool.run(_run, "2d-4-pp2", 2, spec)[0][0]
+
+
 def test_only_a_device_tensor_over_a_host_backend_is_staged():
     from tpctl.parallel.pipeline import host_staging
 

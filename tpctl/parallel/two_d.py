@@ -47,14 +47,18 @@ class Grid:
     # False runs the plain lock-step SUMMA, for measuring what overlap buys.
     overlap: bool = True
 
+    # The owner sends `local.data` (same storage, its own autograd version):
+    # gloo copies a CUDA tensor's host buffer back into it, the source
+    # included, which would move the version of a weight that a micro-batch
+    # still in flight saved for its backward (a 1F1B pipeline).
     def bcast_row(self, local: torch.Tensor, t: int):
         """Start broadcasting block (i, t) along this rank's row."""
-        buf = local.contiguous() if t == self.j else torch.empty_like(local)
+        buf = local.data.contiguous() if t == self.j else torch.empty_like(local)
         return buf, comm.broadcast(buf, self.row_ranks[t], self.row_group, async_op=True)
 
     def bcast_col(self, local: torch.Tensor, t: int):
         """Start broadcasting block (t, j) down this rank's column."""
-        buf = local.contiguous() if t == self.i else torch.empty_like(local)
+        buf = local.data.contiguous() if t == self.i else torch.empty_like(local)
         return buf, comm.broadcast(buf, self.col_ranks[t], self.col_group, async_op=True)
 
 

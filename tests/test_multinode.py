@@ -90,7 +90,7 @@ def test_two_nodes_on_loopback_train_exactly_like_one_node(tpctl):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("dying", [1, 0], ids=["worker-node-dies", "rendezvous-host-dies"])
 def test_one_nodes_death_ends_the_other_with_exit_1(tpctl, dying):
-    timeout_s = 60
+    timeout_s = 30
     port = free_port("127.0.0.1")
     dirs = [tpctl.cwd / "node0", tpctl.cwd / "node1"]
     # One worker per node is enough to lose a peer, and starts fastest.
@@ -112,7 +112,9 @@ def test_one_nodes_death_ends_the_other_with_exit_1(tpctl, dying):
                 p.kill()
                 p.communicate()
     assert nodes[survivor].returncode == 1, err[-3000:]
-    assert elapsed < timeout_s, f"node {survivor} took {elapsed:.0f}s to notice"
+    # Within the collective timeout, plus the survivor's teardown (seconds;
+    # more on a loaded machine, where a lost peer may only show as the timeout).
+    assert elapsed < timeout_s + 20, f"node {survivor} took {elapsed:.0f}s to notice"
     lines = [line for line in err.splitlines() if line.startswith("tpctl:")]
     # Either its workers lose their peer first, or (when node 0, the
     # rendezvous host, died) its agent loses the rendezvous first.

@@ -95,8 +95,8 @@ class Trainer:
         micros = self.step.micro_count
         for micro in range(micros):
             x, y = self.data.batch(split, step, self.par.rows(t.batch_size, micros, micro), self.vocab_size)
-            yield (self.par.mode.split_input(x).to(self.mesh.device),
-                   self.par.mode.split_target(y).to(self.mesh.device))
+            yield (self.par.mode.split_input(self.par.cp.split(x)).to(self.mesh.device),
+                   self.par.mode.split_target(self.par.cp.split(y)).to(self.mesh.device))
 
     def train_step(self, step: int) -> dict:
         """One optimizer step (training/step.py); the loss and the gradient

@@ -131,5 +131,15 @@ def _attending(forward, cp: ContextParallel, name: str):
     return run
 
 
-def context_of(mesh: Mesh, impl: Optional[str] = None) -> ContextParallel:
-    return ContextParallel(mesh, impl or "ring")
+def cost_context(add, cp: int, impl: str, kv_numel: int, layers: int) -> None:
+    """The planner's count of one micro-batch's attention across `cp`
+    ranks, `kv_numel` the elements of one of this rank's key (or query)
+    blocks in one attention layer, as `add(kind, group, numel, times)`.
+    Ring: the stacked key and value block passes cp-1 times in the forward,
+    again cp-1 times in the backward, and its gradient accumulators cp
+    times. Ulysses: q, k, v and the output each one all-to-all, forward and
+    backward."""
+    if impl == "ring":
+        add("ring_pass", "cp", 2 * kv_numel, times=layers * (3 * cp - 2))
+    else:
+        add("all_to_all", "cp", kv_numel, times=layers * 8)

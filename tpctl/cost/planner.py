@@ -40,7 +40,7 @@ F64 = 8  # the gradient norm and the global loss mean are reduced in float64
 # Latency steps of a ring (or pipelined chain) collective over p ranks.
 LATENCY_STEPS = {"all_reduce": lambda p: 2 * (p - 1), "send": lambda p: 1}
 KIND_ABBREV = {"all_reduce": "ar", "all_gather": "ag", "reduce_scatter": "rs", "broadcast": "bc", "reduce": "re",
-               "send": "p2p"}
+               "send": "p2p", "ring_pass": "ring", "all_to_all": "a2a"}
 LINEAR_ROLES = ("qkv", "attn_in", "attn_out", "mlp_in", "mlp_out", "lm_head")
 
 
@@ -139,6 +139,7 @@ def plan_label(layout: Layout) -> str:
     name = layout.mode + ("+sp" if layout.seq_parallel else "")
     extra = f" d={layout.depth}" if layout.mode_class.uses_depth else ""
     pp = f" pp={layout.pp}" if layout.pp > 1 else ""
+    pp += f" cp={layout.cp}" if layout.cp > 1 else ""
     return f"{name} size={layout.size}{extra}{pp} dp={layout.dp}" + (f" zero={layout.zero}" if layout.zero else "")
 
 
@@ -390,9 +391,10 @@ def splits_of(world: int, cfg) -> list[tuple[Layout, Optional[str]]]:
     the micro-batches)."""
     m = cfg.model
     blocks = m.get("n_layer") if m.get("arch") != "custom" and not m.get("pretrained") else None
-    out = []
-    for layout in (l for pp in range(1, world + 1) if world % pp == 0 and pp <= (blocks or world)
-                   for l in layouts_of(world, pp)):
+    out, cp = [], cfg.get("cp", 1)  # context parallelism as asked: the other axes split world / cp
+    rest = world // cp if world % cp == 0 else 0
+    for layout in (l.replace(cp=cp) for pp in range(1, rest + 1) if rest % pp == 0 and pp <= (blocks or rest)
+                   for l in layouts_of(rest, pp)):
         try:
             check_layout(cfg, layout)
             out += [(layout.replace(zero=zero), None) for zero in (ZERO_STAGES if layout.dp > 1 else (0,))]

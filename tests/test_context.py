@@ -10,10 +10,23 @@ from conftest import tiny_config
 from tpctl.parallel.layout import Layout
 
 
-def _cp_against_one_process(name: str, impl: str, **overrides) -> tuple[float, float, dict]:
+def _cp_against_one_process(name: str, impl: str, matmul: bool = False, **overrides) -> tuple[float, float, dict]:
     """One forward and backward of a global batch in layout `name` against
     one process's: the loss's relative error, the worst gradient's
-    (norm-relative), and the bytes comm counted by kind."""
+    (norm-relative), and the bytes comm counted by kind. `matmul`: the ring
+    computes its blocks as it does off the CPU (explicit scores), not with
+    the CPU's flash kernel."""
+    from tpctl.parallel import context_attention
+
+    flash = context_attention._FLASH
+    context_attention._FLASH = None if matmul else flash
+    try:
+        return _compare(name, impl, **overrides)
+    finally:
+        context_attention._FLASH = flash
+
+
+def _compare(name: str, impl: str, **overrides) -> tuple[float, float, dict]:
     import torch.nn.functional as F
 
     from conftest import build
@@ -47,16 +60,17 @@ def _cp_against_one_process(name: str, impl: str, **overrides) -> tuple[float, f
     return abs(loss - ref_loss.item()) / abs(ref_loss.item()), worst, counted
 
 
-@pytest.mark.parametrize("name,impl", [("none-cp2-dp4", "ring"), ("none-cp4-dp2", "ring"),
-                                       ("none-cp4-dp2", "ulysses"), ("1d-2-cp4", "ulysses"),
-                                       ("1d-2-sp-cp2-dp2", "ring"), ("2d-4-cp2", "ulysses")])
-def test_cp_trains_as_one_process_and_sends_what_is_planned(pool, name, impl):
+@pytest.mark.parametrize("name,impl,matmul", [("none-cp2-dp4", "ring", False), ("none-cp4-dp2", "ring", False),
+                                              ("none-cp4-dp2", "ring", True), ("none-cp4-dp2", "ulysses", False),
+                                              ("1d-2-cp4", "ulysses", False), ("1d-2-sp-cp2-dp2", "ring", False),
+                                              ("2d-4-cp2", "ulysses", False), ("2.5d-4-cp2", "ring", False)])
+def test_cp_trains_as_one_process_and_sends_what_is_planned(pool, name, impl, matmul):
     from tpctl.cost.planner import model_shape, plan_split
 
     kind = {"ring": "ring_pass", "ulysses": "all_to_all"}[impl]
     cfg = tiny_config(1, **{"model.n_embd": 32, "model.n_head": 8})
     plan = plan_split(model_shape(cfg.model), Layout.parse(name), cfg.train.batch_size, cfg.train.seq_len, context=impl)
-    for loss_err, grad_err, counted in pool.run(_cp_against_one_process, name, impl, timeout_s=120):
+    for loss_err, grad_err, counted in pool.run(_cp_against_one_process, name, impl, matmul, timeout_s=120):
         assert loss_err < 1e-6 and grad_err < 1e-6, (loss_err, grad_err)
         assert counted[kind] == plan.comm[(kind, "cp")].bytes > 0
 
@@ -84,3 +98,30 @@ def test_zero_over_dp_and_cp_trains_as_one_process(pool):
     for impl in ("ring", "ulysses"):
         got = pool.run(_curve, "none-cp2-dp4-z2", timeout_s=120, **{"context.impl": impl})
         assert got[0] == pytest.approx(ref, rel=1e-6) and got[0] != pytest.approx(ref[:1] * 3)
+
+
+@pytest.mark.parametrize("overrides,key", [
+    ({"cp": 2, "model.dropout": 0.1}, "model.dropout"),
+    ({"cp": 2, "pp": 2}, "pp"),
+    ({"cp": 4, "train.seq_len": 36}, "train.seq_len"),  # the ring cuts 8 chunks
+    ({"cp": 4, "context.impl": "ulysses", "mode": "1d", "size": 2}, "model.n_head"),  # 4 heads, 2 per tensor rank
+    ({"cp": 2, "context.impl": "zigzag"}, "context.impl"),
+    ({"cp": 2, "model.arch": "mlp"}, "cp"),
+    ({"cp": 2, "train.sample_every": 5}, "train.sample_every"),
+])
+def test_what_cp_cannot_make_exact_is_refused_naming_the_key(overrides, key):
+    from tpctl.config import check_layout
+    from tpctl.errors import ConfigError
+
+    cfg = tiny_config(1, **overrides)
+    with pytest.raises(ConfigError) as refused:
+        check_layout(cfg)
+    assert str(refused.value).startswith(f"invalid config: {key}=") and "\n" not in str(refused.value)
+
+
+def test_generate_with_cp_is_refused():
+    from tpctl.config.layout_checks import check_decoding
+    from tpctl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^invalid config: cp=2: generate decodes one token at a time"):
+        check_decoding(tiny_config(1, cp=2))

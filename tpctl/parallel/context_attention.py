@@ -51,6 +51,37 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> t
     return s
 
 
+# On a CPU, torch's flash kernel gives a block's output with its log-sum-exp,
+# and its backward takes the merged output and log-sum-exp (so each block's
+# gradients are its exact share): no block of scores is ever held whole.
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _flash(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and _FLASH is not None and t.dtype in (torch.float32, torch.float64, torch.bfloat16)
+
+
+def _block(q, k, v, scale: float, diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention output and log-sum-exp per query."""
+    if _flash(q):
+        out, lse = _FLASH(q, k, v, 0.0, diagonal, scale=scale)
+        return out, lse
+    s = _scores(q, k, scale, diagonal)
+    lse = s.logsumexp(-1)
+    return torch.exp(s - lse[..., None]) @ v, lse
+
+
+def _block_grads(do, q, k, v, out, lse, delta, scale: float, diagonal: bool):
+    """One block's share of dq, dk, dv, given the merged output and
+    log-sum-exp of its queries (`delta`: rowsum(do * out))."""
+    if _flash(q):
+        return _FLASH_BACKWARD(do, q, k, v, out, lse, 0.0, diagonal, scale=scale)
+    p = torch.exp(_scores(q, k, scale, diagonal) - lse[..., None])
+    ds = p * (do @ v.transpose(-2, -1) - delta[..., None])
+    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ do
+
+
 class RingAttention(torch.autograd.Function):
     """q, k, v: [batch, heads, 2 chunks, head_dim] of this rank's zigzag
     chunks; `ranks`: the cp group's global ranks in ring order."""
@@ -60,16 +91,14 @@ class RingAttention(torch.autograd.Function):
         cp = len(ranks)
         qs = q.chunk(2, dim=2)
         out = [torch.zeros_like(c) for c in qs]
-        lse = [torch.full(c.shape[:-1], float("-inf"), dtype=c.dtype, device=c.device) for c in qs]
+        lse = [torch.full(c.shape[:-1], float("-inf"), dtype=torch.float32, device=c.device) for c in qs]
         kv = torch.stack([k, v])
         for step in range(cp):
             if step < cp - 1:  # the next block travels while this one is computed
                 nxt, works = comm.ring_pass(kv, group, ranks)
             ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             for i, j, diagonal in _visible(zigzag_chunks(index, cp), zigzag_chunks((index - step) % cp, cp)):
-                s = _scores(qs[i], ks[j], scale, diagonal)
-                block_lse = s.logsumexp(-1)
-                block_out = torch.exp(s - block_lse[..., None]) @ vs[j]
+                block_out, block_lse = _block(qs[i], ks[j], vs[j], scale, diagonal)
                 merged = torch.logaddexp(lse[i], block_lse)
                 out[i] = out[i] * torch.exp(lse[i] - merged)[..., None] + block_out * torch.exp(block_lse - merged)[..., None]
                 lse[i] = merged
@@ -87,10 +116,10 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp, scale, index = len(ctx.ranks), ctx.scale, ctx.index
         grad = grad.contiguous()
-        qs, dos = q.chunk(2, dim=2), grad.chunk(2, dim=2)
+        qs, dos, outs = q.chunk(2, dim=2), grad.chunk(2, dim=2), out.chunk(2, dim=2)
         lses = lse.chunk(2, dim=2)
-        # D = rowsum(dO * O): the softmax backward's correction, per query.
-        ds_ = (grad * out).sum(-1).chunk(2, dim=2)
+        # rowsum(dO * O): the softmax backward's correction, per query.
+        deltas = (grad * out).sum(-1).chunk(2, dim=2)
         dq = torch.zeros_like(q)
         dqs = dq.chunk(2, dim=2)
         kv = torch.stack([k, v])
@@ -101,11 +130,10 @@ class RingAttention(torch.autograd.Function):
             ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             dks, dvs = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
             for i, j, diagonal in _visible(zigzag_chunks(index, cp), zigzag_chunks((index - step) % cp, cp)):
-                p = torch.exp(_scores(qs[i], ks[j], scale, diagonal) - lses[i][..., None])
-                dvs[j].add_(p.transpose(-2, -1) @ dos[i])
-                ds = p * (dos[i] @ vs[j].transpose(-2, -1) - ds_[i][..., None])
-                dqs[i].add_((ds @ ks[j]) * scale)
-                dks[j].add_((ds.transpose(-2, -1) @ qs[i]) * scale)
+                dq_, dk_, dv_ = _block_grads(dos[i], qs[i], ks[j], vs[j], outs[i], lses[i], deltas[i], scale, diagonal)
+                dqs[i].add_(dq_)
+                dks[j].add_(dk_)
+                dvs[j].add_(dv_)
             # The accumulators follow their block; after the last step they
             # are back with the block's owner.
             got, dworks = comm.ring_pass(dkv, ctx.group, ctx.ranks)

@@ -31,6 +31,7 @@ def _compare(name: str, impl: str, **overrides) -> tuple[float, float, dict]:
 
     from conftest import build
     from tpctl.models import build_model
+    from tpctl.parallel.roles import logits_of
     from tpctl.parallel import comm
 
     settings = {"model.n_embd": 32, "model.n_head": 8, "context.impl": impl, **overrides}
@@ -42,7 +43,7 @@ def _compare(name: str, impl: str, **overrides) -> tuple[float, float, dict]:
     ids = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
     x, y = ids[:, :-1], ids[:, 1:]
     ref = build_model(cfg.model, cfg.seed)
-    ref_loss = F.cross_entropy(ref(x).reshape(-1, vocab), y.reshape(-1), reduction="sum") / y.numel()
+    ref_loss = F.cross_entropy(logits_of(ref(x)).reshape(-1, vocab), y.reshape(-1), reduction="sum") / y.numel()
     ref_loss.backward()
     par = run.par
     comm.STATS.reset()
@@ -60,17 +61,22 @@ def _compare(name: str, impl: str, **overrides) -> tuple[float, float, dict]:
     return abs(loss - ref_loss.item()) / abs(ref_loss.item()), worst, counted
 
 
-@pytest.mark.parametrize("name,impl,matmul", [("none-cp2-dp4", "ring", False), ("none-cp4-dp2", "ring", False),
-                                              ("none-cp4-dp2", "ring", True), ("none-cp4-dp2", "ulysses", False),
-                                              ("1d-2-cp4", "ulysses", False), ("1d-2-sp-cp2-dp2", "ring", False),
-                                              ("2d-4-cp2", "ulysses", False), ("2.5d-4-cp2", "ring", False)])
-def test_cp_trains_as_one_process_and_sends_what_is_planned(pool, name, impl, matmul):
+GPT2, LLAMA = {"model.arch": "gpt2", "model.bias": None}, {"model.arch": "llama", "model.bias": None}
+
+
+@pytest.mark.parametrize("name,impl,matmul,model", [
+    ("none-cp2-dp4", "ring", False, {}), ("none-cp4-dp2", "ring", False, {}), ("none-cp4-dp2", "ring", True, {}),
+    ("none-cp4-dp2", "ulysses", False, {}), ("1d-2-cp4", "ulysses", False, {}), ("1d-2-sp-cp2-dp2", "ring", False, {}),
+    ("2d-4-cp2", "ulysses", False, {}), ("2.5d-4-cp2", "ring", False, {}),
+    ("none-cp4-dp2", "ring", False, GPT2), ("1d-2-cp2-dp2", "ulysses", False, LLAMA), ("1d-2-cp4", "ring", False, LLAMA),
+], ids=lambda v: v.get("model.arch", "gpt") if isinstance(v, dict) else str(v))
+def test_cp_trains_as_one_process_and_sends_what_is_planned(pool, name, impl, matmul, model):
     from tpctl.cost.planner import model_shape, plan_split
 
     kind = {"ring": "ring_pass", "ulysses": "all_to_all"}[impl]
-    cfg = tiny_config(1, **{"model.n_embd": 32, "model.n_head": 8})
+    cfg = tiny_config(1, **{"model.n_embd": 32, "model.n_head": 8, **model})
     plan = plan_split(model_shape(cfg.model), Layout.parse(name), cfg.train.batch_size, cfg.train.seq_len, context=impl)
-    for loss_err, grad_err, counted in pool.run(_cp_against_one_process, name, impl, matmul, timeout_s=120):
+    for loss_err, grad_err, counted in pool.run(_cp_against_one_process, name, impl, matmul, timeout_s=120, **model):
         assert loss_err < 1e-6 and grad_err < 1e-6, (loss_err, grad_err)
         assert counted[kind] == plan.comm[(kind, "cp")].bytes > 0
 
@@ -125,3 +131,27 @@ def test_generate_with_cp_is_refused():
 
     with pytest.raises(ConfigError, match=r"^invalid config: cp=2: generate decodes one token at a time"):
         check_decoding(tiny_config(1, cp=2))
+
+
+def test_attention_cp_cannot_replace_is_refused_naming_the_module():
+    """An attention module that computes its softmax itself (no call cp can
+    answer) would attend over this rank's positions alone: refused, never silent."""
+    from types import SimpleNamespace
+
+    from tpctl.parallel.context import ContextParallel, ContextRefused
+    from tpctl.parallel.mesh import build_mesh
+
+    class EagerAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj((x @ x.transpose(-2, -1)).softmax(-1) @ x)
+
+    model = torch.nn.Sequential()
+    model.add_module("attn", EagerAttention())
+    model.tpctl_plan = SimpleNamespace(roles={"attn.proj": "attn_out"})
+    ContextParallel(build_mesh(Layout(cp=2), rank=0, groups=False)).install(model)
+    with pytest.raises(ContextRefused, match=r"^cp=2: attn \(EagerAttention\) computes attention without torch's"):
+        model(torch.randn(1, 3, 4))

@@ -69,10 +69,16 @@ def _check_pipeline(cfg: Any, layout: Layout) -> None:
                           f"the model's {blocks} (model.n_layer)")
 
 
+# Models whose attention context parallelism replaces, each proven against
+# one process (tests/test_context.py): tpctl's GPT (learned positions) and
+# the Hugging Face families of GPT-2 (learned) and Llama (rotary), whose
+# attention calls torch's scaled_dot_product_attention.
+CP_ARCHS = ("gpt", "gpt2", "llama", "mistral", "qwen2")
+
+
 def check_context(cfg: Any, layout: Layout, geo: Geometry) -> None:
-    """What context parallelism (cp > 1) can make exact: tpctl's GPT
-    (whose attention module calls torch's causal attention and whose
-    positions are a lookup), without dropout, a pipeline, compiling or
+    """What context parallelism (cp > 1) can make exact: the models of
+    CP_ARCHS, without dropout, a pipeline, compiling or
     decoding; a sequence length the split divides; with Ulysses, heads the
     tensor split and cp divide."""
     from tpctl.parallel.context import IMPLS
@@ -81,11 +87,11 @@ def check_context(cfg: Any, layout: Layout, geo: Geometry) -> None:
     if impl not in IMPLS:
         raise ConfigError("context.impl", impl, f"expected one of {', '.join(IMPLS)}")
     m, t, cp = cfg.model, cfg.train, layout.cp
-    if m.get("arch") != "gpt" or m.get("pretrained"):
-        what = "the model's attention module" if m.get("arch") == "custom" else f"{m.get('arch')}'s attention module"
-        raise ConfigError("cp", cp, f"context parallelism replaces the attention of tpctl's GPT (blocks.*.attn: "
-                          f"CausalSelfAttention) only; {what} is not rewritten yet (its positions would stay local): "
-                          "expected cp=1 or model.arch=gpt")
+    if m.get("arch") not in CP_ARCHS:
+        raise ConfigError("cp", cp, f"model.arch={m.get('arch')}: context parallelism replaces attention computed by "
+                          "torch's scaled_dot_product_attention with positions from a learned table or a rotary "
+                          "embedding module, proven for model.arch in " + ", ".join(CP_ARCHS) + "; this model's "
+                          "attention module is not: expected cp=1")
     refused = (("model.dropout", m.dropout, m.dropout > 0, "masks drawn by global position are not wired yet: expected 0"),
                ("pp", layout.pp, layout.pp > 1, "the stages' stream is not split along the sequence yet: expected pp=1"),
                ("train.compile", t.get("compile"), t.get("compile") not in (False, None),

@@ -78,9 +78,11 @@ class ContextParallel:
         for name in attention_modules(roles):
             module = model.get_submodule(name)
             module.forward = _attending(module.forward, self, name)
-        for name, role in roles.items():
-            if role == "pos_embedding":
-                model.get_submodule(name).register_forward_pre_hook(self._global_positions)
+        for name, module in model.named_modules():
+            if roles.get(name) == "pos_embedding":
+                module.register_forward_pre_hook(self._global_positions)
+            elif type(module).__name__.endswith("RotaryEmbedding"):  # Hugging Face's: forward(x, position_ids)
+                module.register_forward_pre_hook(self._global_rotary, with_kwargs=True)
         return model
 
     def _global_positions(self, module: nn.Module, args: tuple):
@@ -90,14 +92,24 @@ class ContextParallel:
         table = self.positions(pos.shape[-1] * self.size).to(pos.device)
         return (table[pos], *rest)
 
+    def _global_rotary(self, module: nn.Module, args: tuple, kwargs: dict):
+        """A rotary table's position ids (its second argument) made global."""
+        if len(args) > 1:
+            return (args[0], self._global_positions(module, args[1:])[0], *args[2:]), kwargs
+        if "position_ids" in kwargs:
+            return args, {**kwargs, "position_ids": self._global_positions(module, (kwargs["position_ids"],))[0]}
+        return None
+
     def attend(self, name: str, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False) -> torch.Tensor:
         """torch's scaled_dot_product_attention of this rank's positions,
         computed across the cp ranks."""
-        if attn_mask is not None or not is_causal or dropout_p or enable_gqa or k.shape[1] != q.shape[1]:
-            raise ContextRefused(f"cp={self.size}: attention in {name} is called with "
-                                 f"{'a mask' if attn_mask is not None else 'dropout' if dropout_p else 'shared key/value heads' if enable_gqa or k.shape[1] != q.shape[1] else 'is_causal=False'}; "
-                                 "context parallelism computes plain causal attention only")
+        why = "a mask" if attn_mask is not None else "dropout" if dropout_p else None if is_causal else "is_causal=False"
+        if why is not None:
+            raise ContextRefused(f"cp={self.size}: {name} calls attention with {why}; context parallelism "
+                                 "computes causal attention without dropout only")
+        if enable_gqa and k.shape[1] != q.shape[1]:  # each shared key/value head repeated for its query heads
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         if self.impl == "ring":
             return ring_attention(q, k, v, self.group, self.ranks, self.rank, scale)
         return ulysses_attention(q, k, v, self.group, self.size, scale)
@@ -119,15 +131,25 @@ class _Attend(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is F.scaled_dot_product_attention:
+            self.calls += 1
             return self.cp.attend(self.name, *args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self.calls = 0
+        return super().__enter__()
 
 
 def _attending(forward, cp: ContextParallel, name: str):
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        with _Attend(cp, name):
-            return forward(*args, **kwargs)
+        with _Attend(cp, name) as attend:
+            out = forward(*args, **kwargs)
+        if attend.calls == 0:  # it attended by other means, over this rank's positions alone: never silently
+            raise ContextRefused(f"cp={cp.size}: {name} ({type(forward.__self__).__name__}) computes attention "
+                                 "without torch's scaled_dot_product_attention, which context parallelism replaces: "
+                                 "expected cp=1")
+        return out
     return run
 
 

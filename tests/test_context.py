@@ -92,23 +92,25 @@ def _curve(name: str, steps: int = 3, **overrides) -> list[float]:
     for step in range(steps):
         ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1), generator=gen)
         x, y = ids[:, :-1], ids[:, 1:]
-        result = run.step([(run.par.shard_batch(x), run.par.shard_targets(y))], step)
+        micros = run.step.micro_count
+        result = run.step([(run.par.shard_batch(x, k, micros), run.par.shard_targets(y, k, micros))
+                           for k in range(micros)], step)
         out.append(float(result["loss"]))
     return out
 
 
-def test_zero_over_dp_and_cp_trains_as_one_process(pool):
+def test_zero_and_pipeline_stages_with_cp_train_as_one_process(pool):
     """ZeRO's replicas are dp x cp (each holds the same parameters with other
-    tokens' gradients): stage 2 over 8 ranks, 2 of them splitting each sequence."""
+    tokens' gradients): stage 2 over 8 ranks, 2 of them splitting each
+    sequence; and pipeline stages pass a stream of the rank's positions."""
     ref = pool.run(_curve, "none-dp8", timeout_s=120)[0]
-    for impl in ("ring", "ulysses"):
-        got = pool.run(_curve, "none-cp2-dp4-z2", timeout_s=120, **{"context.impl": impl})
-        assert got[0] == pytest.approx(ref, rel=1e-6) and got[0] != pytest.approx(ref[:1] * 3)
+    for name, impl in (("none-cp2-dp4-z2", "ring"), ("none-cp2-dp4-z2", "ulysses"), ("none-pp2-cp2-dp2", "ring")):
+        got = pool.run(_curve, name, timeout_s=120, **{"context.impl": impl})
+        assert got[0] == pytest.approx(ref, rel=1e-6) and got[0] != pytest.approx(ref[:1] * 3), name
 
 
 @pytest.mark.parametrize("overrides,key", [
     ({"cp": 2, "model.dropout": 0.1}, "model.dropout"),
-    ({"cp": 2, "pp": 2}, "pp"),
     ({"cp": 4, "train.seq_len": 36}, "train.seq_len"),  # the ring cuts 8 chunks
     ({"cp": 4, "context.impl": "ulysses", "mode": "1d", "size": 2}, "model.n_head"),  # 4 heads, 2 per tensor rank
     ({"cp": 2, "context.impl": "zigzag"}, "context.impl"),

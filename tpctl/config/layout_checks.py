@@ -93,7 +93,6 @@ def check_context(cfg: Any, layout: Layout, geo: Geometry) -> None:
                           "embedding module, proven for model.arch in " + ", ".join(CP_ARCHS) + "; this model's "
                           "attention module is not: expected cp=1")
     refused = (("model.dropout", m.dropout, m.dropout > 0, "masks drawn by global position are not wired yet: expected 0"),
-               ("pp", layout.pp, layout.pp > 1, "the stages' stream is not split along the sequence yet: expected pp=1"),
                ("train.compile", t.get("compile"), t.get("compile") not in (False, None),
                 "the attention is replaced at run time, which the compiler does not see: expected false"),
                ("train.sample_every", t.get("sample_every"), bool(t.get("sample_every")),

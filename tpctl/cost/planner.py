@@ -355,7 +355,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     counter.add("all_reduce", "batch", 1, elem=F64)
     bubble = None
     if pipe is not None:
-        _plan_pipeline(counter, pipe, par, batch_size, seq_len, tied_numel)
+        _plan_pipeline(counter, pipe, par, batch_size, seq_len // layout.cp, tied_numel)
         bubble = pipe.spec.bubble()
     held = dp_plan.held_numel() if dp_plan else {"param": param_numel, "grad": param_numel, "moment": param_numel}
     n_tensors = len(named)  # AdamW's step counts (one fp32 scalar each)

@@ -71,16 +71,15 @@ def _check_pipeline(cfg: Any, layout: Layout) -> None:
 
 # Models whose attention context parallelism replaces, each proven against
 # one process (tests/test_context.py): tpctl's GPT (learned positions) and
-# the Hugging Face families of GPT-2 (learned) and Llama (rotary), whose
-# attention calls torch's scaled_dot_product_attention.
+# the Hugging Face families of GPT-2 (learned) and Llama, Mistral and Qwen2
+# (rotary), whose attention calls torch's scaled_dot_product_attention.
 CP_ARCHS = ("gpt", "gpt2", "llama", "mistral", "qwen2")
 
 
 def check_context(cfg: Any, layout: Layout, geo: Geometry) -> None:
     """What context parallelism (cp > 1) can make exact: the models of
-    CP_ARCHS, without dropout, a pipeline, compiling or
-    decoding; a sequence length the split divides; with Ulysses, heads the
-    tensor split and cp divide."""
+    CP_ARCHS, without dropout, compiling or decoding; a sequence length the
+    split divides; with Ulysses, heads the tensor split and cp divide."""
     from tpctl.parallel.context import IMPLS
 
     impl = cfg.get("context", {}).get("impl", "ring")

@@ -159,3 +159,19 @@ def test_attention_cp_cannot_replace_is_refused_naming_the_module():
     ContextParallel(build_mesh(Layout(cp=2), rank=0, groups=False)).install(model)
     with pytest.raises(ContextRefused, match=r"^cp=2: attn \(EagerAttention\) computes attention without torch's"):
         model(torch.randn(1, 3, 4))
+
+
+@pytest.mark.parametrize("cp,early", [(1, True), (2, False)])
+def test_2p5d_sums_depth_replicas_early_only_without_dp_or_cp_replicas(cp, early):
+    """2.5d sums a depth-replicated gradient during the backward only where no
+    data-parallel bucket holds it first: cp ranks are such replicas (a
+    16-rank 2.5d-8-d2-cp2 run trains as one process with this, 0.88 off without)."""
+    from types import SimpleNamespace
+
+    from tpctl.parallel.mesh import build_mesh
+
+    layout = Layout("2.5d", 8, 2, cp=cp)
+    mode = layout.mode_class(build_mesh(layout, rank=0, groups=False))
+    spec = SimpleNamespace(partial_grad=True, row_replicas=(), stage_ranks=(0,),
+                           replica_ranks=tuple(mode.mesh.group_ranks["depth"]))
+    assert mode.sums_during_backward(spec) is early

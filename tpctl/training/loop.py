@@ -197,7 +197,7 @@ class Trainer:
         rss = peak_rss_bytes()
         out = {
             "mode": self.mesh.mode, "size": self.mesh.tp_size, "dp": self.mesh.dp_size, "pp": 1,
-            "zero": self.mesh.layout.zero,
+            "zero": self.mesh.layout.zero, "cp": self.mesh.layout.cp,
             "steps": last["step"], "first_loss": self.first_loss, "final_loss": last["loss"],
             "val_loss": next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None),
             "tokens_per_s": steps_run * self.tokens_per_step / self.elapsed_s,

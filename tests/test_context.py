@@ -175,3 +175,11 @@ def test_2p5d_sums_depth_replicas_early_only_without_dp_or_cp_replicas(cp, early
     spec = SimpleNamespace(partial_grad=True, row_replicas=(), stage_ranks=(0,),
                            replica_ranks=tuple(mode.mesh.group_ranks["depth"]))
     assert mode.sums_during_backward(spec) is early
+
+
+def test_bf16_with_cp_stays_near_one_process(pool):
+    """Under autocast the ring merges its blocks in fp32 and hands the flash
+    backward the output in the inputs' dtype."""
+    ref = pool.run(_curve, "none-dp8", timeout_s=120, precision="bf16")[0]
+    got = pool.run(_curve, "none-cp2-dp4", timeout_s=120, precision="bf16")[0]
+    assert got == pytest.approx(ref, rel=1e-3)

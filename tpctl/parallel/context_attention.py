@@ -90,7 +90,9 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, ranks, index, scale):
         cp = len(ranks)
         qs = q.chunk(2, dim=2)
-        out = [torch.zeros_like(c) for c in qs]
+        # Merged in fp32 whatever the inputs (bf16 under autocast): the
+        # rescaling of earlier blocks would round each time.
+        out = [torch.zeros(c.shape, dtype=torch.float32, device=c.device) for c in qs]
         lse = [torch.full(c.shape[:-1], float("-inf"), dtype=torch.float32, device=c.device) for c in qs]
         kv = torch.stack([k, v])
         for step in range(cp):
@@ -106,7 +108,7 @@ class RingAttention(torch.autograd.Function):
                 for w in works:
                     w.wait()
                 kv = nxt
-        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
+        out, lse = torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.ranks, ctx.index, ctx.scale = group, ranks, index, scale
         return out

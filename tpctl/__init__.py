@@ -19,14 +19,19 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 
-def init_parallel(layout=None, *, seed: int = 0, device: str = "cpu", **dims):
+def init_parallel(layout=None, *, seed: int = 0, device: str = "cpu", context: str = "ring", **dims):
     """The parallel machinery (parallel.parallelism.Parallelism: mesh, mode,
-    data parallelism) of an initialised process group, for a `Layout` or
-    its fields as keywords: init_parallel(mode="2d", size=4, dp=2)."""
+    data parallelism, context parallelism) of an initialised process group,
+    for a `Layout` or its fields as keywords: init_parallel(mode="2d",
+    size=4, dp=2); with cp=C, `context` is the attention across the cp
+    ranks (ring or ulysses), and shard_batch/shard_targets give a rank its
+    positions of each sequence."""
     from .parallel.layout import Layout
     from .parallel.parallelism import parallelism
 
-    return parallelism(layout or Layout(**dims), seed, device)
+    par = parallelism(layout or Layout(**dims), seed, device)
+    par.cp.impl = context
+    return par
 
 
 def parallelize(model, tp, plan=None, verify: bool = False):
@@ -37,7 +42,10 @@ def parallelize(model, tp, plan=None, verify: bool = False):
     if verify:
         from .parallel.verify import parallelize_verified
 
-        return parallelize_verified(model, tp, plan)[0]
-    from .parallel.rewrite import parallelize as _parallelize
+        model = parallelize_verified(model, tp, plan)[0]
+    else:
+        from .parallel.rewrite import parallelize as _parallelize
 
-    return _parallelize(model, tp, plan)
+        model = _parallelize(model, tp, plan)
+    context = getattr(tp, "cp", None)  # (a Parallelism; a bare mode has no cp axis)
+    return context.install(model) if context is not None else model

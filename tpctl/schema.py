@@ -227,6 +227,17 @@ class PipelineConfig:
 
 
 @dataclass
+class ContextConfig:
+    """How attention runs across the cp ranks that split each sequence
+    (parallel/context.py)."""
+
+    # ring: key/value blocks passed around the cp ranks, each keeping its
+    # queries (zigzag chunks balance the causal work); ulysses: an
+    # all-to-all from the sequence split to a head split and back.
+    impl: str = "ring"
+
+
+@dataclass
 class TrainConfig:
     # The layout (parallel/layout.py): the tensor-parallel mode (a name in
     # parallel/registry.py), its grid, and the replicas.
@@ -239,6 +250,7 @@ class TrainConfig:
     dp: int = 1  # data-parallel replicas; world = size * pp * dp
     pp: int = 1  # pipeline stages (cut at the model's repeated blocks)
     zero: int = 0  # ZeRO stage over the dp replicas: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters
+    cp: int = 1  # context parallelism: ranks splitting each sequence; world = size * cp * pp * dp
     seed: int = 0
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (nccl)
     seq_parallel: bool = False  # 1d only
@@ -251,6 +263,7 @@ class TrainConfig:
     model: Any = MISSING
     data: DataConfig = field(default_factory=DataConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    context: ContextConfig = field(default_factory=ContextConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)

@@ -102,7 +102,7 @@ def _plain(cfg) -> dict:
 
 # Settings a resumed run may change without changing what it computes
 # (the layout, where and how often it saves, the launcher).
-_LAYOUT_KEYS = ("mode", "size", "depth", "dp", "pp", "pipeline.", "device", "seq_parallel", "launcher.", "checkpoint.", "train.resume",
+_LAYOUT_KEYS = ("mode", "size", "depth", "dp", "pp", "cp", "context.", "pipeline.", "device", "seq_parallel", "launcher.", "checkpoint.", "train.resume",
                 "train.progress", "train.log_every", "train.eval_every", "train.eval_batches", "data.cache_dir",
                 "train.on_nonfinite")
 

@@ -155,10 +155,10 @@ def inspect_model(cfg):
     summary = {"roles from": {"inferred": "traced forward", "tp_plan": "the model's tp_plan", "plan": "model.plan"}[plan.source],
                "whole model": whole, "per rank": local, "heads": {k: (h.heads, h.kv_heads, h.head_dim) for k, h in plan.heads.items()}}
     layout = par.layout
-    if layout.dp > 1 and not problems:  # what a replica holds between steps (parallel/zero.py)
+    if layout.dp * layout.cp > 1 and not problems:  # what a replica holds between steps (parallel/zero.py; dp x cp replicas)
         from tpctl.parallel.zero import plan_of
 
-        held = plan_of([model], layout.dp, layout.zero).held_numel()
+        held = plan_of([model], layout.dp * layout.cp, layout.zero).held_numel()
         summary["held"] = {what: held[key] * 4 * (2 if what == "AdamW moments" else 1)
                            for what, key in (("parameters", "param"), ("gradients", "grad"), ("AdamW moments", "moment"))}
     return rows, summary, problems
@@ -177,7 +177,8 @@ def _print(cfg, rows, verdicts: dict, summary) -> None:
     caption = (f"parameters: {mib(summary['whole model'])} whole, {mib(summary['per rank'])} on rank 0{held} "
                f"({summary['whole model'] / max(summary['per rank'], 1):.2f}x less)")
     if "held" in summary:
-        caption += (f"; rank 0 holds between steps with dp={layout.dp} zero={layout.zero}: "
+        replicas = f"dp={layout.dp}" + (f" x cp={layout.cp}" if layout.cp > 1 else "")
+        caption += (f"; rank 0 holds between steps with {replicas} zero={layout.zero}: "
                     + ", ".join(f"{what} {mib(n)}" for what, n in summary["held"].items()))
     if layout.pp > 1:
         note = layout.pipeline(cfg).dropout_note(cfg.model.get("dropout") or 0)

@@ -22,6 +22,8 @@ def check_layout(cfg: Any, layout: Optional[Layout] = None) -> Geometry:
     layout = Layout.from_config(cfg) if layout is None else layout
     geo = layout.validate()
     _check_model_sizes(cfg, layout, geo)
+    if layout.cp > 1:
+        check_context(cfg, layout, geo)
     if layout.seq_parallel and cfg.train.seq_len % layout.size:
         raise ConfigError("train.seq_len", cfg.train.seq_len,
                           f"seq_parallel splits the sequence {layout.size} ways: expected a multiple of {layout.size}")
@@ -67,6 +69,46 @@ def _check_pipeline(cfg: Any, layout: Layout) -> None:
                           f"the model's {blocks} (model.n_layer)")
 
 
+# Models whose attention context parallelism replaces, each proven against
+# one process (tests/test_context.py): tpctl's GPT (learned positions) and
+# the Hugging Face families of GPT-2 (learned) and Llama, Mistral and Qwen2
+# (rotary), whose attention calls torch's scaled_dot_product_attention.
+CP_ARCHS = ("gpt", "gpt2", "llama", "mistral", "qwen2")
+
+
+def check_context(cfg: Any, layout: Layout, geo: Geometry) -> None:
+    """What context parallelism (cp > 1) can make exact: the models of
+    CP_ARCHS, without dropout, compiling or decoding; a sequence length the
+    split divides; with Ulysses, heads the tensor split and cp divide."""
+    from tpctl.parallel.context import IMPLS
+
+    impl = cfg.get("context", {}).get("impl", "ring")
+    if impl not in IMPLS:
+        raise ConfigError("context.impl", impl, f"expected one of {', '.join(IMPLS)}")
+    m, t, cp = cfg.model, cfg.train, layout.cp
+    if m.get("arch") not in CP_ARCHS:
+        raise ConfigError("cp", cp, f"model.arch={m.get('arch')}: context parallelism replaces attention computed by "
+                          "torch's scaled_dot_product_attention with positions from a learned table or a rotary "
+                          "embedding module, proven for model.arch in " + ", ".join(CP_ARCHS) + "; this model's "
+                          "attention module is not: expected cp=1")
+    refused = (("model.dropout", m.dropout, m.dropout > 0, "masks drawn by global position are not wired yet: expected 0"),
+               ("train.compile", t.get("compile"), t.get("compile") not in (False, None),
+                "the attention is replaced at run time, which the compiler does not see: expected false"),
+               ("train.sample_every", t.get("sample_every"), bool(t.get("sample_every")),
+                "samples decode whole sequences: expected 0 (tpctl generate decodes a cp checkpoint with cp=1)"))
+    for key, value, bad, why in refused:
+        if bad:
+            raise ConfigError(key, value, f"with cp={cp}: {why}")
+    pieces = 2 * cp if impl == "ring" else cp
+    if t.seq_len % pieces:
+        raise ConfigError("train.seq_len", t.seq_len, f"cp={cp} context.impl={impl} cuts each sequence into {pieces} "
+                          f"equal chunks: expected a multiple of {pieces}")
+    if impl == "ulysses" and m.n_head % (geo.head_split * cp):
+        raise ConfigError("model.n_head", m.n_head, f"context.impl=ulysses gives each of cp={cp} ranks whole heads of "
+                          f"the {m.n_head // geo.head_split} its tensor group holds: expected a multiple of "
+                          f"{geo.head_split * cp} (or context.impl=ring)")
+
+
 def _check_model_sizes(cfg: Any, layout: Layout, geo: Geometry) -> None:
     """Head and hidden sizes the config states (a built-in or size-keyed
     model); any model is checked module by module too, once built
@@ -98,6 +140,9 @@ def check_decoding(cfg: Any) -> None:
                           "expected pp=1 (a checkpoint written with any pp loads into any layout)")
     if cfg.seq_parallel:
         raise ConfigError("seq_parallel", True, "generate decodes one token at a time, which cannot be split along the sequence: expected false")
+    if cfg.get("cp", 1) != 1:
+        raise ConfigError("cp", cfg.cp, "generate decodes one token at a time, which cannot be split along the sequence: "
+                          "expected cp=1 (a checkpoint written with any cp loads into any layout)")
     geo = Layout.from_config(cfg).geo
     cfg.train.batch_size, cfg.train.grad_accum, cfg.train.seq_len, cfg.train.resume = geo.batch_split, 1, 1, None
 

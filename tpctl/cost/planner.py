@@ -25,6 +25,7 @@ from typing import Any, Optional
 from tpctl.errors import ConfigError
 from tpctl.parallel.cut import LOSS_FLOPS_PER_LOGIT
 from tpctl.parallel.geometry import WIRE_FACTOR, padded_vocab
+from tpctl.parallel.context import cost_context
 from tpctl.parallel.layout import ZERO_STAGES, Layout, layouts_of
 from tpctl.parallel.registry import check_costed
 from tpctl.parallel.stages import PipelineSpec
@@ -39,7 +40,7 @@ F64 = 8  # the gradient norm and the global loss mean are reduced in float64
 # Latency steps of a ring (or pipelined chain) collective over p ranks.
 LATENCY_STEPS = {"all_reduce": lambda p: 2 * (p - 1), "send": lambda p: 1}
 KIND_ABBREV = {"all_reduce": "ar", "all_gather": "ag", "reduce_scatter": "rs", "broadcast": "bc", "reduce": "re",
-               "send": "p2p"}
+               "send": "p2p", "ring_pass": "ring", "all_to_all": "a2a"}
 LINEAR_ROLES = ("qkv", "attn_in", "attn_out", "mlp_in", "mlp_out", "lm_head")
 
 
@@ -138,6 +139,7 @@ def plan_label(layout: Layout) -> str:
     name = layout.mode + ("+sp" if layout.seq_parallel else "")
     extra = f" d={layout.depth}" if layout.mode_class.uses_depth else ""
     pp = f" pp={layout.pp}" if layout.pp > 1 else ""
+    pp += f" cp={layout.cp}" if layout.cp > 1 else ""
     return f"{name} size={layout.size}{extra}{pp} dp={layout.dp}" + (f" zero={layout.zero}" if layout.zero else "")
 
 
@@ -234,7 +236,7 @@ class _Counter:
         c.calls += times
         c.bytes += times * numel * elem
         c.wire_bytes += times * WIRE_FACTOR[kind](p) * numel * elem
-        if hidden or (group == "dp" and kind in ("all_reduce", "reduce_scatter")):
+        if hidden or (group in ("dp", "dp_cp") and kind in ("all_reduce", "reduce_scatter")):
             c.hidden_calls += times
             c.hidden_wire_bytes += times * WIRE_FACTOR[kind](p) * numel * elem
 
@@ -254,13 +256,13 @@ def _replica_group(layout: Layout, spec, rank: int = 0) -> Optional[str]:
 
 def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int, grad_accum: int = 1,
                bucket_bytes: Optional[int] = None, pipeline: Optional[PipelineSpec] = None,
-               stage: Optional[int] = None) -> SplitPlan:
+               stage: Optional[int] = None, context: str = "ring") -> SplitPlan:
     """Memory, FLOPs and communication of one optimizer step on rank 0 of
     `layout` (`bucket_bytes`: the data-parallel gradient buckets' size,
     zero_plan.BUCKET_BYTES unless given). With pp > 1 (schedule `pipeline`,
     default 1F1B over pp micro-batches): on the first rank of pipeline stage
     `stage`; None: every stage's plan (`.stages`), the one holding the most
-    memory returned."""
+    memory returned. `context`: context.impl, with cp > 1."""
     from tpctl.parallel import zero_plan
     from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.shard import spec_of
@@ -285,14 +287,14 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     if pipe is not None:  # what the stage holds (its blocks, its ends), as the cut placed them
         holds, grad_accum = pipe.holds, pipe.spec.microbatches
     vp = padded_vocab(shape.vocab_size, layout.geo.vocab_multiple)
-    tokens = batch_size // (grad_accum * layout.dp) * seq_len  # token rows of a micro-batch per replica
+    tokens = batch_size // (grad_accum * layout.dp) * seq_len // layout.cp  # a micro-batch's tokens per replica and cp rank
     named = list(model.named_parameters())
     # A weight the end stages both hold (an embedding tied to the LM head): its record says so.
     tied_numel = sum(math.prod(spec_of(p).local_shape()) for _, p in named if len(spec_of(p).stage_ranks) > 1)
     dp_plan = None
-    if layout.dp > 1:
+    if layout.dp * layout.cp > 1:  # (cp ranks hold the same parameters: replicas of the reduction)
         units = zero_plan.units_of([model], [p for _, p in named]) if layout.zero == 3 else None
-        dp_plan = zero_plan.plan(named, layout.dp, layout.zero, bucket_bytes or zero_plan.BUCKET_BYTES, units)
+        dp_plan = zero_plan.plan(named, layout.dp * layout.cp, layout.zero, bucket_bytes or zero_plan.BUCKET_BYTES, units)
     param_numel = 0
     buckets: dict[str, int] = defaultdict(int)
     early: list[tuple[str, int]] = []  # (group, numel) of each gradient summed during the backward
@@ -329,6 +331,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     attention_layers = sum(1 for lin in linears if lin[1] == "attn_out")
     flops += attention_layers * 2 * 2 * rows * seq_len * heads_width
     act += attention_layers * 4 * rows * heads_width
+    cost_context(micro.add, layout.cp, context, tokens // layout.geo.batch_split * heads_width, attention_layers)
     if any(lin[1] == "lm_head" for lin in linears) or not shape.linears:
         mode.cost_loss(micro.add, tokens)
     counter.merge(micro, grad_accum)
@@ -342,7 +345,8 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     # gathers); after the backward (training/step.py's finish): the grid's
     # replica sums, the global norm, the logged loss
     if dp_plan:
-        dp_plan.count(counter.add, grad_accum)
+        dp_group = "dp_cp" if layout.cp > 1 else "dp"
+        dp_plan.count(lambda kind, _, *a, **k: counter.add(kind, dp_group, *a, **k), grad_accum)
     for group, numel in early:
         counter.add("all_reduce", group, numel, hidden=True)
     for group, numel in [*buckets.items(), *sliced_sums(shape.plan, mode, named, dp_plan).items()]:
@@ -351,7 +355,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     counter.add("all_reduce", "batch", 1, elem=F64)
     bubble = None
     if pipe is not None:
-        _plan_pipeline(counter, pipe, par, batch_size, seq_len, tied_numel)
+        _plan_pipeline(counter, pipe, par, batch_size, seq_len // layout.cp, tied_numel)
         bubble = pipe.spec.bubble()
     held = dp_plan.held_numel() if dp_plan else {"param": param_numel, "grad": param_numel, "moment": param_numel}
     n_tensors = len(named)  # AdamW's step counts (one fp32 scalar each)
@@ -387,9 +391,10 @@ def splits_of(world: int, cfg) -> list[tuple[Layout, Optional[str]]]:
     the micro-batches)."""
     m = cfg.model
     blocks = m.get("n_layer") if m.get("arch") != "custom" and not m.get("pretrained") else None
-    out = []
-    for layout in (l for pp in range(1, world + 1) if world % pp == 0 and pp <= (blocks or world)
-                   for l in layouts_of(world, pp)):
+    out, cp = [], cfg.get("cp", 1)  # context parallelism as asked: the other axes split world / cp
+    rest = world // cp if world % cp == 0 else 0
+    for layout in (l.replace(cp=cp) for pp in range(1, rest + 1) if rest % pp == 0 and pp <= (blocks or rest)
+                   for l in layouts_of(rest, pp)):
         try:
             check_layout(cfg, layout)
             out += [(layout.replace(zero=zero), None) for zero in (ZERO_STAGES if layout.dp > 1 else (0,))]
@@ -459,7 +464,8 @@ def plan_world(cfg, world: int, hw: Optional[Hardware]) -> tuple[list[SplitPlan]
             invalid.append((layout, why))
             continue
         try:
-            p = plan_split(shape, layout, t.batch_size, t.seq_len, t.grad_accum, pipeline=pipeline_of(layout, cfg))
+            p = plan_split(shape, layout, t.batch_size, t.seq_len, t.grad_accum, pipeline=pipeline_of(layout, cfg),
+                           context=cfg.get("context", {}).get("impl", "ring"))
         except ValueError as e:
             invalid.append((layout, str(e)))
             continue

@@ -193,7 +193,7 @@ def run(argv: list[str]) -> None:
         note = par.pipeline.spec.dropout_note(cfg.model.get("dropout") or 0) if par.pipeline is not None else None
         if note:
             print(f"tpctl: {note}", flush=True)
-        if par.layout.zero and par.layout.dp == 1:
+        if par.layout.zero and par.layout.dp * par.layout.cp == 1:  # (cp ranks are replicas ZeRO shards between)
             print(f"tpctl: zero={par.layout.zero} with dp=1: one replica has nothing to share, "
                   "so every rank keeps its whole state (as zero=0)", flush=True)
     trainer = Trainer.of(run, data, run_dir)

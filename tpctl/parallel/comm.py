@@ -222,6 +222,32 @@ def recv(tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     return tensor
 
 
+# ---- context parallelism (parallel/context_attention.py): the ring step
+# and the all-to-all between a sequence split and a head split.
+
+def ring_pass(flat: torch.Tensor, group: Group, ranks: list[int]):
+    """Send `flat` to the next rank of the ring `ranks` (global ranks, in
+    group order) and receive the previous rank's into a fresh tensor;
+    returns (received, work handles to wait on): the caller computes on
+    what it holds meanwhile."""
+    me = ranks.index(dist.get_rank())
+    nxt, prev = ranks[(me + 1) % len(ranks)], ranks[me - 1]
+    out = torch.empty_like(flat)
+    STATS.add("ring_pass", flat, len(ranks))
+    ops = [dist.P2POp(dist.isend, flat, nxt, group), dist.P2POp(dist.irecv, out, prev, group)]
+    return out, [_Timed(w, "ring_pass") for w in dist.batch_isend_irecv(ops)]
+
+
+def all_to_all(blocks: torch.Tensor, group: Group) -> torch.Tensor:
+    """Block i of `blocks` (dim 0 = the group's size) to group rank i;
+    returns the blocks received, block j from group rank j."""
+    blocks = blocks.contiguous()  # (before empty_like, which would copy a view's strides)
+    out = torch.empty_like(blocks)
+    STATS.add("all_to_all", blocks, group_size(group))
+    _issue("all_to_all", dist.all_to_all_single, out, blocks, group=group)
+    return out
+
+
 # ---- the control plane: Python objects and barriers between steps (not
 # counted: no training step sends them). `group` None is the whole world here,
 # as in torch.distributed: these are never issued over a layer's group.
@@ -245,7 +271,7 @@ def broadcast_object(obj, src: int = 0, group: Group = None):
 
 
 _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_reduce_flat",
-                "reduce_scatter_flat", "all_gather_flat")
+                "reduce_scatter_flat", "all_gather_flat", "ring_pass", "all_to_all")
 
 
 # Functions of other modules that issue collectives inside autograd

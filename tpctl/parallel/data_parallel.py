@@ -42,13 +42,18 @@ class Held(NamedTuple):
 
 class DataParallel:
     """The dp axis of `mesh`: this rank's replica and the group of its
-    counterparts in the other replicas (the same grid position)."""
+    counterparts in the other replicas (the same grid position). With
+    context parallelism (cp > 1) the ranks that split a sequence hold the
+    same parameters too, each a partial gradient over its tokens: the
+    reduction (and ZeRO) runs over dp x cp (`size`, `rank`, `group`), while
+    rows are read by replica (`replicas`, `replica`)."""
 
     def __init__(self, mesh: Mesh, bucket_bytes: int = BUCKET_BYTES):
         self.mesh = mesh
-        self.size = mesh.layout.dp
-        self.rank = mesh.dp_rank
-        self.group = mesh.groups["dp"]
+        self.replicas, self.replica = mesh.layout.dp, mesh.dp_rank
+        self.size = mesh.layout.dp * mesh.layout.cp
+        self.rank = mesh.dp_rank * mesh.layout.cp + mesh.cp_rank
+        self.group = mesh.groups["dp_cp"]
         # ZeRO over one replica has nothing to shard: stage 0.
         self.stage = mesh.layout.zero if self.size > 1 else 0
         self.bucket_bytes = bucket_bytes
@@ -59,8 +64,8 @@ class DataParallel:
         """Rows of the global batch that this replica reads for micro-batch
         `micro`: its contiguous `1/dp` of that micro-batch."""
         per_micro = batch_size // grad_accum
-        per_replica = per_micro // self.size
-        start = micro * per_micro + self.rank * per_replica
+        per_replica = per_micro // self.replicas
+        start = micro * per_micro + self.replica * per_replica
         return range(start, start + per_replica)
 
     # ---- the training step's side ------------------------------------------------

@@ -54,4 +54,8 @@ WIRE_FACTOR = {
     "reduce": lambda p: (p - 1) / p,
     # Point to point (pipeline stages): what is sent is what crosses the wire.
     "send": lambda p: 1.0,
+    # Context parallelism: a ring step sends its whole block to the next
+    # rank; an all-to-all keeps 1/p of its tensor at home.
+    "ring_pass": lambda p: 1.0,
+    "all_to_all": lambda p: (p - 1) / p,
 }

@@ -2,7 +2,7 @@
 replicas, pipeline stages and one tensor-parallel grid per stage, as one
 frozen object (torchtitan's `ParallelDims`).
 
-    world = dp x pp x size        rank = (dp_rank * pp + pp_rank) * size + tp_index
+    world = dp x pp x cp x size   rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * size + tp_index
 
 Data parallelism is the outermost axis and the tensor grid the innermost, so
 a tensor-parallel group is a run of consecutive ranks (one node, the fastest
@@ -44,6 +44,8 @@ class Layout:
     pp: int = 1
     zero: int = 0
     seq_parallel: bool = False
+    # Context parallelism: ranks that split each sequence (parallel/context.py).
+    cp: int = 1
 
     # ---- from and to configs -----------------------------------------------
     @classmethod
@@ -60,11 +62,11 @@ class Layout:
     def parse(cls, name: str) -> "Layout":
         """The layout of a short name (`name`): the mode, then its size and
         the other fields that differ from the defaults, joined by '-':
-        `none-dp8`, `1d-2-sp-dp4`, `2.5d-8-d2`, `3d-8-pp2-dp2-z1`."""
+        `none-dp8`, `1d-2-sp-dp4`, `2.5d-8-d2`, `3d-8-pp2-dp2-z1`, `1d-2-cp2-dp2`."""
         mode, *parts = name.split("-")
         fields: dict[str, Any] = {"mode": mode}
         for part in parts:
-            for prefix, key in (("dp", "dp"), ("pp", "pp"), ("d", "depth"), ("z", "zero"), ("", "size")):
+            for prefix, key in (("dp", "dp"), ("pp", "pp"), ("cp", "cp"), ("d", "depth"), ("z", "zero"), ("", "size")):
                 if part.startswith(prefix) and part[len(prefix):].isdigit():
                     fields[key] = int(part[len(prefix):])
                     break
@@ -79,7 +81,7 @@ class Layout:
         """The short name `parse` reads."""
         parts = [self.mode] + ([str(self.size)] if self.size > 1 else []) + ([f"d{self.depth}"] if self.depth > 1 else [])
         parts += ["sp"] if self.seq_parallel else []
-        parts += [f"{key}{getattr(self, key)}" for key in ("pp", "dp") if getattr(self, key) > 1]
+        parts += [f"{key}{getattr(self, key)}" for key in ("pp", "cp", "dp") if getattr(self, key) > 1]
         return "-".join(parts + ([f"z{self.zero}"] if self.zero else []))
 
     def to_dict(self) -> dict:
@@ -106,7 +108,7 @@ class Layout:
     @property
     def world(self) -> int:
         """Ranks of the whole run: the one place this product is formed."""
-        return self.dp * self.pp * self.size
+        return self.dp * self.pp * self.cp * self.size
 
     @cached_property
     def mode_class(self) -> type:
@@ -128,8 +130,10 @@ class Layout:
 
     @property
     def axes(self) -> tuple[tuple[str, int], ...]:
-        """Every axis of the world, slowest first: dp, pp, then the grid's."""
-        return (("dp", self.dp), ("pp", self.pp), *self.grid_axes)
+        """Every axis of the world, slowest first: dp, pp, cp, then the
+        grid's (a cp group's ranks lie one grid apart: the tensor group
+        stays the run of consecutive ranks)."""
+        return (("dp", self.dp), ("pp", self.pp), ("cp", self.cp), *self.grid_axes)
 
     def label(self) -> str:
         """What tells layouts apart, briefly: `2d size=4`, `2.5d size=8
@@ -137,7 +141,7 @@ class Layout:
         parts = [self.mode, f"size={self.size}"]
         if self.mode_class.uses_depth:
             parts.append(f"depth={self.depth}")
-        parts += [f"{key}={getattr(self, key)}" for key in ("pp", "dp") if getattr(self, key) > 1]
+        parts += [f"{key}={getattr(self, key)}" for key in ("pp", "cp", "dp") if getattr(self, key) > 1]
         if self.seq_parallel:
             parts.append("sp")
         if self.zero:
@@ -157,9 +161,9 @@ class Layout:
         cls = self.mode_class
         if not cls.uses_depth and self.depth != 1:
             raise ConfigError("depth", self.depth, f"depth is only used by mode=2.5d; expected depth=1 with mode={self.mode}")
-        for key in ("dp", "pp"):
+        for key in ("dp", "pp", "cp"):
             if getattr(self, key) < 1:
-                what = "data-parallel replicas" if key == "dp" else "pipeline stages"
+                what = {"dp": "data-parallel replicas", "pp": "pipeline stages", "cp": "ranks splitting each sequence"}[key]
                 raise ConfigError(key, getattr(self, key), f"expected a positive number of {what}")
         if self.zero not in ZERO_STAGES:
             raise ConfigError("zero", self.zero, "expected 0, 1, 2 or 3 (the ZeRO stage)")
@@ -242,18 +246,24 @@ class Layout:
 
 # Groups named by purpose -> the axes their members differ in.
 GROUP_AXES = {
-    "world": lambda layout, grid: ("dp", "pp", *grid),
+    "world": lambda layout, grid: ("dp", "pp", "cp", *grid),
     # The tensor-parallel grid of one stage of one replica.
     "tp": lambda layout, grid: grid,
     "dp": lambda layout, grid: ("dp",),
     "pp": lambda layout, grid: ("pp",),
+    # The ranks splitting each sequence of the same rows (ring attention's
+    # ring, Ulysses' all-to-all).
+    "cp": lambda layout, grid: ("cp",),
+    # Every rank holding the same parameters with other tokens of the
+    # batch: the gradient reduction's (and ZeRO's) replicas.
+    "dp_cp": lambda layout, grid: ("dp", "cp"),
     # The mean over the global batch: every rank holding other rows of it (or
     # a replica of them; the mode divides by its replicas) -- the last
     # stage's ranks of every replica.
-    "batch": lambda layout, grid: ("dp", *grid),
+    "batch": lambda layout, grid: ("dp", "cp", *grid),
     # The global gradient norm sums each distinct shard once: over the grid
     # and the stages, and over dp once ZeRO shards gradients between replicas.
-    "grad_norm": lambda layout, grid: (("dp",) if layout.zero else ()) + ("pp", *grid),
+    "grad_norm": lambda layout, grid: (("dp", "cp") if layout.zero else ()) + ("pp", *grid),
 }
 
 

@@ -39,6 +39,7 @@ class Mesh:
     coords: dict[str, int]
     dp_rank: int = 0
     pp_rank: int = 0
+    cp_rank: int = 0
     groups: dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)
     # Global ranks of each group's members, in group-rank order.
     group_ranks: dict[str, list[int]] = field(default_factory=dict)
@@ -135,7 +136,7 @@ def build_mesh(layout: Layout, rank: Optional[int] = None, device: str | torch.d
     grid = dict(layout.grid_axes)
     mesh = Mesh(layout=layout, rank=rank, device=torch.device(device),
                 coords={a: c for a, c in coords.items() if a in grid}, dp_rank=coords["dp"], pp_rank=coords["pp"],
-                seed=seed)
+                cp_rank=coords["cp"], seed=seed)
     made: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {}
     for name in (*GROUP_AXES, *layout.mode_class.grid_groups, "pp_ends"):
         members = layout.group_of(name, rank)

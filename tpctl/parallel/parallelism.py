@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from . import comm
 from .mode import ParallelMode
+from .context import ContextParallel
 from .data_parallel import DataParallel, all_reduce_coalesced
 from .geometry import Geometry
 from .layout import Layout
@@ -31,10 +32,14 @@ class Parallelism:
     dp: DataParallel = field(default=None)  # type: ignore[assignment]
     # pp > 1: this rank's stage of the pipeline; None without one.
     pipeline: Optional[Pipeline] = None
+    # The ranks splitting each sequence (cp = 1: one, which splits nothing).
+    cp: ContextParallel = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self):
         if self.dp is None:
             self.dp = DataParallel(self.mode.mesh)
+        if self.cp is None:
+            self.cp = ContextParallel(self.mode.mesh)
 
     @property
     def mesh(self) -> Mesh:
@@ -79,12 +84,12 @@ class Parallelism:
     def shard_batch(self, batch: torch.Tensor, micro: int = 0, grad_accum: int = 1) -> torch.Tensor:
         """This rank's model input from a whole global batch of token ids."""
         rows = self.rows(batch.shape[0], grad_accum, micro)
-        return self.mode.split_input(batch[rows.start:rows.stop])
+        return self.mode.split_input(self.cp.split(batch[rows.start:rows.stop]))
 
     def shard_targets(self, batch: torch.Tensor, micro: int = 0, grad_accum: int = 1) -> torch.Tensor:
         """This rank's targets (the rows its logits hold) from a global batch."""
         rows = self.rows(batch.shape[0], grad_accum, micro)
-        return self.mode.split_target(batch[rows.start:rows.stop])
+        return self.mode.split_target(self.cp.split(batch[rows.start:rows.stop]))
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
                       label_smoothing: float = 0.0) -> torch.Tensor:

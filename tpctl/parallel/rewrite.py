@@ -131,7 +131,7 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
     shared += held_by_heads_or_slices(plan) if mode.rewrites else []
     if shared and not dry_run:  # (which rank shares what is learnt by communicating)
         share_slices(model, shared, mode.mesh)
-    record_replicas(model, mode.mesh.group_ranks["dp"], mode.mesh.groups["dp"])
+    record_replicas(model, mode.mesh.group_ranks["dp_cp"], mode.mesh.groups["dp_cp"])
     model.tpctl_mode = mode  # marks the model as rewritten (and by which mode)
     model.tpctl_plan = plan
     if not dry_run:

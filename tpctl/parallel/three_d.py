@@ -347,7 +347,7 @@ class ThreeD(ParallelMode):
         default ParallelMode.convert_linear shards it by weight_spec/output_spec)."""
         layout = self.mesh.layout
         # (ZeRO 3 gathers a block's weights just before its forward: none to read ahead of it.)
-        ahead = self.overlap and not (layout.dp > 1 and layout.zero == 3)
+        ahead = self.overlap and not (layout.dp * layout.cp > 1 and layout.zero == 3)
         if ahead and getattr(self, "prefetch", None) is None:
             self.prefetch = _Prefetch(self.mesh.groups["i"])
         return Linear3D(weight, bias, ROLE_LAYOUT[role], self.mesh.groups, self.overlap,

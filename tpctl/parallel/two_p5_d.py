@@ -72,7 +72,7 @@ class TwoPointFiveD(TwoD):
         the gradient during the backward and are reduced first) and not
         tied across stages (summed between the stages first)."""
         return (spec is not None and spec.partial_grad and not spec.row_replicas and not len(spec.stage_ranks) > 1
-                and spec.replica_ranks == tuple(self.mesh.group_ranks["depth"]) and self.mesh.layout.dp == 1)
+                and spec.replica_ranks == tuple(self.mesh.group_ranks["depth"]) and self.mesh.layout.dp * self.mesh.layout.cp == 1)
 
     def attach_grads(self, model_parts: list[nn.Module], micro_batches: int) -> None:
         if self.depth_sums is not None:  # a step built anew on the same model: its hooks replace the old

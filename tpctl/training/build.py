@@ -86,5 +86,8 @@ def build_run(cfg, par: Optional[Parallelism] = None, *, layout: Optional[Layout
     par.mode.overlap = par.dp.overlap = bool(cfg.train.get("overlap", True))  # read as layers and buckets are built
     model, verified = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=lazy), par, cfg.model.get("plan"),
                                            verify)
+    # After the proof of the tensor rewrite, which replays units on whole sequences.
+    par.cp.impl = cfg.get("context", {}).get("impl", "ring")
+    par.cp.install(model)
     train_step = build_step(cfg, par, model, schedule) if step else None
     return Run(cfg, par, model, train_step, verified)

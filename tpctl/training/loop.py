@@ -95,8 +95,8 @@ class Trainer:
         micros = self.step.micro_count
         for micro in range(micros):
             x, y = self.data.batch(split, step, self.par.rows(t.batch_size, micros, micro), self.vocab_size)
-            yield (self.par.mode.split_input(x).to(self.mesh.device),
-                   self.par.mode.split_target(y).to(self.mesh.device))
+            yield (self.par.mode.split_input(self.par.cp.split(x)).to(self.mesh.device),
+                   self.par.mode.split_target(self.par.cp.split(y)).to(self.mesh.device))
 
     def train_step(self, step: int) -> dict:
         """One optimizer step (training/step.py); the loss and the gradient
@@ -197,7 +197,7 @@ class Trainer:
         rss = peak_rss_bytes()
         out = {
             "mode": self.mesh.mode, "size": self.mesh.tp_size, "dp": self.mesh.dp_size, "pp": 1,
-            "zero": self.mesh.layout.zero,
+            "zero": self.mesh.layout.zero, "cp": self.mesh.layout.cp,
             "steps": last["step"], "first_loss": self.first_loss, "final_loss": last["loss"],
             "val_loss": next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None),
             "tokens_per_s": steps_run * self.tokens_per_step / self.elapsed_s,

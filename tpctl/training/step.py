@@ -192,7 +192,7 @@ class TrainStep:
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
         self.nonfinite = NonFinitePolicy(cfg.train.get("on_nonfinite", "stop"), say_warning=par.mesh.rank == 0)
         rows = len(par.rows(cfg.train.batch_size, self.micro_count))
-        self.stream = self.runner.stream_shape(rows, cfg.train.seq_len, par.mode)
+        self.stream = self.runner.stream_shape(rows, cfg.train.seq_len // par.layout.cp, par.mode)
         # Training forwards never build a key/value cache, whatever the config says.
         self.cache_off = CacheOff(torch.nn.ModuleList(model_parts))
 

@@ -1,0 +1,185 @@
+"""Context parallelism (parallel/context.py): each sequence split across
+cp ranks, ring and Ulysses attention, trains as one process does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from tpctl.parallel.layout import Layout
+
+
+def _cp_against_one_process(name: str, impl: str, matmul: bool = False, **overrides) -> tuple[float, float, dict]:
+    """One forward and backward of a global batch in layout `name` against
+    one process's: the loss's relative error, the worst gradient's
+    (norm-relative), and the bytes comm counted by kind. `matmul`: the ring
+    computes its blocks as it does off the CPU (explicit scores), not with
+    the CPU's flash kernel."""
+    from tpctl.parallel import context_attention
+
+    flash = context_attention._FLASH
+    context_attention._FLASH = None if matmul else flash
+    try:
+        return _compare(name, impl, **overrides)
+    finally:
+        context_attention._FLASH = flash
+
+
+def _compare(name: str, impl: str, **overrides) -> tuple[float, float, dict]:
+    import torch.nn.functional as F
+
+    from conftest import build
+    from tpctl.models import build_model
+    from tpctl.parallel.roles import logits_of
+    from tpctl.parallel import comm
+
+    settings = {"model.n_embd": 32, "model.n_head": 8, "context.impl": impl, **overrides}
+    cfg = tiny_config(1, **settings)
+    layout = Layout.parse(name)
+    run = build(cfg, layout)
+    gen = torch.Generator().manual_seed(5)
+    batch, seq, vocab = cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+    x, y = ids[:, :-1], ids[:, 1:]
+    ref = build_model(cfg.model, cfg.seed)
+    ref_loss = F.cross_entropy(logits_of(ref(x)).reshape(-1, vocab), y.reshape(-1), reduction="sum") / y.numel()
+    ref_loss.backward()
+    par = run.par
+    comm.STATS.reset()
+    loss_sum = run.step.forward_backward([(par.shard_batch(x), par.shard_targets(y))], 0)
+    counted = dict(comm.STATS.bytes)
+    par.finish_grads([run.model])
+    loss = par.global_mean(loss_sum, y.numel())
+    ref_grads = dict(ref.named_parameters())
+    worst = 0.0
+    for pname, p in run.model.named_parameters():
+        spec = getattr(p, "tpctl_spec", None)
+        want = ref_grads[pname].grad
+        want = spec.slice(want) if spec is not None else want
+        worst = max(worst, ((p.grad - want).norm() / want.norm().clamp_min(1e-30)).item())
+    return abs(loss - ref_loss.item()) / abs(ref_loss.item()), worst, counted
+
+
+GPT2, LLAMA = {"model.arch": "gpt2", "model.bias": None}, {"model.arch": "llama", "model.bias": None}
+
+
+@pytest.mark.parametrize("name,impl,matmul,model", [
+    ("none-cp2-dp4", "ring", False, {}), ("none-cp4-dp2", "ring", False, {}), ("none-cp4-dp2", "ring", True, {}),
+    ("none-cp4-dp2", "ulysses", False, {}), ("1d-2-cp4", "ulysses", False, {}), ("1d-2-sp-cp2-dp2", "ring", False, {}),
+    ("2d-4-cp2", "ulysses", False, {}), ("2.5d-4-cp2", "ring", False, {}),
+    ("none-cp4-dp2", "ring", False, GPT2), ("1d-2-cp2-dp2", "ulysses", False, LLAMA), ("1d-2-cp4", "ring", False, LLAMA),
+    ("none-cp2-dp4", "ring", False, {**LLAMA, "model.arch": "qwen2"}),
+    ("none-cp2-dp4", "ulysses", False, {**LLAMA, "model.arch": "mistral"}),
+], ids=lambda v: v.get("model.arch", "gpt") if isinstance(v, dict) else str(v))
+def test_cp_trains_as_one_process_and_sends_what_is_planned(pool, name, impl, matmul, model):
+    from tpctl.cost.planner import model_shape, plan_split
+
+    kind = {"ring": "ring_pass", "ulysses": "all_to_all"}[impl]
+    cfg = tiny_config(1, **{"model.n_embd": 32, "model.n_head": 8, **model})
+    plan = plan_split(model_shape(cfg.model), Layout.parse(name), cfg.train.batch_size, cfg.train.seq_len, context=impl)
+    for loss_err, grad_err, counted in pool.run(_cp_against_one_process, name, impl, matmul, timeout_s=600, **model):
+        assert loss_err < 1e-6 and grad_err < 1e-6, (loss_err, grad_err)
+        assert counted[kind] == plan.comm[(kind, "cp")].bytes > 0
+
+
+def _curve(name: str, steps: int = 3, **overrides) -> list[float]:
+    """The global loss of `steps` optimizer steps in layout `name`."""
+    from conftest import build
+
+    cfg = tiny_config(steps, **{"model.n_embd": 32, "model.n_head": 8, **overrides})
+    run = build(cfg, Layout.parse(name))
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for step in range(steps):
+        ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1), generator=gen)
+        x, y = ids[:, :-1], ids[:, 1:]
+        micros = run.step.micro_count
+        result = run.step([(run.par.shard_batch(x, k, micros), run.par.shard_targets(y, k, micros))
+                           for k in range(micros)], step)
+        out.append(float(result["loss"]))
+    return out
+
+
+def test_zero_and_pipeline_stages_with_cp_train_as_one_process(pool):
+    """ZeRO's replicas are dp x cp (each holds the same parameters with other
+    tokens' gradients): stage 2 over 8 ranks, 2 of them splitting each
+    sequence; and pipeline stages pass a stream of the rank's positions."""
+    ref = pool.run(_curve, "none-dp8", timeout_s=600)[0]
+    for name, impl in (("none-cp2-dp4-z2", "ring"), ("none-cp2-dp4-z2", "ulysses"), ("none-pp2-cp2-dp2", "ring")):
+        got = pool.run(_curve, name, timeout_s=600, **{"context.impl": impl})
+        assert got[0] == pytest.approx(ref, rel=1e-6) and got[0] != pytest.approx(ref[:1] * 3), name
+
+
+@pytest.mark.parametrize("overrides,key", [
+    ({"cp": 2, "model.dropout": 0.1}, "model.dropout"),
+    ({"cp": 4, "train.seq_len": 36}, "train.seq_len"),  # the ring cuts 8 chunks
+    ({"cp": 4, "context.impl": "ulysses", "mode": "1d", "size": 2}, "model.n_head"),  # 4 heads, 2 per tensor rank
+    ({"cp": 2, "context.impl": "zigzag"}, "context.impl"),
+    ({"cp": 2, "model.arch": "mlp"}, "cp"),
+    ({"cp": 2, "train.sample_every": 5}, "train.sample_every"),
+])
+def test_what_cp_cannot_make_exact_is_refused_naming_the_key(overrides, key):
+    from tpctl.config import check_layout
+    from tpctl.errors import ConfigError
+
+    cfg = tiny_config(1, **overrides)
+    with pytest.raises(ConfigError) as refused:
+        check_layout(cfg)
+    assert str(refused.value).startswith(f"invalid config: {key}=") and "\n" not in str(refused.value)
+
+
+def test_generate_with_cp_is_refused():
+    from tpctl.config.layout_checks import check_decoding
+    from tpctl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^invalid config: cp=2: generate decodes one token at a time"):
+        check_decoding(tiny_config(1, cp=2))
+
+
+def test_attention_cp_cannot_replace_is_refused_naming_the_module():
+    """An attention module that computes its softmax itself (no call cp can
+    answer) would attend over this rank's positions alone: refused, never silent."""
+    from types import SimpleNamespace
+
+    from tpctl.parallel.context import ContextParallel, ContextRefused
+    from tpctl.parallel.mesh import build_mesh
+
+    class EagerAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj((x @ x.transpose(-2, -1)).softmax(-1) @ x)
+
+    model = torch.nn.Sequential()
+    model.add_module("attn", EagerAttention())
+    model.tpctl_plan = SimpleNamespace(roles={"attn.proj": "attn_out"})
+    ContextParallel(build_mesh(Layout(cp=2), rank=0, groups=False)).install(model)
+    with pytest.raises(ContextRefused, match=r"^cp=2: attn \(EagerAttention\) computes attention without torch's"):
+        model(torch.randn(1, 3, 4))
+
+
+@pytest.mark.parametrize("cp,early", [(1, True), (2, False)])
+def test_2p5d_sums_depth_replicas_early_only_without_dp_or_cp_replicas(cp, early):
+    """2.5d sums a depth-replicated gradient during the backward only where no
+    data-parallel bucket holds it first: cp ranks are such replicas (a
+    16-rank 2.5d-8-d2-cp2 run trains as one process with this, 0.88 off without)."""
+    from types import SimpleNamespace
+
+    from tpctl.parallel.mesh import build_mesh
+
+    layout = Layout("2.5d", 8, 2, cp=cp)
+    mode = layout.mode_class(build_mesh(layout, rank=0, groups=False))
+    spec = SimpleNamespace(partial_grad=True, row_replicas=(), stage_ranks=(0,),
+                           replica_ranks=tuple(mode.mesh.group_ranks["depth"]))
+    assert mode.sums_during_backward(spec) is early
+
+
+def test_bf16_with_cp_stays_near_one_process(pool):
+    """Under autocast the ring merges its blocks in fp32 and hands the flash
+    backward the output in the inputs' dtype."""
+    ref = pool.run(_curve, "none-dp8", timeout_s=600, precision="bf16")[0]
+    got = pool.run(_curve, "none-cp2-dp4", timeout_s=600, precision="bf16")[0]
+    assert got == pytest.approx(ref, rel=1e-3)

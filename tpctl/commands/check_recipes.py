@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
@@ -124,6 +125,12 @@ def run_recipe(name: str, overrides: list[str], out_dir: Path, config_dir: str |
     return status, "\n".join(tail)
 
 
+def _timed_run(name: str, overrides: list[str], out_dir: Path, config_dir: str | None, timeout_s: float):
+    start = time.monotonic()
+    status, tail = run_recipe(name, overrides, out_dir, config_dir, timeout_s)
+    return status, tail, time.monotonic() - start
+
+
 def read_curve(run_dir: Path) -> list[dict]:
     return read_metrics(run_dir)
 
@@ -176,8 +183,12 @@ def main(args: list[str]) -> int:
     parser.add_argument("--fast", action="store_true", help="the short form of each recipe (its recipe.fast overrides), for CI")
     parser.add_argument("--config-dir", "-cd", help="a config dir whose recipe/*.yaml are recipes too")
     parser.add_argument("--out", help="where the runs go (default: outputs/check-recipes/<date>_<time>)")
+    parser.add_argument("--jobs", "-j", type=int, default=1, metavar="N",
+                        help="recipes trained at once (default 1); each is checked in order as its runs end")
     parser.error = lambda message: sys.exit(fail(f"tpctl check-recipes: {message}", EXIT_USAGE))
     flags = parser.parse_args(args)
+    if flags.jobs < 1:
+        return fail(f"tpctl check-recipes: --jobs {flags.jobs}: expected at least 1", EXIT_USAGE)
 
     known = recipe_names(flags.config_dir)
     for name in flags.names:
@@ -206,22 +217,25 @@ def main(args: list[str]) -> int:
     print(f"check-recipes: {len(planned)} recipes ({form} form) in {out_dir}", flush=True)
     curves: dict[str, list[dict]] = {}
     missed = {}
-    # A recipe runs after the one it equals, so each is checked as soon as it ran.
-    for name in run_order(planned):
-        overrides, cfg = planned[name]
-        start = time.monotonic()
-        status, tail = run_recipe(name, overrides, out_dir, flags.config_dir, RUN_TIMEOUT_S[form])
-        seconds = time.monotonic() - start
-        curves[name] = read_curve(out_dir / name) if status == 0 else []
-        if status != 0:
-            misses = [f"training exited {status} (see {out_dir / name}.log):\n{tail}"]
-        else:
-            misses = check(name, cfg, curves, flags.fast)
-        if misses:
-            missed[name] = misses
-            print(f"{name}: MISSED: {'; '.join(misses)}", flush=True)
-        else:
-            print(_summary_line(name, cfg, curves, seconds), flush=True)
+    order = run_order(planned)
+    # The runs are independent processes (a recipe's equality only reads the
+    # other's curve), so N of them train at once; each is checked, in order,
+    # once it and the recipe it equals have ended.
+    with ThreadPoolExecutor(max_workers=flags.jobs) as pool:
+        runs = {name: pool.submit(_timed_run, name, planned[name][0], out_dir, flags.config_dir, RUN_TIMEOUT_S[form])
+                for name in order}
+        for name in order:
+            status, tail, seconds = runs[name].result()
+            curves[name] = read_curve(out_dir / name) if status == 0 else []
+            if status != 0:
+                misses = [f"training exited {status} (see {out_dir / name}.log):\n{tail}"]
+            else:
+                misses = check(name, planned[name][1], curves, flags.fast)
+            if misses:
+                missed[name] = misses
+                print(f"{name}: MISSED: {'; '.join(misses)}", flush=True)
+            else:
+                print(_summary_line(name, planned[name][1], curves, seconds), flush=True)
     if missed:
         fail(f"check-recipes: {len(missed)} of {len(planned)} recipes missed: {', '.join(missed)}", EXIT_FAILED)
     if bad:

@@ -152,7 +152,6 @@ class _Beside:
     params: list[tuple[str, int]] = field(default_factory=list)  # (name inside, id of the parameter)
 
 
-
 def parameter_count(block: nn.Module) -> int:
     """A block's parameters: the tie-break of the stages' balance."""
     return sum(p.numel() for p in block.parameters())
@@ -490,8 +489,7 @@ def _present(model: nn.Module, name: str) -> bool:
 
 
 def _ensure_path(model: nn.Module, name: str) -> nn.Module:
-    """The module at `name`, making empty ones on the way where a stand-in
-    holds a tied parameter deeper than itself."""
+    """The module at `name`, made empty where a stand-in holds a tied parameter deeper than itself."""
     node = model
     for part in name.split(".") if name else []:
         child = node._modules.get(part)

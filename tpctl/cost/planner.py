@@ -16,7 +16,9 @@ time.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -254,33 +256,36 @@ def _replica_group(layout: Layout, spec, rank: int = 0) -> Optional[str]:
 
 def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int, grad_accum: int = 1,
                bucket_bytes: Optional[int] = None, pipeline: Optional[PipelineSpec] = None,
-               stage: Optional[int] = None) -> SplitPlan:
+               stage: Optional[int] = None, cache: Optional[dict] = None) -> SplitPlan:
     """Memory, FLOPs and communication of one optimizer step on rank 0 of
     `layout` (`bucket_bytes`: the data-parallel gradient buckets' size,
     zero_plan.BUCKET_BYTES unless given). With pp > 1 (schedule `pipeline`,
     default 1F1B over pp micro-batches): on the first rank of pipeline stage
     `stage`; None: every stage's plan (`.stages`), the one holding the most
-    memory returned."""
+    memory returned. `cache` (a dict kept between calls): dry runs reused
+    (`_rewritten`)."""
     from tpctl.parallel import zero_plan
-    from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.shard import spec_of
 
     if layout.pp > 1:  # the cut costs attention at this length
         pipeline = dataclasses.replace(pipeline or PipelineSpec(layout.pp, "1f1b", 1, layout.pp), seq_len=seq_len)
     if layout.pp > 1 and stage is None:
-        stages = [plan_split(shape, layout, batch_size, seq_len, grad_accum, bucket_bytes, pipeline, s) for s in range(layout.pp)]
+        stages = [plan_split(shape, layout, batch_size, seq_len, grad_accum, bucket_bytes, pipeline, s, cache)
+                  for s in range(layout.pp)]
         worst = max(stages, key=lambda p: p.memory_bytes)  # its bubble: the stages' FLOPs, as the cut left them
         return dataclasses.replace(worst, stages=stages, bubble=pipeline.bubble_for([p.flops for p in stages]))
     rank = layout.rank_of({"pp": stage or 0})
-    par = parallelism(layout, groups=False, rank=rank, pipeline=pipeline)
+    par, model = _rewritten(shape, layout, rank, pipeline, cache)
     mode, pipe = par.mode, par.pipeline
+    if pipe is not None and pipe.spec != pipeline:  # a cached cut, read with this schedule and micro-batches
+        pipe = copy.copy(pipe)
+        pipe.spec = pipeline
     # ---- parameters: this rank's shard of each (ShardSpec), those of its
     # pipeline stage only (the stage a worker holds, cut by the dry run;
     # tied ones once); with data parallelism the buckets and ZeRO chunks
     # the training step makes of them (parallel/zero_plan.py, the same
     # plan); and the replica buckets sync_replicas all-reduces (one
     # coalesced call per group).
-    model = shape.rewritten(par)
     holds: Any = lambda name: True  # noqa: E731
     if pipe is not None:  # what the stage holds (its blocks, its ends), as the cut placed them
         holds, grad_accum = pipe.holds, pipe.spec.microbatches
@@ -360,6 +365,36 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
                      bubble=bubble)
 
 
+def _rewritten(shape: ModelShape, layout: Layout, rank: int, pipeline: Optional[PipelineSpec], cache: Optional[dict]):
+    """(the Parallelism of `rank`, the model rewritten on it, shapes only).
+    With `cache`: one dry run per distinct rewrite -- ZeRO, the schedule and
+    the micro-batches change neither the shards nor the cut, and a dry run
+    (the cut traces the model) is most of a plan's time."""
+    from tpctl.parallel.parallelism import parallelism
+
+    cut = pipeline and dataclasses.replace(pipeline, schedule="", microbatches=0)
+    key = (layout.replace(zero=0), rank, cut)
+    if cache is None or key not in cache:
+        par = parallelism(layout, groups=False, rank=rank, pipeline=pipeline)
+        pipe = par.pipeline
+        if pipe is not None and cache is not None:
+            # Where the blocks go depends on the model and the cut, not on the
+            # mode: a stage assigned once is copied (StageCut.assign then
+            # returns at once), which saves its trace of the model.
+            assigned = cache.setdefault(("cut", cut, pipe.rank), pipe)
+            if assigned is not pipe:
+                pipe.__dict__.update({a: getattr(assigned, a) for a in _ASSIGNED})
+        found = (par, shape.rewritten(par))
+        if cache is None:
+            return found
+        cache[key] = found
+    return cache[key]
+
+
+# What StageCut.assign sets: names, block indices and shapes, no tensor of the model it read.
+_ASSIGNED = ("stack_name", "blocks_of", "beside", "hidden", "weights", "chunks")
+
+
 def _plan_pipeline(counter: _Counter, pipe, par, batch_size: int, seq_len: int, tied_numel: int) -> None:
     """What the pipeline (parallel/pipeline.py) sends in a step on this
     rank: each chunk's stream to the next stage and its gradient back, once
@@ -422,8 +457,7 @@ def predict(plan: SplitPlan, hw: Hardware, overlap: bool = True) -> SplitPlan:
         compute *= plan.layout.world / hw.cores  # oversubscribed CPU: ranks take turns
     comm_s = hideable = 0.0
     for (kind, group), c in plan.comm.items():
-        spans = any(len({r // hw.ranks_per_node for r in members}) > 1
-                    for members in plan.layout.group_members(group))
+        spans = _spans_nodes(plan.layout, group, hw.ranks_per_node)
         bw, lat = (hw.inter_bw, hw.inter_latency) if spans else (hw.intra_bw, hw.intra_latency)
         steps = LATENCY_STEPS.get(kind, lambda p: p - 1)(c.group_size)
         comm_s += c.calls * steps * lat + c.wire_bytes / bw
@@ -433,6 +467,13 @@ def predict(plan: SplitPlan, hw: Hardware, overlap: bool = True) -> SplitPlan:
     plan.step_time_s = compute + plan.comm_s
     plan.fits = not hw.memory_bytes or plan.memory_bytes <= hw.memory_bytes
     return plan
+
+
+@functools.lru_cache(maxsize=4096)
+def _spans_nodes(layout: Layout, group: str, ranks_per_node: int) -> bool:
+    """Whether any group `group` of `layout` spans nodes (cached: the
+    search of layout=auto asks for every split's groups at every schedule)."""
+    return any(len({r // ranks_per_node for r in members}) > 1 for members in layout.group_members(group))
 
 
 def mark_fits_by_zero(plans: list[SplitPlan]) -> None:

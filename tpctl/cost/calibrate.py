@@ -11,7 +11,10 @@ best step beside the median for the comparison.
     folded into one effective rate);
   * communication: all-reduces of 4 B .. 4 MiB over `world` ranks (default 4);
     a least-squares line through (wire bytes, time) gives the bandwidth
-    (slope) and the latency per ring step (intercept / ring steps).
+    (slope) and the latency per ring step (intercept / ring steps);
+  * the process: the peak resident set of a rank that trained a
+    near-empty model (base_bytes, the floor of layout=auto's predicted peak
+    on CPU).
 The fitted numbers are written to configs/hardware/<hardware>.yaml.
 """
 
@@ -57,7 +60,31 @@ def _probe(cfg_dict: dict, sizes: list[int], reps: int) -> dict:
             times.append(time.perf_counter() - t0)
         times = times[2:]
         out["all_reduce"].append((n * 4, min(times), world))
+    out["base_bytes"] = _floor(cfg_dict) if dist.get_rank() == world - 1 else None
     return out
+
+
+# A model of next to no bytes: what a rank holds training it is the process itself.
+FLOOR_MODEL = {"n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 16}
+
+
+def _floor(cfg_dict: dict) -> int:
+    """The peak resident set of a rank that trained a near-empty model
+    (the interpreter, torch, gloo and everything a training step imports)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from tpctl.parallel.layout import Layout
+    from tpctl.training.build import build_run
+    from tpctl.training.loop import peak_rss_bytes
+
+    cfg = OmegaConf.create(cfg_dict)
+    cfg.model.update(FLOOR_MODEL)
+    cfg.train.batch_size, cfg.train.seq_len = 2, 16
+    run = build_run(cfg, layout=Layout(), groups=False, schedule=False)
+    ids = torch.zeros(2, 17, dtype=torch.long)
+    run.step([(ids[:, :-1], ids[:, 1:])], 0)
+    return peak_rss_bytes()
 
 
 def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
@@ -76,7 +103,8 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
     sizes = [1, 1024, 16384, 262144, 1048576]
     pool = DistPool(world, timeout_s=300)
     try:
-        result = pool.run(_probe, OmegaConf.to_container(cfg, resolve=True), sizes, 10)[0]
+        results = pool.run(_probe, OmegaConf.to_container(cfg, resolve=True), sizes, 10)
+        result = dict(results[0], base_bytes=results[-1]["base_bytes"])
     finally:
         pool.close()
     shape = model_shape(cfg.model, cfg.seed)
@@ -97,7 +125,7 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
     m = cfg.model
     profile = {
         "peak_flops": float(f"{peak:.4g}"), "efficiency": 1.0, "ranks_per_node": 1024,
-        "cores": os.cpu_count() or 1,
+        "cores": os.cpu_count() or 1, "base_bytes": float(result["base_bytes"]),
         "intra_bw": float(f"{bw:.4g}"), "intra_latency": float(f"{latency:.4g}"),
         "inter_bw": float(f"{bw:.4g}"), "inter_latency": float(f"{latency:.4g}"),
         "note": (f"calibrated {when} by tpctl plan --calibrate: mode=none step of {m.arch} {m.n_layer}x{m.n_embd} "
@@ -112,6 +140,7 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
     print(f"compute: {flops / 1e9:.3f} GFLOP per mode=none step in {result['none_s'] * 1e3:.1f} ms -> {peak / 1e9:.2f} GFLOP/s per rank")
     for (b, t, p), f in zip(result["all_reduce"], fit):
         print(f"all_reduce {b:>9,} B over {p} ranks: {t * 1e6:9.1f} us  (fit: {f * 1e6:9.1f} us)")
+    print(f"process: {result['base_bytes'] / 2**20:.1f} MiB resident per rank training a near-empty model (base_bytes)")
     print(f"fit: bandwidth {bw / 1e9:.3f} GB/s per rank, latency {latency * 1e6:.1f} us per ring step")
     print(f"wrote {path}")
     return 0

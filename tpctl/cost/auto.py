@@ -244,13 +244,27 @@ def search(cfg: Any, world: int, hw: Hardware, shape: Optional[ModelShape] = Non
         parts = peak_parts(plan, shape, choice, cfg, hw)
         peak = sum(parts.values())
         recompute = RECOMPUTE_SHARE * plan.compute_s if choice.checkpointing else 0.0
-        cand = Candidate(choice, plan, peak, parts, plan.step_time_s + recompute,
+        cand = Candidate(choice, plan, peak, parts, plan.step_time_s + recompute + _overhead_s(plan, choice, shape, hw),
                          plan.flops * (1 + RECOMPUTE_SHARE * choice.checkpointing),
                          not hw.memory_bytes or peak <= hw.memory_bytes)
         (ranked if cand.fits else unfit).append(cand)
     ranked.sort(key=lambda c: (c.step_time_s, c.peak_bytes))
     unfit.sort(key=lambda c: c.peak_bytes)
     return Search(ranked, unfit, invalid, sum(1 for p in memo.values() if p is not None))
+
+
+def _overhead_s(plan: SplitPlan, choice: Choice, shape: ModelShape, hw: Hardware) -> float:
+    """The fixed cost of the blocks' operators on the busiest rank
+    (hw.block_overhead_s per block and micro-batch; a pipeline's stretched
+    by its bubble, ranks beyond the CPU's cores taking turns)."""
+    if not hw.block_overhead_s:
+        return 0.0
+    lay = choice.layout
+    blocks = -(-shape.attention_layers // lay.pp)  # the largest stage, balanced
+    cost = hw.block_overhead_s * blocks * choice.microbatches * (1 + RECOMPUTE_SHARE * choice.checkpointing)
+    if lay.pp > 1:
+        cost /= 1 - plan.bubble
+    return cost * (lay.world / hw.cores if hw.cores and lay.world > hw.cores else 1)
 
 
 def refusal(found: Search, world: int, hw: Hardware) -> Optional[ConfigError]:

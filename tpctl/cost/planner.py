@@ -16,7 +16,6 @@ time.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import math
@@ -32,6 +31,7 @@ from tpctl.parallel.registry import check_costed
 from tpctl.parallel.stages import PipelineSpec
 
 from tpctl.config import check_layout
+from .dry_run import stage_rewrite
 from .hardware import Hardware, load_hardware  # noqa: F401  (re-exported: callers name the planner)
 from .layer_comm import count_layers, layer_shapes, sliced_sums
 
@@ -257,13 +257,10 @@ def _replica_group(layout: Layout, spec, rank: int = 0) -> Optional[str]:
 def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int, grad_accum: int = 1,
                bucket_bytes: Optional[int] = None, pipeline: Optional[PipelineSpec] = None,
                stage: Optional[int] = None, cache: Optional[dict] = None) -> SplitPlan:
-    """Memory, FLOPs and communication of one optimizer step on rank 0 of
-    `layout` (`bucket_bytes`: the data-parallel gradient buckets' size,
-    zero_plan.BUCKET_BYTES unless given). With pp > 1 (schedule `pipeline`,
-    default 1F1B over pp micro-batches): on the first rank of pipeline stage
-    `stage`; None: every stage's plan (`.stages`), the one holding the most
-    memory returned. `cache` (a dict kept between calls): dry runs reused
-    (`_rewritten`)."""
+    """Memory, FLOPs and communication of one optimizer step on rank 0 of `layout` (`bucket_bytes`:
+    the data-parallel buckets' size, zero_plan.BUCKET_BYTES unless given). With pp > 1 (schedule
+    `pipeline`, default 1F1B over pp micro-batches): on the first rank of stage `stage`; None: every
+    stage's plan (`.stages`), the one holding the most memory returned. `cache`: see dry_run.py."""
     from tpctl.parallel import zero_plan
     from tpctl.parallel.shard import spec_of
 
@@ -275,17 +272,13 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
         worst = max(stages, key=lambda p: p.memory_bytes)  # its bubble: the stages' FLOPs, as the cut left them
         return dataclasses.replace(worst, stages=stages, bubble=pipeline.bubble_for([p.flops for p in stages]))
     rank = layout.rank_of({"pp": stage or 0})
-    par, model = _rewritten(shape, layout, rank, pipeline, cache)
-    mode, pipe = par.mode, par.pipeline
-    if pipe is not None and pipe.spec != pipeline:  # a cached cut, read with this schedule and micro-batches
-        pipe = copy.copy(pipe)
-        pipe.spec = pipeline
+    par, pipe, model = stage_rewrite(shape, layout, rank, pipeline, cache)
+    mode = par.mode
     # ---- parameters: this rank's shard of each (ShardSpec), those of its
     # pipeline stage only (the stage a worker holds, cut by the dry run;
     # tied ones once); with data parallelism the buckets and ZeRO chunks
     # the training step makes of them (parallel/zero_plan.py, the same
-    # plan); and the replica buckets sync_replicas all-reduces (one
-    # coalesced call per group).
+    # plan); and the replica buckets sync_replicas all-reduces.
     holds: Any = lambda name: True  # noqa: E731
     if pipe is not None:  # what the stage holds (its blocks, its ends), as the cut placed them
         holds, grad_accum = pipe.holds, pipe.spec.microbatches
@@ -363,36 +356,6 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     return SplitPlan(layout, held["param"] * F32, held["grad"] * F32, 2 * held["moment"] * F32 + n_tensors * F32,
                      act * F32, flops, counter.comm, gathered_bytes=(dp_plan.unit_numel() if dp_plan else 0) * F32,
                      bubble=bubble)
-
-
-def _rewritten(shape: ModelShape, layout: Layout, rank: int, pipeline: Optional[PipelineSpec], cache: Optional[dict]):
-    """(the Parallelism of `rank`, the model rewritten on it, shapes only).
-    With `cache`: one dry run per distinct rewrite -- ZeRO, the schedule and
-    the micro-batches change neither the shards nor the cut, and a dry run
-    (the cut traces the model) is most of a plan's time."""
-    from tpctl.parallel.parallelism import parallelism
-
-    cut = pipeline and dataclasses.replace(pipeline, schedule="", microbatches=0)
-    key = (layout.replace(zero=0), rank, cut)
-    if cache is None or key not in cache:
-        par = parallelism(layout, groups=False, rank=rank, pipeline=pipeline)
-        pipe = par.pipeline
-        if pipe is not None and cache is not None:
-            # Where the blocks go depends on the model and the cut, not on the
-            # mode: a stage assigned once is copied (StageCut.assign then
-            # returns at once), which saves its trace of the model.
-            assigned = cache.setdefault(("cut", cut, pipe.rank), pipe)
-            if assigned is not pipe:
-                pipe.__dict__.update({a: getattr(assigned, a) for a in _ASSIGNED})
-        found = (par, shape.rewritten(par))
-        if cache is None:
-            return found
-        cache[key] = found
-    return cache[key]
-
-
-# What StageCut.assign sets: names, block indices and shapes, no tensor of the model it read.
-_ASSIGNED = ("stack_name", "blocks_of", "beside", "hidden", "weights", "chunks")
 
 
 def _plan_pipeline(counter: _Counter, pipe, par, batch_size: int, seq_len: int, tied_numel: int) -> None:

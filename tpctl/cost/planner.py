@@ -296,8 +296,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     early: list[tuple[str, int]] = []  # (group, numel) of each gradient summed during the backward
     for i, (name, p) in enumerate(named):
         spec = spec_of(p)
-        numel = math.prod(spec.local_shape())
-        param_numel += numel
+        param_numel += (numel := math.prod(spec.local_shape()))
         if spec.partial_grad and len(spec.replica_ranks) > 1:
             group = _replica_group(layout, spec, rank)
             if group is None:
@@ -347,15 +346,13 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
         counter.add("all_reduce", group, numel)
     counter.add("all_reduce", "grad_norm", 1, elem=F64)
     counter.add("all_reduce", "batch", 1, elem=F64)
-    bubble = None
     if pipe is not None:
         _plan_pipeline(counter, pipe, par, batch_size, seq_len, tied_numel)
-        bubble = pipe.spec.bubble()
     held = dp_plan.held_numel() if dp_plan else {"param": param_numel, "grad": param_numel, "moment": param_numel}
     n_tensors = len(named)  # AdamW's step counts (one fp32 scalar each)
     return SplitPlan(layout, held["param"] * F32, held["grad"] * F32, 2 * held["moment"] * F32 + n_tensors * F32,
                      act * F32, flops, counter.comm, gathered_bytes=(dp_plan.unit_numel() if dp_plan else 0) * F32,
-                     bubble=bubble)
+                     bubble=pipe.spec.bubble() if pipe is not None else None)
 
 
 def _plan_pipeline(counter: _Counter, pipe, par, batch_size: int, seq_len: int, tied_numel: int) -> None:

@@ -243,7 +243,7 @@ def search(cfg: Any, world: int, hw: Hardware, shape: Optional[ModelShape] = Non
             continue
         parts = peak_parts(plan, shape, choice, cfg, hw)
         peak = sum(parts.values())
-        recompute = RECOMPUTE_SHARE * plan.compute_s if choice.checkpointing else 0.0
+        recompute = _recompute_s(plan, hw) if choice.checkpointing else 0.0
         cand = Candidate(choice, plan, peak, parts, plan.step_time_s + recompute + _overhead_s(plan, choice, shape, hw),
                          plan.flops * (1 + RECOMPUTE_SHARE * choice.checkpointing),
                          not hw.memory_bytes or peak <= hw.memory_bytes)
@@ -251,6 +251,26 @@ def search(cfg: Any, world: int, hw: Hardware, shape: Optional[ModelShape] = Non
     ranked.sort(key=lambda c: (c.step_time_s, c.peak_bytes))
     unfit.sort(key=lambda c: c.peak_bytes)
     return Search(ranked, unfit, invalid, sum(1 for p in memo.values() if p is not None))
+
+
+# Groups whose collectives run inside a block's forward (a recomputed forward runs them again).
+STEP_GROUPS = ("dp", "pp", "pp_ends", "grad_norm", "batch")
+
+
+def _recompute_s(plan: SplitPlan, hw: Hardware) -> float:
+    """What checkpointing adds: the blocks' forward again -- a third of the
+    compute -- with the tensor-parallel collectives of that forward (half of
+    the grid's communication: the backward's mirror the forward's)."""
+    from .planner import LATENCY_STEPS, _spans_nodes
+
+    grid = 0.0
+    for (kind, group), c in plan.comm.items():
+        if group in STEP_GROUPS:
+            continue
+        spans = _spans_nodes(plan.layout, group, hw.ranks_per_node)
+        bw, lat = (hw.inter_bw, hw.inter_latency) if spans else (hw.intra_bw, hw.intra_latency)
+        grid += c.calls * LATENCY_STEPS.get(kind, lambda p: p - 1)(c.group_size) * lat + c.wire_bytes / bw
+    return RECOMPUTE_SHARE * plan.compute_s + grid / 2
 
 
 def _overhead_s(plan: SplitPlan, choice: Choice, shape: ModelShape, hw: Hardware) -> float:

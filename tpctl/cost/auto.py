@@ -243,8 +243,7 @@ def search(cfg: Any, world: int, hw: Hardware, shape: Optional[ModelShape] = Non
             continue
         parts = peak_parts(plan, shape, choice, cfg, hw)
         peak = sum(parts.values())
-        recompute = _recompute_s(plan, hw) if choice.checkpointing else 0.0
-        cand = Candidate(choice, plan, peak, parts, plan.step_time_s + recompute + _overhead_s(plan, choice, shape, hw),
+        cand = Candidate(choice, plan, peak, parts, _step_s(plan, choice, shape, hw),
                          plan.flops * (1 + RECOMPUTE_SHARE * choice.checkpointing),
                          not hw.memory_bytes or peak <= hw.memory_bytes)
         (ranked if cand.fits else unfit).append(cand)
@@ -253,13 +252,27 @@ def search(cfg: Any, world: int, hw: Hardware, shape: Optional[ModelShape] = Non
     return Search(ranked, unfit, invalid, sum(1 for p in memo.values() if p is not None))
 
 
+def _step_s(plan: SplitPlan, choice: Choice, shape: ModelShape, hw: Hardware) -> float:
+    """The predicted step: `predict`'s compute and exposed communication,
+    checkpointing's recomputation, the blocks' fixed cost. Ranks beyond a
+    CPU's cores take turns (predict stretches the compute so): at every hop
+    of a collective too, so its time stretches alike."""
+    turns = choice.layout.world / hw.cores if hw.cores and choice.layout.world > hw.cores else 1.0
+    comm = plan.comm_s * turns
+    if choice.checkpointing:
+        compute, grid = _recompute_s(plan, hw)
+        comm += grid * turns
+        return plan.compute_s + compute + comm + _overhead_s(plan, choice, shape, hw)
+    return plan.compute_s + comm + _overhead_s(plan, choice, shape, hw)
+
+
 # Groups whose collectives run inside a block's forward (a recomputed forward runs them again).
 STEP_GROUPS = ("dp", "pp", "pp_ends", "grad_norm", "batch")
 
 
-def _recompute_s(plan: SplitPlan, hw: Hardware) -> float:
+def _recompute_s(plan: SplitPlan, hw: Hardware) -> tuple[float, float]:
     """What checkpointing adds: the blocks' forward again -- a third of the
-    compute -- with the tensor-parallel collectives of that forward (half of
+    compute -- and the tensor-parallel collectives of that forward (half of
     the grid's communication: the backward's mirror the forward's)."""
     from .planner import LATENCY_STEPS, _spans_nodes
 
@@ -270,7 +283,7 @@ def _recompute_s(plan: SplitPlan, hw: Hardware) -> float:
         spans = _spans_nodes(plan.layout, group, hw.ranks_per_node)
         bw, lat = (hw.inter_bw, hw.inter_latency) if spans else (hw.intra_bw, hw.intra_latency)
         grid += c.calls * LATENCY_STEPS.get(kind, lambda p: p - 1)(c.group_size) * lat + c.wire_bytes / bw
-    return RECOMPUTE_SHARE * plan.compute_s + grid / 2
+    return RECOMPUTE_SHARE * plan.compute_s, grid / 2
 
 
 def _overhead_s(plan: SplitPlan, choice: Choice, shape: ModelShape, hw: Hardware) -> float:

@@ -67,6 +67,23 @@ def _rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
+def measured(pool_class, world: int, cfg_dict: dict, steps: int, tries: int = 3) -> list[dict]:
+    """`measure` on a fresh pool; a pool that does not start (its port
+    taken by another process between choosing and binding it) is tried again."""
+    for attempt in range(tries):
+        pool = None
+        try:
+            pool = pool_class(world, timeout_s=300)
+            return pool.run(measure, cfg_dict, steps)
+        except Exception:
+            if attempt == tries - 1:
+                raise
+        finally:
+            if pool is not None:
+                pool.close()
+    raise AssertionError("unreachable")
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     def ranks(v):
         order = sorted(range(len(v)), key=v.__getitem__)
@@ -119,11 +136,7 @@ def main() -> None:
     rows = []
     for cand in chosen:
         c = cand.choice.apply(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
-        pool = DistPool(args.world, timeout_s=600)
-        try:
-            per_rank = pool.run(measure, OmegaConf.to_container(c, resolve=True), args.steps)
-        finally:
-            pool.close()
+        per_rank = measured(DistPool, args.world, OmegaConf.to_container(c, resolve=True), args.steps)
         rows.append((cand, max(r["step_s"] for r in per_rank), max(r["peak"] for r in per_rank)))
         print(f"  {cand.choice.name:<34} predicted {cand.step_time_s * 1e3:8.2f} ms {cand.peak_bytes / 2**20:8.1f} MiB"
               f" | measured {rows[-1][1] * 1e3:8.2f} ms {rows[-1][2] / 2**20:8.1f} MiB", flush=True)

@@ -34,7 +34,7 @@ test-fast: install
 # Every recipe in recipes/, in its short form, against its loss band and
 # equalities (CI runs this after the tests).
 check-recipes: install
-	$(VENV)/bin/tpctl check-recipes --fast
+	$(VENV)/bin/tpctl check-recipes --fast --jobs 2
 
 clean:
 	rm -rf outputs multirun .pytest_cache

@@ -40,6 +40,7 @@ SCRIPTS = {
     "papers_vs_plan.py": ([], "|", False),
     "param_memory.py": (["--vocab-size", "64", "--n-layer", "1", "--n-head", "4", "--n-embd", "16", "--block-size", "16"],
                         "parameter memory per rank", False),
+    "plan_accuracy.py": (["--tiny"], "MAPE_step=", False),
     "pipeline.py": (["--tiny", "--stages", "2", "--micro", "2", "--schedules", "1f1b", "interleaved", "--steps", "1",
                      "--seq", "8", "--batch", "4"], "| 2 |", False),
     "prepare_data.py": (["--mb", "0.05", "--vocab", "300"], "tokens each", False),

@@ -59,3 +59,22 @@ def test_metrics_contract(run_curve):
     for key in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s"):
         assert key in record
     assert record["tokens"] == 16 * 64
+
+
+@pytest.mark.timeout(600)
+def test_layout_auto_trains_its_pick_exactly(run_curve, tmp_path):
+    """`tpctl train layout=auto world=4`: the pick made before any worker,
+    said at start-up, trained equal to mode=none, and its prediction beside
+    the measurement in summary.json."""
+    import json
+
+    run_dir = tmp_path / "auto"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = train_subprocess(["layout=auto", "world=4", *COMMON], run_dir, timeout=400, env=env)
+    assert proc.returncode == 0, f"layout=auto failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    picked = json.loads((run_dir / "summary.json").read_text())["auto"]
+    assert f"layout=auto picked {picked['layout']}" in proc.stdout
+    assert picked["predicted_ms"] > 0 and picked["measured_ms"] > 0
+    assert 0 < picked["predicted_peak_bytes"] and 0 < picked["measured_peak_bytes"]
+    for ref, got in zip(run_curve("none"), read_metrics(run_dir), strict=True):
+        assert abs(got["loss"] - ref["loss"]) <= REL_TOL * abs(ref["loss"]), (picked["layout"], ref["step"])

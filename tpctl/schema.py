@@ -254,6 +254,14 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (nccl)
     seq_parallel: bool = False  # 1d only
+    # layout=auto (with world=N): `tpctl train` sets the layout keys above to
+    # the fastest predicted choice that fits (tpctl/cost/auto.py) before any
+    # worker starts, on the profile `hardware` (null: cpu), and records its
+    # prediction in `auto` for the summary.
+    layout: Optional[str] = None
+    world: Optional[int] = None
+    hardware: Optional[str] = None
+    auto: Dict[str, Any] = field(default_factory=dict)
     # "fp32" or "bf16" (autocast; fp32 master weights and optimizer state).
     precision: str = "fp32"
     # "jsonl" (metrics.jsonl only) or "tensorboard" (also TensorBoard events).

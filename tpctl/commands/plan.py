@@ -24,6 +24,8 @@ shared device, room kept for other work) -- and which fit only with ZeRO.
 
     tpctl plan model=gpt-small world=64 hardware=h100 [memory=GIB] [train.batch_size=...] [--json]
     tpctl plan --calibrate [hardware=cpu]     # fit the CPU profile from a short probe
+    tpctl plan --auto world=64 hardware=h100  # every runnable choice, the five fastest that fit
+                                              # (tpctl/cost/auto.py; `tpctl train layout=auto world=N` runs the first)
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from tpctl.errors import ConfigError, fail
 def _parse(args: list[str]):
     ranks = "expected a positive number of ranks"
     return parse_options(args, {"world": (None, integer(1, ranks)), "hardware": (None, text), "memory": (None, gib)},
-                         flags=("--json", "--calibrate"))
+                         flags=("--json", "--calibrate", "--auto"))
 
 
 def gib(key: str, value: str) -> float:
@@ -55,6 +57,7 @@ def gib(key: str, value: str) -> float:
 
 USAGE = """\
 usage: tpctl plan model=NAME world=N [hardware=cpu|a100|h100|v100 [memory=GIB]] [train.batch_size=B train.seq_len=T ...] [--json]
+       tpctl plan --auto model=NAME world=N [hardware=cpu|a100|h100|v100] [memory=GIB] [--json]
        tpctl plan --calibrate [hardware=cpu]
 """
 
@@ -73,6 +76,10 @@ def main(args: list[str]) -> int:
             return run_calibration(hardware or "cpu", probe_world, overrides)
         if world is None:
             raise ConfigError("world", "(missing)", "expected world=N, the number of ranks to plan for")
+        if opts["auto"]:
+            from .plan_auto import plan_auto
+
+            return plan_auto(world, hardware or "cpu", opts["memory"], overrides, as_json)
         from tpctl.config import compose_jobs
 
         cfg = compose_jobs(overrides)[0]

@@ -23,6 +23,8 @@ from tpctl.errors import ConfigError, EXIT_FAILED, EXIT_OK, EXIT_USAGE, error, f
 from tpctl.parallel.layout import Layout
 from tpctl.launch.run_lock import RunDirBusy, RunDirLock, probe
 
+from .auto_layout import resolve_overrides, wants_auto
+
 
 
 def main(args: list[str]) -> int:
@@ -43,6 +45,13 @@ def main(args: list[str]) -> int:
     owner = None
     if not informational:
         config_name = flags.config_name or CONFIG_NAME
+        if wants_auto(flags.overrides):
+            try:
+                picked = resolve_overrides(flags.overrides, flags.multirun, config_name, flags.config_dir)
+            except ConfigError as e:
+                return fail(str(e))
+            args = [a for a in args if a not in flags.overrides] + picked
+            flags.overrides = picked
         checked = _check_jobs(flags.overrides, flags.multirun, config_name, flags.config_dir,
                               validate_values=not flags.cfg, dry_run=run.dry_run)
         if checked.status != EXIT_OK:

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from tpctl.errors import ConfigError
+from tpctl.parallel.layout import Layout
 from tpctl.parallel.registry import import_mode_module
 from tpctl.schema import ARCHS, TrainConfig
 
@@ -41,6 +42,7 @@ def validate(cfg: Any, model_check: bool = True, training: bool = True) -> None:
     _check_values(cfg)
     import_mode_module(cfg.get("mode_module"))  # before the mode is looked up
     check_layout(cfg)
+    _check_auto(cfg)
     check_nodes(cfg)
     check_backend(cfg)
     check_compile(cfg)
@@ -71,6 +73,20 @@ def _check_values(cfg: Any) -> None:
 
         if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError("logger", cfg.logger, "needs the tensorboard package: pip install 'tpctl[tensorboard]' (or pip install tensorboard), or use logger=jsonl")
+
+
+def _check_auto(cfg: Any) -> None:
+    """layout=auto is resolved by `tpctl train` before validation: what is
+    left must be the layout it picked, for the world asked."""
+    layout = cfg.get("layout")
+    if layout is None:
+        return
+    if layout != "auto":
+        raise ConfigError("layout", layout, "expected auto (with world=N) or null (the layout keys as given)")
+    world = Layout.from_config(cfg).world
+    if cfg.get("world") != world or not cfg.get("auto"):
+        raise ConfigError("layout", layout, f"the layout is picked by tpctl train layout=auto world=N; this config's "
+                          f"keys make {world} ranks, world={cfg.get('world')}")
 
 
 def _check_loop(cfg: Any) -> None:
@@ -263,6 +279,6 @@ def _check_known_keys(cfg: Any, schema: DictConfig, prefix: str) -> None:
             if isinstance(value, DictConfig):
                 value = OmegaConf.to_container(value)
             raise ConfigError(full, value, valid_keys_hint(str(key), list(schema.keys()), prefix))
-        if isinstance(schema._get_node(key), DictConfig):
+        if isinstance(schema._get_node(key), DictConfig) and len(schema._get_node(key)):  # (empty: a free-form map, `auto`)
             _check_known_keys(cfg._get_node(key), schema._get_node(key), full + ".")
 

@@ -6,12 +6,17 @@ Both take the best of 10 repetitions: the machine's speed when the load it
 shares (other sessions, other jobs) lets it run; `tpctl bench` shows the
 best step beside the median for the comparison.
   * compute: the best step of `mode=none` on one rank for the configured
-    model and batch; peak_flops = the plan's FLOPs of that step / its time
-    (so everything that scales with the model -- norms, softmax, AdamW -- is
-    folded into one effective rate);
+    model, at its batch and at an eighth of it; a line through (FLOPs, time)
+    gives peak_flops (the slope: everything that scales with the work --
+    norms, softmax, AdamW -- folded into one effective rate) and the fixed
+    cost of a block's operators per micro-batch (block_overhead_s, the
+    intercept over the blocks: most of a small model's CPU step);
   * communication: all-reduces of 4 B .. 4 MiB over `world` ranks (default 4);
     a least-squares line through (wire bytes, time) gives the bandwidth
-    (slope) and the latency per ring step (intercept / ring steps).
+    (slope) and the latency per ring step (intercept / ring steps);
+  * the process: the peak resident set of a rank that trained a
+    near-empty model (base_bytes, the floor of layout=auto's predicted peak
+    on CPU).
 The fitted numbers are written to configs/hardware/<hardware>.yaml.
 """
 
@@ -33,17 +38,9 @@ def _probe(cfg_dict: dict, sizes: list[int], reps: int) -> dict:
     from . import measure
 
     out = {}
-    if dist.get_rank() == 0:  # one rank alone, as a mode=none run
-        measure.setup(measure.REFERENCE, cfg_dict, 1, None)
-        st = measure.rank_state[measure.REFERENCE]
-        times = []
-        for k in range(reps + 2):
-            t0 = time.perf_counter()
-            measure.loss_and_step(st, measure.REFERENCE)
-            if k >= 2:
-                times.append(time.perf_counter() - t0)
-        measure.rank_state.pop(measure.REFERENCE)
-        out["none_s"] = min(times)
+    if dist.get_rank() == 0:  # one rank alone, as a mode=none run: the configured batch, then a small one
+        out["none_s"] = _best_step(cfg_dict, reps)
+        out["small_s"] = _best_step(_small(cfg_dict), reps)
     comm.barrier()
     world = dist.get_world_size()
     out["all_reduce"] = []
@@ -57,7 +54,55 @@ def _probe(cfg_dict: dict, sizes: list[int], reps: int) -> dict:
             times.append(time.perf_counter() - t0)
         times = times[2:]
         out["all_reduce"].append((n * 4, min(times), world))
+    out["base_bytes"] = _floor(cfg_dict) if dist.get_rank() == world - 1 else None
     return out
+
+
+def _small(cfg_dict: dict) -> dict:
+    """The config with an eighth of its batch: the same blocks, few FLOPs."""
+    import copy
+
+    small = copy.deepcopy(cfg_dict)
+    small["train"]["batch_size"] = max(1, cfg_dict["train"]["batch_size"] // 8)
+    return small
+
+
+def _best_step(cfg_dict: dict, reps: int) -> float:
+    from . import measure
+
+    measure.setup(measure.REFERENCE, cfg_dict, 1, None)
+    st = measure.rank_state[measure.REFERENCE]
+    times = []
+    for k in range(reps + 2):
+        t0 = time.perf_counter()
+        measure.loss_and_step(st, measure.REFERENCE)
+        if k >= 2:
+            times.append(time.perf_counter() - t0)
+    measure.rank_state.pop(measure.REFERENCE)
+    return min(times)
+
+
+# A model of next to no bytes: what a rank holds training it is the process itself.
+FLOOR_MODEL = {"n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 16}
+
+
+def _floor(cfg_dict: dict) -> int:
+    """The peak resident set of a rank that trained a near-empty model
+    (the interpreter, torch, gloo and everything a training step imports)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from tpctl.parallel.layout import Layout
+    from tpctl.training.build import build_run
+    from tpctl.training.loop import peak_rss_bytes
+
+    cfg = OmegaConf.create(cfg_dict)
+    cfg.model.update(FLOOR_MODEL)
+    cfg.train.batch_size, cfg.train.seq_len = 2, 16
+    run = build_run(cfg, layout=Layout(), groups=False, schedule=False)
+    ids = torch.zeros(2, 17, dtype=torch.long)
+    run.step([(ids[:, :-1], ids[:, 1:])], 0)
+    return peak_rss_bytes()
 
 
 def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
@@ -76,12 +121,18 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
     sizes = [1, 1024, 16384, 262144, 1048576]
     pool = DistPool(world, timeout_s=300)
     try:
-        result = pool.run(_probe, OmegaConf.to_container(cfg, resolve=True), sizes, 10)[0]
+        results = pool.run(_probe, OmegaConf.to_container(cfg, resolve=True), sizes, 10)
+        result = dict(results[0], base_bytes=results[-1]["base_bytes"])
     finally:
         pool.close()
     shape = model_shape(cfg.model, cfg.seed)
     flops = plan_split(shape, Layout(), cfg.train.batch_size, cfg.train.seq_len).flops  # one process
-    peak = flops / result["none_s"]
+    small = plan_split(shape, Layout(), _small({"train": dict(cfg.train)})["train"]["batch_size"], cfg.train.seq_len).flops
+    # step = blocks x overhead + FLOPs / peak, through the two batches: a
+    # CPU step of a small model is mostly the fixed cost of its operators.
+    slope = (result["none_s"] - result["small_s"]) / (flops - small)
+    peak = 1 / slope if slope > 0 else flops / result["none_s"]
+    overhead = max(0.0, result["none_s"] - flops / peak) / max(1, shape.attention_layers)
     xs = [WIRE_FACTOR["all_reduce"](p) * b for b, _, p in result["all_reduce"]]
     ys = [t for _, t, _ in result["all_reduce"]]
     # A least-squares line through (wire bytes, time): gloo on loopback is
@@ -97,7 +148,8 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
     m = cfg.model
     profile = {
         "peak_flops": float(f"{peak:.4g}"), "efficiency": 1.0, "ranks_per_node": 1024,
-        "cores": os.cpu_count() or 1,
+        "cores": os.cpu_count() or 1, "base_bytes": float(result["base_bytes"]),
+        "block_overhead_s": float(f"{overhead:.4g}"),
         "intra_bw": float(f"{bw:.4g}"), "intra_latency": float(f"{latency:.4g}"),
         "inter_bw": float(f"{bw:.4g}"), "inter_latency": float(f"{latency:.4g}"),
         "note": (f"calibrated {when} by tpctl plan --calibrate: mode=none step of {m.arch} {m.n_layer}x{m.n_embd} "
@@ -109,9 +161,12 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
               "# Written by `tpctl plan --calibrate` (see its note); compute slows by world/cores when\n"
               "# more ranks than cores share the machine.\n")
     path.write_text(header + yaml.safe_dump(profile, sort_keys=False))
-    print(f"compute: {flops / 1e9:.3f} GFLOP per mode=none step in {result['none_s'] * 1e3:.1f} ms -> {peak / 1e9:.2f} GFLOP/s per rank")
+    print(f"compute: {flops / 1e9:.3f} GFLOP per mode=none step in {result['none_s'] * 1e3:.1f} ms, {small / 1e9:.3f} in "
+          f"{result['small_s'] * 1e3:.1f} ms -> {peak / 1e9:.2f} GFLOP/s per rank and {overhead * 1e3:.2f} ms per block "
+          "(forward and backward) beside the FLOPs")
     for (b, t, p), f in zip(result["all_reduce"], fit):
         print(f"all_reduce {b:>9,} B over {p} ranks: {t * 1e6:9.1f} us  (fit: {f * 1e6:9.1f} us)")
+    print(f"process: {result['base_bytes'] / 2**20:.1f} MiB resident per rank training a near-empty model (base_bytes)")
     print(f"fit: bandwidth {bw / 1e9:.3f} GB/s per rank, latency {latency * 1e6:.1f} us per ring step")
     print(f"wrote {path}")
     return 0

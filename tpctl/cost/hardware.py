@@ -24,6 +24,12 @@ class Hardware:
     inter_bw: float  # bytes/s per rank, across nodes
     inter_latency: float
     memory_bytes: float = 0.0  # per rank (device memory); 0: not checked
+    # per rank: the process before any model (CPU: the interpreter, torch and
+    # gloo, measured by --calibrate); added to layout=auto's predicted peak
+    base_bytes: float = 0.0
+    # seconds per block per micro-batch beside its FLOPs (CPU: the operators'
+    # fixed cost, fitted by --calibrate); layout=auto adds it per rank's blocks
+    block_overhead_s: float = 0.0
     cores: int = 0  # CPU profiles: ranks beyond this many share cores (0: one device per rank)
     peak_flops_bf16: float = 0.0  # per rank, dense bf16 (tensor cores); 0: unknown (bench's MFU at bf16)
     peak_flops_tf32: float = 0.0  # per rank, dense TF32 (train.tf32=true); 0: none (bench's MFU at fp32)

@@ -17,6 +17,7 @@ time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from tpctl.parallel.registry import check_costed
 from tpctl.parallel.stages import PipelineSpec
 
 from tpctl.config import check_layout
+from .dry_run import stage_rewrite
 from .hardware import Hardware, load_hardware  # noqa: F401  (re-exported: callers name the planner)
 from .layer_comm import count_layers, layer_shapes, sliced_sums
 
@@ -256,33 +258,30 @@ def _replica_group(layout: Layout, spec, rank: int = 0) -> Optional[str]:
 
 def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int, grad_accum: int = 1,
                bucket_bytes: Optional[int] = None, pipeline: Optional[PipelineSpec] = None,
-               stage: Optional[int] = None, context: str = "ring") -> SplitPlan:
-    """Memory, FLOPs and communication of one optimizer step on rank 0 of
-    `layout` (`bucket_bytes`: the data-parallel gradient buckets' size,
-    zero_plan.BUCKET_BYTES unless given). With pp > 1 (schedule `pipeline`,
-    default 1F1B over pp micro-batches): on the first rank of pipeline stage
-    `stage`; None: every stage's plan (`.stages`), the one holding the most
-    memory returned. `context`: context.impl, with cp > 1."""
+               stage: Optional[int] = None, cache: Optional[dict] = None, context: str = "ring") -> SplitPlan:
+    """Memory, FLOPs and communication of one optimizer step on rank 0 of `layout` (`bucket_bytes`:
+    the data-parallel buckets' size, zero_plan.BUCKET_BYTES unless given). With pp > 1 (schedule
+    `pipeline`, default 1F1B over pp micro-batches): on the first rank of stage `stage`; None: every
+    stage's plan (`.stages`), the one holding the most memory returned. `cache`: see dry_run.py;
+    `context`: context.impl, with cp > 1."""
     from tpctl.parallel import zero_plan
-    from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.shard import spec_of
 
     if layout.pp > 1:  # the cut costs attention at this length
         pipeline = dataclasses.replace(pipeline or PipelineSpec(layout.pp, "1f1b", 1, layout.pp), seq_len=seq_len)
     if layout.pp > 1 and stage is None:
-        stages = [plan_split(shape, layout, batch_size, seq_len, grad_accum, bucket_bytes, pipeline, s) for s in range(layout.pp)]
+        stages = [plan_split(shape, layout, batch_size, seq_len, grad_accum, bucket_bytes, pipeline, s, cache, context)
+                  for s in range(layout.pp)]
         worst = max(stages, key=lambda p: p.memory_bytes)  # its bubble: the stages' FLOPs, as the cut left them
         return dataclasses.replace(worst, stages=stages, bubble=pipeline.bubble_for([p.flops for p in stages]))
     rank = layout.rank_of({"pp": stage or 0})
-    par = parallelism(layout, groups=False, rank=rank, pipeline=pipeline)
-    mode, pipe = par.mode, par.pipeline
+    par, pipe, model = stage_rewrite(shape, layout, rank, pipeline, cache)
+    mode = par.mode
     # ---- parameters: this rank's shard of each (ShardSpec), those of its
     # pipeline stage only (the stage a worker holds, cut by the dry run;
     # tied ones once); with data parallelism the buckets and ZeRO chunks
     # the training step makes of them (parallel/zero_plan.py, the same
-    # plan); and the replica buckets sync_replicas all-reduces (one
-    # coalesced call per group).
-    model = shape.rewritten(par)
+    # plan); and the replica buckets sync_replicas all-reduces.
     holds: Any = lambda name: True  # noqa: E731
     if pipe is not None:  # what the stage holds (its blocks, its ends), as the cut placed them
         holds, grad_accum = pipe.holds, pipe.spec.microbatches
@@ -300,8 +299,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     early: list[tuple[str, int]] = []  # (group, numel) of each gradient summed during the backward
     for i, (name, p) in enumerate(named):
         spec = spec_of(p)
-        numel = math.prod(spec.local_shape())
-        param_numel += numel
+        param_numel += (numel := math.prod(spec.local_shape()))
         if spec.partial_grad and len(spec.replica_ranks) > 1:
             group = _replica_group(layout, spec, rank)
             if group is None:
@@ -353,15 +351,13 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
         counter.add("all_reduce", group, numel)
     counter.add("all_reduce", "grad_norm", 1, elem=F64)
     counter.add("all_reduce", "batch", 1, elem=F64)
-    bubble = None
     if pipe is not None:
         _plan_pipeline(counter, pipe, par, batch_size, seq_len // layout.cp, tied_numel)
-        bubble = pipe.spec.bubble()
     held = dp_plan.held_numel() if dp_plan else {"param": param_numel, "grad": param_numel, "moment": param_numel}
     n_tensors = len(named)  # AdamW's step counts (one fp32 scalar each)
     return SplitPlan(layout, held["param"] * F32, held["grad"] * F32, 2 * held["moment"] * F32 + n_tensors * F32,
                      act * F32, flops, counter.comm, gathered_bytes=(dp_plan.unit_numel() if dp_plan else 0) * F32,
-                     bubble=bubble)
+                     bubble=pipe.spec.bubble() if pipe is not None else None)
 
 
 def _plan_pipeline(counter: _Counter, pipe, par, batch_size: int, seq_len: int, tied_numel: int) -> None:
@@ -427,8 +423,7 @@ def predict(plan: SplitPlan, hw: Hardware, overlap: bool = True) -> SplitPlan:
         compute *= plan.layout.world / hw.cores  # oversubscribed CPU: ranks take turns
     comm_s = hideable = 0.0
     for (kind, group), c in plan.comm.items():
-        spans = any(len({r // hw.ranks_per_node for r in members}) > 1
-                    for members in plan.layout.group_members(group))
+        spans = _spans_nodes(plan.layout, group, hw.ranks_per_node)
         bw, lat = (hw.inter_bw, hw.inter_latency) if spans else (hw.intra_bw, hw.intra_latency)
         steps = LATENCY_STEPS.get(kind, lambda p: p - 1)(c.group_size)
         comm_s += c.calls * steps * lat + c.wire_bytes / bw
@@ -438,6 +433,13 @@ def predict(plan: SplitPlan, hw: Hardware, overlap: bool = True) -> SplitPlan:
     plan.step_time_s = compute + plan.comm_s
     plan.fits = not hw.memory_bytes or plan.memory_bytes <= hw.memory_bytes
     return plan
+
+
+@functools.lru_cache(maxsize=4096)
+def _spans_nodes(layout: Layout, group: str, ranks_per_node: int) -> bool:
+    """Whether any group `group` of `layout` spans nodes (cached: the
+    search of layout=auto asks for every split's groups at every schedule)."""
+    return any(len({r // ranks_per_node for r in members}) > 1 for members in layout.group_members(group))
 
 
 def mark_fits_by_zero(plans: list[SplitPlan]) -> None:

@@ -188,7 +188,8 @@ def run(argv: list[str]) -> None:
     whole = whole_parameters(model, par)
     if mesh.rank == 0:
         stages = f", {par.pipeline.spec.label()}" if par.pipeline is not None else ""
-        print(f"tpctl: {par.layout.label()} ({mesh.world_size} ranks{stages}), "
+        picked = f"layout=auto picked {cfg.auto.layout}: " if cfg.get("auto") else ""
+        print(f"tpctl: {picked}{par.layout.label()} ({mesh.world_size} ranks{stages}), "
               f"{cfg.model.get('_target_') or cfg.model.arch} with {whole / 1e6:.2f}M parameters, {data.describe()}", flush=True)
         note = par.pipeline.spec.dropout_note(cfg.model.get("dropout") or 0) if par.pipeline is not None else None
         if note:

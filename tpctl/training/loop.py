@@ -223,7 +223,20 @@ class Trainer:
                        pipeline_bubble_planned=pipeline.spec.bubble())
         out.update(_max_over_ranks(out, ("param_bytes", "grad_bytes", "optimizer_bytes", "peak_rss_bytes",
                                          "peak_cuda_bytes")))
+        if self.cfg.get("auto"):
+            out["auto"] = _auto_record(self.cfg.auto, records, out)
         return out
+
+
+def _auto_record(predicted, records: list[dict], out: dict) -> dict:
+    """layout=auto's prediction beside what this run measured: the median
+    step time of the logged windows after the first (which holds the
+    warm-up), and the largest peak of any rank (CUDA: allocated; CPU: RSS)."""
+    times = sorted(r["step_time_s"] for r in (records[1:] or records))
+    peak = out.get("peak_cuda_bytes_max_rank") or out["peak_rss_bytes_max_rank"]
+    return {"layout": predicted.layout, "predicted_ms": predicted.predicted_ms,
+            "measured_ms": times[len(times) // 2] * 1e3, "predicted_peak_bytes": predicted.predicted_peak_bytes,
+            "measured_peak_bytes": peak}
 
 
 # Test hook: TPCTL_TEST_KILL_AT="<rank>:<step>" makes that rank SIGKILL itself

@@ -1,0 +1,92 @@
+"""layout=auto (tpctl/cost/auto.py): the search, its refusals and the
+command lines, in process on a tiny GPT (no ranks started; the run of the
+pick equal to mode=none is in test_e2e.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+TINY = ["model=gpt-tiny", "model.n_layer=4", "model.n_embd=16", "model.n_head=2", "model.block_size=16", "train.batch_size=8",
+        "train.seq_len=16"]
+
+
+@pytest.fixture(scope="module")
+def tiny_cfg():
+    from tpctl.config import compose_jobs
+
+    return compose_jobs(TINY)[0]
+
+
+def test_search_ranks_every_axis_and_predicts_peaks(tiny_cfg):
+    """World 4: every axis appears among the choices, the ranking is by
+    predicted step, and checkpointing lowers the predicted activations."""
+    from tpctl.cost.auto import search
+    from tpctl.cost.hardware import load_hardware
+
+    found = search(tiny_cfg, 4, load_hardware("cpu"))
+    names = [c.choice.name for c in found.ranked]
+    assert len(names) == len(set(names)) > 50
+    for part in ("1d-", "2d-4", "-pp2", "-dp", "-z3", "-sp", "gpipe", "1f1b", "interleaved", "accum=", "ckpt"):
+        assert any(part in n for n in names), part
+    times = [c.step_time_s for c in found.ranked]
+    assert times == sorted(times)
+    by_name = {c.choice.name: c for c in found.ranked}
+    plain, ckpt = by_name["1d-2-dp2"], by_name["1d-2-dp2 ckpt"]
+    assert ckpt.parts["activations"] < plain.parts["activations"] and ckpt.step_time_s > plain.step_time_s
+    assert by_name["none-dp4-z3"].parts["optimizer"] < by_name["none-dp4"].parts["optimizer"]
+    assert all(c.peak_bytes == sum(c.parts.values()) for c in found.ranked)
+    assert found.splits == len(found.ranked) // 2  # with and without checkpointing: one split costed
+
+
+def test_cached_dry_runs_cost_what_fresh_ones_do(tiny_cfg):
+    """plan_split with the search's cache (one dry run per distinct rewrite,
+    a pipeline cut reused across modes) equals plan_split without it."""
+    from tpctl.cost.auto import choices_of
+    from tpctl.cost.planner import model_shape, plan_split
+
+    shape, cache = model_shape(tiny_cfg.model), {}
+    choices, _ = choices_of(tiny_cfg, 4)
+    picked = [c for c in choices if c[0].name in ("1d-2-pp2 1f1b M=2", "1d-2-pp2 gpipe M=4", "2d-4 accum=2",
+                                                  "1d-2-dp2-z3", "none-pp2-dp2-z1 interleaved v=2 M=2", "1d-2-pp2 gpipe M=2")]
+    assert len(picked) == 6
+    for choice, pipe in picked:
+        accum = 1 if pipe else choice.microbatches
+        args = (shape, choice.layout, 8, 16, accum)
+        assert plan_split(*args, pipeline=pipe, cache=cache).to_json() == plan_split(*args, pipeline=pipe).to_json()
+
+
+def test_plan_auto_prints_the_pick(capsys):
+    from tpctl.commands.plan import main
+
+    assert main(["--auto", "world=2", "hardware=cpu", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert "★" in out and "run the pick: tpctl train mode=" in out and "searched" in out
+
+
+@pytest.mark.parametrize("args, words", [
+    (["world=2", "hardware=h100", "memory=0.0001"], ["memory=", "smallest peak", "per rank", "to fit"]),
+    (["world=7", "hardware=cpu"], ["world=7", "no layout of 7 ranks"]),
+])
+def test_plan_auto_refuses_in_one_line(capsys, args, words):
+    from tpctl.commands.plan import main
+
+    assert main(["--auto", *args, *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("tpctl: error:")
+    for w in words:
+        assert w in err, (w, err)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["layout=auto", "world=2", "mode=1d"], ["mode=", "1d", "layout=auto picks it"]),
+    (["layout=auto"], ["world=None", "world=N"]),
+    (["layout=auto", "world=2", "hardware=h100", "memory=1"], ["memory"]),  # not a key of train: composition refuses
+    (["layout=wide", "world=2"], ["layout='wide'", "expected auto"]),
+])
+def test_train_layout_auto_refuses_before_any_worker(capsys, tmp_path, args, words):
+    from tpctl.commands.train import main
+
+    assert main([*args, *TINY, f"hydra.run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("tpctl: error:") and all(w in err[-1] for w in words), err
+    assert not (tmp_path / "run").exists()

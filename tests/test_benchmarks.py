@@ -30,6 +30,7 @@ SCRIPTS = {
                      True),
     "checkpoint_cost.py": (["--mode", "none", "--size", "1", "--steps", "2", *TINY_TRAIN], "load time", True),
     "compare_modes.py": (["--steps", "2", "--modes", "none", *TINY_TRAIN], "none", True),
+    "cp_memory.py": (["--seq", "64", "--cps", "1", "2", "--impls", "ring"], "saved for backward", False),
     "generate_speed.py": (["--size", "2", "--new", "4", "--layers", "1", "--embd", "128", "--rounds", "1"],
                           "greedy decoding", False),
     "gpu_step.py": (["--cpu"], "tpctl / plain", False),  # the CPU's smoke run: tiny shapes, dynamo only

@@ -112,7 +112,8 @@ def test_zero_and_pipeline_stages_with_cp_train_as_one_process(pool):
 
 
 @pytest.mark.parametrize("overrides,key", [
-    ({"cp": 2, "model.dropout": 0.1}, "model.dropout"),
+    ({"cp": 2, "model.dropout": 0.1, "model.arch": "llama", "model.bias": None}, "model.dropout"),  # inside sdpa
+    ({"cp": 2, "model.dropout": 0.1, "mode": "1d", "size": 2, "seq_parallel": True}, "model.dropout"),
     ({"cp": 4, "train.seq_len": 36}, "train.seq_len"),  # the ring cuts 8 chunks
     ({"cp": 4, "context.impl": "ulysses", "mode": "1d", "size": 2}, "model.n_head"),  # 4 heads, 2 per tensor rank
     ({"cp": 2, "context.impl": "zigzag"}, "context.impl"),

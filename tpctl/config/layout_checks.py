@@ -78,7 +78,8 @@ CP_ARCHS = ("gpt", "gpt2", "llama", "mistral", "qwen2")
 
 def check_context(cfg: Any, layout: Layout, geo: Geometry) -> None:
     """What context parallelism (cp > 1) can make exact: the models of
-    CP_ARCHS, without dropout, compiling or decoding; a sequence length the
+    CP_ARCHS (dropout: tpctl's GPT without sequence parallelism), without
+    compiling or decoding; a sequence length the
     split divides; with Ulysses, heads the tensor split and cp divide."""
     from tpctl.parallel.context import IMPLS
 
@@ -91,7 +92,13 @@ def check_context(cfg: Any, layout: Layout, geo: Geometry) -> None:
                           "torch's scaled_dot_product_attention with positions from a learned table or a rotary "
                           "embedding module, proven for model.arch in " + ", ".join(CP_ARCHS) + "; this model's "
                           "attention module is not: expected cp=1")
-    refused = (("model.dropout", m.dropout, m.dropout > 0, "masks drawn by global position are not wired yet: expected 0"),
+    dropout = m.dropout > 0
+    refused = (("model.dropout", m.dropout, dropout and m.arch != "gpt",
+                f"model.arch={m.arch} draws its attention's dropout inside torch's attention kernel, which cannot "
+                "draw by global position (tpctl's own model.arch=gpt can): expected 0"),
+               ("model.dropout", m.dropout, dropout and layout.seq_parallel,
+                "sequence parallelism's stream shards draw their own masks, not by global position: expected 0 "
+                "(or seq_parallel=false)"),
                ("train.compile", t.get("compile"), t.get("compile") not in (False, None),
                 "the attention is replaced at run time, which the compiler does not see: expected false"),
                ("train.sample_every", t.get("sample_every"), bool(t.get("sample_every")),

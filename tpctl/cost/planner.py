@@ -26,7 +26,7 @@ from typing import Any, Optional
 from tpctl.errors import ConfigError
 from tpctl.parallel.cut import LOSS_FLOPS_PER_LOGIT
 from tpctl.parallel.geometry import WIRE_FACTOR, padded_vocab
-from tpctl.parallel.context import cost_context
+from tpctl.parallel.context import attention_path, cost_context
 from tpctl.parallel.layout import ZERO_STAGES, Layout, layouts_of
 from tpctl.parallel.registry import check_costed
 from tpctl.parallel.stages import PipelineSpec
@@ -467,7 +467,7 @@ def plan_world(cfg, world: int, hw: Optional[Hardware]) -> tuple[list[SplitPlan]
             continue
         try:
             p = plan_split(shape, layout, t.batch_size, t.seq_len, t.grad_accum, pipeline=pipeline_of(layout, cfg),
-                           context=cfg.get("context", {}).get("impl", "ring"))
+                           context=attention_path(cfg.get("context", {}).get("impl", "ring"), cfg.model.dropout))
         except ValueError as e:
             invalid.append((layout, str(e)))
             continue

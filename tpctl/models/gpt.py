@@ -20,6 +20,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import handle_torch_function, has_torch_function
 
 from tpctl.schema import ModelConfig
 
@@ -45,6 +46,23 @@ class KVCache:
         return k, v
 
 
+def dropped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: nn.Module) -> torch.Tensor:
+    """Causal attention with `dropout` on the probabilities, written out so
+    the mask comes from the dropout module (whose generator the caller
+    chose), not from inside torch's attention kernel. Like torch's own
+    functions it answers to a TorchFunctionMode, so context parallelism can
+    compute it across the ranks holding the sequence."""
+    if has_torch_function((q, k, v)):
+        return handle_torch_function(dropped_attention, (q, k, v), q, k, v, dropout)
+    seq = q.shape[-2]
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    return dropout(att.masked_fill(~causal, float("-inf")).softmax(dim=-1)) @ v
+
+
+dropped_attention.tpctl_dropped_attention = True  # parallel.context.DROPPED_ATTENTION: cp may replace it
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -68,10 +86,7 @@ class CausalSelfAttention(nn.Module):
             mask = None if seq == 1 else torch.ones(seq, past + seq, dtype=torch.bool, device=x.device).tril(past)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         elif self.training and self.attn_drop.p > 0:
-            att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
-            att = self.attn_drop(att.masked_fill(~causal, float("-inf")).softmax(dim=-1))
-            y = att @ v
+            y = dropped_attention(q, k, v, self.attn_drop)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(batch, seq, -1)

@@ -29,10 +29,17 @@ from torch.overrides import TorchFunctionMode
 
 from tpctl.errors import TpctlError
 
-from .context_attention import ring_attention, ulysses_attention, zigzag_chunks
+from .context_attention import gathered_attention, ring_attention, ulysses_attention, zigzag_chunks
+from .layers import ParallelDropout
 from .mesh import Mesh
 
 IMPLS = ("ring", "ulysses")
+
+# The mark of a model's own causal attention with a dropout module on the
+# probabilities, f(q, k, v, dropout), that answers to a TorchFunctionMode
+# (torch.overrides.handle_torch_function), as tpctl's GPT's
+# (models.gpt.dropped_attention): cp computes it across its ranks.
+DROPPED_ATTENTION = "tpctl_dropped_attention"
 
 
 class ContextRefused(TpctlError, RuntimeError):
@@ -52,13 +59,13 @@ class ContextParallel:
         """Equal chunks a sequence is cut into (its length must divide)."""
         return 2 * self.size if self.impl == "ring" else self.size
 
-    def positions(self, seq_len: int) -> torch.Tensor:
-        """The global positions this rank holds of a `seq_len` sequence, in
-        the order its activations hold them."""
+    def positions(self, seq_len: int, rank: Optional[int] = None) -> torch.Tensor:
+        """The global positions a rank (default this one) holds of a
+        `seq_len` sequence, in the order its activations hold them."""
         if self.size == 1:
             return torch.arange(seq_len)
-        chunk = seq_len // self.pieces()
-        ids = zigzag_chunks(self.rank, self.size) if self.impl == "ring" else (self.rank,)
+        chunk, rank = seq_len // self.pieces(), self.rank if rank is None else rank
+        ids = zigzag_chunks(rank, self.size) if self.impl == "ring" else (rank,)
         return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in ids])
 
     def split(self, rows: torch.Tensor) -> torch.Tensor:
@@ -78,8 +85,13 @@ class ContextParallel:
         for name in attention_modules(roles):
             module = model.get_submodule(name)
             module.forward = _attending(module.forward, self, name)
-        for name, module in model.named_modules():
-            if roles.get(name) == "pos_embedding":
+        for name, module in list(model.named_modules()):
+            if isinstance(module, ParallelDropout):
+                parent, _, child = name.rpartition(".")
+                # attention probabilities [batch, heads, queries, keys]; the stream [batch, positions, width]
+                seq_dim = 2 if roles.get(name) == "attn_dropout" else 1
+                setattr(model.get_submodule(parent), child, ContextDropout(module, self, seq_dim))
+            elif roles.get(name) == "pos_embedding":
                 module.register_forward_pre_hook(self._global_positions)
             elif type(module).__name__.endswith("RotaryEmbedding"):  # Hugging Face's: forward(x, position_ids)
                 module.register_forward_pre_hook(self._global_rotary, with_kwargs=True)
@@ -100,6 +112,14 @@ class ContextParallel:
             return args, {**kwargs, "position_ids": self._global_positions(module, (kwargs["position_ids"],))[0]}
         return None
 
+    def attend_dropped(self, q, k, v, dropout: nn.Module) -> torch.Tensor:
+        """A model's attention with dropout (marked DROPPED_ATTENTION) of this
+        rank's positions: the whole sequence's keys gathered
+        (context_attention.gathered_attention)."""
+        seq_len = q.shape[-2] * self.size
+        held = torch.cat([self.positions(seq_len, r) for r in range(self.size)]).to(q.device)
+        return gathered_attention(q, k, v, dropout, self.group, held, self.positions(seq_len).to(q.device))
+
     def attend(self, name: str, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False) -> torch.Tensor:
         """torch's scaled_dot_product_attention of this rank's positions,
@@ -113,6 +133,29 @@ class ContextParallel:
         if self.impl == "ring":
             return ring_attention(q, k, v, self.group, self.ranks, self.rank, scale)
         return ulysses_attention(q, k, v, self.group, self.size, scale)
+
+
+class ContextDropout(ParallelDropout):
+    """Dropout whose mask is drawn by global position: each cp rank draws
+    the mask of the whole sequence (its generator in the state the other cp
+    ranks' is in, as one process's would be) and keeps the rows of the
+    positions it holds along `seq_dim`. So a cp run drops what the same
+    layout without cp drops, and mode=none what one process drops."""
+
+    def __init__(self, inner: ParallelDropout, cp: ContextParallel, seq_dim: int):
+        super().__init__(inner.p, inner.generator)
+        self.cp, self.seq_dim = cp, seq_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        whole = list(x.shape)
+        whole[self.seq_dim] *= self.cp.size
+        keep = torch.empty(whole, dtype=x.dtype, device=x.device).bernoulli_(1.0 - self.p, generator=self.generator)
+        return x * keep.index_select(self.seq_dim, self.cp.positions(whole[self.seq_dim]).to(x.device)) / (1.0 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, positions along dim {self.seq_dim} of cp={self.cp.size}"
 
 
 def attention_modules(roles: dict[str, str]) -> list[str]:
@@ -133,6 +176,9 @@ class _Attend(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             self.calls += 1
             return self.cp.attend(self.name, *args, **(kwargs or {}))
+        if getattr(func, DROPPED_ATTENTION, False):
+            self.calls += 1
+            return self.cp.attend_dropped(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
@@ -160,8 +206,17 @@ def cost_context(add, cp: int, impl: str, kv_numel: int, layers: int) -> None:
     Ring: the stacked key and value block passes cp-1 times in the forward,
     again cp-1 times in the backward, and its gradient accumulators cp
     times. Ulysses: q, k, v and the output each one all-to-all, forward and
-    backward."""
+    backward. Gather: see attention_path."""
     if impl == "ring":
         add("ring_pass", "cp", 2 * kv_numel, times=layers * (3 * cp - 2))
+    elif impl == "gather":  # dropout on (attention_path): the stacked keys and values gathered, their gradient summed back
+        add("all_gather", "cp", 2 * cp * kv_numel, times=layers)
+        add("reduce_scatter", "cp", 2 * cp * kv_numel, times=layers)
     else:
         add("all_to_all", "cp", kv_numel, times=layers * 8)
+
+
+def attention_path(impl: str, dropout: float) -> str:
+    """The attention a cp run computes: with dropout, the gathered one
+    (ContextParallel.attend_dropped, whatever context.impl), else `impl`."""
+    return "gather" if dropout > 0 else impl

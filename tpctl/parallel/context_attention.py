@@ -194,3 +194,22 @@ def ulysses_attention(q, k, v, group, cp: int, scale: float | None = None) -> to
     positions; heads divisible by cp (checked before start)."""
     q, k, v = (_SeqToHeads.apply(t, group, cp) for t in (q, k, v))
     return _HeadsToSeq.apply(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale), group, cp)
+
+
+def gathered_attention(q, k, v, dropout, group, held: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+    """Causal attention with dropout on the probabilities (tpctl's GPT,
+    models.gpt.dropped_attention), over a sequence split across the cp
+    ranks: every rank gathers the whole sequence's keys and values and
+    scores its own queries against them, so its probabilities are rows of
+    the matrix one process computes, and `dropout` (drawing the whole
+    matrix's mask by global position, context.ContextDropout) drops exactly
+    the elements one process drops. It holds [L, cp·L] scores per head, as
+    the one-process path holds [cp·L, cp·L]; ring and Ulysses cannot be
+    used, their blocks' probabilities are never the final ones.
+    `held`: the global position of every gathered row (the ranks' positions
+    in rank order); `mine`: this rank's query positions."""
+    kv = comm.gather_along(torch.stack((k, v)), group, dim=3)[:, :, :, torch.argsort(held)]
+    k, v = kv[0], kv[1]
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    seen = mine[:, None] >= torch.arange(k.shape[-2], device=q.device)[None, :]
+    return dropout(scores.masked_fill(~seen, float("-inf")).softmax(dim=-1)) @ v

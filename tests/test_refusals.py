@@ -159,3 +159,24 @@ def test_a_prompt_longer_than_the_model_is_named_with_its_length(tmp_path, capsy
     assert capsys.readouterr().err.splitlines() == [
         f"tpctl: error: invalid config: prompt='{'x' * 20}': 20 tokens, but the model has 16 positions for the "
         "prompt and the new tokens: expected a prompt of at most 15 tokens"]
+
+
+# --------------------------------------------------------------------------
+# Context parallelism on a model whose attention it cannot replace
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (["model=hf", "model.arch=falcon"], "attention module transformer.h.0.self_attention (FalconAttention) of model.arch=falcon"),
+    (["model=custom", "model._target_=tests.custom_model.build"], "attention module stack.0.mixer (Mixer)"),
+    (["model=mlp"], "model.arch=mlp has no attention module"),
+])
+def test_cp_on_a_model_it_cannot_split_is_refused_naming_the_attention_module(overrides, named):
+    from tpctl.config import compose_jobs, validate
+    from tpctl.errors import ConfigError
+
+    cfg = compose_jobs([*overrides, "cp=2"])[0]
+    with pytest.raises(ConfigError) as refused:
+        validate(cfg)
+    line = str(refused.value)
+    assert line.startswith(f"invalid config: cp=2: {named}") and line.endswith("expected cp=1") and "\n" not in line

@@ -116,6 +116,32 @@ def check_context(cfg: Any, layout: Layout, geo: Geometry) -> None:
                           f"{geo.head_split * cp} (or context.impl=ring)")
 
 
+def name_unreplaceable_attention(cfg: Any) -> None:
+    """With cp > 1 on a model outside CP_ARCHS: the refusal names the
+    attention module (the model built on the meta device, its roles found
+    as the rewrite finds them) and why, before check_context's refusal by
+    arch (which planners use without building the model)."""
+    m = cfg.model
+    if cfg.get("cp", 1) <= 1 or m.get("arch") in CP_ARCHS:
+        return
+    from tpctl.models import build_checked
+    from tpctl.parallel.context import attention_modules
+    from tpctl.parallel.inference import resolve_plan
+
+    model = build_checked(m, cfg.seed)
+    try:
+        names = attention_modules(resolve_plan(model, m.get("plan")).roles)
+    except (ValueError, TypeError, RuntimeError):
+        return  # check_model says what tracing found
+    if not names:
+        raise ConfigError("cp", cfg.cp, f"model.arch={m.get('arch')} has no attention module (no attn_out role) whose "
+                          "sequence cp could split: expected cp=1")
+    kind = type(model.get_submodule(names[0])).__name__
+    raise ConfigError("cp", cfg.cp, f"attention module {names[0]} ({kind}) of model.arch={m.get('arch')} is not one "
+                      "context parallelism is proven to replace (causal scaled_dot_product_attention, positions from "
+                      "a learned table or a rotary module, as in model.arch " + ", ".join(CP_ARCHS) + "): expected cp=1")
+
+
 def _check_model_sizes(cfg: Any, layout: Layout, geo: Geometry) -> None:
     """Head and hidden sizes the config states (a built-in or size-keyed
     model); any model is checked module by module too, once built

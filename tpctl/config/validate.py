@@ -18,7 +18,7 @@ from tpctl.parallel.layout import Layout
 from tpctl.parallel.registry import import_mode_module
 from tpctl.schema import ARCHS, TrainConfig
 
-from .layout_checks import check_decoding, check_layout
+from .layout_checks import check_decoding, check_layout, name_unreplaceable_attention
 from .machine import check_backend, check_compile, check_launcher, check_nodes
 from .messages import check_at_least, check_choice, one_line, valid_keys_hint
 from .typed import typed_model
@@ -41,6 +41,8 @@ def validate(cfg: Any, model_check: bool = True, training: bool = True) -> None:
         check_decoding(cfg)
     _check_values(cfg)
     import_mode_module(cfg.get("mode_module"))  # before the mode is looked up
+    if model_check:
+        name_unreplaceable_attention(cfg)  # builds the model (imports torch): only with cp on a model cp cannot split
     check_layout(cfg)
     _check_auto(cfg)
     check_nodes(cfg)

@@ -41,7 +41,7 @@ def _curve_and_bytes(name: str, steps: int = 3, **overrides) -> tuple[list[float
 @pytest.mark.parametrize("name,reference,impl,recompute", [
     ("none-cp2-dp4", "none-pp2-dp4", "ring", False), ("none-cp2-dp4", "none-pp2-dp4", "ulysses", False),
     ("none-cp4-dp2", "none-pp4-dp2", "ring", True), ("2d-4-cp2", "2d-4-pp2", "ring", False),
-    ("1d-2-cp2-dp2", "1d-2-pp2-dp2", "ulysses", False),
+    ("1d-2-cp2-dp2", "1d-2-pp2-dp2", "ulysses", False), ("2.5d-4-cp2", "2.5d-4-pp2", "ring", False),
 ])
 def test_cp_drops_what_the_layout_without_cp_drops(pool, name, reference, impl, recompute):
     """`recompute`: the cp run with activation checkpointing, whose

@@ -243,3 +243,20 @@ def test_a_cp_checkpoint_resumes_in_other_layouts_and_generates(pool, tmp_path):
     for name in ("1d-2-dp4", "none-dp8"):
         assert [l for _, l in curves[name]] == pytest.approx([l for _, l in curves["cp"][3:]], rel=1e-6), name
     assert all(len(r["ids"]) == 6 and r["ids"] == r["reference"] == results[0]["ids"] for r in results)
+
+
+@pytest.mark.timeout(200)
+def test_bench_shows_the_step_peak_per_rank_falling_with_cp(pool, capsys):
+    """`tpctl bench` runs a cp layout beside one process (the same step-1
+    loss) and its step peak per rank is the split's share, in the table."""
+    from tpctl.commands.bench import print_table
+    from tpctl.cost.measure import bench
+
+    cfg = tiny_config(1, **{"model.n_embd": 32, "model.n_head": 8, "model.block_size": 256, "train.seq_len": 256,
+                            "train.batch_size": 2})
+    results = bench(cfg, ["none", "none-cp4-dp2"], size=8, steps=1, rounds=1, warmup=0, pool=pool)
+    one, split = results["none"], results["none-cp4-dp2"]
+    assert split["first_loss"] == pytest.approx(one["first_loss"], rel=1e-6)
+    assert split["peak_bytes"] < 0.3 * one["peak_bytes"], (split["peak_bytes"], one["peak_bytes"])
+    print_table(results, {}, cfg, 8, {"hardware": "cpu", "pp": 1, "rounds": 1, "steps": 1, "compile": False, "depth": None})
+    assert "step peak MiB/rank" in capsys.readouterr().out

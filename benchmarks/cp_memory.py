@@ -104,7 +104,7 @@ def main() -> None:
             table.add_row(str(cp), impl if cp > 1 else "-", f"{peak / 2**20:,.1f} MiB", f"{peak / base[0]:.2f}",
                           f"{allocated / 2**20:,.1f} MiB", f"{saved / 2**20:,.1f} MiB", f"{saved / base[1]:.2f}",
                           f"{plan / 2**20:,.1f} MiB", f"{plan / peak:.3f}", f"{plan / allocated:.3f}")
-    Console(width=140).print(table)
+    Console(width=220).print(table)
 
 
 if __name__ == "__main__":

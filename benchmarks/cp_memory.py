@@ -5,12 +5,14 @@ sequence of a gpt-tiny-shaped model.
     python benchmarks/cp_memory.py                     # batch 1 x 4096 tokens, cp 1, 2, 4, ring and ulysses
     python benchmarks/cp_memory.py --seq 8192 --cps 1 4 --impls ring
 
-Two numbers per rank (the largest rank's reported): the peak resident set
+Three numbers per rank (the largest rank's reported): the peak resident set
 size increase during the step (activation_memory.py's method: VmHWM reset
 before the step, every large tensor its own mapping, so transient buffers
-count too), and the bytes autograd keeps for the backward (distinct
-storages saved by the forward, through saved-tensor hooks), next to the
-planner's estimate of the latter (`tpctl plan`'s act column).
+count too), the peak of the bytes torch held allocated beyond those before
+the step (the profiler's allocation events: no allocator's rounding), and
+the bytes autograd keeps for the backward (distinct storages saved by the
+forward, through saved-tensor hooks); beside them the planner's activation
+estimate (`tpctl plan`'s act column) and its ratio to each peak.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import argparse
 import os
 
 from activation_memory import _step_peak_bytes
+
+from tpctl.cost.measure import peak_allocated_bytes
 
 
 def measure(cp: int, impl: str, batch: int, seq: int) -> dict:
@@ -52,7 +56,8 @@ def measure(cp: int, impl: str, batch: int, seq: int) -> dict:
     peak = _step_peak_bytes(step)
     params = {p.untyped_storage().data_ptr() for p in net.parameters()}
     kept = sum(n for ptr, n in saved.items() if ptr not in params)
-    return {"peak": peak, "saved": kept}
+    net.zero_grad(set_to_none=False)
+    return {"peak": peak, "saved": kept, "allocated": peak_allocated_bytes(step)}
 
 
 def planned(cp: int, impl: str, batch: int, seq: int) -> int:
@@ -81,7 +86,8 @@ def main() -> None:
 
     table = Table(title=f"activation memory per rank, one forward+backward of gpt-tiny, batch {args.batch} x "
                         f"{args.seq} tokens (largest rank)")
-    for col in ("cp", "impl", "peak RSS increase", "vs cp=1", "saved for backward", "vs cp=1", "planned act"):
+    for col in ("cp", "impl", "peak RSS increase", "vs cp=1", "peak allocated", "saved for backward", "vs cp=1",
+                "planned act", "planned / peak RSS", "planned / peak allocated"):
         table.add_column(col, justify="right")
     base = None
     for cp in args.cps:
@@ -92,12 +98,13 @@ def main() -> None:
                 results = pool.run(measure, cp, impl, args.batch, args.seq)
             finally:
                 pool.close()
-            peak, saved = max(r["peak"] for r in results), max(r["saved"] for r in results)
+            peak, saved, allocated = (max(r[key] for r in results) for key in ("peak", "saved", "allocated"))
             base = base or (peak, saved)
+            plan = planned(cp, impl, args.batch, args.seq)
             table.add_row(str(cp), impl if cp > 1 else "-", f"{peak / 2**20:,.1f} MiB", f"{peak / base[0]:.2f}",
-                          f"{saved / 2**20:,.1f} MiB", f"{saved / base[1]:.2f}",
-                          f"{planned(cp, impl, args.batch, args.seq) / 2**20:,.1f} MiB")
-    Console(width=140).print(table)
+                          f"{allocated / 2**20:,.1f} MiB", f"{saved / 2**20:,.1f} MiB", f"{saved / base[1]:.2f}",
+                          f"{plan / 2**20:,.1f} MiB", f"{plan / peak:.3f}", f"{plan / allocated:.3f}")
+    Console(width=220).print(table)
 
 
 if __name__ == "__main__":

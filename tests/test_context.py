@@ -184,3 +184,80 @@ def test_bf16_with_cp_stays_near_one_process(pool):
     ref = pool.run(_curve, "none-dp8", timeout_s=600, precision="bf16")[0]
     got = pool.run(_curve, "none-cp2-dp4", timeout_s=600, precision="bf16")[0]
     assert got == pytest.approx(ref, rel=1e-3)
+
+
+
+def _fit(name: str, run_dir: str, resume: str | None = None):
+    """6 steps of test_checkpoint's tiny run in layout `name`, checkpointed
+    at 3 and 6 (resumed from `resume`): its curve and its trainer."""
+    from pathlib import Path
+
+    from conftest import build_trainer
+    from test_checkpoint import _train_cfg
+    from tpctl import checkpoint
+
+    layout = Layout.parse(name)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    trainer = build_trainer(_train_cfg(layout, 6, 3), layout, run_dir=run_dir)
+    if resume is not None:
+        trainer.resume(Path(resume), checkpoint.verify(Path(resume)))
+    return [(r["step"], r["loss"]) for r in trainer.fit()], trainer
+
+
+def _fit_and_decode(tmp: str) -> dict:
+    """On every rank: 6 steps at cp=2; its step-3 checkpoint resumed in 1d
+    (size 2) and in one process's layout; its step-6 checkpoint loaded as
+    `tpctl generate` loads it (launch/generate_worker.py: an inference
+    rewrite, checkpoint.load) in 1d size 2 and decoded greedily, beside the
+    resumed one-process layout's final model decoding."""
+    from pathlib import Path
+
+    from conftest import build
+    from test_checkpoint import _train_cfg
+    from tpctl import checkpoint
+    from tpctl.models import build_model
+    from tpctl.parallel.rewrite import parallelize
+    from tpctl.training.generation import generate
+
+    curves = {"cp": _fit("none-cp2-dp4", f"{tmp}/cp")[0]}
+    step3 = f"{tmp}/cp/checkpoints/step_3"
+    curves["1d-2-dp4"] = _fit("1d-2-dp4", f"{tmp}/1d", resume=step3)[0]
+    curves["none-dp8"], trainer = _fit("none-dp8", f"{tmp}/none", resume=step3)
+    reference = generate(trainer.model, trainer.par.mode, [1, 2, 3], 6)
+    layout = Layout.parse("1d-2-dp4")
+    cfg = _train_cfg(layout, 1, 0)
+    par = build(cfg, layout, step=False).par
+    model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), par.mode, None, training=False)
+    path = Path(tmp, "cp", "checkpoints", "step_6")
+    checkpoint.load(path, model, None, par, checkpoint.verify(path, checksums=False), cfg.seed)
+    return {"curves": curves, "ids": generate(model, par.mode, [1, 2, 3], 6), "reference": reference}
+
+
+@pytest.mark.timeout(300)
+def test_a_cp_checkpoint_resumes_in_other_layouts_and_generates(pool, tmp_path):
+    """cp holds no state of its own: a checkpoint written at cp=2 continues
+    the cp run's curve in 1d and in one process's layout, and decodes as
+    that continued run's model does."""
+    results = pool.run(_fit_and_decode, str(tmp_path), timeout_s=280)
+    curves = results[0]["curves"]
+    assert [s for s, _ in curves["1d-2-dp4"]] == [4, 5, 6] and len({l for _, l in curves["cp"]}) == 6
+    for name in ("1d-2-dp4", "none-dp8"):
+        assert [l for _, l in curves[name]] == pytest.approx([l for _, l in curves["cp"][3:]], rel=1e-6), name
+    assert all(len(r["ids"]) == 6 and r["ids"] == r["reference"] == results[0]["ids"] for r in results)
+
+
+@pytest.mark.timeout(200)
+def test_bench_shows_the_step_peak_per_rank_falling_with_cp(pool, capsys):
+    """`tpctl bench` runs a cp layout beside one process (the same step-1
+    loss) and its step peak per rank is the split's share, in the table."""
+    from tpctl.commands.bench import print_table
+    from tpctl.cost.measure import bench
+
+    cfg = tiny_config(1, **{"model.n_embd": 32, "model.n_head": 8, "model.block_size": 256, "train.seq_len": 256,
+                            "train.batch_size": 2})
+    results = bench(cfg, ["none", "none-cp4-dp2"], size=8, steps=1, rounds=1, warmup=0, pool=pool)
+    one, split = results["none"], results["none-cp4-dp2"]
+    assert split["first_loss"] == pytest.approx(one["first_loss"], rel=1e-6)
+    assert split["peak_bytes"] < 0.3 * one["peak_bytes"], (split["peak_bytes"], one["peak_bytes"])
+    print_table(results, {}, cfg, 8, {"hardware": "cpu", "pp": 1, "rounds": 1, "steps": 1, "compile": False, "depth": None})
+    assert "step peak MiB/rank" in capsys.readouterr().out

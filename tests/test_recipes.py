@@ -127,3 +127,25 @@ def test_check_recipes_fails_naming_a_missed_band_and_a_missed_equality(tpctl):
     # The fast form ran: two steps, each logged.
     assert len((out / "reference" / "metrics.jsonl").read_text().splitlines()) == 2
     assert tpctl.leftover_pids() == []
+
+
+def test_a_recipe_s_peak_memory_per_rank_is_checked_against_its_band(tmp_path):
+    """recipe.peak_mib: the largest rank's measured peak must land inside
+    (the long-sequence pair: cp=4 under the budget its reference exceeds)."""
+    from tpctl.commands.check_recipes import RecipeError, check
+
+    planned = recipe_runs(["gpt-tiny-long-cp4"], True, None)
+    assert set(planned) == {"gpt-tiny-long-cp4", "gpt-tiny-long-none"}
+    cfg = planned["gpt-tiny-long-cp4"][1]
+    curve = [{"step": 1, "loss": 5.4}]
+    curves = {"gpt-tiny-long-cp4": curve, "gpt-tiny-long-none": curve}
+    budget = cfg.recipe.peak_mib[1]
+    assert check("gpt-tiny-long-cp4", cfg, curves, True, int((budget - 1) * 2**20)) == []
+    over = check("gpt-tiny-long-cp4", cfg, curves, True, int((budget + 1) * 2**20))
+    assert over == [f"peak memory per rank {budget + 1:.1f} MiB outside [0, {budget:g}]"]
+    assert check("gpt-tiny-long-cp4", cfg, curves, True, None)[0].startswith("peak memory per rank nan MiB")
+    reference = planned["gpt-tiny-long-none"][1]
+    assert check("gpt-tiny-long-none", reference, curves, True, int((budget - 1) * 2**20))  # it must not fit
+    write_recipe(tmp_path, "upside-down", extra="peak_mib: [2.0, 1.0]\n")
+    with pytest.raises(RecipeError, match=r"invalid config: recipe.peak_mib=\[2.0, 1.0\]: expected \[low, high\]"):
+        recipe_runs(["upside-down"], False, str(tmp_path))

@@ -207,6 +207,12 @@ class RecipeConfig:
     # applied after the recipe, and the band the short run must reach.
     fast: List[str] = field(default_factory=list)
     fast_final_loss: Optional[List[float]] = None
+    # [low, high] MiB: the measured peak resident memory of the largest rank
+    # (summary.json's peak_rss_bytes_max_rank) must land inside, in both
+    # forms (a step's peak does not grow with the steps). A memory budget a
+    # layout must fit under, or (low) one a layout must not, to show why
+    # another is needed (recipes/gpt-tiny-long-*.yaml).
+    peak_mib: Optional[List[float]] = None
 
 
 @dataclass

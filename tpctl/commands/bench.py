@@ -4,13 +4,16 @@
                 [pp=2 pipeline.schedule=1f1b ...] [device=cuda hardware=auto|h100|h200] [train.batch_size=16 ...]
     tpctl bench model=gpt-tiny size=4 modes=[none-dp4,none-dp4-z1,none-dp4-z3,1d-2-dp2-z2]
     tpctl bench model=gpt-small size=4 modes=[1d,1d-blocking,2d,2d-blocking]
+    tpctl bench model=gpt-tiny size=4 modes=[none,none-cp2-dp2,none-cp4] train.batch_size=2 train.seq_len=4096 model.block_size=4096
 
 A mode is a name (`1d`, `2d`: one tensor-parallel group of `size` ranks) or
 a layout's short name of `size` ranks in all, with data parallelism and a
 ZeRO stage (`2d-4-dp2-z3`: 2d on 4 ranks times 2 replicas, zero=3; the rows
 show its label). `<mode>-blocking` (`1d-blocking`, `2d-4-dp2-blocking`) is
 the same run with train.overlap=false: every collective waited for at once,
-the row to compare the overlapped one with (the same bits).
+the row to compare the overlapped one with (the same bits). A layout
+name with cp (`none-cp4`, `1d-2-cp2`) splits each sequence over cp ranks
+(context.impl as set): the step peak per rank falls with cp.
 
 One pool of `size` gloo ranks runs every mode (and `dtensor`: PyTorch's own
 tensor parallelism, torch.distributed.tensor.parallel's ColwiseParallel /
@@ -154,7 +157,8 @@ def print_table(results: dict, predicted: dict, cfg, size: int, opts: dict) -> N
              f"median of {opts['rounds']}x{opts['steps']} steps")
     table = Table(title=title)
     columns = ["mode", "ranks", "ms/step", "best ms", "tokens/s", "x none", "x plain", "comm MiB/step", "exposed comm ms",
-               "params+grads+AdamW MiB/rank", "x none ", "step-1 loss", f"plan ms ({opts['hardware']})"]
+               "params+grads+AdamW MiB/rank", "x none ", "step peak MiB/rank", "x none  ", "step-1 loss",
+               f"plan ms ({opts['hardware']})"]
     if cuda:
         columns.append(f"MFU ({opts['hardware']})")
     for c in columns:
@@ -169,9 +173,10 @@ def print_table(results: dict, predicted: dict, cfg, size: int, opts: dict) -> N
         mem_ratio = f"{mem / (ref['param_bytes'] + ref['grad_bytes'] + ref['optim_bytes']):.2f}" if ref else "-"
         comm_mib = "not counted" if name == BASELINE else f"{r['comm_bytes'] / 2**20:,.2f}"
         ranks = 1 if one_rank(name) else size * opts["pp"]
+        peak_ratio = f"{r['peak_bytes'] / ref['peak_bytes']:.2f}" if ref and ref["peak_bytes"] else "-"
         row = [label, str(ranks), f"{r['median_s'] * 1e3:,.1f}", f"{r['best_s'] * 1e3:,.1f}",
                f"{tokens / r['median_s']:,.0f}", speed, vs_plain, comm_mib, _exposed(r, name), f"{mem / 2**20:,.2f}", mem_ratio,
-               f"{r['first_loss']:.6f}", f"{predicted[name]:,.1f}" if predicted.get(name) is not None else "-"]
+               f"{r['peak_bytes'] / 2**20:,.2f}", peak_ratio, f"{r['first_loss']:.6f}", f"{predicted[name]:,.1f}" if predicted.get(name) is not None else "-"]
         if cuda:
             value = _mfu(cfg, hw, r["median_s"], ranks, name)
             row.append(f"{value:.3f}" if value is not None else "-")
@@ -179,7 +184,9 @@ def print_table(results: dict, predicted: dict, cfg, size: int, opts: dict) -> N
     console = Console(width=240)
     console.print(table)
     console.print("x none / x plain: speed-up (tokens/s) relative to mode=none on one rank and to a plain PyTorch loop "
-                  "(F.cross_entropy, clip_grad_norm_) on one rank; memory relative to none; comm: payload bytes "
+                  "(F.cross_entropy, clip_grad_norm_) on one rank; memory relative to none; step peak: the most bytes "
+                  "torch held allocated during one more step beyond what it held before (activations, gradients, "
+                  "buffers; the largest rank's): what falls with cp=C; comm: payload bytes "
                   "handed to collectives by rank 0 (comm.py); exposed comm: the time a rank's thread spent issuing or "
                   "waiting for collectives (mean over ranks; dp: data parallelism's bucket reductions, not hidden behind "
                   "the backward); plan ms: `tpctl plan`'s prediction"

@@ -4,7 +4,8 @@ must reach (their `recipe:` block, tpctl.schema.RecipeConfig):
   * the final training loss inside the band `final_loss` (`fast_final_loss`
     for the short form that `--fast` runs: the recipe's `fast` overrides);
   * the loss curve, step by step, equal to the curve of the recipe named by
-    `equals` within `rel_tol` (relative).
+    `equals` within `rel_tol` (relative);
+  * the peak resident memory of the largest rank inside `peak_mib`.
 
 Every recipe (and every recipe one of them `equals`) is composed and
 validated before any runs: a bad key or value exits 2 with one line naming
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from tpctl.errors import ConfigError, EXIT_FAILED, EXIT_OK, EXIT_USAGE, TpctlError, fail
 from .recipes import compose_recipe, recipe_names, recipe_path
-from .run_dir import read_metrics, train_command
+from .run_dir import read_metrics, read_summary, train_command
 
 # A recipe run that takes longer than this is a miss (a hang must not hang CI).
 RUN_TIMEOUT_S = {"fast": 300, "full": 3600}
@@ -67,8 +68,9 @@ def recipe_runs(names: list[str], fast: bool, config_dir: str | None) -> dict[st
         if fast and r.fast_final_loss is None and r.final_loss is not None:
             raise RecipeError(f"{where}: invalid config: recipe.fast_final_loss=None: "
                               "the short form needs its own band: expected [low, high]")
-        if band is not None and (len(band) != 2 or not band[0] <= band[1]):
-            raise RecipeError(f"{where}: invalid config: {band_key}={list(band)}: expected [low, high] with low <= high")
+        for key, value in ((band_key, band), ("recipe.peak_mib", r.peak_mib)):
+            if value is not None and (len(value) != 2 or not value[0] <= value[1]):
+                raise RecipeError(f"{where}: invalid config: {key}={list(value)}: expected [low, high] with low <= high")
         if band is None and not r.equals:
             raise RecipeError(f"{where}: invalid config: recipe.final_loss=None: a recipe must reach something: "
                               "set recipe.final_loss: [low, high] or recipe.equals: <recipe>")
@@ -135,8 +137,15 @@ def read_curve(run_dir: Path) -> list[dict]:
     return read_metrics(run_dir)
 
 
-def check(name: str, cfg, curves: dict[str, list[dict]], fast: bool) -> list[str]:
-    """What `name` missed (empty: it met every goal)."""
+def read_peak(run_dir: Path) -> int | None:
+    """The largest rank's peak resident bytes, as the run's summary reports it."""
+    summary = read_summary(run_dir) or {}
+    return summary.get("peak_rss_bytes_max_rank")
+
+
+def check(name: str, cfg, curves: dict[str, list[dict]], fast: bool, peak: int | None = None) -> list[str]:
+    """What `name` missed (empty: it met every goal); `peak`: its largest
+    rank's peak resident bytes."""
     r = cfg.recipe
     curve = curves[name]
     if not curve:
@@ -158,6 +167,10 @@ def check(name: str, cfg, curves: dict[str, list[dict]], fast: bool) -> list[str
             if not rel <= r.rel_tol:
                 misses.append(f"step {got['step']}: loss {got['loss']:.6f} vs {r.equals} {want['loss']:.6f} "
                               f"(relative {rel:.1e} > rel_tol {r.rel_tol:g})")
+    if r.peak_mib is not None:
+        mib = math.nan if peak is None else peak / 2**20
+        if not r.peak_mib[0] <= mib <= r.peak_mib[1]:
+            misses.append(f"peak memory per rank {mib:.1f} MiB outside [{r.peak_mib[0]:g}, {r.peak_mib[1]:g}]")
     return misses
 
 
@@ -167,12 +180,14 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def _summary_line(name: str, cfg, curves: dict, seconds: float) -> str:
+def _summary_line(name: str, cfg, curves: dict, seconds: float, peak: int | None) -> str:
     r, curve = cfg.recipe, curves[name]
     parts = [f"final loss {curve[-1]['loss']:.4f}"] if curve else []
     if r.equals and curves.get(r.equals) and len(curves[r.equals]) == len(curve):
         worst = max(_rel(a["loss"], b["loss"]) for a, b in zip(curve, curves[r.equals]))
         parts.append(f"= {r.equals} within {worst:.1e}")
+    if r.peak_mib is not None and peak is not None:
+        parts.append(f"peak {peak / 2**20:.0f} MiB per rank in [{r.peak_mib[0]:g}, {r.peak_mib[1]:g}]")
     return f"{name}: ok ({', '.join(parts)}; {seconds:.0f}s)"
 
 
@@ -227,15 +242,16 @@ def main(args: list[str]) -> int:
         for name in order:
             status, tail, seconds = runs[name].result()
             curves[name] = read_curve(out_dir / name) if status == 0 else []
+            peak = read_peak(out_dir / name) if status == 0 else None
             if status != 0:
                 misses = [f"training exited {status} (see {out_dir / name}.log):\n{tail}"]
             else:
-                misses = check(name, planned[name][1], curves, flags.fast)
+                misses = check(name, planned[name][1], curves, flags.fast, peak)
             if misses:
                 missed[name] = misses
                 print(f"{name}: MISSED: {'; '.join(misses)}", flush=True)
             else:
-                print(_summary_line(name, planned[name][1], curves, seconds), flush=True)
+                print(_summary_line(name, planned[name][1], curves, seconds, peak), flush=True)
     if missed:
         fail(f"check-recipes: {len(missed)} of {len(planned)} recipes missed: {', '.join(missed)}", EXIT_FAILED)
     if bad:

@@ -58,6 +58,8 @@ def describe(cfg: DictConfig) -> str:
         goals.append(f"loss in [{r.final_loss[0]:g}, {r.final_loss[1]:g}]")
     if r.equals:
         goals.append(f"= {r.equals}")
+    if r.peak_mib is not None:
+        goals.append(f"peak MiB/rank in [{r.peak_mib[0]:g}, {r.peak_mib[1]:g}]")
     m = cfg.model
     sized = m.arch != "custom" and not m.get("pretrained")
     model = f"{m.arch} {m.n_layer}x{m.n_embd}" if sized else str(m.get("_target_") or m.get("pretrained") or m.arch)

@@ -298,6 +298,16 @@ def _run(name: str, steps: int, record: bool) -> None:
     comm.barrier()
 
 
+def _peak(name: str) -> int:
+    """The peak of live bytes one more step of `name` allocates on this rank
+    (activations, gradients, transient buffers such as a ring's received
+    blocks): what falls with cp, where parameters and AdamW do not."""
+    st = rank_state[name]
+    if st.get("idle"):
+        return 0
+    return peak_allocated_bytes(lambda: loss_and_step(st, name))
+
+
 def _collect(name: str) -> dict:
     import torch
 
@@ -334,13 +344,17 @@ def _memory(st: dict) -> dict:
 
 
 def bench(cfg, modes: list[str], size: int, steps: int, rounds: int, warmup: int,
-          depth: Optional[int] = None, timeout_s: float = 600, compile: bool = False, pp: int = 1) -> dict[str, dict]:
+          depth: Optional[int] = None, timeout_s: float = 600, compile: bool = False, pp: int = 1,
+          pool=None) -> dict[str, dict]:
+    """{mode: its measurements}; on `pool` (a DistPool of size x pp ranks,
+    left open: the tests') or on one of its own."""
     from omegaconf import OmegaConf
 
     from tpctl.launch.pool import DistPool
 
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    pool = DistPool(size * pp, timeout_s=timeout_s)
+    own = pool is None
+    pool = DistPool(size * pp, timeout_s=timeout_s) if own else pool
     try:
         for m in modes:
             pool.run(setup, m, cfg_dict, size, depth, compile, pp)
@@ -350,8 +364,10 @@ def bench(cfg, modes: list[str], size: int, steps: int, rounds: int, warmup: int
                 pool.run(_run, m, steps, True)
         results = {}
         for m in modes:
+            peak = max(pool.run(_peak, m))
             per_rank = pool.run(_collect, m)
             r = per_rank[0]
+            r["peak_bytes"] = peak  # the largest rank's
             # a step ends when its slowest rank is done: the max over ranks
             times = [max(rr["times"][k] for rr in per_rank if rr) for k in range(len(r["times"]))]
             r["times"] = times
@@ -365,7 +381,8 @@ def bench(cfg, modes: list[str], size: int, steps: int, rounds: int, warmup: int
             results[m] = r
         return results
     finally:
-        pool.close()
+        if own:
+            pool.close()
 
 
 def flops_per_token(cfg) -> float:
@@ -439,7 +456,8 @@ def predicted_ms(cfg, modes, size, depth, hardware: str, pp: int = 1) -> dict[st
     for m in modes:
         layout = layout_of(m, size, depth, pp)
         spec = pipeline_of(layout, cfg)
-        plan = plan_split(shape, layout, cfg.train.batch_size, cfg.train.seq_len, pipeline=spec)
+        plan = plan_split(shape, layout, cfg.train.batch_size, cfg.train.seq_len, pipeline=spec,
+                          context=cfg.get("context", {}).get("impl", "ring"))
         out[m] = predict(plan, hw, overlap=overlapped(m)[1]).step_time_s * 1e3
     return out
 

@@ -328,7 +328,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     heads_width = shape.n_embd // layout.geo.head_split
     attention_layers = sum(1 for lin in linears if lin[1] == "attn_out")
     flops += attention_layers * 2 * 2 * rows * seq_len * heads_width
-    act += attention_layers * 4 * rows * heads_width
+    act += attention_layers * (5 if layout.cp > 1 and context == "ulysses" else 4) * rows * heads_width  # q, k, v, out (+ Ulysses' head-split out)
     cost_context(micro.add, layout.cp, context, tokens // layout.geo.batch_split * heads_width, attention_layers)
     if any(lin[1] == "lm_head" for lin in linears) or not shape.linears:
         mode.cost_loss(micro.add, tokens)

@@ -108,7 +108,7 @@ class RingAttention(torch.autograd.Function):
                 for w in works:
                     w.wait()
                 kv = nxt
-        out, lse = torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
+        out, lse = _positions_major(out, q.dtype), torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.ranks, ctx.index, ctx.scale = group, ranks, index, scale
         return out
@@ -147,6 +147,17 @@ class RingAttention(torch.autograd.Function):
         return dq, dkv[0], dkv[1], None, None, None, None
 
 
+def _positions_major(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """[batch, heads, positions, head_dim] laid out position-major, as
+    torch's attention returns it: the model's `transpose(1, 2)` and reshape
+    then reuse this storage, where a head-major output was copied, one more
+    output per layer held until the backward (measured: benchmarks/cp_memory.py)."""
+    b, h, _, d = parts[0].shape
+    out = torch.empty(b, sum(p.shape[2] for p in parts), h, d, dtype=dtype, device=parts[0].device).transpose(1, 2)
+    torch.cat(parts, dim=2, out=out)
+    return out
+
+
 def ring_attention(q, k, v, group, ranks: list[int], index: int, scale: float | None = None) -> torch.Tensor:
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return RingAttention.apply(q, k, v, group, ranks, index, scale)
@@ -164,7 +175,10 @@ def _heads_to_seq(y: torch.Tensor, group, cp: int) -> torch.Tensor:
     """The inverse of `_seq_to_heads`."""
     b, h, t, d = y.shape
     got = comm.all_to_all(y.reshape(b, h, cp, t // cp, d).permute(2, 0, 1, 3, 4), group)
-    return got.transpose(0, 1).reshape(b, cp * h, t // cp, d)
+    # Position-major, as `_positions_major` (the one copy it needs made into that layout).
+    out = torch.empty(b, t // cp, cp, h, d, dtype=got.dtype, device=got.device)
+    out.copy_(got.permute(1, 3, 0, 2, 4))
+    return out.view(b, t // cp, cp * h, d).transpose(1, 2)
 
 
 class _SeqToHeads(torch.autograd.Function):

@@ -182,6 +182,12 @@ def run(argv: list[str]) -> None:
         log.info("verify: %s", verified.line(par.mode))
         if mesh.rank == 0:
             print(f"tpctl: {verified.line(par.mode)}", flush=True)
+    if run.cp_error is not None:
+        line = (f"cp={par.cp.size} ({par.cp.impl}) proven at start-up: the logits on each rank's positions equal the "
+                f"whole sequence's within {run.cp_error:.1e}")
+        log.info("verify: %s", line)
+        if mesh.rank == 0:
+            print(f"tpctl: {line}", flush=True)
     # The launcher has scanned the data's ids; each batch read is checked (Trainer).
     data = TokenData(cfg, prepare_data(cfg, scan_ids=False))
     log.info("data: %s", data.describe())

@@ -53,6 +53,7 @@ class ContextParallel:
         self.size, self.rank = mesh.layout.cp, mesh.cp_rank
         self.group, self.ranks = mesh.groups["cp"], mesh.group_ranks["cp"]
         self.impl = impl
+        self.active = True  # off: the installed model computes whole sequences as without cp (`prove`)
 
     # ---- data -------------------------------------------------------------
     def pieces(self) -> int:
@@ -97,15 +98,55 @@ class ContextParallel:
                 module.register_forward_pre_hook(self._global_rotary, with_kwargs=True)
         return model
 
+    def prove(self, model: nn.Module, mode, rows: range, batch_size: int, vocab_size: int) -> float:
+        """The start-up proof of cp's attention and positions (as
+        parallel/verify.py proves the tensor rewrite): a short probe batch
+        (`rows` of a `batch_size` global batch of 2 x pieces() positions,
+        the same ids on every rank) through the installed model on this rank's
+        positions, against the same model run on the whole sequences with
+        cp off; the largest relative difference of the logits at the
+        positions both hold (the tensor mode may split the logits' sequence
+        too). Every rank must call it; in eval mode, without gradients."""
+        from .roles import logits_of
+
+        length = 2 * self.pieces()
+        ids = torch.randint(0, vocab_size, (batch_size, length), generator=torch.Generator().manual_seed(0))
+        ids = ids[rows.start:rows.stop]
+        pos = torch.arange(length).expand(ids.shape[0], length)
+        device = next(model.parameters()).device
+        training = [m.training for m in model.modules()]
+        model.eval()
+        try:
+            with torch.no_grad():
+                self.active = False
+                whole = logits_of(model(mode.split_input(ids).to(device)))
+                self.active = True
+                mine = logits_of(model(mode.split_input(self.split(ids)).to(device)))
+        finally:
+            self.active = True
+            for m, was in zip(model.modules(), training):
+                m.training = was
+        at_whole, at_mine = mode.split_target(pos)[0].tolist(), mode.split_target(self.split(pos))[0].tolist()
+        common = [(at_whole.index(p), i) for i, p in enumerate(at_mine) if p in at_whole]
+        if not common:
+            return 0.0
+        want = whole[:, [w for w, _ in common]].float()
+        got = mine[:, [i for _, i in common]].float()
+        return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
     def _global_positions(self, module: nn.Module, args: tuple):
         """A lookup of local positions 0..L-1 made a lookup of the global
         positions this rank holds."""
+        if not self.active:
+            return None
         pos, *rest = args
         table = self.positions(pos.shape[-1] * self.size).to(pos.device)
         return (table[pos], *rest)
 
     def _global_rotary(self, module: nn.Module, args: tuple, kwargs: dict):
         """A rotary table's position ids (its second argument) made global."""
+        if not self.active:
+            return None
         if len(args) > 1:
             return (args[0], self._global_positions(module, args[1:])[0], *args[2:]), kwargs
         if "position_ids" in kwargs:
@@ -189,6 +230,8 @@ class _Attend(TorchFunctionMode):
 def _attending(forward, cp: ContextParallel, name: str):
     @functools.wraps(forward)
     def run(*args, **kwargs):
+        if not cp.active:
+            return forward(*args, **kwargs)
         with _Attend(cp, name) as attend:
             out = forward(*args, **kwargs)
         if attend.calls == 0:  # it attended by other means, over this rank's positions alone: never silently

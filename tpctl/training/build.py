@@ -23,14 +23,16 @@ from .step import Schedule, TrainStep
 class Run:
     """What `build_run` assembled: the config, this rank's parallel machinery,
     the rewritten model (this rank's stage with pp > 1), its training step
-    (None when not asked for) and the start-up verification's report (None
-    when it did not run)."""
+    (None when not asked for), the start-up verification's report (None
+    when it did not run) and, with cp > 1, the start-up proof's worst
+    difference (`prove_context`; None when it did not run)."""
 
     cfg: Any
     par: Parallelism
     model: torch.nn.Module
     step: Optional[TrainStep] = None
     verified: Any = None
+    cp_error: Optional[float] = None
 
     @property
     def layout(self) -> Layout:
@@ -89,5 +91,32 @@ def build_run(cfg, par: Optional[Parallelism] = None, *, layout: Optional[Layout
     # After the proof of the tensor rewrite, which replays units on whole sequences.
     par.cp.impl = cfg.get("context", {}).get("impl", "ring")
     par.cp.install(model)
+    cp_error = prove_context(cfg, par, model) if verify else None
     train_step = build_step(cfg, par, model, schedule) if step else None
-    return Run(cfg, par, model, train_step, verified)
+    return Run(cfg, par, model, train_step, verified, cp_error)
+
+
+# What the start-up proof of context parallelism accepts: fp32 round-off of
+# attention merged in another order (measured: below 1e-6).
+CP_TOLERANCE = 1e-4
+
+
+def prove_context(cfg, par: Parallelism, model: torch.nn.Module) -> Optional[float]:
+    """With cp > 1 (and no pipeline stages, whose forward is the schedule's):
+    ContextParallel.prove on every rank, the worst difference agreed over
+    all ranks; RewriteRefused (exit 2 from the workers) above CP_TOLERANCE.
+    Returns it (None: nothing to prove)."""
+    from tpctl.parallel import comm
+    from tpctl.parallel.verify import RewriteRefused
+
+    if par.cp.size == 1 or par.pipeline is not None:
+        return None
+    t = cfg.train
+    worst = torch.tensor([par.cp.prove(model, par.mode, par.rows(t.batch_size, t.grad_accum), t.batch_size,
+                                       cfg.model.vocab_size)])
+    comm.all_reduce(worst, torch.distributed.group.WORLD, op=torch.distributed.ReduceOp.MAX)
+    if not worst.item() <= CP_TOLERANCE:
+        raise RewriteRefused(f"cp={par.cp.size} context.impl={par.cp.impl}: the logits on each rank's positions differ "
+                             f"from the whole sequence's by {worst.item():.1e} (> {CP_TOLERANCE:g}): this model's "
+                             "attention or positions do not split exactly; expected cp=1")
+    return worst.item()

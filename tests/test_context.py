@@ -67,7 +67,8 @@ GPT2, LLAMA = {"model.arch": "gpt2", "model.bias": None}, {"model.arch": "llama"
 @pytest.mark.parametrize("name,impl,matmul,model", [
     ("none-cp2-dp4", "ring", False, {}), ("none-cp4-dp2", "ring", False, {}), ("none-cp4-dp2", "ring", True, {}),
     ("none-cp4-dp2", "ulysses", False, {}), ("1d-2-cp4", "ulysses", False, {}), ("1d-2-sp-cp2-dp2", "ring", False, {}),
-    ("2d-4-cp2", "ulysses", False, {}), ("2.5d-4-cp2", "ring", False, {}),
+    ("2d-4-cp2", "ulysses", False, {}), ("2d-4-cp2", "ring", False, {}), ("2.5d-4-cp2", "ring", False, {}),
+    ("2.5d-4-cp2", "ulysses", False, {}),
     ("none-cp4-dp2", "ring", False, GPT2), ("1d-2-cp2-dp2", "ulysses", False, LLAMA), ("1d-2-cp4", "ring", False, LLAMA),
     ("none-cp2-dp4", "ring", False, {**LLAMA, "model.arch": "qwen2"}),
     ("none-cp2-dp4", "ulysses", False, {**LLAMA, "model.arch": "mistral"}),

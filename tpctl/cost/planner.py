@@ -77,11 +77,6 @@ class ModelShape:
     plan: Any = None  # parallel.roles.RolePlan
     layers: Any = None  # layer_comm.LayerShapes: the layers other than Linears
 
-    def rewritten(self, par):
-        """The model rewritten for `par` (a Parallelism), shapes only: with
-        pp > 1 the stage of `par`'s rank, cut as a worker cuts it."""
-        return par.parallelize(self.original(), self.plan, dry_run=True, stage=True)
-
     def original(self):
         """The model on the meta device, as the rewrite sees it."""
         from tpctl.models import build_model

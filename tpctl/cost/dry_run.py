@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections import OrderedDict
 from typing import Any, Optional
 
 from tpctl.parallel.layout import Layout
@@ -66,16 +67,45 @@ def _original(shape: Any, cache: Optional[dict], pipe=None):
     """The whole model on the meta device, as a rewrite takes it: built, or
     (with a cache) a copy of the one built -- each rewrite changes its own.
     A pipeline stage whose blocks are placed gets only those: the cut
-    drops the others, and copying the model is most of a dry run's time.
-    The parameters' initial values are no dry run's: their source is shared."""
+    drops the others, and copying the model is most of a dry run's time."""
     if cache is None:
         return shape.original()
     model = _whole(shape, cache)
-    memo = {id(model.tpctl_init): model.tpctl_init} if hasattr(model, "tpctl_init") else {}
+    memo: dict = {}
     if pipe is not None and pipe.blocks_of:
         stack = model.get_submodule(pipe.stack_name)
         held = {str(i) for c in pipe.chunks for i in c.blocks}
-        trimmed = copy.copy(stack)  # (a new module sharing the stack's dicts: its blocks replaced below)
-        trimmed.__dict__["_modules"] = type(stack._modules)((k, m) for k, m in stack._modules.items() if k in held)
-        memo[id(stack)] = copy.deepcopy(trimmed, memo)
-    return copy.deepcopy(model, memo)
+        memo[id(stack)] = _clone(stack, memo, keep=held)
+    return _clone(model, memo)
+
+
+def _clone(module, memo: dict, keep: Optional[set] = None):
+    """A copy of `module`'s tree of modules (with `keep`: of those of its
+    children only): each module new, with its own dicts of parameters,
+    children and hooks, and its own meta parameters (a rewrite records a
+    ShardSpec on each, and swaps children); buffers and other attributes (a
+    config, the parameters' initial values) shared, which a dry run only
+    reads. `memo`: id -> copy, so a module or parameter held twice stays one.
+    Faster than copy.deepcopy, which copies each module's every dict and
+    attribute through its generic protocol."""
+    if id(module) in memo:
+        return memo[id(module)]
+    new = object.__new__(type(module))
+    new.__dict__.update({k: v.copy() if type(v) in _CONTAINERS else v for k, v in module.__dict__.items()})
+    params = new.__dict__["_parameters"]
+    for name, p in params.items():
+        if p is not None:
+            if id(p) not in memo:
+                memo[id(p)] = copy.deepcopy(p)
+            params[name] = memo[id(p)]
+    children = new.__dict__["_modules"]
+    for name in list(children):
+        if keep is not None and name not in keep:
+            del children[name]
+        elif children[name] is not None:
+            children[name] = _clone(children[name], memo)
+    memo[id(module)] = new
+    return new
+
+
+_CONTAINERS = (dict, OrderedDict, set, list)

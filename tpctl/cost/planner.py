@@ -222,7 +222,7 @@ class _Counter:
 
     def size(self, group: str) -> int:
         if group not in self.sizes:
-            self.sizes[group] = len(self.layout.group_of(group, self.rank))
+            self.sizes[group] = len(_members(self.layout, group, self.rank))
         return self.sizes[group]
 
     def add(self, kind: str, group: str, numel: int, times: int = 1, elem: int = F32, hidden: bool = False) -> None:
@@ -248,7 +248,14 @@ def _replica_group(layout: Layout, spec, rank: int = 0) -> Optional[str]:
     """The mesh group whose members are exactly `spec`'s replicas (`rank`'s view)."""
     members = sorted(spec.replica_ranks)
     names = (*layout.mode_class.grid_groups, "tp")
-    return next((name for name in names if sorted(layout.group_of(name, rank)) == members), None)
+    return next((name for name in names if list(_members(layout, name, rank)) == members), None)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _members(layout: Layout, group: str, rank: int) -> tuple[int, ...]:
+    """The ranks of `rank`'s group `group`, sorted (cached: a search asks for
+    them at every parameter of every split)."""
+    return tuple(sorted(layout.group_of(group, rank)))
 
 
 def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int, grad_accum: int = 1,
@@ -259,9 +266,6 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     `pipeline`, default 1F1B over pp micro-batches): on the first rank of stage `stage`; None: every
     stage's plan (`.stages`), the one holding the most memory returned. `cache`: see dry_run.py;
     `context`: context.impl, with cp > 1."""
-    from tpctl.parallel import zero_plan
-    from tpctl.parallel.shard import spec_of
-
     if layout.pp > 1:  # the cut costs attention at this length
         pipeline = dataclasses.replace(pipeline or PipelineSpec(layout.pp, "1f1b", 1, layout.pp), seq_len=seq_len)
     if layout.pp > 1 and stage is None:
@@ -272,37 +276,18 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     rank = layout.rank_of({"pp": stage or 0})
     par, pipe, model = stage_rewrite(shape, layout, rank, pipeline, cache)
     mode = par.mode
-    # ---- parameters: this rank's shard of each (ShardSpec), those of its
-    # pipeline stage only (the stage a worker holds, cut by the dry run;
-    # tied ones once); with data parallelism the buckets and ZeRO chunks
-    # the training step makes of them (parallel/zero_plan.py, the same
-    # plan); and the replica buckets sync_replicas all-reduces.
     holds: Any = lambda name: True  # noqa: E731
     if pipe is not None:  # what the stage holds (its blocks, its ends), as the cut placed them
         holds, grad_accum = pipe.holds, pipe.spec.microbatches
     vp = padded_vocab(shape.vocab_size, layout.geo.vocab_multiple)
     tokens = batch_size // (grad_accum * layout.dp) * seq_len // layout.cp  # a micro-batch's tokens per replica and cp rank
-    named = list(model.named_parameters())
-    # A weight the end stages both hold (an embedding tied to the LM head): its record says so.
-    tied_numel = sum(math.prod(spec_of(p).local_shape()) for _, p in named if len(spec_of(p).stage_ranks) > 1)
-    dp_plan = None
-    if layout.dp * layout.cp > 1:  # (cp ranks hold the same parameters: replicas of the reduction)
-        units = zero_plan.units_of([model], [p for _, p in named]) if layout.zero == 3 else None
-        dp_plan = zero_plan.plan(named, layout.dp * layout.cp, layout.zero, bucket_bytes or zero_plan.BUCKET_BYTES, units)
-    param_numel = 0
-    buckets: dict[str, int] = defaultdict(int)
-    early: list[tuple[str, int]] = []  # (group, numel) of each gradient summed during the backward
-    for i, (name, p) in enumerate(named):
-        spec = spec_of(p)
-        param_numel += (numel := math.prod(spec.local_shape()))
-        if spec.partial_grad and len(spec.replica_ranks) > 1:
-            group = _replica_group(layout, spec, rank)
-            if group is None:
-                raise ValueError(f"parameter {name!r}: its replicas {spec.replica_ranks} are no group of the mesh")
-            if mode.sums_during_backward(spec):  # issued as its gradient is final, beside the backward
-                early.append((group, numel))
-            else:
-                buckets[group] += dp_plan.grad_numel(i) if dp_plan else numel
+    key = ("held", layout, bucket_bytes, id(model))  # (the cached model: one per rewrite)
+    held = cache.get(key) if cache is not None else None
+    if held is None:
+        held = _held(shape, layout, rank, mode, model, holds, bucket_bytes)
+        if cache is not None:
+            cache[key] = held
+    dp_plan, linears = held.dp_plan, held.linears
 
     # ---- forward and backward of one micro-batch, layer by layer (the mode's own counts)
     counter, micro = _Counter(layout, rank), _Counter(layout, rank)
@@ -312,7 +297,6 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
             mode.cost_embedding(micro.add, tokens, vp, dim)
     act += count_layers(shape.layers, mode, micro.add, tokens, holds)  # norms, latent attention, experts
     rows = mode.cost_rows(tokens)
-    linears = [lin for lin in shape.linears if holds(lin[0])]
     for _, role, out_f, in_f, _ in linears:
         n = vp if role == "lm_head" else out_f
         flops += 2 * tokens * n * in_f / layout.size
@@ -340,19 +324,70 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     if dp_plan:
         dp_group = "dp_cp" if layout.cp > 1 else "dp"
         dp_plan.count(lambda kind, _, *a, **k: counter.add(kind, dp_group, *a, **k), grad_accum)
-    for group, numel in early:
+    for group, numel in held.early:
         counter.add("all_reduce", group, numel, hidden=True)
-    for group, numel in [*buckets.items(), *sliced_sums(shape.plan, mode, named, dp_plan).items()]:
+    for group, numel in held.sums:
         counter.add("all_reduce", group, numel)
     counter.add("all_reduce", "grad_norm", 1, elem=F64)
     counter.add("all_reduce", "batch", 1, elem=F64)
     if pipe is not None:
-        _plan_pipeline(counter, pipe, par, batch_size, seq_len // layout.cp, tied_numel)
-    held = dp_plan.held_numel() if dp_plan else {"param": param_numel, "grad": param_numel, "moment": param_numel}
-    n_tensors = len(named)  # AdamW's step counts (one fp32 scalar each)
-    return SplitPlan(layout, held["param"] * F32, held["grad"] * F32, 2 * held["moment"] * F32 + n_tensors * F32,
-                     act * F32, flops, counter.comm, gathered_bytes=(dp_plan.unit_numel() if dp_plan else 0) * F32,
+        _plan_pipeline(counter, pipe, par, batch_size, seq_len // layout.cp, held.tied_numel)
+    n = held.numel
+    return SplitPlan(layout, n["param"] * F32, n["grad"] * F32, 2 * n["moment"] * F32 + held.tensors * F32,
+                     act * F32, flops, counter.comm, gathered_bytes=held.gathered * F32,
                      bubble=pipe.spec.bubble() if pipe is not None else None)
+
+
+@dataclass
+class _Held:
+    """What a rank's rewritten stage holds, whatever the batch and its
+    micro-batches (the dry-run cache keeps it: layout=auto costs a split
+    under every schedule and micro-batch count)."""
+
+    linears: list  # shape.linears the stage holds
+    dp_plan: Any  # zero_plan.Plan, with data parallelism
+    early: list[tuple[str, int]]  # (group, numel) of each gradient summed during the backward
+    sums: list[tuple[str, int]]  # (group, numel) the grid's replica sums reduce after it
+    numel: dict[str, int]  # elements of parameters, gradients and each AdamW moment held
+    tensors: int  # AdamW's step counts (one fp32 scalar each)
+    tied_numel: int
+    gathered: int  # ZeRO-3's largest gathered unit
+
+
+def _held(shape: ModelShape, layout: Layout, rank: int, mode, model, holds, bucket_bytes: Optional[int]) -> _Held:
+    """Parameters: this rank's shard of each (ShardSpec), those of its
+    pipeline stage only (the stage a worker holds, cut by the dry run;
+    tied ones once); with data parallelism the buckets and ZeRO chunks
+    the training step makes of them (parallel/zero_plan.py, the same
+    plan); and the replica buckets sync_replicas all-reduces."""
+    from tpctl.parallel import zero_plan
+    from tpctl.parallel.shard import spec_of
+
+    named = list(model.named_parameters())
+    # A weight the end stages both hold (an embedding tied to the LM head): its record says so.
+    tied_numel = sum(math.prod(spec_of(p).local_shape()) for _, p in named if len(spec_of(p).stage_ranks) > 1)
+    dp_plan = None
+    if layout.dp * layout.cp > 1:  # (cp ranks hold the same parameters: replicas of the reduction)
+        units = zero_plan.units_of([model], [p for _, p in named]) if layout.zero == 3 else None
+        dp_plan = zero_plan.plan(named, layout.dp * layout.cp, layout.zero, bucket_bytes or zero_plan.BUCKET_BYTES, units)
+    param_numel = 0
+    buckets: dict[str, int] = defaultdict(int)
+    early: list[tuple[str, int]] = []
+    for i, (name, p) in enumerate(named):
+        spec = spec_of(p)
+        param_numel += (numel := math.prod(spec.local_shape()))
+        if spec.partial_grad and len(spec.replica_ranks) > 1:
+            group = _replica_group(layout, spec, rank)
+            if group is None:
+                raise ValueError(f"parameter {name!r}: its replicas {spec.replica_ranks} are no group of the mesh")
+            if mode.sums_during_backward(spec):  # issued as its gradient is final, beside the backward
+                early.append((group, numel))
+            else:
+                buckets[group] += dp_plan.grad_numel(i) if dp_plan else numel
+    sums = [*buckets.items(), *sliced_sums(shape.plan, mode, named, dp_plan).items()]
+    numel = dp_plan.held_numel() if dp_plan else {"param": param_numel, "grad": param_numel, "moment": param_numel}
+    return _Held([lin for lin in shape.linears if holds(lin[0])], dp_plan, early, sums, numel, len(named), tied_numel,
+                 dp_plan.unit_numel() if dp_plan else 0)
 
 
 def _plan_pipeline(counter: _Counter, pipe, par, batch_size: int, seq_len: int, tied_numel: int) -> None:

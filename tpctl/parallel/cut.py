@@ -334,7 +334,9 @@ class StageCut:
                                   for on, oid in o.params if oid == pid)
                     self._tied.append((f"{b.name}.{pn}", holder))
             _set(model, b.name, stand_in)
-        roles, heads, problems, units, layouts = ({k: v for k, v in d.items() if _present(model, k)} for d in
+        # What is still in the cut model, and not a stand-in (every path, as get_submodule finds them).
+        present = {n for n, m in model.named_modules(remove_duplicate=False) if not isinstance(m, StandIn)}
+        roles, heads, problems, units, layouts = ({k: v for k, v in d.items() if k in present} for d in
                                                   (plan.roles, plan.heads, plan.problems, plan.units, plan.layouts))
         return RolePlan(roles, plan.source, heads, problems, plan.blocks, units, layouts)
 
@@ -477,15 +479,6 @@ def _vocab(model: nn.Module) -> int:
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
-
-
-def _present(model: nn.Module, name: str) -> bool:
-    """Whether module `name` is still in the (cut) model, and not a stand-in."""
-    try:
-        module = model.get_submodule(name)
-    except AttributeError:
-        return False
-    return not isinstance(module, StandIn)
 
 
 def _ensure_path(model: nn.Module, name: str) -> nn.Module:

@@ -21,7 +21,7 @@ import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from tpctl.errors import ConfigError
 from tpctl.parallel.cut import LOSS_FLOPS_PER_LOGIT
@@ -287,7 +287,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
         held = _held(shape, layout, rank, mode, model, holds, bucket_bytes)
         if cache is not None:
             cache[key] = held
-    dp_plan, linears = held.dp_plan, held.linears
+    dp_plan, linears, holds = held.dp_plan, held.linears, held.holds
 
     # ---- forward and backward of one micro-batch, layer by layer (the mode's own counts)
     counter, micro = _Counter(layout, rank), _Counter(layout, rank)
@@ -345,6 +345,7 @@ class _Held:
     under every schedule and micro-batch count)."""
 
     linears: list  # shape.linears the stage holds
+    holds: Callable[[str], bool]  # whether it holds a module of the model's layers (asked at every micro-batch size)
     dp_plan: Any  # zero_plan.Plan, with data parallelism
     early: list[tuple[str, int]]  # (group, numel) of each gradient summed during the backward
     sums: list[tuple[str, int]]  # (group, numel) the grid's replica sums reduce after it
@@ -386,8 +387,10 @@ def _held(shape: ModelShape, layout: Layout, rank: int, mode, model, holds, buck
                 buckets[group] += dp_plan.grad_numel(i) if dp_plan else numel
     sums = [*buckets.items(), *sliced_sums(shape.plan, mode, named, dp_plan).items()]
     numel = dp_plan.held_numel() if dp_plan else {"param": param_numel, "grad": param_numel, "moment": param_numel}
-    return _Held([lin for lin in shape.linears if holds(lin[0])], dp_plan, early, sums, numel, len(named), tied_numel,
-                 dp_plan.unit_numel() if dp_plan else 0)
+    layers = shape.layers
+    names = [*shape.embeddings, *layers.norms, *layers.latents, *layers.routers, *layers.experts]
+    return _Held([lin for lin in shape.linears if holds(lin[0])], frozenset(filter(holds, names)).__contains__, dp_plan,
+                 early, sums, numel, len(named), tied_numel, dp_plan.unit_numel() if dp_plan else 0)
 
 
 def _plan_pipeline(counter: _Counter, pipe, par, batch_size: int, seq_len: int, tied_numel: int) -> None:

@@ -21,7 +21,7 @@ import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from tpctl.errors import ConfigError
 from tpctl.parallel.cut import LOSS_FLOPS_PER_LOGIT
@@ -32,9 +32,9 @@ from tpctl.parallel.registry import check_costed
 from tpctl.parallel.stages import PipelineSpec
 
 from tpctl.config import check_layout
-from .dry_run import stage_rewrite
+from .dry_run import members, stage_held, stage_rewrite
 from .hardware import Hardware, load_hardware  # noqa: F401  (re-exported: callers name the planner)
-from .layer_comm import count_layers, layer_shapes, sliced_sums
+from .layer_comm import count_layers, layer_shapes
 
 F32 = 4  # bytes of an fp32 element: parameters, activations, gradients
 F64 = 8  # the gradient norm and the global loss mean are reduced in float64
@@ -222,7 +222,7 @@ class _Counter:
 
     def size(self, group: str) -> int:
         if group not in self.sizes:
-            self.sizes[group] = len(_members(self.layout, group, self.rank))
+            self.sizes[group] = len(members(self.layout, group, self.rank))
         return self.sizes[group]
 
     def add(self, kind: str, group: str, numel: int, times: int = 1, elem: int = F32, hidden: bool = False) -> None:
@@ -242,20 +242,6 @@ class _Counter:
             total = self.comm.setdefault(key, Comm(group_size=c.group_size))
             for f in ("calls", "bytes", "wire_bytes", "hidden_calls", "hidden_wire_bytes"):
                 setattr(total, f, getattr(total, f) + times * getattr(c, f))
-
-
-def _replica_group(layout: Layout, spec, rank: int = 0) -> Optional[str]:
-    """The mesh group whose members are exactly `spec`'s replicas (`rank`'s view)."""
-    members = sorted(spec.replica_ranks)
-    names = (*layout.mode_class.grid_groups, "tp")
-    return next((name for name in names if list(_members(layout, name, rank)) == members), None)
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _members(layout: Layout, group: str, rank: int) -> tuple[int, ...]:
-    """The ranks of `rank`'s group `group`, sorted (cached: a search asks for
-    them at every parameter of every split)."""
-    return tuple(sorted(layout.group_of(group, rank)))
 
 
 def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int, grad_accum: int = 1,
@@ -284,7 +270,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     key = ("held", layout, bucket_bytes, id(model))  # (the cached model: one per rewrite)
     held = cache.get(key) if cache is not None else None
     if held is None:
-        held = _held(shape, layout, rank, mode, model, holds, bucket_bytes)
+        held = stage_held(shape, layout, rank, mode, model, holds, bucket_bytes)
         if cache is not None:
             cache[key] = held
     dp_plan, linears, holds = held.dp_plan, held.linears, held.holds
@@ -336,61 +322,6 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     return SplitPlan(layout, n["param"] * F32, n["grad"] * F32, 2 * n["moment"] * F32 + held.tensors * F32,
                      act * F32, flops, counter.comm, gathered_bytes=held.gathered * F32,
                      bubble=pipe.spec.bubble() if pipe is not None else None)
-
-
-@dataclass
-class _Held:
-    """What a rank's rewritten stage holds, whatever the batch and its
-    micro-batches (the dry-run cache keeps it: layout=auto costs a split
-    under every schedule and micro-batch count)."""
-
-    linears: list  # shape.linears the stage holds
-    holds: Callable[[str], bool]  # whether it holds a module of the model's layers (asked at every micro-batch size)
-    dp_plan: Any  # zero_plan.Plan, with data parallelism
-    early: list[tuple[str, int]]  # (group, numel) of each gradient summed during the backward
-    sums: list[tuple[str, int]]  # (group, numel) the grid's replica sums reduce after it
-    numel: dict[str, int]  # elements of parameters, gradients and each AdamW moment held
-    tensors: int  # AdamW's step counts (one fp32 scalar each)
-    tied_numel: int
-    gathered: int  # ZeRO-3's largest gathered unit
-
-
-def _held(shape: ModelShape, layout: Layout, rank: int, mode, model, holds, bucket_bytes: Optional[int]) -> _Held:
-    """Parameters: this rank's shard of each (ShardSpec), those of its
-    pipeline stage only (the stage a worker holds, cut by the dry run;
-    tied ones once); with data parallelism the buckets and ZeRO chunks
-    the training step makes of them (parallel/zero_plan.py, the same
-    plan); and the replica buckets sync_replicas all-reduces."""
-    from tpctl.parallel import zero_plan
-    from tpctl.parallel.shard import spec_of
-
-    named = list(model.named_parameters())
-    # A weight the end stages both hold (an embedding tied to the LM head): its record says so.
-    tied_numel = sum(math.prod(spec_of(p).local_shape()) for _, p in named if len(spec_of(p).stage_ranks) > 1)
-    dp_plan = None
-    if layout.dp * layout.cp > 1:  # (cp ranks hold the same parameters: replicas of the reduction)
-        units = zero_plan.units_of([model], [p for _, p in named]) if layout.zero == 3 else None
-        dp_plan = zero_plan.plan(named, layout.dp * layout.cp, layout.zero, bucket_bytes or zero_plan.BUCKET_BYTES, units)
-    param_numel = 0
-    buckets: dict[str, int] = defaultdict(int)
-    early: list[tuple[str, int]] = []
-    for i, (name, p) in enumerate(named):
-        spec = spec_of(p)
-        param_numel += (numel := math.prod(spec.local_shape()))
-        if spec.partial_grad and len(spec.replica_ranks) > 1:
-            group = _replica_group(layout, spec, rank)
-            if group is None:
-                raise ValueError(f"parameter {name!r}: its replicas {spec.replica_ranks} are no group of the mesh")
-            if mode.sums_during_backward(spec):  # issued as its gradient is final, beside the backward
-                early.append((group, numel))
-            else:
-                buckets[group] += dp_plan.grad_numel(i) if dp_plan else numel
-    sums = [*buckets.items(), *sliced_sums(shape.plan, mode, named, dp_plan).items()]
-    numel = dp_plan.held_numel() if dp_plan else {"param": param_numel, "grad": param_numel, "moment": param_numel}
-    layers = shape.layers
-    names = [*shape.embeddings, *layers.norms, *layers.latents, *layers.routers, *layers.experts]
-    return _Held([lin for lin in shape.linears if holds(lin[0])], frozenset(filter(holds, names)).__contains__, dp_plan,
-                 early, sums, numel, len(named), tied_numel, dp_plan.unit_numel() if dp_plan else 0)
 
 
 def _plan_pipeline(counter: _Counter, pipe, par, batch_size: int, seq_len: int, tied_numel: int) -> None:

@@ -276,27 +276,14 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     dp_plan, linears, holds = held.dp_plan, held.linears, held.holds
 
     # ---- forward and backward of one micro-batch, layer by layer (the mode's own counts)
-    counter, micro = _Counter(layout, rank), _Counter(layout, rank)
-    flops, act = 0.0, 0
-    for name, (_, dim) in shape.embeddings.items():
-        if shape.roles[name] == "embedding" and holds(name):
-            mode.cost_embedding(micro.add, tokens, vp, dim)
-    act += count_layers(shape.layers, mode, micro.add, tokens, holds)  # norms, latent attention, experts
-    rows = mode.cost_rows(tokens)
-    for _, role, out_f, in_f, _ in linears:
-        n = vp if role == "lm_head" else out_f
-        flops += 2 * tokens * n * in_f / layout.size
-        act += mode.cost_linear(micro.add, role, tokens, n, in_f)
-        if role == "lm_head":
-            act += 2 * rows * mode.cost_vocab(vp)  # logits and the loss's saved probabilities
-    # attention: scores and weighted sum over the rank's heads and rows
-    heads_width = shape.n_embd // layout.geo.head_split
-    attention_layers = sum(1 for lin in linears if lin[1] == "attn_out")
-    flops += attention_layers * 2 * 2 * rows * seq_len * heads_width
-    act += attention_layers * 4 * rows * heads_width
-    cost_context(micro.add, layout.cp, context, tokens // layout.geo.batch_split * heads_width, attention_layers)
-    if any(lin[1] == "lm_head" for lin in linears) or not shape.linears:
-        mode.cost_loss(micro.add, tokens)
+    counter = _Counter(layout, rank)
+    key = ("micro", id(model), tokens, seq_len, context)  # (every ZeRO stage and schedule with these micro-batches)
+    found = cache.get(key) if cache is not None else None
+    if found is None:
+        found = _micro(shape, layout, rank, mode, linears, holds, tokens, seq_len, vp, context)
+        if cache is not None:
+            cache[key] = found
+    micro, flops, act, rows = found
     counter.merge(micro, grad_accum)
     flops *= 3 * grad_accum  # backward = two products per forward product
     if any(lin[1] == "lm_head" for lin in linears):  # the cross entropy over the rank's logits
@@ -322,6 +309,35 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     return SplitPlan(layout, n["param"] * F32, n["grad"] * F32, 2 * n["moment"] * F32 + held.tensors * F32,
                      act * F32, flops, counter.comm, gathered_bytes=held.gathered * F32,
                      bubble=pipe.spec.bubble() if pipe is not None else None)
+
+
+def _micro(shape: ModelShape, layout: Layout, rank: int, mode, linears: list, holds, tokens: int, seq_len: int, vp: int,
+           context: str) -> tuple[_Counter, float, int, int]:
+    """One micro-batch of `tokens` rows through the layers the stage holds:
+    its collectives (the mode's own counts), forward FLOPs, activation
+    elements kept, and the rows the mode's loss sees."""
+    micro = _Counter(layout, rank)
+    flops, act = 0.0, 0
+    for name, (_, dim) in shape.embeddings.items():
+        if shape.roles[name] == "embedding" and holds(name):
+            mode.cost_embedding(micro.add, tokens, vp, dim)
+    act += count_layers(shape.layers, mode, micro.add, tokens, holds)  # norms, latent attention, experts
+    rows = mode.cost_rows(tokens)
+    for _, role, out_f, in_f, _ in linears:
+        n = vp if role == "lm_head" else out_f
+        flops += 2 * tokens * n * in_f / layout.size
+        act += mode.cost_linear(micro.add, role, tokens, n, in_f)
+        if role == "lm_head":
+            act += 2 * rows * mode.cost_vocab(vp)  # logits and the loss's saved probabilities
+    # attention: scores and weighted sum over the rank's heads and rows
+    heads_width = shape.n_embd // layout.geo.head_split
+    attention_layers = sum(1 for lin in linears if lin[1] == "attn_out")
+    flops += attention_layers * 2 * 2 * rows * seq_len * heads_width
+    act += attention_layers * 4 * rows * heads_width
+    cost_context(micro.add, layout.cp, context, tokens // layout.geo.batch_split * heads_width, attention_layers)
+    if any(lin[1] == "lm_head" for lin in linears) or not shape.linears:
+        mode.cost_loss(micro.add, tokens)
+    return micro, flops, act, rows
 
 
 def _plan_pipeline(counter: _Counter, pipe, par, batch_size: int, seq_len: int, tied_numel: int) -> None:

@@ -53,10 +53,6 @@ def plans(setup: str, hardware: str) -> dict:
     return {name: predict(plan_split(shape, layout, s["batch"], 512), hw) for name, layout in SPLITS.items()}
 
 
-def step_times(setup: str, hardware: str) -> dict[str, float]:
-    return {name: p.step_time_s for name, p in plans(setup, hardware).items()}
-
-
 def terms(plan, hw) -> list[tuple[float, str]]:
     """Each collective's predicted seconds (latency + bytes at the slowest
     link its group spans), largest first, as `predict` adds them."""
@@ -70,14 +66,13 @@ def terms(plan, hw) -> list[tuple[float, str]]:
     return sorted(out, reverse=True)
 
 
-def explain(setup: str, hardware: str) -> None:
+def explain(setup: str, hardware: str, ps: dict) -> None:
     """What makes the ratios: each mode's compute, exposed communication
     and largest collective; and 1d again with its tensor all-reduce given
     the node's whole network (inter_bw x ranks_per_node: a ring over 8
     nodes crosses each node's boundary once, on every NIC of the node,
     where the profile's inter_bw is one GPU's share)."""
     hw = load_hardware(hardware)
-    ps = plans(setup, hardware)
     print(f"\nWhat makes the ratios ({setup}, {hardware}; ms):")
     print("| mode | step | compute | exposed comm | largest collective | its ms |")
     print("|---|---|---|---|---|---|")
@@ -95,7 +90,8 @@ def explain(setup: str, hardware: str) -> None:
 
 def main() -> None:
     hws = ("v100", "a100", "h100")
-    times = {(setup, hw): step_times(setup, hw) for setup in SETUPS for hw in hws}
+    planned = {(setup, hw): plans(setup, hw) for setup in SETUPS for hw in hws}
+    times = {key: {name: p.step_time_s for name, p in ps.items()} for key, ps in planned.items()}
     print("| paper | scaling | ratio | measured (paper) | " + " | ".join(f"plan, {hw}" for hw in hws) + " | source |")
     print("|---|---|---|---|" + "---|" * len(hws) + "---|")
     for paper, setup, fast, slow, measured, source in PAPERS:
@@ -114,7 +110,7 @@ def main() -> None:
         print(f"| {setup} (hidden {SETUPS[setup]['n_embd']}, batch {SETUPS[setup]['batch']}) | {hw} | "
               + " | ".join(f"{t[m] * 1e3:,.0f}" for m in SPLITS) + " |")
     for hw in ("v100", "h100"):
-        explain("strong", hw)
+        explain("strong", hw, planned[("strong", hw)])
 
 
 if __name__ == "__main__":

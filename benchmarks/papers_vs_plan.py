@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tpctl.parallel.layout import Layout  # noqa: E402
-from tpctl.cost.planner import load_hardware, model_shape, plan_split, predict  # noqa: E402
+from tpctl.cost.planner import LATENCY_STEPS, _spans_nodes, load_hardware, model_shape, plan_split, predict  # noqa: E402
 from tpctl.schema import ModelConfig  # noqa: E402
 
 SPLITS = {"1d": Layout("1d", 64), "2d": Layout("2d", 64), "2.5d": Layout("2.5d", 64, depth=4), "3d": Layout("3d", 64)}
@@ -43,21 +43,55 @@ PAPERS = [
 ]
 
 
-def step_times(setup: str, hardware: str) -> dict[str, float]:
+def plans(setup: str, hardware: str) -> dict:
+    """Each mode's predicted plan at 64 ranks."""
     s = SETUPS[setup]
     cfg = ModelConfig(arch="gpt", vocab_size=51200, n_layer=24, n_head=64, n_embd=s["n_embd"], block_size=512,
                       mlp_ratio=4, dropout=0.0, bias=True, tie_embeddings=True)
     shape = model_shape(cfg)
     hw = load_hardware(hardware)
-    out = {}
-    for name, layout in SPLITS.items():
-        out[name] = predict(plan_split(shape, layout, s["batch"], 512), hw).step_time_s
-    return out
+    return {name: predict(plan_split(shape, layout, s["batch"], 512), hw) for name, layout in SPLITS.items()}
+
+
+def terms(plan, hw) -> list[tuple[float, str]]:
+    """Each collective's predicted seconds (latency + bytes at the slowest
+    link its group spans), largest first, as `predict` adds them."""
+    out = []
+    for (kind, group), c in plan.comm.items():
+        spans = _spans_nodes(plan.layout, group, hw.ranks_per_node)
+        bw, lat = (hw.inter_bw, hw.inter_latency) if spans else (hw.intra_bw, hw.intra_latency)
+        t = c.calls * LATENCY_STEPS.get(kind, lambda p: p - 1)(c.group_size) * lat + c.wire_bytes / bw
+        out.append((t, f"{kind} {group} (p={c.group_size}, {c.calls} calls, {c.wire_bytes / 2**30:.1f} GiB, "
+                       f"{'between nodes' if spans else 'in a node'})"))
+    return sorted(out, reverse=True)
+
+
+def explain(setup: str, hardware: str, ps: dict) -> None:
+    """What makes the ratios: each mode's compute, exposed communication
+    and largest collective; and 1d again with its tensor all-reduce given
+    the node's whole network (inter_bw x ranks_per_node: a ring over 8
+    nodes crosses each node's boundary once, on every NIC of the node,
+    where the profile's inter_bw is one GPU's share)."""
+    hw = load_hardware(hardware)
+    print(f"\nWhat makes the ratios ({setup}, {hardware}; ms):")
+    print("| mode | step | compute | exposed comm | largest collective | its ms |")
+    print("|---|---|---|---|---|---|")
+    for name, p in ps.items():
+        t, what = terms(p, hw)[0]
+        print(f"| {name} | {p.step_time_s * 1e3:,.0f} | {p.compute_s * 1e3:,.0f} | {p.comm_s * 1e3:,.0f} | {what} | {t * 1e3:,.0f} |")
+    one = ps["1d"]
+    tp = one.comm[("all_reduce", "tp")]
+    node_bw = hw.inter_bw * hw.ranks_per_node
+    faster = one.step_time_s - tp.wire_bytes / hw.inter_bw + tp.wire_bytes / min(node_bw, hw.intra_bw)
+    print(f"\n1d with its tp all-reduce at the node's network ({min(node_bw, hw.intra_bw) / 1e9:.0f} GB/s instead of "
+          f"{hw.inter_bw / 1e9:.0f}): {faster * 1e3:,.0f} ms; then " +
+          ", ".join(f"{m}/1d {faster / ps[m].step_time_s:.2f}" for m in ("2d", "2.5d", "3d")))
 
 
 def main() -> None:
     hws = ("v100", "a100", "h100")
-    times = {(setup, hw): step_times(setup, hw) for setup in SETUPS for hw in hws}
+    planned = {(setup, hw): plans(setup, hw) for setup in SETUPS for hw in hws}
+    times = {key: {name: p.step_time_s for name, p in ps.items()} for key, ps in planned.items()}
     print("| paper | scaling | ratio | measured (paper) | " + " | ".join(f"plan, {hw}" for hw in hws) + " | source |")
     print("|---|---|---|---|" + "---|" * len(hws) + "---|")
     for paper, setup, fast, slow, measured, source in PAPERS:
@@ -75,6 +109,8 @@ def main() -> None:
     for (setup, hw), t in times.items():
         print(f"| {setup} (hidden {SETUPS[setup]['n_embd']}, batch {SETUPS[setup]['batch']}) | {hw} | "
               + " | ".join(f"{t[m] * 1e3:,.0f}" for m in SPLITS) + " |")
+    for hw in ("v100", "h100"):
+        explain("strong", hw, planned[("strong", hw)])
 
 
 if __name__ == "__main__":

@@ -38,21 +38,27 @@ def test_search_ranks_every_axis_and_predicts_peaks(tiny_cfg):
     assert found.splits == len(found.ranked) // 2  # with and without checkpointing: one split costed
 
 
-def test_cached_dry_runs_cost_what_fresh_ones_do(tiny_cfg):
-    """plan_split with the search's cache (one dry run per distinct rewrite,
-    a pipeline cut reused across modes) equals plan_split without it."""
-    from tpctl.cost.auto import choices_of
-    from tpctl.cost.planner import model_shape, plan_split
+def test_search_with_reused_dry_runs_equals_fresh_ones():
+    """The search's shortcuts (one trace for every pipeline cut, rewrites
+    of a copied model trimmed to the stage, a split's parameter counts kept
+    across schedules and micro-batches) leave every choice's numbers, and so
+    the ranking and the top five, as dry-running each split afresh gives
+    them: a grouped-query Llama (Hugging Face code, tied embedding) at world 4."""
+    from tpctl.config import compose_jobs
+    from tpctl.cost.auto import search
+    from tpctl.cost.hardware import load_hardware
 
-    shape, cache = model_shape(tiny_cfg.model), {}
-    choices, _ = choices_of(tiny_cfg, 4)
-    picked = [c for c in choices if c[0].name in ("1d-2-pp2 1f1b M=2", "1d-2-pp2 gpipe M=4", "2d-4 accum=2",
-                                                  "1d-2-dp2-z3", "none-pp2-dp2-z1 interleaved v=2 M=2", "1d-2-pp2 gpipe M=2")]
-    assert len(picked) == 6
-    for choice, pipe in picked:
-        accum = 1 if pipe else choice.microbatches
-        args = (shape, choice.layout, 8, 16, accum)
-        assert plan_split(*args, pipeline=pipe, cache=cache).to_json() == plan_split(*args, pipeline=pipe).to_json()
+    cfg = compose_jobs(["model=hf", "model.arch=llama", "model.n_layer=4", "model.n_embd=32", "model.n_head=4",
+                        "model.n_kv_head=2", "model.intermediate_size=64", "train.batch_size=4", "train.seq_len=8"])[0]
+    hw = load_hardware("cpu")
+    fast, fresh = search(cfg, 4, hw), search(cfg, 4, hw, reuse=False)
+
+    def numbers(found):
+        return ([(c.to_json(), c.step_time_s, c.plan.to_json(), [s.to_json() for s in c.plan.stages]) for c in found.ranked],
+                [c.to_json() for c in found.unfit], found.invalid, found.splits)
+
+    assert len(fast.ranked) > 50 and any("interleaved" in c.choice.name for c in fast.ranked)
+    assert numbers(fast) == numbers(fresh)
 
 
 def test_plan_auto_prints_the_pick(capsys):

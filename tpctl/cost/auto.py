@@ -217,16 +217,18 @@ def _in_flight(plan: SplitPlan, choice: Choice) -> float:
 # The search
 
 
-def search(cfg: Any, world: int, hw: Hardware, shape: Optional[ModelShape] = None) -> Search:
+def search(cfg: Any, world: int, hw: Hardware, shape: Optional[ModelShape] = None, reuse: bool = True) -> Search:
     """Every choice of `world` ranks costed and predicted on `hw`; those
-    within hw.memory_bytes ranked fastest first."""
+    within hw.memory_bytes ranked fastest first. `reuse`: the dry runs'
+    cache (cost/dry_run.py); without it every split is dry-run afresh, as
+    `tpctl plan` does (tests hold the two equal)."""
     from tpctl.parallel.registry import check_costed
 
     check_costed()
     shape = shape or model_shape(cfg.model, cfg.seed)
     t = cfg.train
     memo: dict[tuple, Optional[SplitPlan]] = {}
-    rewrites: dict = {}
+    rewrites: Optional[dict] = {} if reuse else None
     ranked, unfit = [], []
     choices, invalid = choices_of(cfg, world)
     for choice, pipe in choices:

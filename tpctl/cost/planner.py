@@ -32,9 +32,9 @@ from tpctl.parallel.registry import check_costed
 from tpctl.parallel.stages import PipelineSpec
 
 from tpctl.config import check_layout
-from .dry_run import stage_rewrite
+from .dry_run import members, stage_held, stage_rewrite
 from .hardware import Hardware, load_hardware  # noqa: F401  (re-exported: callers name the planner)
-from .layer_comm import count_layers, layer_shapes, sliced_sums
+from .layer_comm import count_layers, layer_shapes
 
 F32 = 4  # bytes of an fp32 element: parameters, activations, gradients
 F64 = 8  # the gradient norm and the global loss mean are reduced in float64
@@ -76,11 +76,6 @@ class ModelShape:
     seed: int = 0
     plan: Any = None  # parallel.roles.RolePlan
     layers: Any = None  # layer_comm.LayerShapes: the layers other than Linears
-
-    def rewritten(self, par):
-        """The model rewritten for `par` (a Parallelism), shapes only: with
-        pp > 1 the stage of `par`'s rank, cut as a worker cuts it."""
-        return par.parallelize(self.original(), self.plan, dry_run=True, stage=True)
 
     def original(self):
         """The model on the meta device, as the rewrite sees it."""
@@ -227,7 +222,7 @@ class _Counter:
 
     def size(self, group: str) -> int:
         if group not in self.sizes:
-            self.sizes[group] = len(self.layout.group_of(group, self.rank))
+            self.sizes[group] = len(members(self.layout, group, self.rank))
         return self.sizes[group]
 
     def add(self, kind: str, group: str, numel: int, times: int = 1, elem: int = F32, hidden: bool = False) -> None:
@@ -249,13 +244,6 @@ class _Counter:
                 setattr(total, f, getattr(total, f) + times * getattr(c, f))
 
 
-def _replica_group(layout: Layout, spec, rank: int = 0) -> Optional[str]:
-    """The mesh group whose members are exactly `spec`'s replicas (`rank`'s view)."""
-    members = sorted(spec.replica_ranks)
-    names = (*layout.mode_class.grid_groups, "tp")
-    return next((name for name in names if sorted(layout.group_of(name, rank)) == members), None)
-
-
 def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int, grad_accum: int = 1,
                bucket_bytes: Optional[int] = None, pipeline: Optional[PipelineSpec] = None,
                stage: Optional[int] = None, cache: Optional[dict] = None, context: str = "ring") -> SplitPlan:
@@ -264,9 +252,6 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     `pipeline`, default 1F1B over pp micro-batches): on the first rank of stage `stage`; None: every
     stage's plan (`.stages`), the one holding the most memory returned. `cache`: see dry_run.py;
     `context`: context.impl, with cp > 1."""
-    from tpctl.parallel import zero_plan
-    from tpctl.parallel.shard import spec_of
-
     if layout.pp > 1:  # the cut costs attention at this length
         pipeline = dataclasses.replace(pipeline or PipelineSpec(layout.pp, "1f1b", 1, layout.pp), seq_len=seq_len)
     if layout.pp > 1 and stage is None:
@@ -277,47 +262,67 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     rank = layout.rank_of({"pp": stage or 0})
     par, pipe, model = stage_rewrite(shape, layout, rank, pipeline, cache)
     mode = par.mode
-    # ---- parameters: this rank's shard of each (ShardSpec), those of its
-    # pipeline stage only (the stage a worker holds, cut by the dry run;
-    # tied ones once); with data parallelism the buckets and ZeRO chunks
-    # the training step makes of them (parallel/zero_plan.py, the same
-    # plan); and the replica buckets sync_replicas all-reduces.
     holds: Any = lambda name: True  # noqa: E731
     if pipe is not None:  # what the stage holds (its blocks, its ends), as the cut placed them
         holds, grad_accum = pipe.holds, pipe.spec.microbatches
     vp = padded_vocab(shape.vocab_size, layout.geo.vocab_multiple)
     tokens = batch_size // (grad_accum * layout.dp) * seq_len // layout.cp  # a micro-batch's tokens per replica and cp rank
-    named = list(model.named_parameters())
-    # A weight the end stages both hold (an embedding tied to the LM head): its record says so.
-    tied_numel = sum(math.prod(spec_of(p).local_shape()) for _, p in named if len(spec_of(p).stage_ranks) > 1)
-    dp_plan = None
-    if layout.dp * layout.cp > 1:  # (cp ranks hold the same parameters: replicas of the reduction)
-        units = zero_plan.units_of([model], [p for _, p in named]) if layout.zero == 3 else None
-        dp_plan = zero_plan.plan(named, layout.dp * layout.cp, layout.zero, bucket_bytes or zero_plan.BUCKET_BYTES, units)
-    param_numel = 0
-    buckets: dict[str, int] = defaultdict(int)
-    early: list[tuple[str, int]] = []  # (group, numel) of each gradient summed during the backward
-    for i, (name, p) in enumerate(named):
-        spec = spec_of(p)
-        param_numel += (numel := math.prod(spec.local_shape()))
-        if spec.partial_grad and len(spec.replica_ranks) > 1:
-            group = _replica_group(layout, spec, rank)
-            if group is None:
-                raise ValueError(f"parameter {name!r}: its replicas {spec.replica_ranks} are no group of the mesh")
-            if mode.sums_during_backward(spec):  # issued as its gradient is final, beside the backward
-                early.append((group, numel))
-            else:
-                buckets[group] += dp_plan.grad_numel(i) if dp_plan else numel
+    key = ("held", layout, bucket_bytes, id(model))  # (the cached model: one per rewrite)
+    held = cache.get(key) if cache is not None else None
+    if held is None:
+        held = stage_held(shape, layout, rank, mode, model, holds, bucket_bytes)
+        if cache is not None:
+            cache[key] = held
+    dp_plan, linears, holds = held.dp_plan, held.linears, held.holds
 
     # ---- forward and backward of one micro-batch, layer by layer (the mode's own counts)
-    counter, micro = _Counter(layout, rank), _Counter(layout, rank)
+    counter = _Counter(layout, rank)
+    key = ("micro", id(model), tokens, seq_len, context)  # (every ZeRO stage and schedule with these micro-batches)
+    found = cache.get(key) if cache is not None else None
+    if found is None:
+        found = _micro(shape, layout, rank, mode, linears, holds, tokens, seq_len, vp, context)
+        if cache is not None:
+            cache[key] = found
+    micro, flops, act, rows = found
+    counter.merge(micro, grad_accum)
+    flops *= 3 * grad_accum  # backward = two products per forward product
+    if any(lin[1] == "lm_head" for lin in linears):  # the cross entropy over the rank's logits
+        flops += LOSS_FLOPS_PER_LOGIT * rows * mode.cost_vocab(vp) * grad_accum
+    if pipe is not None:  # micro-batches in flight: their activations are held at once
+        act = int(act * pipe.spec.in_flight(stage))
+
+    # ---- the data-parallel buckets (during the backward, and ZeRO's
+    # gathers); after the backward (training/step.py's finish): the grid's
+    # replica sums, the global norm, the logged loss
+    if dp_plan:
+        dp_group = "dp_cp" if layout.cp > 1 else "dp"
+        dp_plan.count(lambda kind, _, *a, **k: counter.add(kind, dp_group, *a, **k), grad_accum)
+    for group, numel in held.early:
+        counter.add("all_reduce", group, numel, hidden=True)
+    for group, numel in held.sums:
+        counter.add("all_reduce", group, numel)
+    counter.add("all_reduce", "grad_norm", 1, elem=F64)
+    counter.add("all_reduce", "batch", 1, elem=F64)
+    if pipe is not None:
+        _plan_pipeline(counter, pipe, par, batch_size, seq_len // layout.cp, held.tied_numel)
+    n = held.numel
+    return SplitPlan(layout, n["param"] * F32, n["grad"] * F32, 2 * n["moment"] * F32 + held.tensors * F32,
+                     act * F32, flops, counter.comm, gathered_bytes=held.gathered * F32,
+                     bubble=pipe.spec.bubble() if pipe is not None else None)
+
+
+def _micro(shape: ModelShape, layout: Layout, rank: int, mode, linears: list, holds, tokens: int, seq_len: int, vp: int,
+           context: str) -> tuple[_Counter, float, int, int]:
+    """One micro-batch of `tokens` rows through the layers the stage holds:
+    its collectives (the mode's own counts), forward FLOPs, activation
+    elements kept, and the rows the mode's loss sees."""
+    micro = _Counter(layout, rank)
     flops, act = 0.0, 0
     for name, (_, dim) in shape.embeddings.items():
         if shape.roles[name] == "embedding" and holds(name):
             mode.cost_embedding(micro.add, tokens, vp, dim)
     act += count_layers(shape.layers, mode, micro.add, tokens, holds)  # norms, latent attention, experts
     rows = mode.cost_rows(tokens)
-    linears = [lin for lin in shape.linears if holds(lin[0])]
     for _, role, out_f, in_f, _ in linears:
         n = vp if role == "lm_head" else out_f
         flops += 2 * tokens * n * in_f / layout.size
@@ -332,32 +337,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     cost_context(micro.add, layout.cp, context, tokens // layout.geo.batch_split * heads_width, attention_layers)
     if any(lin[1] == "lm_head" for lin in linears) or not shape.linears:
         mode.cost_loss(micro.add, tokens)
-    counter.merge(micro, grad_accum)
-    flops *= 3 * grad_accum  # backward = two products per forward product
-    if any(lin[1] == "lm_head" for lin in linears):  # the cross entropy over the rank's logits
-        flops += LOSS_FLOPS_PER_LOGIT * rows * mode.cost_vocab(vp) * grad_accum
-    if pipe is not None:  # micro-batches in flight: their activations are held at once
-        act = int(act * pipe.spec.in_flight(stage))
-
-    # ---- the data-parallel buckets (during the backward, and ZeRO's
-    # gathers); after the backward (training/step.py's finish): the grid's
-    # replica sums, the global norm, the logged loss
-    if dp_plan:
-        dp_group = "dp_cp" if layout.cp > 1 else "dp"
-        dp_plan.count(lambda kind, _, *a, **k: counter.add(kind, dp_group, *a, **k), grad_accum)
-    for group, numel in early:
-        counter.add("all_reduce", group, numel, hidden=True)
-    for group, numel in [*buckets.items(), *sliced_sums(shape.plan, mode, named, dp_plan).items()]:
-        counter.add("all_reduce", group, numel)
-    counter.add("all_reduce", "grad_norm", 1, elem=F64)
-    counter.add("all_reduce", "batch", 1, elem=F64)
-    if pipe is not None:
-        _plan_pipeline(counter, pipe, par, batch_size, seq_len // layout.cp, tied_numel)
-    held = dp_plan.held_numel() if dp_plan else {"param": param_numel, "grad": param_numel, "moment": param_numel}
-    n_tensors = len(named)  # AdamW's step counts (one fp32 scalar each)
-    return SplitPlan(layout, held["param"] * F32, held["grad"] * F32, 2 * held["moment"] * F32 + n_tensors * F32,
-                     act * F32, flops, counter.comm, gathered_bytes=(dp_plan.unit_numel() if dp_plan else 0) * F32,
-                     bubble=pipe.spec.bubble() if pipe is not None else None)
+    return micro, flops, act, rows
 
 
 def _plan_pipeline(counter: _Counter, pipe, par, batch_size: int, seq_len: int, tied_numel: int) -> None:

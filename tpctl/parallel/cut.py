@@ -203,7 +203,7 @@ class StageCut:
         self.hidden = 0  # the stream's width (whole)
         self.model: Optional[nn.Module] = None
         self.stack: Optional[StageStack] = None
-
+        self.block_keys, self.weights = None, None  # the stack's module keys; (per block, before, after) balanced
 
     @property
     def first(self) -> bool:
@@ -220,16 +220,27 @@ class StageCut:
         PipelineRefused (one line) for a model that cannot be cut."""
         if self.blocks_of:
             return
-        stack = repeated_blocks(model)
         what = type(model).__name__
-        if stack is None:
-            raise PipelineRefused(f"pp={self.size} cuts a model at its repeated blocks, and {what} has none "
-                                  "(an nn.ModuleList of blocks of one class)")
-        self.stack_name = next(n for n, m in model.named_modules() if m is stack)
-        n = len(stack)
+        if self.weights is None:  # (a cut of the same model at the same seq_len may have read it: cost/dry_run.py)
+            self._read(model, what)
+        n = len(self.block_keys)
         if self.spec.chunks > n:
             raise PipelineRefused(f"{self.spec.describe_chunks()}, more than the {n} blocks of {what}: expected at most {n} stages",
                                   "pp" if self.spec.virtual == 1 else "pipeline.virtual_stages")
+        try:
+            self.blocks_of = self.spec.cut(*self.weights)
+        except ValueError as e:
+            raise PipelineRefused(f"{what}: {e}", "pipeline.split") from None
+        self.chunks = [Chunk(c, c == 0, c == self.spec.chunks - 1, [int(self.block_keys[i]) for i in self.blocks_of[c]])
+                       for c in self.spec.chunks_of(self.rank)]
+
+    def _read(self, model: nn.Module, what: str) -> None:
+        """Trace the whole model: its stack, what runs beside it, the stream's width, the blocks' weights."""
+        stack = repeated_blocks(model)
+        if stack is None:
+            raise PipelineRefused(f"pp={self.size} cuts a model at its repeated blocks, and {what} has none "
+                                  "(an nn.ModuleList of blocks of one class)")
+        self.stack_name, self.block_keys = next(n for n, m in model.named_modules() if m is stack), list(stack._modules)
         first_call: dict = {}
         nodes, out, calls = trace(model, vocab_size=_vocab(model), inputs=first_call)
         prefix = f"{self.stack_name}." if self.stack_name else ""
@@ -275,15 +286,7 @@ class StageCut:
             per_block, ends = [self.weigh(b) for b in blocks], {"before": 0, "after": 0}
         before, after = (ends[where] + sum(self.weigh(model.get_submodule(b.name)) for b in self.beside if b.where == where)
                          for where in ("before", "after"))
-        self.weights = (per_block, before, after)  # what the cut balanced (tests compare it with the plan's FLOPs)
-        try:
-            self.blocks_of = self.spec.cut(per_block, before, after)
-        except ValueError as e:
-            raise PipelineRefused(f"{what}: {e}", "pipeline.split") from None
-        keys = list(stack._modules)
-        last = self.spec.chunks - 1
-        self.chunks = [Chunk(c, c == 0, c == last, [int(keys[i]) for i in self.blocks_of[c]])
-                       for c in self.spec.chunks_of(self.rank)]
+        self.weights = (per_block, before, after)  # (tests compare it with the plan's FLOPs)
 
     def chunk_of_block(self, index: int) -> int:
         return next(c for c, r in enumerate(self.blocks_of) if index in r)
@@ -331,11 +334,11 @@ class StageCut:
                                   for on, oid in o.params if oid == pid)
                     self._tied.append((f"{b.name}.{pn}", holder))
             _set(model, b.name, stand_in)
-        keep = {name: role for name, role in plan.roles.items() if _present(model, name)}
-        return RolePlan(keep, plan.source, {k: v for k, v in plan.heads.items() if _present(model, k)},
-                        {k: v for k, v in plan.problems.items() if _present(model, k)}, plan.blocks,
-                        {k: v for k, v in plan.units.items() if _present(model, k)},
-                        {k: v for k, v in plan.layouts.items() if _present(model, k)})
+        # What is still in the cut model, and not a stand-in (every path, as get_submodule finds them).
+        present = {n for n, m in model.named_modules(remove_duplicate=False) if not isinstance(m, StandIn)}
+        roles, heads, problems, units, layouts = ({k: v for k, v in d.items() if k in present} for d in
+                                                  (plan.roles, plan.heads, plan.problems, plan.units, plan.layouts))
+        return RolePlan(roles, plan.source, heads, problems, plan.blocks, units, layouts)
 
     # ---- after the rewrite: wire the stage ----------------------------------------
     def install(self, model: nn.Module) -> None:
@@ -405,8 +408,7 @@ class _EndStage:
 
     def __call__(self, module, args, out):
         if self.run.chunk is self.chunk:
-            stream = _first_tensor(((out,), {}))
-            raise StageOutput(stream)
+            raise StageOutput(_first_tensor(((out,), {})))
         return None
 
 
@@ -477,15 +479,6 @@ def _vocab(model: nn.Module) -> int:
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
-
-
-def _present(model: nn.Module, name: str) -> bool:
-    """Whether module `name` is still in the (cut) model, and not a stand-in."""
-    try:
-        module = model.get_submodule(name)
-    except AttributeError:
-        return False
-    return not isinstance(module, StandIn)
 
 
 def _ensure_path(model: nn.Module, name: str) -> nn.Module:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Optional
 
 import torch
@@ -95,7 +96,7 @@ class Plan:
     stage: int
     buckets: list[Bucket]
 
-    @property
+    @cached_property  # (grad_numel asks for one cut at every parameter)
     def cuts(self) -> list[Cut]:
         return [cut_of(n, s, self.dp) for n, s in zip(self.names, self.shapes)]
 

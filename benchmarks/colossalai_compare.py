@@ -29,6 +29,8 @@ INSTALL = ("colossalai is not importable: python3 -m venv /work/cvenv && /work/c
            "psutil einops hydra-core omegaconf rich safetensors packaging, stubs for peft, galore_torch, bitsandbytes "
            "(README: 'tpctl against ColossalAI'); then run this with /work/cvenv/bin/python and PYTHONPATH=<tpctl>")
 
+LR = 0.1  # large enough that a wrong gradient shows in the second step's loss
+CHECKED = 2  # steps whose loss is checked against one process
 # mode -> (ranks, depth)
 SIZES = {"1d": (4, 1), "2d": (4, 1), "2.5d": (8, 2), "3d": (8, 1)}
 
@@ -58,12 +60,25 @@ def block_class():
     return Block
 
 
-def reference_loss(blocks, x) -> float:
+def reference_losses(blocks, x, steps: int, lr: float) -> list[float]:
+    """The losses of `steps` SGD steps of the whole model in one process."""
+    import torch
     import torch.nn.functional as F
 
-    for w1, b1, w2, b2 in blocks:
-        x = x + F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
-    return float((x ** 2).mean())
+    params = [t.clone().requires_grad_() for block in blocks for t in block]
+    losses = []
+    for _ in range(steps):
+        h = x
+        for w1, b1, w2, b2 in zip(*[iter(params)] * 4):
+            h = h + F.linear(F.gelu(F.linear(h, w1, b1)), w2, b2)
+        loss = (h ** 2).mean()
+        loss.backward()
+        losses.append(float(loss))
+        with torch.no_grad():
+            for p in params:
+                p -= lr * p.grad
+                p.grad = None
+    return losses
 
 
 def build_tpctl(mode: str, size: int, depth: int, blocks, x):
@@ -197,7 +212,7 @@ def compare(mode: str, size: int, depth: int, hidden: int, layers: int, batch: i
     runs = {}
     for name, build in (("colossalai", build_colossal), ("tpctl", build_tpctl)):
         model, local, finish = build(mode, size, depth, blocks, x)
-        runs[name] = (model, local, finish, torch.optim.SGD(model.parameters(), lr=1e-3))
+        runs[name] = (model, local, finish, torch.optim.SGD(model.parameters(), lr=LR))
 
     def step(name: str) -> torch.Tensor:
         model, local, finish, opt = runs[name]
@@ -209,12 +224,13 @@ def compare(mode: str, size: int, depth: int, hidden: int, layers: int, batch: i
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    first = {}
-    for name in runs:
-        loss = step(name)
-        held = dist.get_world_size() * runs[name][1].numel() / count  # copies of each element
-        dist.all_reduce(loss)
-        first[name] = float(loss) / held
+    first = {name: [] for name in runs}  # the first steps' losses: the same weights, data and updates as one process
+    for _ in range(CHECKED):
+        for name in runs:
+            loss = step(name)
+            held = dist.get_world_size() * runs[name][1].numel() / count  # copies of each element
+            dist.all_reduce(loss)
+            first[name].append(float(loss) / held)
     times = {name: [] for name in runs}
     for _ in range(rounds):
         for name in runs:  # alternating: drift on a shared machine hits both
@@ -224,7 +240,7 @@ def compare(mode: str, size: int, depth: int, hidden: int, layers: int, batch: i
                 step(name)
                 dist.barrier()
                 times[name].append(time.perf_counter() - start)
-    return {"times": times, "first": first, "reference": reference_loss(blocks, x)}
+    return {"times": times, "first": first, "reference": reference_losses(blocks, x, CHECKED, LR)}
 
 
 def main() -> int:
@@ -250,8 +266,8 @@ def main() -> int:
     table = Table(title=f"{args.layers} MLP blocks {args.hidden}->{4 * args.hidden}->{args.hidden}, "
                         f"batch {args.batch}x{args.seq}, fp32, fwd+bwd+SGD, median of {args.rounds} alternating "
                         f"rounds x {args.steps} steps")
-    for col in ("mode", "ranks", "colossalai ms", "tpctl ms", "tpctl / colossalai", "first loss: colossalai",
-                "tpctl", "one process"):
+    for col in ("mode", "ranks", "colossalai ms", "tpctl ms", "tpctl / colossalai", "loss (one process)",
+                f"colossalai: max rel. err, {CHECKED} steps", "tpctl"):
         table.add_column(col, justify="right")
     for mode in args.modes:
         size, depth = SIZES[mode]
@@ -263,9 +279,10 @@ def main() -> int:
         finally:
             pool.close()
         cai, tp = (statistics.median(result["times"][k]) * 1000 for k in ("colossalai", "tpctl"))
-        table.add_row(mode, str(size), f"{cai:.1f}", f"{tp:.1f}", f"{tp / cai:.3f}",
-                      *(f"{v:.7g}" for v in (result["first"]["colossalai"], result["first"]["tpctl"],
-                                               result["reference"])))
+        ref = result["reference"]
+        errors = [max(abs(a - b) / abs(b) for a, b in zip(result["first"][k], ref)) for k in ("colossalai", "tpctl")]
+        table.add_row(mode, str(size), f"{cai:.1f}", f"{tp:.1f}", f"{tp / cai:.3f}", " ".join(f"{v:.6g}" for v in ref),
+                      *(f"{e:.1e}" for e in errors))
     Console(width=200).print(table)
     return 0
 

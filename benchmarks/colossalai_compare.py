@@ -283,6 +283,8 @@ def main() -> int:
         errors = [max(abs(a - b) / abs(b) for a, b in zip(result["first"][k], ref)) for k in ("colossalai", "tpctl")]
         table.add_row(mode, str(size), f"{cai:.1f}", f"{tp:.1f}", f"{tp / cai:.3f}", " ".join(f"{v:.6g}" for v in ref),
                       *(f"{e:.1e}" for e in errors))
+        print(f"{mode}: colossalai {cai:.1f} ms, tpctl {tp:.1f} ms, ratio {tp / cai:.3f}, loss rel. err "
+              f"{errors[0]:.1e} / {errors[1]:.1e}", file=sys.stderr, flush=True)  # the table comes at the end
     Console(width=200).print(table)
     return 0
 

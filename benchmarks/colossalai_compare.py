@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 INSTALL = ("colossalai is not importable: python3 -m venv /work/cvenv && /work/cvenv/bin/pip install torch==2.13.0 "
            "&& BUILD_EXT=0 /work/cvenv/bin/pip install --no-deps colossalai==0.5.0 && /work/cvenv/bin/pip install "
-           "psutil einops hydra-core omegaconf rich safetensors packaging, stubs for peft, galore_torch, bitsandbytes "
-           "(README: 'tpctl against ColossalAI'); then run this with /work/cvenv/bin/python and PYTHONPATH=<tpctl>")
+           "psutil einops hydra-core omegaconf rich safetensors numpy, plus stubs for peft, galore_torch, bitsandbytes "
+           "and its seed manager on the CPU generator (README: 'tpctl against ColossalAI'); then run this with "
+           "/work/cvenv/bin/python and PYTHONPATH=<tpctl>")
 
 LR = 0.1  # large enough that a wrong gradient shows in the second step's loss
 CHECKED = 2  # steps whose loss is checked against one process

@@ -244,6 +244,10 @@ def compare(mode: str, size: int, depth: int, hidden: int, layers: int, batch: i
     return {"times": times, "first": first, "reference": reference_losses(blocks, x, CHECKED, LR)}
 
 
+def _rounds(times: list, steps: int) -> list[list]:
+    return [times[i:i + steps] for i in range(0, len(times), steps)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", nargs="+", default=list(SIZES), choices=list(SIZES))
@@ -267,7 +271,7 @@ def main() -> int:
     table = Table(title=f"{args.layers} MLP blocks {args.hidden}->{4 * args.hidden}->{args.hidden}, "
                         f"batch {args.batch}x{args.seq}, fp32, fwd+bwd+SGD, median of {args.rounds} alternating "
                         f"rounds x {args.steps} steps")
-    for col in ("mode", "ranks", "colossalai ms", "tpctl ms", "tpctl / colossalai", "loss (one process)",
+    for col in ("mode", "ranks", "colossalai ms", "tpctl ms", "tpctl / colossalai", "per round", "loss (one process)",
                 f"colossalai: max rel. err, {CHECKED} steps", "tpctl"):
         table.add_column(col, justify="right")
     for mode in args.modes:
@@ -280,9 +284,13 @@ def main() -> int:
         finally:
             pool.close()
         cai, tp = (statistics.median(result["times"][k]) * 1000 for k in ("colossalai", "tpctl"))
+        # Each round's ratio of medians: the spread a shared machine gives.
+        per_round = [statistics.median(t) / statistics.median(c) for c, t in
+                     zip(*(_rounds(result["times"][k], args.steps) for k in ("colossalai", "tpctl")))]
         ref = result["reference"]
         errors = [max(abs(a - b) / abs(b) for a, b in zip(result["first"][k], ref)) for k in ("colossalai", "tpctl")]
-        table.add_row(mode, str(size), f"{cai:.1f}", f"{tp:.1f}", f"{tp / cai:.3f}", " ".join(f"{v:.6g}" for v in ref),
+        table.add_row(mode, str(size), f"{cai:.1f}", f"{tp:.1f}", f"{tp / cai:.3f}",
+                      " ".join(f"{r:.2f}" for r in per_round), " ".join(f"{v:.6g}" for v in ref),
                       *(f"{e:.1e}" for e in errors))
         print(f"{mode}: colossalai {cai:.1f} ms, tpctl {tp:.1f} ms, ratio {tp / cai:.3f}, loss rel. err "
               f"{errors[0]:.1e} / {errors[1]:.1e}", file=sys.stderr, flush=True)  # the table comes at the end

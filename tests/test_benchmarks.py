@@ -29,6 +29,9 @@ SCRIPTS = {
     "bf16_band.py": (["--steps", "2", "--modes", "none", "--fp32-modes", "none", *TINY_TRAIN], "max_rel_vs_fp32_none",
                      True),
     "checkpoint_cost.py": (["--mode", "none", "--size", "1", "--steps", "2", *TINY_TRAIN], "load time", True),
+    # Without colossalai (CI): the install line, exit 0; with it, a 1d row on tiny shapes.
+    "colossalai_compare.py": (["--modes", "1d", "--hidden", "16", "--batch", "4", "--seq", "4", "--layers", "1",
+                               "--steps", "1", "--rounds", "1"], "colossalai", False),
     "compare_modes.py": (["--steps", "2", "--modes", "none", *TINY_TRAIN], "none", True),
     "cp_memory.py": (["--seq", "64", "--cps", "1", "2", "--impls", "ring"], "saved for backward", False),
     "generate_speed.py": (["--size", "2", "--new", "4", "--layers", "1", "--embd", "128", "--rounds", "1"],

@@ -258,8 +258,9 @@ def _step_s(plan: SplitPlan, choice: Choice, shape: ModelShape, hw: Hardware) ->
     """The predicted step: `predict`'s compute and exposed communication,
     checkpointing's recomputation, the blocks' fixed cost. Ranks beyond a
     CPU's cores take turns (predict stretches the compute so): at every hop
-    of a collective too, so its time stretches alike."""
-    turns = choice.layout.world / hw.cores if hw.cores and choice.layout.world > hw.cores else 1.0
+    of a collective too, so its time stretches alike (Hardware.comm_turns:
+    beyond what the calibration's world already measured)."""
+    turns = hw.comm_turns(choice.layout.world)
     comm = plan.comm_s * turns
     if choice.checkpointing:
         compute, grid = _recompute_s(plan, hw)

@@ -148,7 +148,7 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
     m = cfg.model
     profile = {
         "peak_flops": float(f"{peak:.4g}"), "efficiency": 1.0, "ranks_per_node": 1024,
-        "cores": os.cpu_count() or 1, "base_bytes": float(result["base_bytes"]),
+        "cores": os.cpu_count() or 1, "comm_world": world, "base_bytes": float(result["base_bytes"]),
         "block_overhead_s": float(f"{overhead:.4g}"),
         "intra_bw": float(f"{bw:.4g}"), "intra_latency": float(f"{latency:.4g}"),
         "inter_bw": float(f"{bw:.4g}"), "inter_latency": float(f"{latency:.4g}"),

@@ -31,9 +31,20 @@ class Hardware:
     # fixed cost, fitted by --calibrate); layout=auto adds it per rank's blocks
     block_overhead_s: float = 0.0
     cores: int = 0  # CPU profiles: ranks beyond this many share cores (0: one device per rank)
+    # CPU profiles: the ranks the collectives were timed over (--calibrate's
+    # world); their latency and bandwidth already hold that many ranks' turns
+    comm_world: int = 0
     peak_flops_bf16: float = 0.0  # per rank, dense bf16 (tensor cores); 0: unknown (bench's MFU at bf16)
     peak_flops_tf32: float = 0.0  # per rank, dense TF32 (train.tf32=true); 0: none (bench's MFU at fp32)
     note: str = ""
+
+    def comm_turns(self, world: int) -> float:
+        """How much slower a collective of `world` ranks runs than profiled:
+        ranks beyond the cores take turns at every hop, beyond the turns
+        the calibration's own ranks already took (comm_world)."""
+        if not self.cores:
+            return 1.0
+        return max(1.0, world / self.cores) / max(1.0, self.comm_world / self.cores)
 
 
 def load_hardware(name: str) -> Hardware:
@@ -46,7 +57,7 @@ def load_hardware(name: str) -> Hardware:
     raw = yaml.safe_load(path.read_text())
     fields = {f.name for f in dataclasses.fields(Hardware)}
     try:
-        values = {k: (str(v) if k == "note" else int(v) if k in ("ranks_per_node", "cores") else float(v))
+        values = {k: (str(v) if k == "note" else int(v) if k in ("ranks_per_node", "cores", "comm_world") else float(v))
                   for k, v in raw.items() if k in fields and k != "name"}
         return Hardware(name=name, **values)
     except (TypeError, ValueError) as e:  # PyYAML reads 1.0e9 as text, hence float() above

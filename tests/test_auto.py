@@ -96,3 +96,17 @@ def test_train_layout_auto_refuses_before_any_worker(capsys, tmp_path, args, wor
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("tpctl: error:") and all(w in err[-1] for w in words), err
     assert not (tmp_path / "run").exists()
+
+
+def test_collectives_stretch_only_beyond_the_turns_the_profile_measured():
+    """A CPU profile timed its all-reduces over comm_world ranks: those
+    turns are in its latency already; more ranks than that take more."""
+    import dataclasses
+
+    from tpctl.cost.hardware import load_hardware
+
+    cpu = dataclasses.replace(load_hardware("cpu"), cores=2, comm_world=0)
+    assert [cpu.comm_turns(w) for w in (1, 2, 8)] == [1.0, 1.0, 4.0]
+    timed_at_8 = dataclasses.replace(cpu, comm_world=8)
+    assert [timed_at_8.comm_turns(w) for w in (2, 8, 16)] == [1.0, 1.0, 2.0]
+    assert dataclasses.replace(load_hardware("h100"), comm_world=8).comm_turns(64) == 1.0  # a GPU: no turns

@@ -187,13 +187,11 @@ class ContextDropout(ParallelDropout):
         super().__init__(inner.p, inner.generator)
         self.cp, self.seq_dim = cp, seq_dim
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
+    def keep(self, x: torch.Tensor) -> torch.Tensor:
         whole = list(x.shape)
         whole[self.seq_dim] *= self.cp.size
         keep = torch.empty(whole, dtype=x.dtype, device=x.device).bernoulli_(1.0 - self.p, generator=self.generator)
-        return x * keep.index_select(self.seq_dim, self.cp.positions(whole[self.seq_dim]).to(x.device)) / (1.0 - self.p)
+        return keep.index_select(self.seq_dim, self.cp.positions(whole[self.seq_dim]).to(x.device))
 
     def extra_repr(self) -> str:
         return f"p={self.p}, positions along dim {self.seq_dim} of cp={self.cp.size}"

@@ -43,8 +43,11 @@ class ParallelDropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        keep = torch.empty_like(x).bernoulli_(1.0 - self.p, generator=self.generator)
-        return x * keep / (1.0 - self.p)
+        return x * self.keep(x) / (1.0 - self.p)
+
+    def keep(self, x: torch.Tensor) -> torch.Tensor:
+        """The mask of `x`'s elements kept (1) or dropped (0)."""
+        return torch.empty_like(x).bernoulli_(1.0 - self.p, generator=self.generator)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

@@ -2,13 +2,16 @@
 numbers of issue 29 in one run (under 5 minutes on one H100/H200).
 
     PYTHONPATH=. python benchmarks/gpu_step.py [--steps 5] [--rounds 3] [--warmup 5] [--skip-llama]
+        [--skip-gpt] [--set optim.fused=false]
 
 Rows: gpt-small (124M, tpctl's GPT class; batch 16 x 1024, bf16 autocast,
 AdamW, clip 1.0, random tokens) eager and compiled, and a ~1B Llama
 (Hugging Face's LlamaForCausalLM, random init, nothing downloaded: hidden
 2048, 16 layers, MLP 5632, vocab 32000 untied; batch 4 x 2048) compiled.
-"plain" is the 15-line loop below on the same model object class; "tpctl"
-is `tpctl train mode=none`'s step (training/build.py's build_run, the
+"plain" is the 15-line loop below on the same model object class, with
+torch's default AdamW (foreach on a GPU); "tpctl" is `tpctl train
+mode=none`'s step (its AdamW fused on a GPU: optim.fused=auto; `--set
+optim.fused=false` measures it without) (training/build.py's build_run, the
 trainer's TrainStep; train.compile compiles it as the trainer does).
 gpt-small alternates plain and tpctl round by round (both resident); the
 Llama runs plain, then tpctl (one at a time: 1B with AdamW twice is ~35 GB).
@@ -44,7 +47,7 @@ TINY = {"gpt": {"model.n_layer": 1, "model.n_head": 2, "model.n_embd": 32, "mode
                   "train.batch_size": 2, "train.seq_len": 16}}
 
 
-def config(sizes: dict, tiny: bool):
+def config(sizes: dict, tiny: bool, extra: dict | None = None):
     from omegaconf import OmegaConf
 
     from tpctl.config import default_config
@@ -52,7 +55,7 @@ def config(sizes: dict, tiny: bool):
     hf = sizes["model.arch"] != "gpt"
     cfg = default_config()
     values = {**sizes, **(TINY["llama" if hf else "gpt"] if tiny else {}), "precision": "bf16", "optim.grad_clip": 1.0,
-              "model.dropout": 0.0, "train.label_smoothing": 0.0}
+              "model.dropout": 0.0, "train.label_smoothing": 0.0, **(extra or {})}
     for key, value in values.items():
         OmegaConf.update(cfg, key, value, force_add=True)
     return cfg
@@ -195,6 +198,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds (default 3: 15 timed steps)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compiling happens here)")
     parser.add_argument("--skip-llama", action="store_true", help="gpt-small only")
+    parser.add_argument("--skip-gpt", action="store_true", help="the Llama only")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a tpctl config override for every row, e.g. optim.fused=false (repeatable)")
     parser.add_argument("--cpu", action="store_true", help="the tiny CPU smoke run even where a GPU is")
     parser.add_argument("--profile", metavar="DIR", help="also write torch.profiler tables of gpt-small's eager step there")
     args = parser.parse_args()
@@ -209,12 +215,16 @@ def main() -> None:
         args.steps, args.rounds, args.warmup = 1, 1, 1
         print("no CUDA device: tiny shapes on the CPU, compiled through dynamo only (backend eager); "
               "a smoke run, not a measurement")
+    extra = dict(item.split("=", 1) for item in args.set)
+    if extra:
+        print(f"tpctl overrides: {extra}")
     rows = []
-    plans = [("gpt-small bf16, eager", GPT_SMALL, False, True), ("gpt-small bf16, compiled", GPT_SMALL, True, True)]
+    plans = [] if args.skip_gpt else [("gpt-small bf16, eager", GPT_SMALL, False, True),
+                                      ("gpt-small bf16, compiled", GPT_SMALL, True, True)]
     if not args.skip_llama:
         plans.append(("Llama ~1B bf16, compiled", LLAMA_1B, True, False))
     for label, sizes, compiled, together in plans:
-        cfg = config(sizes, tiny=not gpu)
+        cfg = config(sizes, tiny=not gpu, extra=extra)
         cfg.device = device.type
         medians = measure(cfg, device, compiled, args, together)
         tokens = cfg.train.batch_size * cfg.train.seq_len

@@ -182,3 +182,29 @@ def test_tf32_is_named_at_start_and_set():
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
         assert torch.backends.cuda.matmul.fp32_precision == "tf32"
     set_tf32(False, torch.device("cuda"))
+
+
+def test_adamw_is_fused_on_cuda_and_updates_as_foreach_does():
+    """optim.fused=auto: the trainer's AdamW runs fused on CUDA weights, and
+    its update equals the foreach one within fp32 round-off."""
+    from omegaconf import OmegaConf
+
+    from tpctl.schema import OptimConfig
+    from tpctl.training.step import build_optimizer
+
+    def run(fused: str):
+        g = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(64, 32, generator=g).cuda()), torch.nn.Parameter(torch.randn(32, generator=g).cuda())]
+        cfg = OmegaConf.structured(OptimConfig)
+        cfg.fused = fused
+        opt = build_optimizer(params, cfg)
+        for _ in range(5):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g).cuda()
+            opt.step()
+        return bool(opt.defaults.get("fused")), [p.detach().cpu() for p in params]
+
+    (auto_fused, fused), (_, foreach) = run("auto"), run("false")
+    assert auto_fused
+    for a, b in zip(fused, foreach):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

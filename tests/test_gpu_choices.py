@@ -57,3 +57,46 @@ def test_tf32_is_a_boolean_and_a_cpu_is_left_alone():
         validate(cfg)
     assert set_tf32(True, torch.device("cpu")) is None
     assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_fused_adamw_is_chosen_on_a_gpu_only_and_updates_as_foreach_does():
+    """optim.fused=auto picks torch's fused AdamW where the weights are on a
+    GPU; the fused update (here forced on the CPU, which torch also fuses)
+    equals the unfused one within fp32 round-off over several steps."""
+    from omegaconf import OmegaConf
+
+    from tpctl.schema import OptimConfig
+    from tpctl.training.step import build_optimizer, fused_update
+
+    cpu = [torch.nn.Parameter(torch.ones(2))]
+    assert not fused_update("auto", cpu) and fused_update("true", cpu) and not fused_update(False, cpu)
+    meta_cuda = [torch.empty(2, device="meta")]
+    assert not fused_update("auto", meta_cuda)  # only CUDA weights make auto fuse
+
+    def run(fused: str) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(16, 8, generator=g)), torch.nn.Parameter(torch.randn(8, generator=g))]
+        cfg = OmegaConf.structured(OptimConfig)
+        cfg.fused = fused
+        opt = build_optimizer(params, cfg)
+        assert bool(opt.defaults.get("fused")) == (fused == "true")
+        for _ in range(5):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        return [p.detach().clone() for p in params]
+
+    for fused, plain in zip(run("true"), run("false")):
+        assert not torch.equal(fused, torch.zeros_like(fused))
+        torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-7)
+
+
+def test_optim_fused_is_refused_unless_auto_true_or_false():
+    from omegaconf import OmegaConf
+
+    from tpctl.config import default_config, validate
+
+    cfg = default_config()
+    OmegaConf.update(cfg, "optim.fused", "sometimes")
+    with pytest.raises(ConfigError, match="optim.fused.*auto, true, false"):
+        validate(cfg)

@@ -78,6 +78,9 @@ class DataConfig:
     synthetic_tokens: int = 1_000_000
 
 
+FUSED_SETTINGS = ("auto", "true", "false")  # optim.fused (training/step.py fused_update)
+
+
 @dataclass
 class OptimConfig:
     name: str = "adamw"
@@ -89,6 +92,7 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
+    fused: str = "auto"  # AdamW's one-kernel update: auto = on a GPU
 
 
 @dataclass

@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 from tpctl.errors import ConfigError
 from tpctl.parallel.layout import Layout
 from tpctl.parallel.registry import import_mode_module
-from tpctl.schema import ARCHS, TrainConfig
+from tpctl.schema import ARCHS, FUSED_SETTINGS, TrainConfig
 
 from .layout_checks import check_decoding, check_layout, name_unreplaceable_attention
 from .machine import check_backend, check_compile, check_launcher, check_nodes
@@ -115,6 +115,7 @@ def _check_loop(cfg: Any) -> None:
         raise ConfigError("optim.min_lr", o.min_lr, f"the cosine schedule decays to it: expected 0 <= min_lr <= optim.lr={o.lr}")
     check_at_least("optim.warmup_steps", o.warmup_steps, 0)
     check_at_least("optim.grad_clip", o.grad_clip, 0)
+    check_choice("optim.fused", str(o.get("fused", "auto")).lower(), FUSED_SETTINGS)
 
 
 def _sized(model: Any) -> bool:

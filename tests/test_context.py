@@ -84,6 +84,30 @@ def test_cp_trains_as_one_process_and_sends_what_is_planned(pool, name, impl, ma
         assert counted[kind] == plan.comm[(kind, "cp")].bytes > 0
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_3d_with_cp_on_16_ranks_trains_as_one_process():
+    """3d's smallest cube (8 ranks) times cp=2, ring and Ulysses: the 16-rank
+    cases, once each, on a pool of 16 ranks started for them (two CLI runs of
+    16 workers would cost twice as much in start-up alone)."""
+    from tpctl.cost.planner import model_shape, plan_split
+    from tpctl.launch.pool import DistPool
+
+    cfg = tiny_config(1, **{"model.n_embd": 32, "model.n_head": 8})
+    pool16 = DistPool(16, timeout_s=300)
+    try:
+        for impl, kind in (("ring", "ring_pass"), ("ulysses", "all_to_all")):
+            plan = plan_split(model_shape(cfg.model), Layout.parse("3d-8-cp2"), cfg.train.batch_size,
+                              cfg.train.seq_len, context=impl)
+            results = pool16.run(_cp_against_one_process, "3d-8-cp2", impl, timeout_s=600)
+            assert len(results) == 16
+            for loss_err, grad_err, counted in results:
+                assert loss_err < 1e-6 and grad_err < 1e-6, (impl, loss_err, grad_err)
+                assert counted[kind] == plan.comm[(kind, "cp")].bytes > 0, impl
+    finally:
+        pool16.close()
+
+
 def _curve(name: str, steps: int = 3, **overrides) -> list[float]:
     """The global loss of `steps` optimizer steps in layout `name`."""
     from conftest import build

@@ -210,8 +210,14 @@ def deviation(want, got) -> tuple[float, float]:
     return loss, norm
 
 
-@pytest.mark.parametrize("key", ["1d-2-dp4", "2d-4-dp2"])
-@pytest.mark.parametrize("family", list(TRAINED))
+# Every family in 2d, with the round trip (generate, export, reload); 1d for
+# the families whose stored layout the 1d split cuts differently (fused and
+# grouped projections) -- the layouts themselves are test_models' subject.
+IN_1D = ("qwen2", "gpt_neox", "phi3", "falcon")
+HF_CASES = [(family, key) for family in TRAINED for key in (("1d-2-dp4",) if family in IN_1D else ()) + ("2d-4-dp2",)]
+
+
+@pytest.mark.parametrize("family,key", HF_CASES)
 def test_pretrained_directory_trains_generates_and_exports(pool, saved, references, tmp_path_factory, family, key):
     from transformers import AutoModelForCausalLM
 

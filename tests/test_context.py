@@ -84,46 +84,73 @@ def test_cp_trains_as_one_process_and_sends_what_is_planned(pool, name, impl, ma
         assert counted[kind] == plan.comm[(kind, "cp")].bytes > 0
 
 
+# The cases of 16 ranks: 3d's smallest cube (8) times cp=2, and 2d's and
+# 2.5d's smallest grids (4) times cp=4, each with ring and Ulysses.
+SIXTEEN = ("3d-8-cp2", "2d-4-cp4", "2.5d-4-cp4")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_3d_with_cp_on_16_ranks_trains_as_one_process():
-    """3d's smallest cube (8 ranks) times cp=2, ring and Ulysses: the 16-rank
-    cases, once each, on a pool of 16 ranks started for them (two CLI runs of
-    16 workers would cost twice as much in start-up alone)."""
+def test_the_16_rank_cp_layouts_train_as_one_process():
+    """Every 16-rank layout of SIXTEEN with ring and Ulysses, once each, on
+    a pool of 16 ranks started for them (six CLI runs of 16 workers would
+    cost six times its start-up)."""
     from tpctl.cost.planner import model_shape, plan_split
     from tpctl.launch.pool import DistPool
 
     cfg = tiny_config(1, **{"model.n_embd": 32, "model.n_head": 8})
     pool16 = DistPool(16, timeout_s=300)
     try:
-        for impl, kind in (("ring", "ring_pass"), ("ulysses", "all_to_all")):
-            plan = plan_split(model_shape(cfg.model), Layout.parse("3d-8-cp2"), cfg.train.batch_size,
-                              cfg.train.seq_len, context=impl)
-            results = pool16.run(_cp_against_one_process, "3d-8-cp2", impl, timeout_s=600)
-            assert len(results) == 16
-            for loss_err, grad_err, counted in results:
-                assert loss_err < 1e-6 and grad_err < 1e-6, (impl, loss_err, grad_err)
-                assert counted[kind] == plan.comm[(kind, "cp")].bytes > 0, impl
+        for name in SIXTEEN:
+            assert Layout.parse(name).world == 16, name
+            for impl, kind in (("ring", "ring_pass"), ("ulysses", "all_to_all")):
+                plan = plan_split(model_shape(cfg.model), Layout.parse(name), cfg.train.batch_size,
+                                  cfg.train.seq_len, context=impl)
+                results = pool16.run(_cp_against_one_process, name, impl, timeout_s=600)
+                assert len(results) == 16
+                for loss_err, grad_err, counted in results:
+                    assert loss_err < 1e-6 and grad_err < 1e-6, (name, impl, loss_err, grad_err)
+                    assert counted[kind] == plan.comm[(kind, "cp")].bytes > 0, (name, impl)
+        # Training, with ZeRO-2 over the cp replicas and 2.5d's depth sums
+        # meeting the replica buckets (16 ranks caught a bug there once):
+        # every step's loss as 16 data-parallel ranks give it, and every
+        # byte rank 0 sends in a step as planned.
+        batch = {"train.batch_size": 16}
+        want = pool16.run(_curve, "none-dp16", 4, timeout_s=600, **batch)[0]
+        name = "2.5d-8-d2-cp2-z2"
+        planned = plan_split(model_shape(cfg.model), Layout.parse(name), 16, cfg.train.seq_len).comm_bytes
+        results = pool16.run(_curve_and_bytes, name, 4, timeout_s=600, **batch)
+        assert results[0][1] == planned > 0, (results[0][1], planned)
+        for losses, _ in results:
+            assert losses == pytest.approx(want, rel=1e-6) and losses != pytest.approx(want[:1] * 4), name
     finally:
         pool16.close()
 
 
 def _curve(name: str, steps: int = 3, **overrides) -> list[float]:
     """The global loss of `steps` optimizer steps in layout `name`."""
+    return _curve_and_bytes(name, steps, **overrides)[0]
+
+
+def _curve_and_bytes(name: str, steps: int = 3, **overrides) -> tuple[list[float], int]:
+    """_curve, and the bytes this rank's collectives carried in the last step."""
     from conftest import build
+    from tpctl.parallel import comm
 
     cfg = tiny_config(steps, **{"model.n_embd": 32, "model.n_head": 8, **overrides})
     run = build(cfg, Layout.parse(name))
     gen = torch.Generator().manual_seed(7)
-    out = []
+    out, last = [], 0
     for step in range(steps):
         ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1), generator=gen)
         x, y = ids[:, :-1], ids[:, 1:]
         micros = run.step.micro_count
+        before = comm.STATS.total_bytes()
         result = run.step([(run.par.shard_batch(x, k, micros), run.par.shard_targets(y, k, micros))
                            for k in range(micros)], step)
+        last = comm.STATS.total_bytes() - before
         out.append(float(result["loss"]))
-    return out
+    return out, last
 
 
 def test_zero_and_pipeline_stages_with_cp_train_as_one_process(pool):

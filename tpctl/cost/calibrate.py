@@ -1,19 +1,20 @@
 """`tpctl plan --calibrate`: fit the CPU hardware profile from a short probe.
 
-Two measurements on this machine, with the ranks tpctl would run (gloo, one
-thread per rank):
-Both take the best of 10 repetitions: the machine's speed when the load it
-shares (other sessions, other jobs) lets it run; `tpctl bench` shows the
-best step beside the median for the comparison.
-  * compute: the best step of `mode=none` on one rank for the configured
+Three measurements on this machine, with the ranks tpctl would run (gloo,
+one thread per rank):
+  * compute: the best of 10 steps of `mode=none` on one rank (the machine's
+    speed when the load it shares lets it run; `tpctl bench` shows the best
+    step beside the median) for the configured
     model, at its batch and at an eighth of it; a line through (FLOPs, time)
     gives peak_flops (the slope: everything that scales with the work --
     norms, softmax, AdamW -- folded into one effective rate) and the fixed
     cost of a block's operators per micro-batch (block_overhead_s, the
     intercept over the blocks: most of a small model's CPU step);
-  * communication: all-reduces of 4 B .. 4 MiB over `world` ranks (default 4);
-    a least-squares line through (wire bytes, time) gives the bandwidth
-    (slope) and the latency per ring step (intercept / ring steps);
+  * communication: all-reduces of 4 B .. 4 MiB over `world` ranks (default 4),
+    BURST of them back to back (the median of the repetitions: the rate a
+    step's collectives see, not the best single one); a least-squares line
+    through (wire bytes, time) gives the bandwidth (slope) and the latency
+    per ring step (intercept / ring steps);
   * the process: the peak resident set of a rank that trained a
     near-empty model (base_bytes, the floor of layout=auto's predicted peak
     on CPU).
@@ -50,12 +51,21 @@ def _probe(cfg_dict: dict, sizes: list[int], reps: int) -> dict:
         for _ in range(reps + 2):
             comm.barrier()
             t0 = time.perf_counter()
-            comm.all_reduce(buf, dist.group.WORLD)
-            times.append(time.perf_counter() - t0)
+            for _ in range(BURST):
+                comm.all_reduce(buf, dist.group.WORLD)
+            times.append((time.perf_counter() - t0) / BURST)
         times = times[2:]
-        out["all_reduce"].append((n * 4, min(times), world))
+        out["all_reduce"].append((n * 4, statistics.median(times), world))
     out["base_bytes"] = _floor(cfg_dict) if dist.get_rank() == world - 1 else None
     return out
+
+
+# All-reduces timed back to back, as a step issues them: one all-reduce right
+# after a barrier, with every rank waiting and nothing else running, is the
+# best case, about half of what the same message costs inside a step when
+# more ranks than cores share the machine (measured: 16 floats over 8 gloo
+# ranks on 2 cores, 9 ms after a barrier, ~20 ms back to back).
+BURST = 5
 
 
 def _small(cfg_dict: dict) -> dict:

@@ -134,8 +134,27 @@ def _run_with_written_back_broadcasts(name: str, steps: int, spec: PipelineSpec)
 
     issue = comm.broadcast
 
+    class WrittenBackOnWait:
+        """An asynchronous broadcast's handle that writes the tensor back
+        when waited on, as gloo does at completion: a write issued beside the
+        receive in flight would race with it (and did, under load)."""
+
+        def __init__(self, work, tensor):
+            self.work, self.tensor = work, tensor
+
+        def wait(self, *args, **kwargs):
+            out = self.work.wait(*args, **kwargs)
+            with torch.no_grad():
+                self.tensor.add_(0)
+            return out
+
+        def __getattr__(self, name):
+            return getattr(self.work, name)
+
     def written_back(tensor, src, group, async_op=False):
         handle = issue(tensor, src, group, async_op)
+        if async_op and handle is not None:
+            return WrittenBackOnWait(handle, tensor)
         with torch.no_grad():
             tensor.add_(0)
         return handle

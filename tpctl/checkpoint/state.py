@@ -111,10 +111,9 @@ def _adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
 
         # The fused (and capturable) kernels keep the step on the weight's
         # device in fp32; a CPU step there fails in the first step after loading.
-        group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
-        on_device = bool(group.get("fused") or group.get("capturable"))
-        state["step"] = (torch.tensor(0.0, dtype=_get_scalar_dtype(is_fused=True), device=p.device) if on_device
-                         else torch.tensor(0.0, dtype=_get_scalar_dtype()))
+        on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
+        state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype(is_fused=on_device),
+                                     device=p.device if on_device else None)
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     return state

@@ -2,10 +2,10 @@
 
 Three measurements on this machine, with the ranks tpctl would run (gloo,
 one thread per rank):
-  * compute: the best of 10 steps of `mode=none` on one rank (the machine's
-    speed when the load it shares lets it run; `tpctl bench` shows the best
-    step beside the median) for the configured
-    model, at its batch and at an eighth of it; a line through (FLOPs, time)
+  * compute: the best of 10 steps of `mode=none` on one rank for the
+    configured model (the machine's speed when the load it shares lets it
+    run; `tpctl bench` shows the best step beside the median), at its batch
+    and at an eighth of it; a line through (FLOPs, time)
     gives peak_flops (the slope: everything that scales with the work --
     norms, softmax, AdamW -- folded into one effective rate) and the fixed
     cost of a block's operators per micro-batch (block_overhead_s, the

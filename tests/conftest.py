@@ -1,6 +1,6 @@
-"""Scaffolding shared by the test modules: the table of layouts the 8-rank
-pool runs, the pool itself (spawned once per test module: spawning
-processes and importing torch costs seconds per rank), the tiny config and
+"""Scaffolding shared by the test modules: the table of layouts the pools
+run, the pools themselves (one per world size, spawned once per session:
+spawning processes and importing torch costs seconds per rank), the tiny config and
 the one way a test assembles a run (`build`, `trainer`: the worker's)."""
 
 from __future__ import annotations
@@ -11,9 +11,12 @@ from tpctl.launch.pool import DistPool
 from tpctl.parallel.layout import Layout
 
 WORLD = 8
-# Every layout of the 8-rank pool, by name (Layout.parse).
+# Every layout the pools run, by name (Layout.parse): those of 4 ranks on
+# the 4-rank pool, the 8-rank ones (2.5d and 3d, and dp composed with 2d)
+# on the 8-rank pool (Pools).
 LAYOUTS = {name: Layout.parse(name) for name in
-           ("none-dp8", "1d-2-dp4", "1d-4-dp2", "1d-2-sp-dp4", "1d-4-sp-dp2", "2d-4-dp2", "2.5d-8-d2", "3d-8")}
+           ("none-dp4", "1d-2-dp2", "1d-4", "1d-2-sp-dp2", "1d-4-sp", "2d-4",
+            "none-dp8", "1d-2-dp4", "1d-4-dp2", "1d-2-sp-dp4", "1d-4-sp-dp2", "2d-4-dp2", "2.5d-8-d2", "3d-8")}
 
 
 def layouts(*names: str) -> dict[str, Layout]:
@@ -84,27 +87,66 @@ def trainer_of(run, run_dir=None, scan_ids: bool = True):
     return Trainer.of(run, TokenData(run.cfg, prepare_data(run.cfg, scan_ids=scan_ids)), Path(run_dir) if run_dir else None)
 
 
-_shared: list[DistPool] = []
+class Pools:
+    """The session's pools of gloo ranks, one per world size, each started
+    on first use: spawning ranks and importing torch, transformers and the
+    test modules costs about 1 s per rank on 2 cores, once instead of once
+    per module. A call runs on the pool whose world is its layout's
+    (`_world_of`; `ranks=` says it for a call without one): on 2 cores a collective costs per message about
+    four times as much CPU over 8 processes as over 4, so a layout that
+    needs only 4 ranks runs on 4. A call that timed out or lost a rank
+    closes its pool; the next call starts a new one."""
+
+    def __init__(self):
+        self._by_world: dict[int, DistPool] = {}
+
+    def of(self, world: int) -> DistPool:
+        pool = self._by_world.get(world)
+        if pool is None or not pool.alive():
+            if pool is not None:
+                pool.close()
+            pool = self._by_world[world] = DistPool(world, timeout_s=180)
+        return pool
+
+    def run(self, fn, *args, ranks: int | None = None, **kwargs):
+        """fn(*args, **kwargs) on every rank of the pool of `ranks` (default:
+        the layout's world); the results by rank (DistPool.run)."""
+        return self.of(ranks or _world_of(args)).run(fn, *args, **kwargs)
+
+    def release_groups(self) -> None:
+        for pool in self._by_world.values():
+            if pool.alive():
+                pool.release_groups()
+
+    def close(self) -> None:
+        while self._by_world:
+            self._by_world.popitem()[1].close()
+
+
+def _world_of(args) -> int:
+    """The world of a pool call: its first layout's (a Layout, or a name of
+    LAYOUTS), else WORLD."""
+    for arg in args:
+        if isinstance(arg, Layout):
+            return arg.world
+        if isinstance(arg, str) and arg in LAYOUTS:
+            return LAYOUTS[arg].world
+    return WORLD
+
+
+_pools = Pools()
 
 
 @pytest.fixture(scope="module")
 def pool():
-    """The 8-rank pool, one for the whole session: spawning 8 ranks and
-    importing torch, transformers and the test modules in each costs about
-    10 s on 2 cores, once instead of once per module. A call that timed out
-    or lost a rank closes the pool; the next module then gets a new one."""
-    if not _shared or not _shared[0].alive():
-        if _shared:
-            _shared.pop().close()
-        _shared.append(DistPool(WORLD, timeout_s=180))
-    yield _shared[0]
-    if _shared[0].alive():
-        _shared[0].release_groups()
+    """The session's pools (Pools): one per world size, shared by every
+    module; each module's process groups are released after it."""
+    yield _pools
+    _pools.release_groups()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    while _shared:
-        _shared.pop().close()
+    _pools.close()
 
 
 def pytest_collection_modifyitems(config, items):

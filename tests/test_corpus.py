@@ -295,9 +295,9 @@ def test_cli_refuses_the_vocab_before_workers_start(word_corpus, tmp_path):
     assert not list((tmp_path / "run").rglob("rank*.log"))  # no worker started
 
 
-# -- training on prepared corpora, in the 8-rank pool -------------------------
+# -- training on prepared corpora, on the pools -----------------------------
 
-TRAIN_LAYOUTS = layouts("none-dp8", "1d-2-dp4", "3d-8")
+TRAIN_LAYOUTS = layouts("none-dp4", "1d-2-dp2", "3d-8")
 
 
 def _train(layout, data_path: str, vocab: int, val_fraction: float = 0.1) -> list[float]:
@@ -317,7 +317,7 @@ def _train(layout, data_path: str, vocab: int, val_fraction: float = 0.1) -> lis
 
 def test_word_vocab_trains_equal_in_1d_and_3d(pool, word_corpus):
     curves = {key: pool.run(_train, layout, word_corpus, WORDS + 2)[0] for key, layout in TRAIN_LAYOUTS.items()}
-    reference = curves.pop("none-dp8")
+    reference = curves.pop("none-dp4")
     assert len(reference) == 6 and reference[-1] < reference[0] + 0.5  # 4 train losses, 2 val losses
     for key, losses in curves.items():
         assert losses == pytest.approx(reference, rel=1e-5), key
@@ -337,7 +337,7 @@ def test_shards_train_like_one_bin(pool, tmp_path):
                 f.write(p.read_bytes())
     n, n_val = index["tokens"]["train"] + index["tokens"]["val"], index["tokens"]["val"]
     fraction = (n_val + 0.5) / n  # the .bin's split: its last int(n * fraction) = n_val tokens
-    layout = TRAIN_LAYOUTS["1d-2-dp4"]
+    layout = TRAIN_LAYOUTS["1d-2-dp2"]
     sharded = pool.run(_train, layout, str(tmp_path / "sharded"), 256)[0]
     single = pool.run(_train, layout, str(one), 256, fraction)[0]
     assert sharded == single

@@ -4,7 +4,7 @@
 on, the default attention implementation; random weights, nothing
 downloaded), their tensors under the names each family stores.
 
-For each directory, on one pool of 8 gloo ranks: `model.pretrained=DIR`
+For each directory, on the session's 4-rank pool: `model.pretrained=DIR`
 read slice by slice (through transformers' own renames and conversions)
 gives `from_pretrained`'s logits; greedy decoding gives `transformers`'
 own `generate` tokens in mode=none and 2d; a few training steps in 1d and
@@ -26,7 +26,7 @@ from conftest import build, layouts, trainer_of
 
 pytest.importorskip("transformers")
 
-MESHES = layouts("none-dp8", "1d-2-dp4", "2d-4-dp2")
+MESHES = layouts("none-dp4", "1d-2-dp2", "2d-4")
 STEPS, BATCH, SEQ = 5, 8, 8
 PROMPT, NEW = [10, 200, 33, 7, 99], 8
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -48,7 +48,7 @@ TRAINED = {
 }
 # Read in one process (test_stored_names...): experts stored one tensor each.
 MOE = {"mixtral": dict(n_kv_head=2, config={"num_local_experts": 3})}
-ROUND_TRIP = ("none-dp8", "2d-4-dp2")
+ROUND_TRIP = ("none-dp4", "2d-4")
 
 
 def _model_cfg(family: str, **extra):
@@ -200,7 +200,7 @@ def _none(pool, saved, references, family, tmp_path_factory):
     if family not in references:
         directory = saved[family][0]
         run_dir = str(tmp_path_factory.mktemp(f"{family}-none"))
-        references[family] = (pool.run(_in_and_out, "none-dp8", family, directory, True, run_dir)[0], run_dir)
+        references[family] = (pool.run(_in_and_out, "none-dp4", family, directory, True, run_dir)[0], run_dir)
     return references[family]
 
 
@@ -214,7 +214,7 @@ def deviation(want, got) -> tuple[float, float]:
 # the families whose stored layout the 1d split cuts differently (fused and
 # grouped projections) -- the layouts themselves are test_models' subject.
 IN_1D = ("qwen2", "gpt_neox", "phi3", "falcon")
-HF_CASES = [(family, key) for family in TRAINED for key in (("1d-2-dp4",) if family in IN_1D else ()) + ("2d-4-dp2",)]
+HF_CASES = [(family, key) for family in TRAINED for key in (("1d-2-dp2",) if family in IN_1D else ()) + ("2d-4",)]
 
 
 @pytest.mark.parametrize("family,key", HF_CASES)
@@ -481,7 +481,7 @@ def measure() -> None:
     from tpctl.launch.pool import DistPool
 
     sys.path.insert(0, str(Path(__file__).parent))
-    pool = DistPool(8, timeout_s=900)
+    pool = DistPool(4, timeout_s=900)  # every layout below has 4 ranks
     root = Path(tempfile.mkdtemp(prefix="hf-io-"))
     print("| family | read, none / 2d | train 1d / 2d vs none | greedy = transformers, none / 2d "
           "| export vs trained, none / 2d | 2d export vs none export |")
@@ -492,18 +492,18 @@ def measure() -> None:
             save_family(family, directory, base_only=family == "gpt2")
             want = _reference_tokens(directory)
             row, runs = {}, {}
-            for key in ("none-dp8", "1d-2-dp4", "2d-4-dp2"):
+            for key in ("none-dp4", "1d-2-dp2", "2d-4"):
                 run_dir = None
                 if key in ROUND_TRIP:
                     run_dir = str(root / f"{family}-{key}")
                     Path(run_dir).mkdir()
                 row[key] = pool.run(_in_and_out, key, family, str(directory), key in ROUND_TRIP, run_dir)
                 runs[key] = run_dir
-            none = row["none-dp8"]
+            none = row["none-dp4"]
             read = " / ".join(f"{max(r['loaded'] for r in row[k]):.1e}" for k in ROUND_TRIP)
             greedy = " / ".join(str(all(r["tokens"] == want for r in row[k])).lower() for k in ROUND_TRIP)
             trained = " / ".join(f"{max(deviation(none[0]['curve'], r['curve'])[0] for r in row[k]):.1e}"
-                                 for k in ("1d-2-dp4", "2d-4-dp2"))
+                                 for k in ("1d-2-dp2", "2d-4"))
             exported = " / ".join(f"{max(r['exported'] for r in row[k]):.1e}" for k in ROUND_TRIP)
             a, b = (AutoModelForCausalLM.from_pretrained(f"{runs[k]}/exported").eval() for k in ROUND_TRIP)
             with torch.no_grad():

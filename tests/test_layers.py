@@ -1,7 +1,7 @@
 """Every parallel layer against the single-process layer it replaces.
 
-One pool of 8 gloo ranks serves every mode: a mesh of `size` ranks takes
-dp = 8 / size replicas, so data parallelism is exercised too. For each case
+The session's pools serve every mode (4 gloo ranks, or 8 for 2.5d and
+3d); a layout with dp > 1 exercises data parallelism too. For each case
 the reference module runs whole on every rank; the parallel copy runs on this
 rank's rows and shards; outputs, input grads and parameter grads (after the
 gradient sync) must equal the reference's slices within fp32 round-off.
@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import WORLD, layouts
+from conftest import layouts
 from tpctl.launch.pool import parallelism_of
 
-MESHES = layouts("none-dp8", "1d-2-dp4", "1d-4-sp-dp2", "1d-4-dp2", "2d-4-dp2", "2.5d-8-d2", "3d-8")
+MESHES = layouts("none-dp4", "1d-2-dp2", "1d-4-sp", "1d-4", "2d-4", "2.5d-8-d2", "3d-8")
 TOL = dict(rtol=1e-5, atol=1e-5)
 BATCH, SEQ, HIDDEN, HEADS = 8, 8, 16, 4
 
@@ -193,7 +193,7 @@ def test_layer_matches_single_process(pool, key, case):
     assert all(n > 0 for n in checked)
 
 
-@pytest.mark.parametrize("key", ["1d-4-dp2", "2d-4-dp2", "3d-8"])
+@pytest.mark.parametrize("key", ["1d-4", "2d-4", "3d-8"])
 def test_label_smoothing(pool, key):
     pool.run(_compare, key, "head-untied-bias", 0.1)
 
@@ -211,19 +211,19 @@ def _compare_with_the_cuda_loss(key: str) -> int:
         loss.policy_for = saved
 
 
-@pytest.mark.parametrize("key", ["1d-4-sp-dp2", "3d-8"])  # the loss group of 1d, and of 3d's grid
+@pytest.mark.parametrize("key", ["1d-4-sp", "3d-8"])  # the loss group of 1d, and of 3d's grid
 def test_the_cuda_loss_policy_across_a_loss_group(pool, key):
     assert all(n > 0 for n in pool.run(_compare_with_the_cuda_loss, key))
 
 
 @pytest.mark.parametrize("key,same", [
-    ("1d-4-dp2", [True, False]),  # replicated residual stream; heads split
-    ("1d-4-sp-dp2", [False, False]),  # sequence shards
-    ("2d-4-dp2", [False, False]),
+    ("1d-4", [True, False]),  # replicated residual stream; heads split
+    ("1d-4-sp", [False, False]),  # sequence shards
+    ("2d-4", [False, False]),
     ("3d-8", [False, False]),
 ])
 def test_dropout_rng_rule(pool, key, same):
-    assert pool.run(_dropout_masks, key) == [same] * WORLD
+    assert pool.run(_dropout_masks, key) == [same] * MESHES[key].world
 
 
 def _mlp_comm(key: str) -> tuple[dict, dict]:
@@ -278,7 +278,7 @@ def _expected_mlp_comm(key: str) -> tuple[dict, dict]:
     return {}, {}
 
 
-@pytest.mark.parametrize("key", ["1d-4-dp2", "2d-4-dp2", "2.5d-8-d2", "3d-8"])
+@pytest.mark.parametrize("key", ["1d-4", "2d-4", "2.5d-8-d2", "3d-8"])
 def test_comm_counter_matches_the_algorithm(pool, key):
     calls, nbytes = pool.run(_mlp_comm, key)[0]
     want_calls, want_bytes = _expected_mlp_comm(key)
@@ -295,7 +295,7 @@ def _compare_lock_step(key: str, case: str) -> int:
         mode.grid.overlap = True
 
 
-@pytest.mark.parametrize("key", ["2d-4-dp2", "2.5d-8-d2"])
+@pytest.mark.parametrize("key", ["2d-4", "2.5d-8-d2"])
 def test_summa_without_overlap_is_the_same(pool, key):
     """The lock-step SUMMA (benchmarks/summa_overlap.py's baseline)."""
     assert all(n > 0 for n in pool.run(_compare_lock_step, key, "block"))

@@ -1,8 +1,8 @@
 """The start-up verification (parallel/verify.py): every mode passes it on
 tpctl's GPT and on Hugging Face Llama and GPT-2; a replacement whose
 arithmetic is broken on purpose, and a fused projection sliced in the wrong
-layout, are refused, naming the module or block. One pool of 8 gloo ranks
-serves every case; one slow CLI run checks the exit-2 line."""
+layout, are refused, naming the module or block. The session's pools
+(4 ranks, 8 for 2.5d and 3d) serve every case; one slow CLI run checks the exit-2 line."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from cli_support import tpctl  # noqa: F401  (fixture)
 from conftest import layouts
 from tpctl.launch.pool import parallelism_of
 
-MESHES = layouts("none-dp8", "1d-2-dp4", "1d-2-sp-dp4", "2d-4-dp2", "2.5d-8-d2", "3d-8")
+MESHES = layouts("none-dp4", "1d-2-dp2", "1d-2-sp-dp2", "2d-4", "2.5d-8-d2", "3d-8")
 VOCAB = 37
 # Models of tests/verify_models.py with one mechanism each, which every mode must carry and the check accept.
 MECHANISMS = ("positions", "head_norm_list", "fused_head_norms", "mqa", "fused_mqa")
@@ -125,12 +125,12 @@ def test_every_mode_passes_verification(pool, name, key):
 # module's largest gradient): a refusal must come with a difference at least
 # 100 times the tolerance.
 @pytest.mark.parametrize("key,role,how,module", [
-    ("2d-4-dp2", "embedding", "drop a scale", "wte"),
+    ("2d-4", "embedding", "drop a scale", "wte"),
     ("3d-8", "embedding", "drop a scale", "wte"),
-    ("1d-2-dp4", "embedding", "drop a scale", "wte"),
-    ("2d-4-dp2", "norm", "skip the bias", "blocks.0.ln_1"),
+    ("1d-2-dp2", "embedding", "drop a scale", "wte"),
+    ("2d-4", "norm", "skip the bias", "blocks.0.ln_1"),
     ("3d-8", "mlp_out", "skip the bias", "blocks.0.mlp.proj"),
-    ("2d-4-dp2", "norm", "no replica sum", "blocks.0.ln_1"),
+    ("2d-4", "norm", "no replica sum", "blocks.0.ln_1"),
     ("2.5d-8-d2", "mlp_in", "no replica sum", "blocks.0.mlp.fc"),
 ])
 def test_broken_replacement_is_refused_naming_the_module(pool, key, role, how, module):
@@ -140,7 +140,7 @@ def test_broken_replacement_is_refused_naming_the_module(pool, key, role, how, m
         assert r["checks"][module][2] > 100 * r["tolerance"]
 
 
-@pytest.mark.parametrize("key", ["1d-2-dp4", "2d-4-dp2", "2.5d-8-d2", "3d-8"])
+@pytest.mark.parametrize("key", ["1d-2-dp2", "2d-4", "2.5d-8-d2", "3d-8"])
 @pytest.mark.parametrize("name", MECHANISMS)
 def test_each_mechanism_is_accepted_in_every_mode(pool, name, key):
     """Correct rewrites refused before for untrue reasons: a zero-gradient
@@ -162,10 +162,10 @@ def test_a_key_bias_under_absolute_positions_has_a_zero_gradient():
 
 
 @pytest.mark.parametrize("key,name,role,how,where", [
-    ("1d-2-dp4", "mqa", "", "no shared sum", "module blocks.0.attn.k ("),
-    ("2d-4-dp2", "mqa", "", "no shared sum", "module blocks.0.attn.k ("),
-    ("2d-4-dp2", "head_norm_list", "", "no shared sum", "block blocks.0 ("),
-    ("1d-2-dp4", "qwen2_moe", "experts", "drop its entry hook", "block model.layers.0 ("),
+    ("1d-2-dp2", "mqa", "", "no shared sum", "module blocks.0.attn.k ("),
+    ("2d-4", "mqa", "", "no shared sum", "module blocks.0.attn.k ("),
+    ("2d-4", "head_norm_list", "", "no shared sum", "block blocks.0 ("),
+    ("1d-2-dp2", "qwen2_moe", "experts", "drop its entry hook", "block model.layers.0 ("),
 ])
 def test_a_broken_mechanism_is_refused(pool, key, name, role, how, where):
     """Shared key/value heads or per-head norms whose replicas' gradients are
@@ -176,7 +176,7 @@ def test_a_broken_mechanism_is_refused(pool, key, name, role, how, where):
         assert max(c[2] for c in r["checks"].values()) > 100 * r["tolerance"]
 
 
-@pytest.mark.parametrize("key", ["1d-2-dp4", "2d-4-dp2", "2.5d-8-d2", "3d-8"])
+@pytest.mark.parametrize("key", ["1d-2-dp2", "2d-4", "2.5d-8-d2", "3d-8"])
 def test_fused_projection_in_the_wrong_layout_is_refused_at_the_block(pool, key):
     """qkv sliced [q|k|v] while the forward reads it interleaved per head:
     every module, qkv included, computes its own rows right; the block's
@@ -189,7 +189,7 @@ def test_fused_projection_in_the_wrong_layout_is_refused_at_the_block(pool, key)
         assert r["checks"]["blocks.0"][2] > 1e-2
 
 
-@pytest.mark.parametrize("key", ["2d-4-dp2", "3d-8"])
+@pytest.mark.parametrize("key", ["2d-4", "3d-8"])
 def test_wrong_arithmetic_around_the_modules_is_refused_at_the_embedding_stage(pool, key):
     """The model's forward scales by the width of the table it finds: right
     in every module and block, wrong only in the stage around them."""
@@ -206,7 +206,7 @@ NEOX_PLAN = {"*embed_in": "embedding", "*layernorm": "norm", "*layer_norm": "nor
              "lm_head": "lm_head", "embed_out": "lm_head"}
 
 
-@pytest.mark.parametrize("key", ["1d-2-dp4", "2d-4-dp2"])
+@pytest.mark.parametrize("key", ["1d-2-dp2", "2d-4"])
 def test_gpt_neox_sliced_as_q_k_v_is_refused(pool, key):
     pytest.importorskip("transformers")
     for r in pool.run(_verify, key, "neox", NEOX_PLAN):

@@ -25,6 +25,18 @@ def to_compute(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def linear_grads(grad: torch.Tensor, x: torch.Tensor, need_weight: bool, need_bias: bool):
+    """The weight's and the bias's gradients of Y = X W^T + b (None where not
+    needed), from Y's gradient and X (rows on every dim but the last): the
+    products autograd's linear backward makes, written out so a custom
+    function takes them in its own backward (a torch.autograd.grad there
+    would be a backward of its own, and under activation checkpointing
+    recompute the whole block again)."""
+    rows = grad.reshape(-1, grad.shape[-1])
+    grad_w = rows.t().mm(x.reshape(-1, x.shape[-1])) if need_weight else None
+    return grad_w, rows.sum(0) if need_bias else None
+
+
 def upcast(t: torch.Tensor) -> torch.Tensor:
     """A half-precision tensor in fp32 (statistics are accumulated in fp32)."""
     return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t

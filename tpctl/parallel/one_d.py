@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from . import comm
 from .mode import ParallelMode, RewriteContext
 from .geometry import Geometry
-from .layers import ParallelDropout, embedding_semantics, to_compute, vocab_block_lookup
+from .layers import ParallelDropout, embedding_semantics, linear_grads, to_compute, vocab_block_lookup
 from .experts import experts_layout, routing_weights_arg
 from .registry import register
 from .roles import COLUMN_ROLES
@@ -30,42 +30,38 @@ class _ColumnLinearFn(torch.autograd.Function):
     """Y = X W^T (+ b) on the replicated (or gathered) input, whose backward
     issues the input gradient's all-reduce (reduce-scatter onto sequence
     shards) before the weight gradient's product and waits for it after, as
-    Megatron-LM does: the collective runs beside the matmul. The products are
-    F.linear's own backward, asked for the input's gradient first and the
-    weight's second, so overlap=False (wait at once) gives the same bits."""
+    Megatron-LM does: the collective runs beside the matmul. The products
+    are written out (linear_grads), not asked of autograd one gradient at a
+    time: each such request is a backward of its own, and under activation
+    checkpointing each would recompute the whole block again. overlap=False
+    (wait at once) gives the same bits. X, W and b arrive in one dtype
+    (ColumnLinear casts them: to_compute)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, gather: bool, overlap: bool):
         if gather:
-            x = comm.all_gather(x, group, SEQ_DIM)  # a fresh tensor: the one F.linear keeps for the backward
-        needs = ctx.needs_input_grad
-        with torch.enable_grad():
-            leaves = [t if t is None else t.detach().requires_grad_(need) for t, need in zip((x, weight, bias), needs)]
-            y = F.linear(*leaves)
-        ctx.graph, ctx.group, ctx.gather, ctx.overlap = (leaves, y), group, gather, overlap
-        return y.detach()
+            x = comm.all_gather(x, group, SEQ_DIM)  # a fresh tensor: the one kept for the backward
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.gather, ctx.overlap, ctx.has_bias = group, gather, overlap, bias is not None
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
-        (x, weight, bias), y = ctx.graph
-        del ctx.graph
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = work = None
-        if x.requires_grad:
-            (grad_x,) = torch.autograd.grad(y, x, grad, retain_graph=True)
+        if need_x:
+            grad_x = grad.matmul(weight)  # a fresh buffer: summed in place
             if ctx.gather:
                 grad_x, work = comm.reduce_scatter(grad_x, ctx.group, SEQ_DIM, async_op=True)
             else:
-                # autograd's own fresh buffer (of a leaf of this function's graph): summed in place
-                grad_x, work = comm.all_reduce(grad_x.contiguous(), ctx.group, async_op=True)
+                grad_x, work = comm.all_reduce(grad_x, ctx.group, async_op=True)
             if not ctx.overlap:
                 work.wait()
                 work = None
-        params = [t for t in (weight, bias) if t is not None and t.requires_grad]
-        grads = iter(torch.autograd.grad(y, params, grad) if params else ())
+        grad_w, grad_b = linear_grads(grad, x, need_w, need_b and ctx.has_bias)
         if work is not None:
             work.wait()
-        grad_w = next(grads) if weight.requires_grad else None
-        grad_b = next(grads) if bias is not None and bias.requires_grad else None
         return grad_x, grad_w, grad_b, None, None, None
 
 
@@ -86,14 +82,15 @@ class ColumnLinear(nn.Module):
         x = to_compute(x)  # under autocast: the gather and the backward all-reduce in the compute dtype
         if self.entry == "gathered" or comm.group_size(self.group) == 1:
             return F.linear(x, self.weight, self.bias)
-        return _column_linear(x, self.weight, self.bias, self.group, self.entry == "seq_shards", self.overlap)
+        bias = None if self.bias is None else to_compute(self.bias)
+        return _column_linear(x, to_compute(self.weight), bias, self.group, self.entry == "seq_shards", self.overlap)
 
 
 def _column_linear(x, weight, bias, group, gather: bool, overlap: bool) -> torch.Tensor:
     return _ColumnLinearFn.apply(x, weight, bias, group, gather, overlap)
 
 
-comm.also_eager(globals(), "_column_linear")  # its backward runs a graph of its own: never compiled
+comm.also_eager(globals(), "_column_linear")  # its backward issues a collective mid-way: kept eager
 
 
 class RowLinear(nn.Module):

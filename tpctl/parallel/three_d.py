@@ -29,7 +29,7 @@ from tpctl.errors import ConfigError
 from . import comm
 from .mode import ParallelMode
 from .geometry import Geometry, exact_root
-from .layers import ParallelDropout, SplitNorm, embedding_semantics, norm_width, to_compute, vocab_block_lookup
+from .layers import ParallelDropout, SplitNorm, embedding_semantics, linear_grads, norm_width, to_compute, vocab_block_lookup
 from .registry import register
 from .shard import ShardSpec, block
 
@@ -66,9 +66,10 @@ class _CubeLinearFn(torch.autograd.Function):
     is issued first (it depends on no activation), the input's beside it;
     backward, the input gradient's reduce-scatter is issued before the
     weight gradient's product and the weight gradient's own after it, both
-    waited for last. The products are F.linear's own backward, asked for one
-    gradient at a time, so overlap=False (each collective waited for at
-    once) gives the same bits."""
+    waited for last. The products are written out (as in 1d's column
+    linear: a torch.autograd.grad per gradient would each be a backward of
+    its own, recomputing a checkpointed block again), so overlap=False (each
+    collective waited for at once) gives the same bits."""
 
     @staticmethod
     def forward(ctx, x, weight, layout: Layout3D, groups: dict, overlap: bool, ahead=None):
@@ -84,23 +85,25 @@ class _CubeLinearFn(torch.autograd.Function):
         x_full = start(x, groups[layout.rows])
         for work in pending:
             _waited(work)
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(need) for t, need in zip((x_full, weight_full), ctx.needs_input_grad)]
-            y = F.linear(*leaves)
-        ctx.graph, ctx.layout, ctx.groups, ctx.overlap = (leaves, y), layout, groups, overlap
-        return comm.reduce_scatter(y.detach(), groups[layout.hidden], 0)
+        ctx.save_for_backward(x_full, weight_full)
+        ctx.layout, ctx.groups, ctx.overlap = layout, groups, overlap
+        return comm.reduce_scatter(F.linear(x_full, weight_full), groups[layout.hidden], 0)
 
     @staticmethod
     def backward(ctx, grad):
-        (x, weight), y = ctx.graph
-        del ctx.graph
+        x, weight = ctx.saved_tensors
         grad = comm.all_gather(grad.contiguous(), ctx.groups[ctx.layout.hidden], 0)
+        need_x, need_w = ctx.needs_input_grad[:2]
         out, pending = [None, None], []
-        for k, (leaf, group) in enumerate(((x, ctx.groups[ctx.layout.rows]), (weight, ctx.groups["i"]))):
-            if leaf.requires_grad:
-                (full,) = torch.autograd.grad(y, leaf, grad, retain_graph=k == 0 and weight.requires_grad)
-                out[k], work = comm.reduce_scatter(full, group, 0, async_op=True)
-                pending.append(work) if ctx.overlap else _waited(work)
+
+        def scatter(k, full, group):
+            out[k], work = comm.reduce_scatter(full, group, 0, async_op=True)
+            pending.append(work) if ctx.overlap else _waited(work)
+
+        if need_x:
+            scatter(0, grad.matmul(weight), ctx.groups[ctx.layout.rows])
+        if need_w:
+            scatter(1, linear_grads(grad, x, True, False)[0], ctx.groups["i"])
         for work in pending:
             _waited(work)
         return out[0], out[1], None, None, None, None
@@ -165,7 +168,7 @@ def _take(prefetch: _Prefetch, module: nn.Module):
 
 
 comm.also_eager(globals(), "_take")  # issues a collective and reads versions: never traced
-comm.also_eager(globals(), "cube_linear")  # its backward runs a graph of its own: never compiled
+comm.also_eager(globals(), "cube_linear")  # its collectives are issued and waited for out of order: kept eager
 
 
 class Linear3D(nn.Module):

@@ -45,10 +45,11 @@ class _ReplayGenerators:
     records the generators' states as the block's forward starts; the
     second sets them back for the recomputation and, after it, restores the
     states the generators had reached. Both are objects, not generator
-    functions, because torch may recompute a block more than once (a
-    backward that asks for one gradient at a time, 1d's overlapped linear)
-    and enters the same context each time: each entry replays the same
-    masks."""
+    functions, because torch recomputes a block once for every backward
+    that unpacks its tensors (a model's own autograd function that asks
+    for one gradient at a time starts one each; tpctl's layers write their
+    products out and start none) and enters the same context each time:
+    each entry replays the same masks."""
 
     def __init__(self, generators: list[torch.Generator]):
         self.generators = generators

@@ -111,3 +111,42 @@ def test_collectives_stretch_only_beyond_the_turns_the_profile_measured():
     timed_at_8 = dataclasses.replace(cpu, comm_world=8)
     assert [timed_at_8.comm_turns(w) for w in (2, 8, 16)] == [0.25, 1.0, 2.0]
     assert dataclasses.replace(load_hardware("h100"), comm_world=8).comm_turns(64) == 1.0  # a GPU: no turns
+
+
+def test_a_collective_waited_for_takes_its_kinds_measured_time():
+    """A profile's reduce_scatter_factor stretches the reduce-scatters a
+    step waits for, not those issued beside other work (1d with sequence
+    parallelism has both)."""
+    import dataclasses
+
+    from tpctl.config import compose_jobs
+    from tpctl.cost.hardware import load_hardware
+    from tpctl.cost.planner import model_shape, plan_split, predict
+    from tpctl.parallel.layout import Layout
+
+    cfg = compose_jobs(TINY)[0]
+    plan = plan_split(model_shape(cfg.model), Layout.parse("1d-2-sp-dp2"), 8, 16)
+    hw = dataclasses.replace(load_hardware("cpu"), reduce_scatter_factor=1.0, all_gather_factor=1.0)
+    base = predict(dataclasses.replace(plan), hw).comm_s
+    stretched = predict(dataclasses.replace(plan), dataclasses.replace(hw, reduce_scatter_factor=3.0)).comm_s
+    c = plan.comm[("reduce_scatter", "tp")]
+    assert 0 < c.hidden_calls < c.calls
+    waited = (c.calls - c.hidden_calls) * hw.intra_latency + (c.wire_bytes - c.hidden_wire_bytes) / hw.intra_bw
+    assert stretched - base == pytest.approx(2 * waited)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_calibrate_writes_a_profile_the_planner_reads(tmp_path, monkeypatch):
+    """`tpctl plan --calibrate` on 2 ranks: every number it fits is there
+    and positive, and load_hardware reads it back."""
+    from tpctl.cost import hardware
+    from tpctl.cost.calibrate import calibrate
+
+    monkeypatch.setattr(hardware, "HARDWARE_DIR", tmp_path)
+    assert calibrate("probe", 2, TINY) == 0
+    hw = hardware.load_hardware("probe")
+    assert hw.comm_world == 2 and hw.cores > 0 and "calibrated" in hw.note
+    for value in (hw.peak_flops, hw.intra_bw, hw.intra_latency, hw.base_bytes, hw.reduce_scatter_factor,
+                  hw.all_gather_factor):
+        assert value > 0

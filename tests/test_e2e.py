@@ -1,12 +1,13 @@
 """Whole runs through `tpctl train`: every mode's loss curve must equal
 mode=none's at every step (same init, same global batches, fp32 round-off).
 
-Runs are cached per session and shared by the tests; 8-process runs are slow
-on 2 cores, so there are few of them and they are tiny (gpt-tiny, 20 steps):
-tensor and data parallel together (2d dp=2). Every other layout (1d with
-sequence parallelism among them) runs through the same command in `tpctl check-recipes`
-(CI's second step: gpt-tiny in every mode equal to none within 1e-7), and
-in every layout of the 8-rank pool (test_models, test_mesh_and_training).
+Runs are cached per session and shared by the tests; a run pays its
+start-up per rank on 2 cores, so there are few of them and they are tiny
+(gpt-tiny, 20 steps): tensor and data parallel together (1d dp=2, 4
+workers). Every other layout (2d with dp=2, 1d with sequence parallelism
+among them) runs through the same command in `tpctl check-recipes` (CI's
+second step: gpt-tiny in every mode equal to none within 1e-7), and in
+every layout of the test pools (test_models, test_mesh_and_training).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tpctl.commands.run_dir import layout_overrides, read_metrics, train_subproc
 pytestmark = pytest.mark.slow
 
 COMMON = ["model=gpt-tiny", "train.steps=20", "train.log_every=1", "train.eval_every=0", "seed=0"]
-RUNS = {name: layout_overrides(name) for name in ("none", "2d-4-dp2")}
+RUNS = {name: layout_overrides(name) for name in ("none", "1d-2-dp2")}
 REL_TOL = 1e-4
 
 

@@ -97,6 +97,25 @@ def test_activation_checkpointing_same_losses(pool, key):
     if MESHES[key].mode != "none":
         assert checkpointed["comm_bytes"] > plain["comm_bytes"]
 
+@pytest.mark.parametrize("key", [k for k in MESHES if MESHES[k].mode == "1d"])
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_a_recomputation_sends_what_the_planner_says(pool, key, dropout):
+    """The recomputed forward issues the blocks' collectives again up to the
+    last tensor it must give back (without dropout, the MLP output's sum
+    is not needed): as many bytes as the planner's share says."""
+    from tpctl.cost.planner import model_shape, plan_split
+
+    overrides = {"model.dropout": dropout}
+    plain = pool.run(_train, key, **overrides)[0]
+    checkpointed = pool.run(_train, key, **overrides, **{"train.activation_checkpointing": True})[0]
+    cfg = _cfg(**MESHES[key].to_dict(), **overrides)
+    t, m = cfg.train, cfg.model
+    stream = m.n_layer * t.batch_size * t.seq_len * m.n_embd * 4  # every block's stream once, fp32 (dp = 1)
+    blocks = (8 if MESHES[key].seq_parallel else 4) * stream  # the sums (or gathers and scatters) of a step
+    share = plan_split(model_shape(m), MESHES[key], t.batch_size, t.seq_len).recompute_comm_share
+    assert share < 0.5 if dropout == 0 else share == 0.5
+    assert (checkpointed["comm_bytes"] - plain["comm_bytes"]) / STEPS == share * blocks
+
 
 @pytest.mark.parametrize("key", ["2d-4-dp2"])
 def test_activation_checkpointing_bf16(pool, key):

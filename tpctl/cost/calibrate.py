@@ -1,6 +1,6 @@
 """`tpctl plan --calibrate`: fit the CPU hardware profile from a short probe.
 
-Three measurements on this machine, with the ranks tpctl would run (gloo,
+Four measurements on this machine, with the ranks tpctl would run (gloo,
 one thread per rank):
   * compute: the best of 10 steps of `mode=none` on one rank for the
     configured model (the machine's speed when the load it shares lets it
@@ -15,6 +15,9 @@ one thread per rank):
     step's collectives see, not the best single one); a least-squares line
     through (wire bytes, time) gives the bandwidth (slope) and the latency
     per ring step (intercept / ring steps);
+  * the other kinds: a reduce-scatter's and an all-gather's time against
+    what the all-reduce's fit gives them (`<kind>_factor`: the planner
+    stretches the ones a step waits for by it);
   * the process: the peak resident set of a rank that trained a
     near-empty model (base_bytes, the floor of layout=auto's predicted peak
     on CPU).
@@ -56,6 +59,7 @@ def _probe(cfg_dict: dict, sizes: list[int], reps: int) -> dict:
             times.append((time.perf_counter() - t0) / BURST)
         times = times[2:]
         out["all_reduce"].append((n * 4, statistics.median(times), world))
+    out["kinds"] = {kind: _burst(kind, KIND_PROBE_NUMEL, reps) for kind in FACTOR_KINDS}
     out["base_bytes"] = _floor(cfg_dict) if dist.get_rank() == world - 1 else None
     return out
 
@@ -66,6 +70,35 @@ def _probe(cfg_dict: dict, sizes: list[int], reps: int) -> dict:
 # more ranks than cores share the machine (measured: 16 floats over 8 gloo
 # ranks on 2 cores, 9 ms after a barrier, ~20 ms back to back).
 BURST = 5
+# The other collectives a step waits for (1d's sequence parallelism, 3d,
+# ZeRO-3's gathers), each timed at one activation-sized message against the
+# all-reduce's fit: gloo's reduce-scatter costs about an all-reduce, not the
+# p - 1 ring steps the planner counts for it (NCCL's).
+FACTOR_KINDS = ("reduce_scatter", "all_gather")
+KIND_PROBE_NUMEL = 16384
+
+
+def _burst(kind: str, numel: int, reps: int) -> float:
+    """The median time of a `kind` of `numel` floats (the full tensor) over
+    the world, BURST back to back, as the all-reduces are timed."""
+    import torch
+    import torch.distributed as dist
+
+    from tpctl.parallel import comm
+
+    group = dist.group.WORLD
+    full = torch.ones(numel)
+    block = full[: numel // dist.get_world_size()].contiguous()
+    call = {"reduce_scatter": lambda: comm.reduce_scatter(full, group, 0),
+            "all_gather": lambda: comm.all_gather(block, group, 0)}[kind]
+    times = []
+    for _ in range(reps + 2):
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(BURST):
+            call()
+        times.append((time.perf_counter() - t0) / BURST)
+    return statistics.median(times[2:])
 
 
 def _small(cfg_dict: dict) -> dict:
@@ -122,7 +155,7 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
     from tpctl.config import compose_jobs
     from tpctl.parallel.layout import Layout
     from .hardware import HARDWARE_DIR
-    from .planner import WIRE_FACTOR, model_shape, plan_split
+    from .planner import LATENCY_STEPS, WIRE_FACTOR, model_shape, plan_split
     from tpctl.launch.pool import DistPool
 
     from omegaconf import OmegaConf
@@ -154,6 +187,10 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
     intercept = max(my - slope * mx, ys[0])
     latency, bw = intercept / steps, 1.0 / slope
     fit = [intercept + x * slope for x in xs]
+    # each other kind's time over what the all-reduce's fit gives it
+    factors = {kind: t / (LATENCY_STEPS.get(kind, lambda p: p - 1)(world) * latency
+                          + WIRE_FACTOR[kind](world) * KIND_PROBE_NUMEL * 4 / bw)
+               for kind, t in result["kinds"].items()}
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     m = cfg.model
     profile = {
@@ -162,6 +199,7 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
         "block_overhead_s": float(f"{overhead:.4g}"),
         "intra_bw": float(f"{bw:.4g}"), "intra_latency": float(f"{latency:.4g}"),
         "inter_bw": float(f"{bw:.4g}"), "inter_latency": float(f"{latency:.4g}"),
+        **{f"{kind}_factor": float(f"{f:.3g}") for kind, f in factors.items()},
         "note": (f"calibrated {when} by tpctl plan --calibrate: mode=none step of {m.arch} {m.n_layer}x{m.n_embd} "
                  f"batch {cfg.train.batch_size}x{cfg.train.seq_len} took {result['none_s'] * 1e3:.1f} ms; "
                  f"gloo all-reduce over {world} ranks, {sizes[0] * 4} B..{sizes[-1] * 4 // 2**20} MiB"),
@@ -176,6 +214,9 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
           "(forward and backward) beside the FLOPs")
     for (b, t, p), f in zip(result["all_reduce"], fit):
         print(f"all_reduce {b:>9,} B over {p} ranks: {t * 1e6:9.1f} us  (fit: {f * 1e6:9.1f} us)")
+    for kind, f in factors.items():
+        print(f"{kind} {KIND_PROBE_NUMEL * 4:,} B over {world} ranks: {result['kinds'][kind] * 1e6:9.1f} us, "
+              f"{f:.2f} x what the all-reduce's fit gives it ({kind}_factor)")
     print(f"process: {result['base_bytes'] / 2**20:.1f} MiB resident per rank training a near-empty model (base_bytes)")
     print(f"fit: bandwidth {bw / 1e9:.3f} GB/s per rank, latency {latency * 1e6:.1f} us per ring step")
     print(f"wrote {path}")

@@ -34,9 +34,19 @@ class Hardware:
     # CPU profiles: the ranks the collectives were timed over (--calibrate's
     # world); their latency and bandwidth already hold that many ranks' turns
     comm_world: int = 0
+    # a reduce-scatter's and an all-gather's measured time over the one the
+    # latency and bandwidth above give it (--calibrate: gloo reduce-scatters
+    # as an all-reduce); 1: as counted
+    reduce_scatter_factor: float = 1.0
+    all_gather_factor: float = 1.0
     peak_flops_bf16: float = 0.0  # per rank, dense bf16 (tensor cores); 0: unknown (bench's MFU at bf16)
     peak_flops_tf32: float = 0.0  # per rank, dense TF32 (train.tf32=true); 0: none (bench's MFU at fp32)
     note: str = ""
+
+    def kind_factor(self, kind: str) -> float:
+        """How much longer a collective of `kind` takes than the latency and
+        bandwidth give it (1 for the all-reduce they were fitted to)."""
+        return {"reduce_scatter": self.reduce_scatter_factor, "all_gather": self.all_gather_factor}.get(kind, 1.0)
 
     def comm_turns(self, world: int) -> float:
         """How much slower a collective of `world` ranks runs than profiled:

@@ -76,6 +76,7 @@ class ModelShape:
     seed: int = 0
     plan: Any = None  # parallel.roles.RolePlan
     layers: Any = None  # layer_comm.LayerShapes: the layers other than Linears
+    dropout: bool = False  # a dropout with p > 0 (it saves its mask: what a recomputation must reach)
 
     def original(self):
         """The model on the meta device, as the rewrite sees it."""
@@ -92,6 +93,7 @@ def model_shape(model_cfg, seed: int = 0) -> ModelShape:
     from tpctl.models import build_model
     from tpctl.parallel.layers import linearize
     from tpctl.parallel.inference import resolve_plan
+    from torch import nn
 
     model = build_model(model_cfg, seed, lazy=True)
     linearize(model)  # as the rewrite sees it
@@ -116,8 +118,9 @@ def model_shape(model_cfg, seed: int = 0) -> ModelShape:
         params.append(Param(pname, role, kind, tuple(p.shape)))
     attention = [lin for lin in linears if lin[1] == "attn_out"]  # one per attention layer
     layers = layer_shapes(model, plan, model_cfg)
+    dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
     return ModelShape(params, linears, roles, embeddings, model_cfg.vocab_size, layers.hidden,
-                      layers.heads, len(attention), model_cfg, seed, plan, layers)
+                      layers.heads, len(attention), model_cfg, seed, plan, layers, dropout)
 
 
 def _linear_dims(module) -> tuple[int, int]:
@@ -174,6 +177,7 @@ class SplitPlan:
     # A ZeRO stage that fits where the same layout with zero=0 does not.
     fits_by_zero: bool = False
     hidden_s: float = 0.0  # communication predicted to run beside compute (not in step_time_s)
+    recompute_comm_share: float = 0.5  # the mode's (CostHooks.recompute_comm_share)
 
     @property
     def label(self) -> str:
@@ -308,7 +312,8 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     n = held.numel
     return SplitPlan(layout, n["param"] * F32, n["grad"] * F32, 2 * n["moment"] * F32 + held.tensors * F32,
                      act * F32, flops, counter.comm, gathered_bytes=held.gathered * F32,
-                     bubble=pipe.spec.bubble() if pipe is not None else None)
+                     bubble=pipe.spec.bubble() if pipe is not None else None,
+                     recompute_comm_share=mode.recompute_comm_share(shape.dropout))
 
 
 def _micro(shape: ModelShape, layout: Layout, rank: int, mode, linears: list, holds, tokens: int, seq_len: int, vp: int,
@@ -406,8 +411,12 @@ def predict(plan: SplitPlan, hw: Hardware, overlap: bool = True) -> SplitPlan:
         spans = _spans_nodes(plan.layout, group, hw.ranks_per_node)
         bw, lat = (hw.inter_bw, hw.inter_latency) if spans else (hw.intra_bw, hw.intra_latency)
         steps = LATENCY_STEPS.get(kind, lambda p: p - 1)(c.group_size)
-        comm_s += c.calls * steps * lat + c.wire_bytes / bw
-        hideable += c.hidden_calls * steps * lat + c.hidden_wire_bytes / bw
+        hidden = c.hidden_calls * steps * lat + c.hidden_wire_bytes / bw
+        # a collective waited for at once takes the time its kind was measured
+        # to take (Hardware.kind_factor); those issued beside other work, as counted
+        comm_s += hidden + hw.kind_factor(kind) * ((c.calls - c.hidden_calls) * steps * lat
+                                                   + (c.wire_bytes - c.hidden_wire_bytes) / bw)
+        hideable += hidden
     plan.hidden_s = min(hideable, BESIDE_SHARE * compute) if overlap else 0.0
     plan.compute_s, plan.comm_s = compute, comm_s - plan.hidden_s
     plan.step_time_s = compute + plan.comm_s

@@ -39,6 +39,15 @@ class CostHooks:
     # features), by name; None: a rank holds whole rows.
     stream_group_name: Optional[str] = None
 
+    def recompute_comm_share(self, dropout: bool) -> float:
+        """The share of the mode's tensor-parallel communication that a
+        checkpointed block's recomputation issues again: its forward's
+        collectives (half, where forward and backward mirror each other),
+        less those after the block's last saved tensor, which torch's
+        recomputation stops before (`dropout`: the model drops out, and a
+        dropout after a block's output saves its mask)."""
+        return 0.5
+
     def cost_rows(self, tokens: int) -> int:
         """Token rows of a micro-batch this rank computes on (of `tokens`,
         its replica's)."""

@@ -65,25 +65,16 @@ def _close(compiled: list[dict], eager: list[dict]) -> None:
             assert (p - e["params"][name]).abs().max() <= 1e-4, name
 
 
-@pytest.fixture(scope="module")
-def pools():
-    """Pools of 4 and 8 ranks (by world size), with more time per call than
-    the shared pool: each rank traces and compiles its graphs (up to a
-    minute per mode on 2 busy cores)."""
-    from tpctl.launch.pool import DistPool
-
-    by_world = {world: DistPool(world, timeout_s=900) for world in (4, 8)}
-    yield by_world
-    for p in by_world.values():
-        p.close()
+# Each rank traces and compiles its graphs: up to a minute per mode on 2 busy cores.
+COMPILE_TIMEOUT_S = 900
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("key", list(MESHES))
-def test_compiled_equals_eager(pools, key):
-    pool = pools[MESHES[key].world]
-    _close(pool.run(_train, key, "true"), pool.run(_train, key, "false"))
+def test_compiled_equals_eager(pool, key):
+    _close(pool.run(_train, key, "true", timeout_s=COMPILE_TIMEOUT_S),
+           pool.run(_train, key, "false", timeout_s=COMPILE_TIMEOUT_S))
 
 
 @pytest.fixture(scope="module")

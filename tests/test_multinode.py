@@ -70,8 +70,8 @@ def test_two_nodes_on_loopback_train_exactly_like_one_node(tpctl):
     dirs = [tpctl.cwd / "node0", tpctl.cwd / "node1"]
     nodes = [tpctl.start(node_args(dirs[k], port, k, *layout)) for k in (0, 1)]
     outputs = [p.communicate(timeout=200) for p in nodes]
-    for p, (out, err) in zip(nodes, outputs):
-        assert p.returncode == 0, err[-3000:]
+    for p, (out, err) in zip(nodes, outputs):  # (both nodes' errors: one's failure may be the other's cause)
+        assert p.returncode == 0, "\n".join(f"node {k}: {e[-2000:]}" for k, (_, e) in enumerate(outputs))
     # 2 workers per node, size=4: the tensor-parallel group spans both, and tpctl says so.
     assert "tpctl: node 1 of 2: 2 workers: a tensor-parallel group (size=4) spans 2 nodes" in outputs[1][1]
     # Each node ran its own two ranks.

@@ -382,7 +382,34 @@ def _module_exists(name: str) -> bool:
 
 
 def free_port(addr: str) -> int:
-    """A port that is free now on `addr` (the OS picks it)."""
+    """A port that is free now on `addr`, below the kernel's ephemeral range
+    (/proc/sys/net/ipv4/ip_local_port_range) where it can: a port the OS
+    picked from that range is handed out again to the next socket bound to
+    port 0 -- gloo opens one per pair of ranks in every process group --
+    and between this call and the rendezvous binding it, another process
+    may take it. (Two tpctl nodes on one host then both find the port
+    taken and both wait on the stranger as clients, until the rendezvous
+    times out.) Else the OS picks one."""
+    import random
+
+    low = _ephemeral_low()
+    for _ in range(50):
+        port = random.randint(max(1024, low // 2), low - 1)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((addr, port))
+                return port
+            except OSError:
+                continue
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((addr, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 where unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768

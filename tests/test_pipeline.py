@@ -490,8 +490,8 @@ def _metrics(run_dir) -> list[dict]:
 @pytest.mark.timeout(1200)
 def test_a_16_rank_pipeline_of_3d_trains_like_one_process(tpctl):
     """3d size 8 with pp=2: 16 workers, the stream between the stages in the
-    cube's layout (2.5d's 16 ranks run with ZeRO in test_zero: each mode
-    family's 16-rank run once)."""
+    cube's layout (2.5d's 16 ranks run with ZeRO and cp on test_context's
+    16-rank pool: each mode family's 16-rank run once)."""
     runs = {"none": [], "3d": ["mode=3d", "size=8"]}
     curves = {}
     for name, layout in runs.items():

@@ -42,13 +42,13 @@ class _ColumnLinearFn(torch.autograd.Function):
         if gather:
             x = comm.all_gather(x, group, SEQ_DIM)  # a fresh tensor: the one kept for the backward
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.gather, ctx.overlap, ctx.has_bias = group, gather, overlap, bias is not None
+        ctx.group, ctx.gather, ctx.overlap = group, gather, overlap
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]  # (False for a bias that is None)
         grad_x = work = None
         if need_x:
             grad_x = grad.matmul(weight)  # a fresh buffer: summed in place
@@ -59,7 +59,7 @@ class _ColumnLinearFn(torch.autograd.Function):
             if not ctx.overlap:
                 work.wait()
                 work = None
-        grad_w, grad_b = linear_grads(grad, x, need_w, need_b and ctx.has_bias)
+        grad_w, grad_b = linear_grads(grad, x, need_w, need_b)
         if work is not None:
             work.wait()
         return grad_x, grad_w, grad_b, None, None, None

@@ -53,6 +53,7 @@ BAD_CONFIGS = [
     # Launcher and run-dir settings, checked before anything starts.
     (["launcher.master_port=99999"], "launcher.master_port", "99999", "expected a TCP port 1..65535"),
     (["launcher.max_restarts=-1"], "launcher.max_restarts", "-1", ">= 0"),
+    (["launcher.start_method=fork"], "launcher.start_method", "'fork'", "expected one of auto, forkserver, spawn"),
     (["launcher.monitor_interval_s=0"], "launcher.monitor_interval_s", "0.0", "positive"),
     (["data.path=."], "data.path", "'.'", "a directory without index.json: expected a UTF-8 text file"),
     (["data.cache_dir=/proc/tpctl-cache"], "data.cache_dir", "'/proc/tpctl-cache'", "cannot create a directory in /proc"),

@@ -29,25 +29,32 @@ def assert_dead(pids: list[int]) -> None:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:1], pid
 
 
+# Workers fork from a warm server (the default on CPU: launch/warm.py) or
+# start as fresh interpreters (CUDA's): the launcher's contract is the same.
+START_METHODS = ["forkserver", "spawn"]
+
+
 @pytest.mark.timeout(60)
-def test_launch_runs_size_times_dp_workers(tmp_path, monkeypatch):
+@pytest.mark.parametrize("method", START_METHODS)
+def test_launch_runs_size_times_dp_workers(tmp_path, monkeypatch, method):
     monkeypatch.syspath_prepend(str(REPO))
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    cfg = compose_jobs(["mode=1d", "size=2", "dp=2"])[0]
+    cfg = compose_jobs(["mode=1d", "size=2", "dp=2", f"launcher.start_method={method}"])[0]
     OmegaConf.save(cfg, tmp_path / "config.yaml")
     assert launch(cfg, tmp_path, worker_module="tests.fake_worker") == 0
     assert [p.name for p in pid_files(tmp_path)] == [f"fake_worker_rank{r}.pid" for r in range(4)]
 
 
 @pytest.mark.timeout(180)
-def test_failing_rank_is_named_and_the_others_are_stopped(tpctl):
+@pytest.mark.parametrize("method", START_METHODS)
+def test_failing_rank_is_named_and_the_others_are_stopped(tpctl, method):
     # Rank 1 raises; the others would sleep a minute if nobody stopped them.
     # Rank 1 raises once every rank runs (however fast or slow they start);
     # the others would sleep far longer than the test may take.
     tpctl.extra_env.update(TPCTL_WORKER_MODULE="tests.fake_worker", FAKE_WORKER_FAIL_RANK="1", FAKE_WORKER_SLEEP="600")
     run_dir = tpctl.cwd / "run"
-    result = tpctl.run(fake_run_args(run_dir, "mode=1d", "size=2", "dp=2"), timeout=150)
+    result = tpctl.run(fake_run_args(run_dir, "mode=1d", "size=2", "dp=2", f"launcher.start_method={method}"), timeout=150)
 
     assert result.returncode == 1, result.stderr
     assert "tpctl: error: rank 1: RuntimeError: fake failure on rank 1" in result.stderr

@@ -153,6 +153,10 @@ class LauncherConfig:
     master_port: int = 0
     # Seconds between the launcher's health checks of the workers.
     monitor_interval_s: float = 0.1
+    # How workers start: forkserver (fork from one process that has imported
+    # torch and tpctl once: seconds faster per rank), spawn (a fresh
+    # interpreter each), or auto (forkserver on CPU, spawn on CUDA).
+    start_method: str = "auto"
     # Restarts of all workers after one fails (torchrun's elastic agent);
     # they resume from the newest checkpoint of the run dir.
     max_restarts: int = 0

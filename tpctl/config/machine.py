@@ -12,6 +12,7 @@ from .messages import check_at_least, check_choice
 
 LAUNCHERS = ("local", "slurm")
 BACKENDS = ("auto", "nccl", "gloo")
+START_METHODS = ("auto", "forkserver", "spawn")
 
 
 def check_backend(cfg: Any) -> None:
@@ -89,6 +90,7 @@ def check_launcher(launcher: Any) -> None:
     import socket
 
     check_at_least("launcher.max_restarts", launcher.max_restarts, 0)
+    check_choice("launcher.start_method", launcher.get("start_method", "auto"), START_METHODS)
     check_at_least("launcher.collective_timeout_s", launcher.collective_timeout_s, 1)
     if not launcher.monitor_interval_s > 0:
         raise ConfigError("launcher.monitor_interval_s", launcher.monitor_interval_s, "expected a positive number of seconds")

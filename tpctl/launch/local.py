@@ -1,7 +1,8 @@
 """Start `size × dp` workers on this node through torchrun's Python API, wait,
 and report which rank failed and why (docs/DESIGN.md, section 2).
 
-Each worker runs `python -u -m tpctl.launch.worker <run dir>/config.yaml`: it reads the
+Each worker runs `tpctl.launch.worker <run dir>/config.yaml` as its main module, forked
+from a warm server (launch/warm.py) or as `python -u -m` (launcher.start_method): it reads the
 resolved config (`tpctl.config.load_worker_config`) and never runs Hydra; its
 run dir is the folder holding that file. torchrun's environment (RANK,
 LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) tells it who it is.
@@ -28,6 +29,8 @@ from typing import Any
 
 from tpctl.errors import EXIT_FAILED, LAUNCHER_PID_ENV, error, fail, warning
 from tpctl.parallel.layout import Layout
+
+from . import warm
 
 WORKER_MODULE = "tpctl.launch.worker"
 WORKER_MODULE_ENV = "TPCTL_WORKER_MODULE"
@@ -64,29 +67,36 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
 
     _prepare_agent(cfg, nproc)
     agent_dir = tempfile.mkdtemp(prefix="tpctl-agent-")
-    config = launch_config(LaunchConfig, DefaultLogsSpecs, cfg, agent_dir, nproc, endpoint, run_id)
+    method = start_method(cfg)
+    config = launch_config(LaunchConfig, DefaultLogsSpecs, cfg, agent_dir, nproc, endpoint, run_id, method)
     # torch installs its own SIGINT/SIGTERM handlers while workers run
     # (they raise SignalException and stop the workers); put ours back after.
     saved_handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    # The workers check that this process is their parent (worker.die_with_parent).
+    # The workers check that this process is their parent (worker.die_with_parent;
+    # with warm starts, the fork server checks it, and they the server).
     saved_pid = os.environ.get(LAUNCHER_PID_ENV)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", module, str(run_dir / "config.yaml"))
+        if method == "forkserver":
+            with warm.server():
+                elastic_launch(config, warm.run_module)(module, str(run_dir / "config.yaml"))
+        else:
+            elastic_launch(config, sys.executable)("-u", "-m", module, str(run_dir / "config.yaml"))
         return 0
     except ChildFailedError as e:
-        refusal = refused(e.failures)
+        failures = all_failures(e.failures)
+        refusal = refused(failures)
         if refusal is not None:  # the workers refused to train (e.g. an unproven rewrite): as a bad config
             return fail(refusal)
-        finished = finished_ranks(e.failures, agent_dir)
-        if finished == set(e.failures):
+        finished = finished_ranks(failures, agent_dir)
+        if finished == set(failures):
             # Every rank's work is complete and its files are written; what
             # ended a process after that (a signal in its teardown) took
             # nothing from the run, and is said, not hidden.
-            for line in failure_lines(split_failures(e.failures)[0], finished):
+            for line in failure_lines(split_failures(failures)[0], finished):
                 warning(f"{line}; the run is complete and its files are intact")
             return 0
-        report_failures(e.failures, run_dir, finished)
+        report_failures(failures, run_dir, finished)
         return 1
     except RendezvousError as e:
         # Another node never came (timeout) or the rendezvous host (node 0)
@@ -154,7 +164,20 @@ def _rendezvous_failure(e: Exception, lc, endpoint: str, timed_out: bool) -> str
     return f"node {lc.node_rank} of {lc.nnodes}: {what}: {type(e).__name__}: {reason}"
 
 
-def launch_config(LaunchConfig, DefaultLogsSpecs, cfg: Any, agent_dir: str, nproc: int, endpoint: str, run_id: str):
+def start_method(cfg: Any) -> str:
+    """launcher.start_method, with auto resolved: "forkserver" (workers fork
+    from one process that has imported torch: launch/warm.py) on CPU;
+    "spawn" (a fresh interpreter per worker) on CUDA, where a process that
+    forks must never have touched the driver, which torch's imports do not
+    promise."""
+    method = cfg.launcher.get("start_method", "auto")
+    if method == "auto":
+        return "spawn" if cfg.device == "cuda" else "forkserver"
+    return method
+
+
+def launch_config(LaunchConfig, DefaultLogsSpecs, cfg: Any, agent_dir: str, nproc: int, endpoint: str, run_id: str,
+                  method: str = "spawn"):
     """torchrun's LaunchConfig for this node. Only keywords every supported
     torch has are passed as such; newer ones go through `accepted`."""
     lc = cfg.launcher
@@ -173,7 +196,9 @@ def launch_config(LaunchConfig, DefaultLogsSpecs, cfg: Any, agent_dir: str, npro
         run_id=run_id,
         max_restarts=cfg.launcher.max_restarts,
         monitor_interval=cfg.launcher.monitor_interval_s,
-        start_method="spawn",
+        # Used only by a function entrypoint (warm starts); a command's
+        # workers are always fresh interpreters.
+        start_method=method,
         # The agent's own files (error.json of a failed rank, which the
         # failure lines are read from) go to `agent_dir`, a temp dir the
         # launcher removes, not the run dir: its disk may be what is full.
@@ -253,6 +278,40 @@ def failure_lines(failures: dict[int, Any], finished: set[int] = frozenset()) ->
         by_reason.setdefault(reason, []).append(rank)
     return [f"rank {ranks[0]}: {reason}" + (f" (ranks {', '.join(map(str, ranks[1:]))} too)" if len(ranks) > 1 else "")
             for reason, ranks in by_reason.items()]
+
+
+def all_failures(failures: dict[int, Any]) -> dict[int, Any]:
+    """`failures` with the ranks of this node torch did not list. Its
+    function-entrypoint context (warm starts) names only the first rank that
+    failed; each rank's folder in the agent's dir says the rest: the exit
+    status the rank recorded as it left (worker.record_exit), else an error
+    file (an exception @record wrote: exit 1), else its work marked complete
+    (not a failure), else nothing: the agent stopped it (SIGTERM)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from .worker import DONE_MARKER, EXIT_RECORD
+
+    if not failures:
+        return failures
+    rank, first = next(iter(failures.items()))
+    attempt = Path(first.error_file).parent.parent
+    offset = rank - first.local_rank  # torch numbers a node's ranks consecutively
+    complete = dict(failures)
+    for folder in sorted(attempt.iterdir() if attempt.is_dir() else [], key=lambda p: p.name):
+        if not folder.name.isdigit() or offset + int(folder.name) in complete:
+            continue
+        local, error_file = int(folder.name), str(folder / "error.json")
+        try:
+            _, pid, status = (folder / EXIT_RECORD).read_text().split()
+            pid, status = int(pid), int(status)
+        except (OSError, ValueError):
+            pid, status = -1, (1 if os.path.exists(error_file) else None)
+        if status is None and (folder / DONE_MARKER).exists():
+            status = 0
+        if status != 0:
+            status = -signal.SIGTERM if status is None else status
+            complete[offset + local] = ProcessFailure(local_rank=local, pid=pid, exitcode=status, error_file=error_file)
+    return complete
 
 
 def finished_ranks(failures: dict[int, Any], agent_dir: str | os.PathLike) -> set[int]:

@@ -35,6 +35,9 @@ log = logging.getLogger("tpctl.worker")
 # is complete (its files written and closed): the launcher tells a rank
 # that died after that from one that failed (launch/local.py, `finished_ranks`).
 DONE_MARKER = "tpctl-done"
+# Written there too as the rank leaves: "<rank> <pid> <exit status>" (the
+# launcher reads the ranks torch does not report; launch/warm.py).
+EXIT_RECORD = "tpctl-exit"
 
 
 def init_distributed(device: str, timeout_s: float, backend: str = "auto"):
@@ -340,6 +343,16 @@ def mark_done() -> None:
             pass
 
 
+def record_exit(status: int) -> None:
+    """Leave this rank's exit status beside its error file (EXIT_RECORD)."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            (Path(error_file).parent / EXIT_RECORD).write_text(f"{os.environ.get('RANK', '?')} {os.getpid()} {status}")
+        except OSError:
+            pass
+
+
 def leave(status: int) -> NoReturn:
     """End this process now with `status`, after what a normal exit does
     before finalising the interpreter (the atexit handlers: logging's
@@ -358,17 +371,26 @@ def leave(status: int) -> NoReturn:
     pthread_exit, whose unwinding crosses gloo's noexcept destructor:
     std::terminate, SIGABRT, a finished run reported as failed
     (tests/teardown_race.py reproduces it; `os._exit` leaves no such
-    window: the kernel ends every thread at once)."""
+    window: the kernel ends every thread at once).
+
+    A rank forked by a warm start (launch/warm.py) that succeeded raises
+    SystemExit(0) instead: torch's context waits for its return, and its
+    process ends in os._exit as well, once the launcher has seen it."""
     import atexit
+
+    from tpctl.launch import warm
 
     try:
         atexit._run_exitfuncs()
     finally:
+        record_exit(status)
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except (OSError, ValueError):  # a closed pipe: nothing more can be said
                 pass
+        if status == 0 and warm.FORKED:
+            raise SystemExit(0)
         os._exit(status)
 
 

@@ -38,7 +38,9 @@ from typing import Iterator
 from tpctl.errors import LAUNCHER_PID_ENV
 
 # Imported once, in the server, before any worker forks from it.
-PRELOAD = ["tpctl.launch.warm_server", "torch", "torch._dynamo", "torch.distributed", "tpctl.launch.warm", "tpctl.launch.worker",
+# Not the worker modules themselves: runpy runs those as __main__, and warns
+# when one is imported already.
+PRELOAD = ["tpctl.launch.warm_server", "torch", "torch._dynamo", "torch.distributed", "tpctl.launch.warm",
            "tpctl.training.build", "tpctl.training.loop", "tpctl.data.corpora"]
 # Set in the server when it imports this module (PRELOAD): every worker's
 # parent.

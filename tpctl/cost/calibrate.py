@@ -17,7 +17,9 @@ one thread per rank):
     per ring step (intercept / ring steps);
   * the other kinds: a reduce-scatter's and an all-gather's time against
     what the all-reduce's fit gives them (`<kind>_factor`: the planner
-    stretches the ones a step waits for by it);
+    stretches the ones a step waits for by it), each set against the
+    all-reduce of its size timed beside it, at every size of KIND_SIZES,
+    and the median taken: the machine's mood moves both alike;
   * the process: the peak resident set of a rank that trained a
     near-empty model (base_bytes, the floor of layout=auto's predicted peak
     on CPU).
@@ -41,12 +43,16 @@ def _probe(cfg_dict: dict, sizes: list[int], reps: int) -> dict:
 
     from . import measure
 
+    world = dist.get_world_size()
     out = {}
+    # The floor first, on the last rank: the probes below leave gloo's
+    # buffers for 4 MiB messages in the peak, which a run of small messages
+    # never has.
+    out["base_bytes"] = _floor(cfg_dict) if dist.get_rank() == world - 1 else None
     if dist.get_rank() == 0:  # one rank alone, as a mode=none run: the configured batch, then a small one
         out["none_s"] = _best_step(cfg_dict, reps)
         out["small_s"] = _best_step(_small(cfg_dict), reps)
     comm.barrier()
-    world = dist.get_world_size()
     out["all_reduce"] = []
     for n in sizes:
         buf = torch.ones(n)
@@ -59,8 +65,7 @@ def _probe(cfg_dict: dict, sizes: list[int], reps: int) -> dict:
             times.append((time.perf_counter() - t0) / BURST)
         times = times[2:]
         out["all_reduce"].append((n * 4, statistics.median(times), world))
-    out["kinds"] = {kind: _burst(kind, KIND_PROBE_NUMEL, reps) for kind in FACTOR_KINDS}
-    out["base_bytes"] = _floor(cfg_dict) if dist.get_rank() == world - 1 else None
+    out["kinds"] = {kind: {n: _burst(kind, n, reps) for n in KIND_SIZES} for kind in FACTOR_KINDS}
     return out
 
 
@@ -75,7 +80,9 @@ BURST = 5
 # all-reduce's fit: gloo's reduce-scatter costs about an all-reduce, not the
 # p - 1 ring steps the planner counts for it (NCCL's).
 FACTOR_KINDS = ("reduce_scatter", "all_gather")
-KIND_PROBE_NUMEL = 16384
+# Floats per probe: the activation-sized messages (64 KiB .. 4 MiB), each
+# also one of the all-reduce's sizes.
+KIND_SIZES = (16384, 262144, 1048576)
 
 
 def _burst(kind: str, numel: int, reps: int) -> float:
@@ -99,6 +106,19 @@ def _burst(kind: str, numel: int, reps: int) -> float:
             call()
         times.append((time.perf_counter() - t0) / BURST)
     return statistics.median(times[2:])
+
+
+def _kind_factor(kind: str, times: dict, all_reduce: list, world: int, latency: float, bw: float) -> float:
+    """How much longer `kind` takes than the fit gives it: at each size, its
+    time over the all-reduce's of that size, times the fit's all-reduce over
+    the fit's `kind` (1 where gloo ran it as the fit says); the median."""
+    from .planner import LATENCY_STEPS, WIRE_FACTOR
+
+    def fit(k: str, numel: int) -> float:
+        return LATENCY_STEPS.get(k, lambda p: p - 1)(world) * latency + WIRE_FACTOR[k](world) * numel * 4 / bw
+
+    reduced = {b // 4: t for b, t, _ in all_reduce}
+    return statistics.median(t / reduced[n] * fit("all_reduce", n) / fit(kind, n) for n, t in times.items())
 
 
 def _small(cfg_dict: dict) -> dict:
@@ -155,7 +175,7 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
     from tpctl.config import compose_jobs
     from tpctl.parallel.layout import Layout
     from .hardware import HARDWARE_DIR
-    from .planner import LATENCY_STEPS, WIRE_FACTOR, model_shape, plan_split
+    from .planner import WIRE_FACTOR, model_shape, plan_split
     from tpctl.launch.pool import DistPool
 
     from omegaconf import OmegaConf
@@ -187,10 +207,10 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
     intercept = max(my - slope * mx, ys[0])
     latency, bw = intercept / steps, 1.0 / slope
     fit = [intercept + x * slope for x in xs]
-    # each other kind's time over what the all-reduce's fit gives it
-    factors = {kind: t / (LATENCY_STEPS.get(kind, lambda p: p - 1)(world) * latency
-                          + WIRE_FACTOR[kind](world) * KIND_PROBE_NUMEL * 4 / bw)
-               for kind, t in result["kinds"].items()}
+    # each other kind's time over what the all-reduce's fit gives it, as a
+    # ratio to the all-reduce of its size measured in the same probe
+    factors = {kind: _kind_factor(kind, times, result["all_reduce"], world, latency, bw)
+               for kind, times in result["kinds"].items()}
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     m = cfg.model
     profile = {
@@ -215,8 +235,9 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
     for (b, t, p), f in zip(result["all_reduce"], fit):
         print(f"all_reduce {b:>9,} B over {p} ranks: {t * 1e6:9.1f} us  (fit: {f * 1e6:9.1f} us)")
     for kind, f in factors.items():
-        print(f"{kind} {KIND_PROBE_NUMEL * 4:,} B over {world} ranks: {result['kinds'][kind] * 1e6:9.1f} us, "
-              f"{f:.2f} x what the all-reduce's fit gives it ({kind}_factor)")
+        times = ", ".join(f"{n * 4:,} B {t * 1e6:.1f} us" for n, t in result["kinds"][kind].items())
+        print(f"{kind} over {world} ranks: {times}: {f:.2f} x what the all-reduce's fit gives it "
+              f"(median over the sizes; {kind}_factor)")
     print(f"process: {result['base_bytes'] / 2**20:.1f} MiB resident per rank training a near-empty model (base_bytes)")
     print(f"fit: bandwidth {bw / 1e9:.3f} GB/s per rank, latency {latency * 1e6:.1f} us per ring step")
     print(f"wrote {path}")

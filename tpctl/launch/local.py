@@ -170,9 +170,12 @@ def start_method(cfg: Any) -> str:
     "spawn" (a fresh interpreter per worker) on CUDA, where a process that
     forks must never have touched the driver, which torch's imports do not
     promise."""
+    import multiprocessing
+
     method = cfg.launcher.get("start_method", "auto")
     if method == "auto":
-        return "spawn" if cfg.device == "cuda" else "forkserver"
+        warm = cfg.device != "cuda" and "forkserver" in multiprocessing.get_all_start_methods()
+        return "forkserver" if warm else "spawn"
     return method
 
 

@@ -25,7 +25,10 @@ import signal
 from tpctl.errors import LAUNCHER_PID_ENV, die_with_parent, quiet_interrupts
 
 quiet_interrupts()
-os.setsid()
+try:
+    os.setsid()
+except OSError:  # already a session's leader: nothing to detach from
+    pass
 die_with_parent(signal.SIGKILL)
 os.register_at_fork(after_in_child=lambda: die_with_parent(signal.SIGKILL))
 if os.environ.get(LAUNCHER_PID_ENV) and os.getppid() != int(os.environ[LAUNCHER_PID_ENV]):

@@ -3,6 +3,7 @@ that raises, and Ctrl-C. No test may leave a process behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -97,3 +98,34 @@ def test_a_failed_job_of_a_multirun_does_not_stop_the_others(tpctl):
     assert f"tpctl: error: training failed in {sweep / '0'}" in result.stderr
     assert len(pid_files(sweep / "0")) == 2 and len(pid_files(sweep / "1")) == 1
     assert tpctl.leftover_pids() == []
+
+
+def test_the_ranks_torch_does_not_report_are_read_from_what_each_left(tmp_path):
+    """Warm starts: torch's function context reports only the first rank
+    that failed (here local rank 1 of a node whose ranks start at 4). Each
+    other rank's folder says the rest: an exit status it recorded, an error
+    file alone (exit 1), its work marked complete (no failure), or nothing
+    (stopped by the agent)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from tpctl.launch.local import all_failures
+    from tpctl.launch.worker import DONE_MARKER, EXIT_RECORD
+
+    attempt = tmp_path / "run" / "attempt_0"
+    for local in range(6):
+        (attempt / str(local)).mkdir(parents=True)
+    error = {"message": {"message": "RewriteRefused: differs", "extraInfo": {"timestamp": "0"}}}
+    (attempt / "1" / "error.json").write_text(json.dumps(error))
+    first = ProcessFailure(local_rank=1, pid=101, exitcode=2, error_file=str(attempt / "1" / "error.json"))
+    (attempt / "0" / EXIT_RECORD).write_text("4 100 2")        # refused too
+    (attempt / "2" / "error.json").write_text(json.dumps(error))  # raised, recorded by @record only
+    (attempt / "3" / DONE_MARKER).write_text("103")           # finished
+    (attempt / "4" / EXIT_RECORD).write_text("8 104 0")       # left with 0
+    # local 5: nothing -- the agent stopped it
+    failures = all_failures({5: first})
+    assert sorted(failures) == [4, 5, 6, 9]
+    assert (failures[4].exitcode, failures[4].pid) == (2, 100)
+    assert failures[5] is first
+    assert failures[6].exitcode == 1 and "differs" in str(failures[6].message)
+    assert failures[9].exitcode == -signal.SIGTERM
+    assert all_failures({}) == {}

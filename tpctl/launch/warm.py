@@ -15,7 +15,8 @@ What stays as with a fresh interpreter:
   server started, which `server` does at the launch, after the launcher
   has set what the workers read;
 - a rank dies with the process it hangs from: here the fork server, which
-  itself ends when the launcher does (its end of a pipe closes). The
+  itself dies with the launcher (warm_server: PDEATHSIG, since the pipe
+  multiprocessing watches stays open while any worker holds it). The
   worker checks its parent against LAUNCHER_PID_ENV, which `run_module`
   sets to the server's pid.
 
@@ -64,12 +65,12 @@ def server() -> Iterator[None]:
     finally:
         # Killed, not asked: a worker that outlived the launch (none should)
         # would keep it waiting; with the server gone, such a worker ends too.
-        server = forkserver._forkserver
-        pid = getattr(server, "_forkserver_pid", None)
+        running = forkserver._forkserver
+        pid = getattr(running, "_forkserver_pid", None)
         if pid is not None:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-        stop = getattr(server, "_stop", None)  # Python >= 3.8: forget it, so the next launch starts its own
+        stop = getattr(running, "_stop", None)  # Python >= 3.8: forget it, so the next launch starts its own
         if stop is not None:
             stop()
 

@@ -38,6 +38,7 @@ def _cfg(**overrides):
 
 def _train(key: str, **overrides) -> dict:
     """Train on mesh `key`; the losses, comm bytes and dtypes seen."""
+    from tpctl.parallel import comm
     from tpctl.training.recompute import repeated_blocks
 
     trainer = build_trainer(_cfg(**MESHES[key].to_dict(), **overrides), pooled=False)
@@ -47,9 +48,12 @@ def _train(key: str, **overrides) -> dict:
     runs = [0]
     for block in repeated_blocks(model).children():
         next(block.children()).register_forward_pre_hook(lambda *_: runs.__setitem__(0, runs[0] + 1))
+    before = dict(comm.STATS.bytes)
     losses = [r["loss"] for r in trainer.fit()]
+    by_kind = {k: n - before.get(k, 0) for k, n in comm.STATS.bytes.items()}
     state_dtypes = {t.dtype for s in trainer.optimizer.state.values() for t in s.values() if t.dim() > 0}
     return {"losses": losses, "comm_bytes": trainer.comm_train_bytes, "block_runs": runs[0],
+            "bytes_by_kind": by_kind,
             "param_dtypes": {p.dtype for p in model.parameters()},
             "grad_dtypes": {p.grad.dtype for p in model.parameters() if p.grad is not None},
             "state_dtypes": state_dtypes}
@@ -102,7 +106,7 @@ def test_activation_checkpointing_same_losses(pool, key):
 def test_a_recomputation_sends_what_the_planner_says(pool, key, dropout):
     """The recomputed forward issues the blocks' collectives again up to the
     last tensor it must give back (without dropout, the MLP output's sum
-    is not needed): as many bytes as the planner's share says."""
+    is not needed): of each kind, as many bytes as the planner's share says."""
     from tpctl.cost.planner import model_shape, plan_split
 
     overrides = {"model.dropout": dropout}
@@ -111,10 +115,15 @@ def test_a_recomputation_sends_what_the_planner_says(pool, key, dropout):
     cfg = _cfg(**MESHES[key].to_dict(), **overrides)
     t, m = cfg.train, cfg.model
     stream = m.n_layer * t.batch_size * t.seq_len * m.n_embd * 4  # every block's stream once, fp32 (dp = 1)
-    blocks = (8 if MESHES[key].seq_parallel else 4) * stream  # the sums (or gathers and scatters) of a step
-    share = plan_split(model_shape(m), MESHES[key], t.batch_size, t.seq_len).recompute_comm_share
-    assert share < 0.5 if dropout == 0 else share == 0.5
-    assert (checkpointed["comm_bytes"] - plain["comm_bytes"]) / STEPS == share * blocks
+    kinds = ("all_gather", "reduce_scatter") if MESHES[key].seq_parallel else ("all_reduce",)
+    shares = plan_split(model_shape(m), MESHES[key], t.batch_size, t.seq_len).recompute_shares
+    extra = {k: checkpointed["bytes_by_kind"].get(k, 0) - plain["bytes_by_kind"].get(k, 0)
+             for k in {*plain["bytes_by_kind"], *checkpointed["bytes_by_kind"]}}
+    for kind, sent in extra.items():  # each kind of a step's blocks sends 4 x the stream (dp = 1)
+        assert sent / STEPS == shares.get(kind, 0.0) * (4 * stream if kind in kinds else 0), kind
+    # without dropout the MLP output's collective is not sent again: less than the forward half of its kind
+    assert sum(extra.values()) > 0
+    assert min(shares[k] for k in kinds) < 0.5 if dropout == 0 else all(shares[k] == 0.5 for k in kinds)
 
 
 @pytest.mark.parametrize("key", ["2d-4-dp2"])

@@ -276,8 +276,9 @@ STEP_GROUPS = ("dp", "pp", "pp_ends", "grad_norm", "batch")
 def _recompute_s(plan: SplitPlan, hw: Hardware) -> tuple[float, float]:
     """What checkpointing adds: the blocks' forward again -- a third of the
     compute -- and the tensor-parallel collectives that forward issues
-    again (the mode's share of the grid's communication:
-    CostHooks.recompute_comm_share)."""
+    again (by kind, the mode's share of the grid's: CostHooks.
+    recompute_comm_share), each at its kind's measured time: the
+    recomputed forward waits for every one (Hardware.kind_factor)."""
     from .planner import LATENCY_STEPS, _spans_nodes
 
     grid = 0.0
@@ -286,8 +287,9 @@ def _recompute_s(plan: SplitPlan, hw: Hardware) -> tuple[float, float]:
             continue
         spans = _spans_nodes(plan.layout, group, hw.ranks_per_node)
         bw, lat = (hw.inter_bw, hw.inter_latency) if spans else (hw.intra_bw, hw.intra_latency)
-        grid += c.calls * LATENCY_STEPS.get(kind, lambda p: p - 1)(c.group_size) * lat + c.wire_bytes / bw
-    return RECOMPUTE_SHARE * plan.compute_s, grid * plan.recompute_comm_share
+        sent = c.calls * LATENCY_STEPS.get(kind, lambda p: p - 1)(c.group_size) * lat + c.wire_bytes / bw
+        grid += plan.recompute_shares.get(kind, 0.0) * hw.kind_factor(kind) * sent
+    return RECOMPUTE_SHARE * plan.compute_s, grid
 
 
 def _overhead_s(plan: SplitPlan, choice: Choice, shape: ModelShape, hw: Hardware) -> float:

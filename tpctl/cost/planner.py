@@ -177,7 +177,9 @@ class SplitPlan:
     # A ZeRO stage that fits where the same layout with zero=0 does not.
     fits_by_zero: bool = False
     hidden_s: float = 0.0  # communication predicted to run beside compute (not in step_time_s)
-    recompute_comm_share: float = 0.5  # the mode's (CostHooks.recompute_comm_share)
+    # by kind, the share of the grid's collectives a recomputed forward
+    # issues again (the mode's CostHooks.recompute_comm_share)
+    recompute_shares: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -313,7 +315,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     return SplitPlan(layout, n["param"] * F32, n["grad"] * F32, 2 * n["moment"] * F32 + held.tensors * F32,
                      act * F32, flops, counter.comm, gathered_bytes=held.gathered * F32,
                      bubble=pipe.spec.bubble() if pipe is not None else None,
-                     recompute_comm_share=mode.recompute_comm_share(shape.dropout))
+                     recompute_shares={kind: mode.recompute_comm_share(shape.dropout, kind) for kind, _ in counter.comm})
 
 
 def _micro(shape: ModelShape, layout: Layout, rank: int, mode, linears: list, holds, tokens: int, seq_len: int, vp: int,

@@ -39,10 +39,10 @@ class CostHooks:
     # features), by name; None: a rank holds whole rows.
     stream_group_name: Optional[str] = None
 
-    def recompute_comm_share(self, dropout: bool) -> float:
-        """The share of the mode's tensor-parallel communication that a
-        checkpointed block's recomputation issues again: its forward's
-        collectives (half, where forward and backward mirror each other),
+    def recompute_comm_share(self, dropout: bool, kind: str) -> float:
+        """The share of the mode's tensor-parallel collectives of `kind`
+        that a checkpointed block's recomputation issues again: its
+        forward's (half, where forward and backward mirror each other),
         less those after the block's last saved tensor, which torch's
         recomputation stops before (`dropout`: the model drops out, and a
         dropout after a block's output saves its mask)."""

@@ -176,15 +176,17 @@ class OneD(ParallelMode):
     # ---- cost (mode.ParallelMode) -----------------------------------------
     loss_group_name = "tp"
 
-    def recompute_comm_share(self, dropout: bool) -> float:
+    def recompute_comm_share(self, dropout: bool, kind: str) -> float:
         # A block's forward and backward issue 4 sums of the stream (the
-        # outputs' and the column inputs' gradients), with sequence
-        # parallelism 8 gathers and reduce-scatters, half of them in the
-        # forward. The recomputation issues them again but the MLP output's
-        # sum when nothing after it saves a tensor (no dropout).
-        if dropout:
-            return 1 / 2
-        return 3 / 8 if self.seq_parallel else 1 / 4
+        # outputs' and the column inputs' gradients) -- with sequence
+        # parallelism 4 gathers and 4 reduce-scatters instead -- half of
+        # them in the forward. The recomputation issues the forward's again
+        # but the MLP output's sum (or reduce-scatter) when nothing after it
+        # saves a tensor (no dropout). The other kinds are the embedding's
+        # and the loss's, outside the blocks.
+        if kind not in (("all_gather", "reduce_scatter") if self.seq_parallel else ("all_reduce",)):
+            return 0.0
+        return 1 / 2 if dropout or kind == "all_gather" else 1 / 4
 
     def cost_vocab(self, vocab: int) -> int:
         return vocab // self.world

@@ -126,7 +126,7 @@ def _run(pool_of, args, pp: int, schedule: str, m: int, world: int) -> dict:
         plan = plan_split(model_shape(cfg.model, cfg.seed), layout, cfg.train.batch_size, cfg.train.seq_len,
                           pipeline=spec)
         row.update(bubble=statistics.mean(r["bubble"] for r in per_rank), planned=plan.bubble,
-                   planned_for_costs=spec.bubble_for(busy), in_flight=spec.in_flight(0),
+                   planned_for_costs=spec.bubble_for(busy), busy_ms=[b * 1e3 for b in busy], in_flight=spec.in_flight(0),
                    v=spec.virtual, split=[len(r) for r in _cut(cfg, layout)])
     return row
 

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tpctl.parallel.layout import Layout  # noqa: E402
-from tpctl.cost.planner import LATENCY_STEPS, _spans_nodes, load_hardware, model_shape, plan_split, predict  # noqa: E402
+from tpctl.cost.planner import _spans_nodes, load_hardware, model_shape, plan_split, predict, sent_s  # noqa: E402
 from tpctl.schema import ModelConfig  # noqa: E402
 
 SPLITS = {"1d": Layout("1d", 64), "2d": Layout("2d", 64), "2.5d": Layout("2.5d", 64, depth=4), "3d": Layout("3d", 64)}
@@ -59,8 +59,7 @@ def terms(plan, hw) -> list[tuple[float, str]]:
     out = []
     for (kind, group), c in plan.comm.items():
         spans = _spans_nodes(plan.layout, group, hw.ranks_per_node)
-        bw, lat = (hw.inter_bw, hw.inter_latency) if spans else (hw.intra_bw, hw.intra_latency)
-        t = c.calls * LATENCY_STEPS.get(kind, lambda p: p - 1)(c.group_size) * lat + c.wire_bytes / bw
+        t = sent_s(plan.layout, kind, group, c.group_size, c.calls, c.wire_bytes, hw)
         out.append((t, f"{kind} {group} (p={c.group_size}, {c.calls} calls, {c.wire_bytes / 2**30:.1f} GiB, "
                        f"{'between nodes' if spans else 'in a node'})"))
     return sorted(out, reverse=True)

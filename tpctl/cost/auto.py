@@ -279,15 +279,13 @@ def _recompute_s(plan: SplitPlan, hw: Hardware) -> tuple[float, float]:
     again (by kind, the mode's share of the grid's: CostHooks.
     recompute_comm_share), each at its kind's measured time: the
     recomputed forward waits for every one (Hardware.kind_factor)."""
-    from .planner import LATENCY_STEPS, _spans_nodes
+    from .planner import sent_s
 
     grid = 0.0
     for (kind, group), c in plan.comm.items():
         if group in STEP_GROUPS:
             continue
-        spans = _spans_nodes(plan.layout, group, hw.ranks_per_node)
-        bw, lat = (hw.inter_bw, hw.inter_latency) if spans else (hw.intra_bw, hw.intra_latency)
-        sent = c.calls * LATENCY_STEPS.get(kind, lambda p: p - 1)(c.group_size) * lat + c.wire_bytes / bw
+        sent = sent_s(plan.layout, kind, group, c.group_size, c.calls, c.wire_bytes, hw)
         grid += plan.recompute_shares.get(kind, 0.0) * hw.kind_factor(kind) * sent
     return RECOMPUTE_SHARE * plan.compute_s, grid
 

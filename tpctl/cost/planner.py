@@ -410,20 +410,28 @@ def predict(plan: SplitPlan, hw: Hardware, overlap: bool = True) -> SplitPlan:
         compute *= plan.layout.world / hw.cores  # oversubscribed CPU: ranks take turns
     comm_s = hideable = 0.0
     for (kind, group), c in plan.comm.items():
-        spans = _spans_nodes(plan.layout, group, hw.ranks_per_node)
-        bw, lat = (hw.inter_bw, hw.inter_latency) if spans else (hw.intra_bw, hw.intra_latency)
-        steps = LATENCY_STEPS.get(kind, lambda p: p - 1)(c.group_size)
-        hidden = c.hidden_calls * steps * lat + c.hidden_wire_bytes / bw
+        hidden = sent_s(plan.layout, kind, group, c.group_size, c.hidden_calls, c.hidden_wire_bytes, hw)
         # a collective waited for at once takes the time its kind was measured
         # to take (Hardware.kind_factor); those issued beside other work, as counted
-        comm_s += hidden + hw.kind_factor(kind) * ((c.calls - c.hidden_calls) * steps * lat
-                                                   + (c.wire_bytes - c.hidden_wire_bytes) / bw)
+        comm_s += hidden + hw.kind_factor(kind) * sent_s(plan.layout, kind, group, c.group_size, c.calls - c.hidden_calls,
+                                                         c.wire_bytes - c.hidden_wire_bytes, hw)
         hideable += hidden
     plan.hidden_s = min(hideable, BESIDE_SHARE * compute) if overlap else 0.0
     plan.compute_s, plan.comm_s = compute, comm_s - plan.hidden_s
     plan.step_time_s = compute + plan.comm_s
     plan.fits = not hw.memory_bytes or plan.memory_bytes <= hw.memory_bytes
     return plan
+
+
+def sent_s(layout: Layout, kind: str, group: str, group_size: int, calls: float, wire_bytes: float,
+           hw: Hardware) -> float:
+    """Seconds `calls` collectives of `kind` over one `group` of `layout`
+    (`group_size` ranks) take to send `wire_bytes` in all, as counted: the
+    latency of each ring step and the bytes at the bandwidth of the slowest
+    link any such group spans (before Hardware.kind_factor)."""
+    spans = _spans_nodes(layout, group, hw.ranks_per_node)
+    bw, lat = (hw.inter_bw, hw.inter_latency) if spans else (hw.intra_bw, hw.intra_latency)
+    return calls * LATENCY_STEPS.get(kind, lambda p: p - 1)(group_size) * lat + wire_bytes / bw
 
 
 @functools.lru_cache(maxsize=4096)

@@ -121,8 +121,8 @@ def test_a_recomputation_sends_what_the_planner_says(pool, key, dropout):
              for k in {*plain["bytes_by_kind"], *checkpointed["bytes_by_kind"]}}
     for kind, sent in extra.items():  # each kind of a step's blocks sends 4 x the stream (dp = 1)
         assert sent / STEPS == shares.get(kind, 0.0) * (4 * stream if kind in kinds else 0), kind
-    # without dropout the MLP output's collective is not sent again: less than the forward half of its kind
     assert sum(extra.values()) > 0
+    # without dropout the MLP output's collective is not sent again: less than the forward half of its kind
     assert min(shares[k] for k in kinds) < 0.5 if dropout == 0 else all(shares[k] == 0.5 for k in kinds)
 
 

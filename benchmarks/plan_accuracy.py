@@ -5,13 +5,15 @@ measures a spread of its ranking, the pick included).
 
     python benchmarks/plan_accuracy.py                   # gpt-tiny, world 8, 24 choices
     python benchmarks/plan_accuracy.py --tiny            # the smoke run: world 2, 3 choices, 1-layer model
-    python benchmarks/plan_accuracy.py --hardware cpu --count 24 --steps 4 -- model=gpt-tiny train.batch_size=16
+    python benchmarks/plan_accuracy.py --hardware cpu --count 24 --steps 8 -- model=gpt-tiny train.batch_size=16
 
 Each choice trains `--steps` steps (after one warm-up) in a fresh pool of
-ranks (so no choice inherits another's heap); measured: the best step (the
-slowest rank's; the best, as --calibrate measures, so that a burst of other
-work on the machine does not count) and each rank's peak RSS (VmHWM; glibc's mmap
+ranks (so no choice inherits another's heap); measured: the median step
+(each step as long as its slowest rank; the median, as `train layout=auto`
+writes `measured_ms` and as --calibrate times the collectives: the step a
+user sees, not the luckiest one) and each rank's peak RSS (VmHWM; glibc's mmap
 threshold fixed at 1 MiB so freed tensors leave the resident set).
+`--json PATH` writes every rank's step times beside each prediction.
 Predicted: `search`'s step time on the hardware profile, and its peak
 (the counted state, activations as the schedule holds them, temporaries,
 and the profile's `base_bytes`, the process measured by
@@ -25,6 +27,7 @@ are noisy; choices run one after another, not interleaved.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -58,8 +61,7 @@ def measure(cfg_dict: dict, steps: int) -> dict:
         t0 = time.perf_counter()
         float(step(batch, k)["loss"])
         times.append(time.perf_counter() - t0)
-    # the best step: the machine's speed when the load it shares lets it run (as --calibrate measures)
-    return {"step_s": min(times[1:]), "peak": peak_rss_bytes(), "idle": idle, "built": built}
+    return {"times": times[1:], "peak": peak_rss_bytes(), "idle": idle, "built": built}
 
 
 def _rss() -> int:
@@ -109,7 +111,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--count", type=int, default=24, help="choices measured (spread over the ranking)")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--json", help="write every rank's step times and the predictions here")
     parser.add_argument("--hardware", default="cpu")
     parser.add_argument("--tiny", action="store_true", help="the smoke run: world 2, 3 choices, a tiny model, 1 step")
     parser.add_argument("overrides", nargs="*", help="config overrides (after --)")
@@ -133,14 +136,23 @@ def main() -> None:
     chosen = spread(found.ranked, args.count)
     print(f"{len(found.ranked)} choices of {args.world} ranks fit; measuring {len(chosen)} on hardware={hw.name} "
           f"(base_bytes {hw.base_bytes / 2**20:.0f} MiB), {args.steps} steps each", flush=True)
-    rows = []
+    rows, dump = [], {}
     for cand in chosen:
         c = cand.choice.apply(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
         per_rank = measured(DistPool, args.world, OmegaConf.to_container(c, resolve=True), args.steps)
-        rows.append((cand, max(r["step_s"] for r in per_rank), max(r["peak"] for r in per_rank)))
+        rows.append((cand, step_time(per_rank), max(r["peak"] for r in per_rank)))
+        dump[cand.choice.name] = {"predicted_s": cand.step_time_s, "times": [r["times"] for r in per_rank]}
         print(f"  {cand.choice.name:<34} predicted {cand.step_time_s * 1e3:8.2f} ms {cand.peak_bytes / 2**20:8.1f} MiB"
               f" | measured {rows[-1][1] * 1e3:8.2f} ms {rows[-1][2] / 2**20:8.1f} MiB", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dump, f, indent=1)
     report(rows, found.pick)
+
+
+def step_time(per_rank: list[dict]) -> float:
+    """The median step: each step lasts as long as its slowest rank."""
+    return statistics.median(max(step) for step in zip(*(r["times"] for r in per_rank)))
 
 
 def report(rows: list, pick) -> None:

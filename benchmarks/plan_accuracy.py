@@ -55,13 +55,15 @@ def measure(cfg_dict: dict, steps: int) -> dict:
     x, y = ids[:, :-1], ids[:, 1:]
     micros = step.micro_count
     batch = [(par.shard_batch(x, k, micros), par.shard_targets(y, k, micros)) for k in range(micros)]
-    times = []
+    times, exposed = [], []
     for k in range(steps + 1):  # the first: warm-up
         comm.barrier()
+        comm.STATS.reset()
         t0 = time.perf_counter()
         float(step(batch, k)["loss"])
         times.append(time.perf_counter() - t0)
-    return {"times": times[1:], "peak": peak_rss_bytes(), "idle": idle, "built": built}
+        exposed.append(sum(comm.STATS.exposed_s.values()))
+    return {"times": times[1:], "exposed": exposed[1:], "peak": peak_rss_bytes(), "idle": idle, "built": built}
 
 
 def _rss() -> int:
@@ -140,8 +142,9 @@ def main() -> None:
     for cand in chosen:
         c = cand.choice.apply(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
         per_rank = measured(DistPool, args.world, OmegaConf.to_container(c, resolve=True), args.steps)
-        rows.append((cand, step_time(per_rank), max(r["peak"] for r in per_rank)))
-        dump[cand.choice.name] = {"predicted_s": cand.step_time_s, "times": [r["times"] for r in per_rank]}
+        rows.append((cand, step_time(per_rank), max(r["peak"] for r in per_rank), exposed_time(per_rank)))
+        dump[cand.choice.name] = {"predicted_s": cand.step_time_s, "times": [r["times"] for r in per_rank],
+                                  "exposed": [r["exposed"] for r in per_rank]}
         print(f"  {cand.choice.name:<34} predicted {cand.step_time_s * 1e3:8.2f} ms {cand.peak_bytes / 2**20:8.1f} MiB"
               f" | measured {rows[-1][1] * 1e3:8.2f} ms {rows[-1][2] / 2**20:8.1f} MiB", flush=True)
     if args.json:
@@ -155,22 +158,31 @@ def step_time(per_rank: list[dict]) -> float:
     return statistics.median(max(step) for step in zip(*(r["times"] for r in per_rank)))
 
 
+def exposed_time(per_rank: list[dict]) -> float:
+    """The median over steps of the time a rank's thread spent in
+    collectives (issuing or waiting: comm.STATS.exposed_s), mean over ranks
+    -- the measured side of the planner's exposed communication."""
+    return statistics.median(statistics.fmean(step) for step in zip(*(r["exposed"] for r in per_rank)))
+
+
 def report(rows: list, pick) -> None:
-    print("\n| choice | predicted ms | measured ms | err | predicted peak MiB | measured peak MiB | err | above base: pred / meas MiB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| choice | predicted ms | measured ms | err | exposed comm: pred / meas ms "
+          "| predicted peak MiB | measured peak MiB | err | above base: pred / meas MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     step_errs, mem_errs = [], []
-    for cand, step_s, peak in rows:
+    for cand, step_s, peak, exposed in rows:
         se = cand.step_time_s / step_s - 1
         me = cand.peak_bytes / peak - 1
         step_errs.append(abs(se))
         mem_errs.append(abs(me))
         base = cand.parts["process"]
         print(f"| {cand.choice.name} | {cand.step_time_s * 1e3:.2f} | {step_s * 1e3:.2f} | {se:+.0%} | "
+              f"{cand.exposed_comm_s * 1e3:.1f} / {exposed * 1e3:.1f} | "
               f"{cand.peak_bytes / 2**20:.1f} | {peak / 2**20:.1f} | {me:+.1%} | "
               f"{(cand.peak_bytes - base) / 2**20:.1f} / {(peak - base) / 2**20:.1f} |")
-    measured = [s for _, s, _ in rows]
-    picked = next(s for c, s, _ in rows if c is pick)
-    rho = spearman([c.step_time_s for c, _, _ in rows], measured)
+    measured = [row[1] for row in rows]
+    picked = next(row[1] for row in rows if row[0] is pick)
+    rho = spearman([row[0].step_time_s for row in rows], measured)
     print(f"\nMAPE_step={100 * statistics.fmean(step_errs):.1f}% max_mem_err={100 * max(mem_errs):.1f}% "
           f"spearman={rho:.2f} pick_gap={100 * (picked / min(measured) - 1):.1f}%")
 

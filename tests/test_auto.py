@@ -150,3 +150,19 @@ def test_calibrate_writes_a_profile_the_planner_reads(tmp_path, monkeypatch):
     for value in (hw.peak_flops, hw.intra_bw, hw.intra_latency, hw.base_bytes, hw.reduce_scatter_factor,
                   hw.all_gather_factor):
         assert value > 0
+
+
+def test_a_choices_exposed_communication_is_the_one_in_its_step(tiny_cfg):
+    """What `plan --auto` prints as exposed communication is the part of
+    the predicted step spent in collectives: the split's, and with
+    checkpointing also the recomputed forward's (1d re-sends its sums)."""
+    from tpctl.cost.auto import search
+    from tpctl.cost.hardware import load_hardware
+
+    hw = load_hardware("cpu")
+    by_name = {c.choice.name: c for c in search(tiny_cfg, 4, hw).ranked}
+    plain, ckpt = by_name["1d-2-dp2"], by_name["1d-2-dp2 ckpt"]
+    turns = hw.comm_turns(4)
+    assert plain.exposed_comm_s == pytest.approx(plain.plan.comm_s * turns) and 0 < plain.exposed_comm_s < plain.step_time_s
+    assert ckpt.exposed_comm_s > plain.exposed_comm_s  # the same split, its sums sent again
+    assert ckpt.to_json()["exposed_comm_ms"] == pytest.approx(ckpt.exposed_comm_s * 1e3)

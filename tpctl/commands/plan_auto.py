@@ -49,7 +49,7 @@ def plan_auto(world: int, hardware: str, memory_gib, overrides: list[str], as_js
         p = c.parts
         table.add_row("★" if i == 0 else str(i + 1), c.choice.name, f"{c.step_time_s * 1e3:,.3f}", f"{c.peak_bytes / 2**20:,.1f}",
                       f"{(p['params'] + p['grads'] + p['optimizer']) / 2**20:,.1f}", f"{p['activations'] / 2**20:,.1f}",
-                      f"{(c.plan.comm_s or 0) * 1e3:,.3f}", f"{c.plan.bubble:.0%}" if c.plan.bubble is not None else "-",
+                      f"{c.exposed_comm_s * 1e3:,.3f}", f"{c.plan.bubble:.0%}" if c.plan.bubble is not None else "-",
                       f"{c.flops / 1e9:,.1f}")
     console = Console(width=200)
     console.print(table)

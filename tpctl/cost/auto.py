@@ -88,11 +88,12 @@ class Candidate:
     step_time_s: float = 0.0
     flops: float = 0.0
     fits: bool = True
+    exposed_comm_s: float = 0.0  # the communication in step_time_s (the recomputation's included)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.choice.name, "layout": self.choice.layout.name, "overrides": self.choice.overrides(),
                 "predicted_ms": self.step_time_s * 1e3, "predicted_peak_bytes": self.peak_bytes, "fits": self.fits,
-                "exposed_comm_ms": (self.plan.comm_s or 0.0) * 1e3, "bubble": self.plan.bubble, "flops": self.flops,
+                "exposed_comm_ms": self.exposed_comm_s * 1e3, "bubble": self.plan.bubble, "flops": self.flops,
                 "parts": self.parts}
 
 
@@ -245,28 +246,26 @@ def search(cfg: Any, world: int, hw: Hardware, shape: Optional[ModelShape] = Non
             continue
         parts = peak_parts(plan, shape, choice, cfg, hw)
         peak = sum(parts.values())
-        cand = Candidate(choice, plan, peak, parts, _step_s(plan, choice, shape, hw),
-                         plan.flops * (1 + RECOMPUTE_SHARE * choice.checkpointing),
-                         not hw.memory_bytes or peak <= hw.memory_bytes)
+        step_s, comm_s = _step_s(plan, choice, shape, hw)
+        cand = Candidate(choice, plan, peak, parts, step_s, plan.flops * (1 + RECOMPUTE_SHARE * choice.checkpointing),
+                         not hw.memory_bytes or peak <= hw.memory_bytes, comm_s)
         (ranked if cand.fits else unfit).append(cand)
     ranked.sort(key=lambda c: (c.step_time_s, c.peak_bytes))
     unfit.sort(key=lambda c: c.peak_bytes)
     return Search(ranked, unfit, invalid, sum(1 for p in memo.values() if p is not None))
 
 
-def _step_s(plan: SplitPlan, choice: Choice, shape: ModelShape, hw: Hardware) -> float:
-    """The predicted step: `predict`'s compute and exposed communication,
-    checkpointing's recomputation, the blocks' fixed cost. Ranks beyond a
-    CPU's cores take turns (predict stretches the compute so): at every hop
-    of a collective too, so its time stretches alike (Hardware.comm_turns:
-    beyond what the calibration's world already measured)."""
+def _step_s(plan: SplitPlan, choice: Choice, shape: ModelShape, hw: Hardware) -> tuple[float, float]:
+    """The predicted step -- `predict`'s compute and exposed communication,
+    checkpointing's recomputation, the blocks' fixed cost -- and the
+    communication in it. Ranks beyond a CPU's cores take turns (predict
+    stretches the compute so): at every hop of a collective too, so its
+    time stretches alike (Hardware.comm_turns: beyond what the
+    calibration's world already measured)."""
     turns = hw.comm_turns(choice.layout.world)
-    comm = plan.comm_s * turns
-    if choice.checkpointing:
-        compute, grid = _recompute_s(plan, hw)
-        comm += grid * turns
-        return plan.compute_s + compute + comm + _overhead_s(plan, choice, shape, hw)
-    return plan.compute_s + comm + _overhead_s(plan, choice, shape, hw)
+    compute, grid = _recompute_s(plan, hw) if choice.checkpointing else (0.0, 0.0)
+    comm = (plan.comm_s + grid) * turns
+    return plan.compute_s + compute + comm + _overhead_s(plan, choice, shape, hw), comm
 
 
 # Groups whose collectives run inside a block's forward (a recomputed forward runs them again).

@@ -17,7 +17,7 @@ one thread per rank):
     per ring step (intercept / ring steps);
   * the other kinds: a reduce-scatter's and an all-gather's time against
     what the all-reduce's fit gives them (`<kind>_factor`: the planner
-    stretches the ones a step waits for by it), each set against the
+    stretches every one of that kind by it), each set against the
     all-reduce of its size timed beside it, at every size of KIND_SIZES,
     and the median taken: the machine's mood moves both alike;
   * the process: the peak resident set of a rank that trained a

@@ -410,11 +410,14 @@ def predict(plan: SplitPlan, hw: Hardware, overlap: bool = True) -> SplitPlan:
         compute *= plan.layout.world / hw.cores  # oversubscribed CPU: ranks take turns
     comm_s = hideable = 0.0
     for (kind, group), c in plan.comm.items():
-        hidden = sent_s(plan.layout, kind, group, c.group_size, c.hidden_calls, c.hidden_wire_bytes, hw)
-        # a collective waited for at once takes the time its kind was measured
-        # to take (Hardware.kind_factor); those issued beside other work, as counted
-        comm_s += hidden + hw.kind_factor(kind) * sent_s(plan.layout, kind, group, c.group_size, c.calls - c.hidden_calls,
-                                                         c.wire_bytes - c.hidden_wire_bytes, hw)
+        # every collective of a kind takes the time that kind was measured to
+        # take (Hardware.kind_factor: gloo's reduce-scatter costs about an
+        # all-reduce, however it is issued); issued beside other work, it
+        # can hide behind that work, up to BESIDE_SHARE of the compute
+        factor = hw.kind_factor(kind)
+        hidden = factor * sent_s(plan.layout, kind, group, c.group_size, c.hidden_calls, c.hidden_wire_bytes, hw)
+        comm_s += hidden + factor * sent_s(plan.layout, kind, group, c.group_size, c.calls - c.hidden_calls,
+                                           c.wire_bytes - c.hidden_wire_bytes, hw)
         hideable += hidden
     plan.hidden_s = min(hideable, BESIDE_SHARE * compute) if overlap else 0.0
     plan.compute_s, plan.comm_s = compute, comm_s - plan.hidden_s

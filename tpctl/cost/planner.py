@@ -415,10 +415,8 @@ def predict(plan: SplitPlan, hw: Hardware, overlap: bool = True) -> SplitPlan:
         # all-reduce, however it is issued); issued beside other work, it
         # can hide behind that work, up to BESIDE_SHARE of the compute
         factor = hw.kind_factor(kind)
-        hidden = factor * sent_s(plan.layout, kind, group, c.group_size, c.hidden_calls, c.hidden_wire_bytes, hw)
-        comm_s += hidden + factor * sent_s(plan.layout, kind, group, c.group_size, c.calls - c.hidden_calls,
-                                           c.wire_bytes - c.hidden_wire_bytes, hw)
-        hideable += hidden
+        comm_s += factor * sent_s(plan.layout, kind, group, c.group_size, c.calls, c.wire_bytes, hw)
+        hideable += factor * sent_s(plan.layout, kind, group, c.group_size, c.hidden_calls, c.hidden_wire_bytes, hw)
     plan.hidden_s = min(hideable, BESIDE_SHARE * compute) if overlap else 0.0
     plan.compute_s, plan.comm_s = compute, comm_s - plan.hidden_s
     plan.step_time_s = compute + plan.comm_s

@@ -34,6 +34,15 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
                                          moe_intermediate_size=16, shared_expert_intermediate_size=32,
                                          num_experts=4, num_experts_per_tok=2)),
+    # transformers 5's MoE block of a router holding a raw (experts x hidden) weight beside an experts
+    # module of 3-d gate_up_proj / down_proj parameters, no shared expert (Mixtral, OLMoE, Qwen3-MoE).
+    "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=16,
+                                      num_local_experts=4, num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=16,
+                                  num_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+                                         num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])),
     # Latent attention (low-rank q and key/value projections with their norms, a rotary part shared by
     # every head) and a mixture of experts with a shared expert after one dense layer.
     "deepseek_v3": ("DeepseekV3Config", dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,

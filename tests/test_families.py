@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 MESHES = layouts("none-dp4", "1d-2-dp2", "2d-4", "3d-8")
 STEPS, BATCH, SEQ = 4, 8, 8
 FAMILIES = ("gpt_neox", "bloom", "gpt_bigcode", "gpt_bigcode_mha", "falcon", "falcon_gqa", "phi3", "gemma",
-            "opt", "qwen3", "olmo", "qwen2_kv1", "olmo2", "qwen2_moe")
+            "opt", "qwen3", "olmo", "qwen2_kv1", "olmo2", "qwen2_moe", "mixtral", "olmoe", "qwen3_moe")
 # (family, mode) -> a phrase the refusal must contain.
 REFUSED: dict = {}
 
@@ -80,7 +80,7 @@ def reference(pool):
 # layouts' own exactness is the subject of test_models, test_verify and
 # test_families_anymodel; here it is that each family is carried.
 SPLITS = [k for k in MESHES if k != "none-dp4"]
-EVERY_LAYOUT = ("falcon_gqa", "phi3", "qwen2_moe")
+EVERY_LAYOUT = ("falcon_gqa", "phi3", "qwen2_moe", "mixtral")
 CASES = [(family, key) for i, family in enumerate(FAMILIES)
          for key in (SPLITS if family in EVERY_LAYOUT else [SPLITS[i % len(SPLITS)]])]
 

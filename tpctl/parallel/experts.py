@@ -141,9 +141,14 @@ def holds_experts(module: nn.Module) -> bool:
     """A module holding expert weights as raw parameters (no Linear inside),
     at least two, each of two or more dimensions: DBRX's (experts x inner,
     hidden) matrices in a module of their own, Llama 4's (experts, hidden,
-    2 x inner). Whether it is one is then measured (`own_split`)."""
+    2 x inner). Whether it is one is then measured (`own_split`).
+
+    A module composing two holders of parameters (a router holding a raw
+    (experts x hidden) weight beside an experts module, as transformers 5
+    builds a MoE block) is not one: its experts are its child's."""
     params = list(module.parameters())
-    return len(params) >= 2 and all(p.dim() >= 2 for p in params) \
+    holders = [c for c in module.children() if any(True for _ in c.parameters())]
+    return len(params) >= 2 and all(p.dim() >= 2 for p in params) and len(holders) <= 1 \
         and not any(isinstance(m, (nn.Linear, nn.Embedding)) for m in module.modules())
 
 

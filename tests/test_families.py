@@ -80,7 +80,7 @@ def reference(pool):
 # layouts' own exactness is the subject of test_models, test_verify and
 # test_families_anymodel; here it is that each family is carried.
 SPLITS = [k for k in MESHES if k != "none-dp4"]
-EVERY_LAYOUT = ("falcon_gqa", "phi3", "qwen2_moe", "mixtral")
+EVERY_LAYOUT = ("falcon_gqa", "phi3", "qwen2_moe")
 CASES = [(family, key) for i, family in enumerate(FAMILIES)
          for key in (SPLITS if family in EVERY_LAYOUT else [SPLITS[i % len(SPLITS)]])]
 

@@ -181,3 +181,21 @@ def test_a_models_build_warnings_go_to_the_log_not_the_terminal(capfd, caplog):
     assert capfd.readouterr().err == ""
     logged = " ".join(r.getMessage() for r in caplog.records if r.name == "tpctl.model")
     assert "CUDA-fused xIELU not available" in logged and "rope_parameters look odd" in logged
+
+
+@pytest.mark.parametrize("family,key", [("dbrx", "1d-2"), ("mixtral", "2d-4"), ("qwen2_moe", "1d-2-pp2")])
+def test_inspect_names_the_role_of_every_module_of_a_model_that_trains(family, key):
+    """`tpctl inspect`'s table (a dry run on rank 0) for experts split as
+    measured in a module's own forward (DBRX: OwnSplit) and as 3-d gate/up
+    and down parameters beside a router module (Mixtral, Qwen2-MoE)."""
+    from test_families import _cfg
+
+    from tpctl.commands.inspect_model import inspect_model
+
+    rows, summary, problems = inspect_model(_cfg(key, family))
+    assert not problems, problems
+    roles = {name: role for name, _, role, *_ in rows}
+    experts = [row for row in rows if row[2] == "experts"]
+    assert experts and all(row[6].startswith("experts: ") for row in experts), experts
+    assert any(role == "router" for role in roles.values()), roles
+    assert summary["per rank"] < summary["whole model"]

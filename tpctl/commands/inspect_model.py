@@ -146,7 +146,10 @@ def inspect_model(cfg):
             note = "kept whole (replicated)" if par.mode.replicated_activations else "no role"
         if name in plan.layouts and not note:  # a fused projection's parts, or a projection's heads (maybe shared)
             layout = plan.layouts[name]
-            note = f"{'fused' if len(layout.names) > 1 else 'heads'}: {layout.describe()}"
+            # (experts run by their own forward are split as measured: OwnSplit, no parts named)
+            kind = "experts" if record is not None and record.role == "experts" else \
+                "fused" if len(getattr(layout, "names", ())) > 1 else "heads"
+            note = f"{kind}: {layout.describe()}"
             if layout.shares(par.mode.geo.head_split):
                 note += f", key/value heads shared by {par.mode.geo.head_split // min(layout.units)} ranks"
         rows.append((name, type(module).__name__, record.role if record else "",

@@ -3,7 +3,7 @@ VENV   := .venv
 PYTHON := $(VENV)/bin/python
 PIP    := $(PYTHON) -m pip
 
-.PHONY: install demo test test-fast check-recipes clean
+.PHONY: install demo test test-fast test-transformers-floor check-recipes clean
 
 # The stamp is rebuilt when the packaging changes; the venv itself only once.
 install: $(VENV)/.installed
@@ -31,10 +31,22 @@ test: install
 test-fast: install
 	$(PYTHON) -m pytest -q -n 2 -m "not slow"
 
+# The family tests again on the oldest transformers pyproject.toml allows (the
+# venv holds the newest the registry serves): installed beside the venv in a
+# folder of its own that shadows the venv's copy on PYTHONPATH, with the
+# versions of its own dependencies that it asks for.
+TF_FLOOR = $(shell sed -n 's/.*"transformers>=\([0-9.]*\)".*/\1/p' pyproject.toml)
+TF_DIR   := .transformers-floor
+test-transformers-floor: install
+	test -f $(TF_DIR)/.installed-$(TF_FLOOR) || { rm -rf $(TF_DIR) && \
+		$(PIP) install -q --target $(TF_DIR) 'transformers==$(TF_FLOOR).*' && touch $(TF_DIR)/.installed-$(TF_FLOOR); }
+	PYTHONPATH=$(CURDIR)/$(TF_DIR) TPCTL_TRANSFORMERS=$(TF_FLOOR) $(PYTHON) -m pytest -q -n 2 \
+		tests/test_families.py tests/test_families_anymodel.py
+
 # Every recipe in recipes/, in its short form, against its loss band and
 # equalities (CI runs this after the tests).
 check-recipes: install
 	$(VENV)/bin/tpctl check-recipes --fast --jobs 2
 
 clean:
-	rm -rf outputs multirun .pytest_cache
+	rm -rf outputs multirun .pytest_cache $(TF_DIR)

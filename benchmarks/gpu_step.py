@@ -17,7 +17,7 @@ gpt-small alternates plain and tpctl round by round (both resident); the
 Llama runs plain, then tpctl (one at a time: 1B with AdamW twice is ~35 GB).
 Each time is the median step after `warmup` steps (synchronised). MFU:
 model FLOPs per token (cost/measure.py) x tokens/s / the bf16 peak of the
-device's profile (configs/hardware/, by the GPU's name).
+device's profile (configs/hardware_profiles/, by the GPU's name).
 
 Without a GPU it runs tiny shapes on the CPU, compiling through dynamo only
 (backend eager): a smoke run that checks the script, not a measurement.

@@ -88,6 +88,8 @@ def test_plan_auto_refuses_in_one_line(capsys, args, words):
     (["layout=auto"], ["world=None", "world=N"]),
     (["layout=auto", "world=2", "hardware=h100", "memory=1"], ["memory"]),  # not a key of train: composition refuses
     (["layout=wide", "world=2"], ["layout='wide'", "expected auto"]),
+    (["layout=auto", "world=2", "hardware=tpu"], ["hardware='tpu'", "expected one of", "cpu", "h100", "h200"]),
+    (["hardware=h1000"], ["hardware='h1000'", "expected one of", "did you mean 'h100'"]),
 ])
 def test_train_layout_auto_refuses_before_any_worker(capsys, tmp_path, args, words):
     from tpctl.commands.train import main
@@ -169,3 +171,18 @@ def test_a_choices_exposed_communication_is_the_one_in_its_step(tiny_cfg):
     assert plain.exposed_comm_s == pytest.approx(plain.plan.comm_s * turns) and 0 < plain.exposed_comm_s < plain.step_time_s
     assert ckpt.exposed_comm_s > plain.exposed_comm_s  # the same split, its sums sent again
     assert ckpt.to_json()["exposed_comm_ms"] == pytest.approx(ckpt.exposed_comm_s * 1e3)
+
+
+@pytest.mark.parametrize("hardware", ["h100", "cpu_probe"])
+def test_train_layout_auto_prices_the_pick_on_the_hardware_named(capsys, tmp_path, hardware):
+    """`tpctl train layout=auto world=N hardware=NAME` (the profiles of
+    configs/hardware_profiles/ are no Hydra group: the key takes the name)."""
+    from omegaconf import OmegaConf
+
+    from tpctl.commands.train import main
+
+    assert main(["layout=auto", "world=2", f"hardware={hardware}", *TINY, f"hydra.run.dir={tmp_path / 'run'}",
+                 "--dry-run"]) == 0
+    assert f"on hardware={hardware}:" in capsys.readouterr().err
+    cfg = OmegaConf.load(tmp_path / "run" / "config.yaml")
+    assert cfg.hardware == hardware and cfg.auto.hardware == hardware

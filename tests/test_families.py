@@ -101,6 +101,25 @@ def test_family_trains_like_mode_none_or_is_refused(pool, reference, family, key
     assert len(got) == STEPS and loss < 1e-4 and norm < 1e-4, (loss, norm)
 
 
+def test_the_transformers_under_test_is_in_the_declared_range():
+    """pyproject's `transformers>=` floor is what `make test-transformers-floor`
+    installs and runs these tests on (TPCTL_TRANSFORMERS names it); in the
+    venv the newest release the registry serves: never one below the floor."""
+    import os
+    import re
+    from pathlib import Path
+
+    import transformers
+
+    text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    floor = re.search(r'"transformers>=([0-9.]+)"', text).group(1)
+    version = tuple(int(v) for v in re.findall(r"\d+", transformers.__version__)[:2])
+    assert version >= tuple(int(v) for v in floor.split(".")[:2]), (transformers.__version__, floor)
+    asked = os.environ.get("TPCTL_TRANSFORMERS")
+    if asked is not None:
+        assert asked == floor and transformers.__version__.startswith(asked + "."), (transformers.__version__, asked)
+
+
 # ---- layouts and semantics, measured in one process ---------------------------
 
 def _plan(family: str):

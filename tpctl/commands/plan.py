@@ -15,7 +15,7 @@ each mode's algorithm as the code in `tpctl/parallel/` runs it:
 
 The communication counts are exact: `tests/test_plan.py` runs a whole GPT
 through a train step in every mode and asserts the counted bytes and calls
-equal these. With a hardware profile (`configs/hardware/*.yaml`) it predicts
+equal these. With a hardware profile (`configs/hardware_profiles/*.yaml`) it predicts
 step time as compute / (peak x efficiency) plus, per collective, latency x
 ring steps + wire bytes / bandwidth of the slowest link its group spans (NVLink
 inside a node, the network across nodes), with no overlap assumed, and says

@@ -80,6 +80,11 @@ def _check_values(cfg: Any) -> None:
 def _check_auto(cfg: Any) -> None:
     """layout=auto is resolved by `tpctl train` before validation: what is
     left must be the layout it picked, for the world asked."""
+    hardware = cfg.get("hardware")
+    if hardware is not None:  # the profile layout=auto prices the choices on (tpctl.cost.hardware reads it)
+        from .compose import CONFIG_DIR
+
+        check_choice("hardware", hardware, sorted(p.stem for p in (CONFIG_DIR / "hardware_profiles").glob("*.yaml")))
     layout = cfg.get("layout")
     if layout is None:
         return

@@ -23,7 +23,7 @@ one thread per rank):
   * the process: the peak resident set of a rank that trained a
     near-empty model (base_bytes, the floor of layout=auto's predicted peak
     on CPU).
-The fitted numbers are written to configs/hardware/<hardware>.yaml.
+The fitted numbers are written to configs/hardware_profiles/<hardware>.yaml.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from tpctl.config import CONFIG_DIR
 from tpctl.errors import ConfigError
 
-HARDWARE_DIR = CONFIG_DIR / "hardware"
+HARDWARE_DIR = CONFIG_DIR / "hardware_profiles"
 
 
 @dataclass

@@ -441,7 +441,7 @@ def hardware_for(setting: str, device: str) -> str:
             return profile
     known = ", ".join(p for _, p in DEVICE_PROFILES)
     raise ConfigError("hardware", "auto", f"no profile matches {name!r}: name one with hardware= ({known}, "
-                      "or a file of configs/hardware/)")
+                      "or a file of configs/hardware_profiles/)")
 
 
 def predicted_ms(cfg, modes, size, depth, hardware: str, pp: int = 1) -> dict[str, Optional[float]]:

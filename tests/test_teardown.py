@@ -63,3 +63,47 @@ def test_a_rank_killed_before_its_work_is_complete_fails_the_run(tmp_path, monke
     err = capsys.readouterr().err
     assert "tpctl: error: rank 1: killed by SIGABRT" in err.splitlines(), err
     assert "complete" not in err
+
+
+POOL_OWNER = """
+import os, sys, time
+from tpctl.launch.pool import DistPool
+
+pool = DistPool(2, timeout_s=60)
+print(*pool.run(os.getpid), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGINT"])
+def test_pool_ranks_die_with_the_process_that_started_them(sig):
+    """However the pool's owner ends (an interrupted pytest's worker is
+    killed; os._exit and SIGKILL skip the exit handler that would terminate
+    daemon processes), no rank is left behind polling gloo's sockets."""
+    import signal
+    import time
+
+    owner = subprocess.Popen([sys.executable, "-c", POOL_OWNER], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)}, preexec_fn=lambda: signal.signal(
+                                 signal.SIGINT, signal.SIG_DFL))
+    try:
+        ranks = [int(pid) for pid in owner.stdout.readline().split()]
+        assert len(ranks) == 2, ranks
+        owner.send_signal(getattr(signal, sig))
+        owner.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(pid) for pid in ranks):
+            time.sleep(0.2)
+        assert not [pid for pid in ranks if _alive(pid)], f"ranks left running after the owner's {sig}"
+    finally:
+        owner.kill()
+
+
+def _alive(pid: int) -> bool:
+    """A process of that pid runs (a zombie has ended: it waits for init)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

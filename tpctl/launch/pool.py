@@ -20,7 +20,23 @@ import torch.multiprocessing as mp
 from .local import free_port
 
 
-def _serve(rank: int, world: int, port: int, tasks, results, timeout_s: float) -> None:
+# How often an idle rank looks whether the process that started it is alive.
+PARENT_POLL_S = 2.0
+
+
+def _serve(rank: int, world: int, port: int, tasks, results, timeout_s: float, parent: int) -> None:
+    import signal
+
+    from tpctl.errors import die_with_parent
+
+    # A rank dies with the process that started the pool, however that one
+    # ends (SIGKILL, an interrupted pytest, os._exit: multiprocessing's exit
+    # handler that terminates daemons runs in none of those). Linux signals
+    # it; elsewhere, and should the parent have died before this line, the
+    # idle rank sees itself reparented.
+    die_with_parent(signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
     import torch
     import torch.distributed as dist
 
@@ -29,7 +45,12 @@ def _serve(rank: int, world: int, port: int, tasks, results, timeout_s: float) -
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=PARENT_POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:
+                os._exit(1)
+            continue
         if task is None:
             break
         fn, args, kwargs = task
@@ -52,7 +73,8 @@ class DistPool:
         self._results = ctx.Queue()
         port = free_port("127.0.0.1")
         self._procs = [
-            ctx.Process(target=_serve, args=(r, world_size, port, self._tasks[r], self._results, timeout_s), daemon=True)
+            ctx.Process(target=_serve, args=(r, world_size, port, self._tasks[r], self._results, timeout_s, os.getpid()),
+                        daemon=True)
             for r in range(world_size)
         ]
         for p in self._procs:

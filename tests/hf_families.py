@@ -43,6 +43,11 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                          intermediate_size=64, moe_intermediate_size=16, num_experts=4,
                                          num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])),
+    # A router holding, beside its (experts x hidden) weight, a module of score-correction statistics
+    # (Ernie 4.5-MoE); a dense first layer, shared experts.
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                                moe_intermediate_size=16, moe_num_experts=4, moe_k=2,
+                                                moe_num_shared_experts=1, moe_layer_start_index=1)),
     # Latent attention (low-rank q and key/value projections with their norms, a rotary part shared by
     # every head) and a mixture of experts with a shared expert after one dense layer.
     "deepseek_v3": ("DeepseekV3Config", dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,

@@ -154,7 +154,7 @@ def _train_cfg(layout, steps: int, every: int, dropout: float = 0.0):
     settings = {"model.n_layer": 1, "model.n_embd": 16, "model.n_head": 4, "model.block_size": 16,
                 "model.vocab_size": 37, "data.name": "synthetic", "data.vocab_size": 37, "data.synthetic_tokens": 20_000,
                 "train.batch_size": 8, "train.seq_len": 16, "train.eval_every": 0, "train.log_every": 1,
-                "train.progress": False, "train.steps": steps, "optim.lr": 1e-2, "optim.warmup_steps": 3,
+                "train.progress": False, "train.steps": steps, "optim.lr": 1e-2, "optim.eps": 1e-5, "optim.warmup_steps": 3,
                 "checkpoint.every": every, "checkpoint.keep": 0, "model.dropout": dropout}
     for key, value in settings.items():
         OmegaConf.update(cfg, key, value)
@@ -207,7 +207,7 @@ def test_resume_continues_the_uninterrupted_curve_in_every_mode_and_across_modes
 
 # ---- whole runs through `tpctl train` ---------------------------------------
 
-TINY = ["model=gpt-tiny", "model.n_layer=1", "data=synthetic", "data.synthetic_tokens=20000", "train.batch_size=8",
+TINY = ["model=gpt-tiny", "optim.eps=1e-5", "model.n_layer=1", "data=synthetic", "data.synthetic_tokens=20000", "train.batch_size=8",
         "train.seq_len=16", "train.log_every=1", "train.eval_every=0", "train.progress=false", "seed=0"]
 
 

@@ -309,7 +309,7 @@ def _train(layout, data_path: str, vocab: int, val_fraction: float = 0.1) -> lis
     for key, value in {"model.n_embd": 16, "model.n_head": 4, "model.block_size": 16, "model.vocab_size": vocab,
                        "data.path": data_path, "data.val_fraction": val_fraction,
                        "train.batch_size": 8, "train.seq_len": 16, "train.eval_every": 2, "train.log_every": 1,
-                       "train.progress": False, "optim.lr": 1e-2, "optim.warmup_steps": 2, "train.steps": 4}.items():
+                       "train.progress": False, "optim.lr": 1e-2, "optim.eps": 1e-5, "optim.warmup_steps": 2, "train.steps": 4}.items():
         OmegaConf.update(cfg, key, value)
     records = build_trainer(cfg, layout, pooled=False, lazy=False).fit()
     return [r["loss"] for r in records] + [r["val_loss"] for r in records if r.get("val_loss") is not None]

@@ -85,7 +85,7 @@ def test_compile_on_cuda_equals_eager(pool, reference, key):
         assert _rel(losses, eager) <= TOL, (losses, eager)
 
 
-TINY = ["model=gpt-tiny", "model.n_layer=1", "data=synthetic", "data.synthetic_tokens=20000", "train.batch_size=8",
+TINY = ["model=gpt-tiny", "optim.eps=1e-5", "model.n_layer=1", "data=synthetic", "data.synthetic_tokens=20000", "train.batch_size=8",
         "train.seq_len=16", "train.log_every=1", "train.eval_every=0", "train.progress=false", "seed=0",
         "model.dropout=0.1", "device=cuda", "launcher.backend=gloo",
         "optim.warmup_steps=0", "optim.min_lr=0.001"]  # a constant LR: the schedule does not depend on train.steps

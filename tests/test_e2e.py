@@ -20,7 +20,7 @@ from tpctl.commands.run_dir import layout_overrides, read_metrics, train_subproc
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["model=gpt-tiny", "train.steps=20", "train.log_every=1", "train.eval_every=0", "seed=0"]
+COMMON = ["model=gpt-tiny", "optim.eps=1e-5", "train.steps=20", "train.log_every=1", "train.eval_every=0", "seed=0"]
 RUNS = {name: layout_overrides(name) for name in ("none", "1d-2-dp2")}
 # Its workers start as fresh interpreters (CUDA's way), none's fork from a
 # warm server (CPU's default): the two start methods train alike.

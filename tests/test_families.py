@@ -15,13 +15,15 @@ import pytest
 
 from cli_support import tpctl  # noqa: F401  (fixture)
 from conftest import build, layouts, trainer_of
+from tpctl.parallel.layout import Layout
 
 pytest.importorskip("transformers")
 
 MESHES = layouts("none-dp4", "1d-2-dp2", "2d-4", "3d-8")
 STEPS, BATCH, SEQ = 4, 8, 8
 FAMILIES = ("gpt_neox", "bloom", "gpt_bigcode", "gpt_bigcode_mha", "falcon", "falcon_gqa", "phi3", "gemma",
-            "opt", "qwen3", "olmo", "qwen2_kv1", "olmo2", "qwen2_moe", "mixtral", "olmoe", "qwen3_moe")
+            "opt", "qwen3", "olmo", "qwen2_kv1", "olmo2", "qwen2_moe", "mixtral", "olmoe", "qwen3_moe",
+            "ernie4_5_moe")
 # (family, mode) -> a phrase the refusal must contain.
 REFUSED: dict = {}
 
@@ -38,7 +40,7 @@ def _cfg(key: str, family: str, steps: int = STEPS):
     for k, v in {"data.name": "text",
                  "data.max_bytes": 200_000, "train.batch_size": BATCH, "train.seq_len": SEQ,
                  "train.steps": steps, "train.eval_every": 0, "train.log_every": 1, "train.progress": False,
-                 "optim.lr": 1e-2, "optim.warmup_steps": 0}.items():
+                 "optim.lr": 1e-2, "optim.eps": 1e-5, "optim.warmup_steps": 0}.items():
         OmegaConf.update(cfg, k, v)
     return cfg
 
@@ -83,6 +85,9 @@ SPLITS = [k for k in MESHES if k != "none-dp4"]
 EVERY_LAYOUT = ("falcon_gqa", "phi3", "qwen2_moe")
 CASES = [(family, key) for i, family in enumerate(FAMILIES)
          for key in (SPLITS if family in EVERY_LAYOUT else [SPLITS[i % len(SPLITS)]])]
+# A frozen parameter (Ernie 4.5's router statistics, requires_grad=False) under ZeRO-3: whole on every
+# replica, no gradient to reduce, no optimizer state.
+CASES += [("ernie4_5_moe", "1d-2-dp2-z3")]
 
 
 @pytest.mark.parametrize("family,key", CASES)
@@ -91,8 +96,8 @@ def test_family_trains_like_mode_none_or_is_refused(pool, reference, family, key
         reference[family] = pool.run(_curve, "none-dp4", family)[0]
     want = reference[family]
     assert want[-1][0] < want[0][0], f"{family}: the reference did not learn"
-    got = pool.run(_curve, key, family)[0]
-    refusal = REFUSED.get((family, MESHES[key].mode))
+    got = pool.run(_curve, key, family, ranks=Layout.parse(key).world)[0]
+    refusal = REFUSED.get((family, Layout.parse(key).mode))
     if refusal is not None:
         assert got[0] == "refused" and refusal in got[1], got
         return
@@ -270,7 +275,7 @@ def test_a_family_trains_from_the_command_line_like_mode_none(tpctl):
 
     def losses(mode: list[str], name: str) -> list[float]:
         result = tpctl.run(["train", *FAMILY, "+model.family=gemma", *mode, "train.steps=5", "train.log_every=1",
-                            "train.eval_every=0", "optim.lr=1e-2", "optim.warmup_steps=0",
+                            "train.eval_every=0", "optim.lr=1e-2", "optim.eps=1e-5", "optim.warmup_steps=0",
                             f"hydra.run.dir={tpctl.cwd / name}"], timeout=400)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         return [json.loads(line)["loss"] for line in Path(tpctl.cwd, name, "metrics.jsonl").read_text().splitlines()]
@@ -314,3 +319,22 @@ def test_random_draws_in_the_forward_are_refused_with_what_draws_them():
         else:
             assert found in problems["<forward>"] and "global generator" in problems["<forward>"], problems
             assert not check_plan(infer_plan(model), model, geometry("none", 1))  # mode=none is the reference
+
+
+def _frozen_entries(key: str, family: str) -> list[str]:
+    """A checkpoint's entries of the frozen parameters of a trained run."""
+    from tpctl.checkpoint.state import state_entries
+
+    run = build(_cfg(key, family, 2), Layout.parse(key), lazy=False, step=False)
+    trainer = trainer_of(run)
+    trainer.fit()
+    frozen = [n for n, p in run.model.named_parameters() if not p.requires_grad]
+    entries = state_entries(run.model, trainer.optimizer, run.par, 2, 0.0)
+    assert frozen and all(f"model.{n}" in entries for n in frozen), frozen
+    return sorted(k for k in entries if any(n in k for n in frozen))
+
+
+def test_a_frozen_parameter_under_zero_3_is_saved_whole_without_optimizer_state(pool):
+    key = "1d-2-dp2-z3"
+    for names in pool.run(_frozen_entries, key, "ernie4_5_moe", ranks=Layout.parse(key).world):
+        assert names and all(n.startswith("model.") for n in names), names

@@ -70,7 +70,7 @@ def test_sample_settings_are_checked(overrides, key):
 def test_checkpoint_generates_in_any_mode(tpctl):  # noqa: F811
     run = tpctl.cwd / "run"
     trained = tpctl.run(["train", "mode=1d", "size=2", "train.steps=3", "train.eval_every=0", "train.progress=false",
-                         "optim.lr=0.01", "optim.warmup_steps=0", "train.sample_every=3", "train.sample_tokens=8",
+                         "optim.lr=0.01", "optim.eps=1e-5", "optim.warmup_steps=0", "train.sample_every=3", "train.sample_tokens=8",
                          "train.sample_prompt=def", f"hydra.run.dir={run}"], timeout=600)
     assert trained.returncode == 0, trained.stderr
     last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]

@@ -144,7 +144,7 @@ def _cfg(key: str, family: str, directory: str):
     for k, v in {"mode": layout.mode, "size": layout.size, "depth": layout.depth, "dp": layout.dp,
                  "seq_parallel": layout.seq_parallel, "data.name": "text",
                  "data.max_bytes": 200_000, "train.batch_size": BATCH, "train.seq_len": SEQ, "train.steps": STEPS,
-                 "train.eval_every": 0, "train.log_every": 1, "train.progress": False, "optim.lr": 1e-2,
+                 "train.eval_every": 0, "train.log_every": 1, "train.progress": False, "optim.lr": 1e-2, "optim.eps": 1e-5,
                  "optim.warmup_steps": 0, "checkpoint.every": 0}.items():
         OmegaConf.update(cfg, k, v)
     return cfg

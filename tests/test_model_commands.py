@@ -93,7 +93,7 @@ def test_text_data_with_a_hugging_face_tokenizer(tmp_path, monkeypatch):
 def _curve(tpctl, args: list[str], name: str) -> list[float]:
     run_dir = tpctl.cwd / name
     result = tpctl.run(["train", *args, "train.steps=10", "train.log_every=1", "train.eval_every=0",
-                        "optim.lr=1e-2", "optim.warmup_steps=2", "data.max_bytes=200000", "train.batch_size=8",
+                        "optim.lr=1e-2", "optim.eps=1e-5", "optim.warmup_steps=2", "data.max_bytes=200000", "train.batch_size=8",
                         f"hydra.run.dir={run_dir}"], timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [json.loads(line)["loss"] for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]

@@ -136,7 +136,7 @@ def _curve(key: str, name: str, steps: int = 10) -> list[float]:
     for k, v in {"data.name": "text",
                  "data.max_bytes": 200_000, "train.batch_size": BATCH,
                  "train.seq_len": SEQ, "train.steps": steps, "train.eval_every": 0, "train.log_every": 1,
-                 "train.progress": False, "optim.lr": 1e-2, "optim.warmup_steps": 2}.items():
+                 "train.progress": False, "optim.lr": 1e-2, "optim.eps": 1e-5, "optim.warmup_steps": 2}.items():
         OmegaConf.update(cfg, k, v)
     model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode)
     return [r["loss"] for r in Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg))).fit()]

@@ -118,7 +118,7 @@ def write_mode_module(folder) -> str:
 
 TRAIN = ["model=gpt-tiny", "model.dropout=0.0", "data=synthetic", "data.synthetic_tokens=20000", "train.batch_size=8",
          "train.seq_len=16", "train.steps=4", "train.log_every=1", "train.eval_every=0", "train.progress=false",
-         "checkpoint.every=0", "checkpoint.at_end=false", "optim.lr=0.01", "optim.warmup_steps=0", "seed=0"]
+         "checkpoint.every=0", "checkpoint.at_end=false", "optim.lr=0.01", "optim.eps=1e-5", "optim.warmup_steps=0", "seed=0"]
 
 
 @pytest.mark.timeout(400)

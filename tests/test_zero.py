@@ -169,7 +169,7 @@ def test_a_zero2_checkpoint_resumes_in_other_stages_and_modes(pool, tmp_path):
 # ---- through `tpctl train` -----------------------------------------------------
 
 CLI_STEPS = 6  # a CLI run pays its start-up per rank: few steps (the pool tests above run STEPS)
-CLI = ["model=gpt-tiny", "model.n_layer=2", "data=synthetic", "data.synthetic_tokens=40000", f"train.steps={CLI_STEPS}",
+CLI = ["model=gpt-tiny", "optim.eps=1e-5", "model.n_layer=2", "data=synthetic", "data.synthetic_tokens=40000", f"train.steps={CLI_STEPS}",
        "train.batch_size=16", "train.seq_len=32", "train.log_every=1", "train.eval_every=0", "train.progress=false",
        "train.verify_rewrite=false", "seed=0", "optim.warmup_steps=0"]
 

@@ -157,7 +157,7 @@ def state_entries(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimi
         full = tuple(spec.full_shape) if spec is not None else tuple(values.shape)
         skip = _skipped(spec, boxes, mesh.rank)
         entries[f"model.{name}"] = Entry(values, full, boxes, write, skip)
-        if optimizer is None:
+        if optimizer is None or not p.requires_grad:  # (a frozen parameter: AdamW holds no state of it)
             continue
         state = _adam_state(optimizer, p)
         held = spec.local_shape() if spec is not None else tuple(values.shape)

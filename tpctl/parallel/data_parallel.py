@@ -124,7 +124,7 @@ class DataParallel:
         its record describes). Whether this rank writes it is the record's
         answer (ShardSpec.writes: the first holder along every axis)."""
         for name, p in model.named_parameters():
-            if self.zero is None or not self.stage:
+            if self.zero is None or not self.stage or not p.requires_grad:  # (a frozen one: whole, Zero holds none)
                 param, values, spec = p, p.data, spec_of(p)
             else:
                 param, values, spec = self.zero.held(self.zero.index_of(p))

@@ -345,12 +345,28 @@ class _Inference:
                 block = modules[moe_blocks[-1]]
                 self.widths[moe_blocks[-1]] = {a: v for a, v in vars(block).items()
                                                if isinstance(v, int) and not isinstance(v, bool) and v == hidden}
+        experts_of = {n.rpartition(".")[0]: self.expert_count(n) for n, r in roles.items() if r == "experts"}
         for n in nodes:
             weight = getattr(modules.get(n.name), "weight", None)
-            if n.kind in ("linear", "layer") and n.name not in roles and hidden is not None \
-                    and any(n.name.startswith(f"{b}." if b else "") for b in moe_blocks) \
-                    and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == hidden:
-                self.assign(n.name, "router")
+            block = next((b for b in moe_blocks if n.name.startswith(f"{b}." if b else "")), None)
+            if n.kind not in ("linear", "layer", "experts") or n.name in roles or hidden is None or block is None \
+                    or not (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == hidden):
+                continue
+            # A router holding its (experts x hidden) weight beside other
+            # ≥2-d parameters (Ernie 4.5's score-correction statistics) looks
+            # like experts held in a module's own forward until measured: it
+            # is not one (called without routing indices), and scores a row
+            # for each of the block's experts.
+            if n.kind == "experts" and weight.shape[0] != experts_of[block]:
+                continue
+            self.problems.pop(n.name, None)
+            self.assign(n.name, "router")
+
+    def expert_count(self, name: str) -> Optional[int]:
+        """The experts of an experts module: its 3-d parameters' first dimension."""
+        module = self.modules.get(name)
+        three = [p for p in module.parameters(recurse=False) if p.dim() == 3] if module is not None else []
+        return three[0].shape[0] if three else None
 
     def stray_linears(self) -> None:
         """Why each Linear still without a role has none."""
@@ -447,8 +463,8 @@ class _Inference:
         for name, module in self.model.named_modules():
             if isinstance(module, nn.Dropout) and name not in roles:
                 self.assign(name, "attn_dropout" if owners and name.startswith(owners) else "dropout")
-        called = {id(p) for name in calls
-                  for p in self.modules[name].parameters(recurse=roles.get(name) == "experts")}
+        called = {id(p) for name in calls  # (what an experts module or a router holds runs inside its forward)
+                  for p in self.modules[name].parameters(recurse=roles.get(name) in ("experts", "router"))}
         for name, module in self.model.named_modules():
             own = list(module.parameters(recurse=False))
             if name and name not in calls and own and not all(id(p) in called for p in own):

@@ -189,11 +189,14 @@ def plan_of(model_parts: list[nn.Module], dp: int, stage: int, bucket_bytes: int
 
 
 def named_parameters(model_parts: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
-    """Every parameter of the parts in definition order, tied ones once."""
+    """Every trained parameter of the parts in definition order, tied ones
+    once. A frozen one (requires_grad=False: Ernie 4.5's router statistics)
+    has no gradient to reduce nor state to step: it stays whole on every
+    replica, as it was built."""
     named, seen = [], set()
     for part in model_parts:
         for name, p in part.named_parameters():
-            if id(p) not in seen:
+            if id(p) not in seen and p.requires_grad:
                 seen.add(id(p))
                 named.append((name, p))
     return named

@@ -94,4 +94,41 @@ def config(family: str, vocab_size: int = 256, width: int = 32, depth: int = 2, 
 def build(family: str, vocab_size: int = 256, width: int = 32, depth: int = 2, max_len: int = 64):
     from transformers import AutoModelForCausalLM
 
+    if family in COMPOSED:
+        return COMPOSED[family](vocab_size, width, depth, max_len)
     return AutoModelForCausalLM.from_config(config(family, vocab_size, width, depth, max_len))
+
+
+def oss_experts(vocab_size: int, width: int, depth: int, max_len: int):
+    """Qwen3 whose MLPs are GPT-OSS's mixture of experts:
+    a router with a bias, experts as 3-d parameters stored transposed with
+    biases, gate and up interleaved feature by feature, a clamped gated
+    activation -- the experts' mechanism without GPT-OSS's attention sinks."""
+    import torch
+    import torch.nn as nn
+    import transformers
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    model = build("qwen3", vocab_size, width, depth, max_len)
+    cfg = transformers.GptOssConfig(hidden_size=width, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)
+    cfg._experts_implementation = "eager"
+
+    class Moe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = GptOssMLP(cfg)
+
+        def forward(self, x):
+            return self.inner(x)[0]  # (GptOssMLP also returns its routing scores)
+
+    gen = torch.Generator().manual_seed(1)
+    for layer in model.model.layers:
+        layer.mlp = Moe()
+        for p in layer.mlp.parameters():  # (transformers leaves them uninitialised outside a GptOss model)
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model
+
+
+# Families composed of transformers' classes (a mechanism beside a family it does not come with).
+COMPOSED = {"oss_experts": oss_experts}

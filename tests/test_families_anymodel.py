@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 KEYS = ("1d-2-dp2", "2d-4", "3d-8", "1d-2-pp2-dp2")
 STEPS = 4
-FAMILIES = ("deepseek_v3", "dbrx", "apertus", "mixtral")
+FAMILIES = ("deepseek_v3", "dbrx", "apertus", "mixtral", "oss_experts")
 # (family, layout): each family in each of KEYS; latent attention alone in
 # 2.5d and in 1d with sequence parallelism too.
 CASES = [(f, k) for f in FAMILIES for k in KEYS] + [("deepseek_v3_dense", "2.5d-8-d2"),

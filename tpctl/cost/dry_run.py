@@ -169,7 +169,7 @@ def stage_held(shape: Any, layout: Layout, rank: int, mode, model, holds, bucket
                 early.append((group, numel))
             else:
                 buckets[group] += dp_plan.grad_numel(i) if dp_plan else numel
-    sums = [*buckets.items(), *sliced_sums(shape.plan, mode, named, dp_plan).items()]
+    sums = [*buckets.items(), *sliced_sums(shape.plan, mode, named, dp_plan)]
     numel = dp_plan.held_numel() if dp_plan else {"param": param_numel, "grad": param_numel, "moment": param_numel}
     layers = shape.layers
     names = [*shape.embeddings, *layers.norms, *layers.latents, *layers.routers, *layers.experts]

@@ -82,8 +82,8 @@ def count_layers(layers: LayerShapes, mode, add, tokens: int, holds: Callable[[s
     return act
 
 
-def sliced_sums(plan, mode, named: list, dp_plan=None) -> dict[str, int]:
-    """{mesh group: gradient elements}: the parameters of latent
+def sliced_sums(plan, mode, named: list, dp_plan=None) -> list[tuple[str, int]]:
+    """[(mesh group, gradient elements)], a call each: the parameters of latent
     up-projections (held by heads) and of experts run by their own forward
     (held by slices), which ranks with other rows hold alike. A real
     rewrite learns those replicas by communicating (replicas.share_slices),
@@ -93,9 +93,18 @@ def sliced_sums(plan, mode, named: list, dp_plan=None) -> dict[str, int]:
     `named`: the rewritten stage's (name, parameter) in order; `dp_plan`:
     its data-parallel plan (the gradient elements each holds), if any."""
     owners = {name: mode.cost_sliced_replicas(plan.roles[name]) for name in held_by_heads_or_slices(plan)}
+    # An experts module's parameters held whole (OwnSplit.whole: a bias
+    # added once per expert) are alike on every rank of the grid: a call of
+    # their own over all of it.
+    whole = {f"{owner}.{p}" for owner in owners if isinstance(plan.layouts.get(owner), OwnSplit)
+             for p in plan.layouts[owner].whole()}
     out: dict[str, int] = defaultdict(int)
+    everywhere = 0
     for i, (name, p) in enumerate(named):
-        group = next((g for owner, g in owners.items() if name.startswith(owner + ".")), None)
-        if group is not None:
-            out[group] += dp_plan.grad_numel(i) if dp_plan else math.prod(spec_of(p).local_shape())
-    return out
+        owner = next((o for o in owners if name.startswith(o + ".")), None)
+        numel = dp_plan.grad_numel(i) if dp_plan else math.prod(spec_of(p).local_shape())
+        if name in whole and mode.geo.size > 1:
+            everywhere += numel
+        elif owner is not None and owners[owner] is not None:
+            out[owners[owner]] += numel
+    return [*out.items(), *([("tp", everywhere)] if everywhere else [])]

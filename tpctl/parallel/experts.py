@@ -152,22 +152,37 @@ def holds_experts(module: nn.Module) -> bool:
         and not any(isinstance(m, (nn.Linear, nn.Embedding)) for m in module.modules())
 
 
+# The "dimension" of a parameter an experts module's shards hold whole, each
+# scaled by 1/shards in their forward: a term added once to each expert's
+# output (the down projection's bias), which the sum of S partial outputs
+# would otherwise count S times.
+WHOLE = -1
+
+
 @dataclass(frozen=True)
 class OwnSplit:
     """How an experts module run by its own forward splits: per parameter
     (name inside the module), the dimension holding the inner features and
     how it is laid out (`groups` experts, each `parts` parts of `inner`
-    features: [gate; up]), and the integer attributes holding the inner
-    width (module path, attribute), set to a shard's. A shard holds block
-    s of S of every part of every expert, in order."""
+    features: [gate; up]; or WHOLE), and the integer attributes holding the
+    inner width (module path, attribute), set to a shard's. A shard holds
+    block s of S of every part of every expert, in order."""
 
-    dims: tuple[tuple[str, int, int, int], ...]  # (parameter, dim, groups, parts)
+    dims: tuple[tuple[str, int, int, int], ...]  # (parameter, dim, groups, parts; -2: interleaved pairs)
     inner: int
     attrs: tuple[tuple[str, str], ...]
+
+    def whole(self) -> tuple[str, ...]:
+        """The parameters every shard holds whole, scaled by 1/shards."""
+        return tuple(name for name, dim, _, _ in self.dims if dim == WHOLE)
 
     def ranges(self, name: str, shards: int, s: int):
         _, dim, groups, parts = next(d for d in self.dims if d[0] == name)
         step = self.inner // shards
+        if parts < 0:  # each inner feature's -parts entries side by side ([gate0, up0, gate1, up1, ...])
+            k = -parts
+            return dim, tuple((u * self.inner * k + s * step * k, u * self.inner * k + (s + 1) * step * k)
+                              for u in range(groups))
         return dim, tuple((u * self.inner + s * step, u * self.inner + (s + 1) * step) for u in range(groups * parts))
 
     def split_problem(self, shards: int, blocks: Optional[int] = None) -> Optional[str]:
@@ -180,7 +195,8 @@ class OwnSplit:
 
     def describe(self) -> str:
         return f"own forward, {self.inner} inner features an expert: " + \
-            ", ".join(f"{n} dim {d} ({g} x {p})" for n, d, g, p in self.dims)
+            ", ".join(f"{n} whole (1/shards each)" if d == WHOLE else f"{n} dim {d} ({g} x {p})"
+                      for n, d, g, p in self.dims)
 
 
 def _candidates(shape: tuple, hidden: int, counts: set[int]):
@@ -189,17 +205,20 @@ def _candidates(shape: tuple, hidden: int, counts: set[int]):
         if dim == 0 and len(shape) == 3 or size == hidden and len(shape) == 2 and dim == 1:
             continue  # (the experts' own dimension; a 2-d matrix's hidden side)
         for groups in sorted({1} | {c for c in counts if len(shape) == 2 and dim == 0}):
-            for parts in (1, 2):
-                if size % (groups * parts) == 0 and size // (groups * parts) > 1:
-                    yield dim, groups, parts, size // (groups * parts)
+            for parts in (1, 2, -2):  # -2: gate and up interleaved, feature by feature
+                if size % (groups * abs(parts)) == 0 and size // (groups * abs(parts)) > 1:
+                    yield dim, groups, parts, size // (groups * abs(parts))
 
 
 def _run_shard(clone: nn.Module, split: OwnSplit, shards: int, s: int, args, kwargs):
     shard = copy.deepcopy(clone)
     for name, p in list(shard.named_parameters()):
-        dim, ranges = split.ranges(name, shards, s)
         owner, _, leaf = name.rpartition(".")
-        piece = torch.cat([p.narrow(dim, a, b - a) for a, b in ranges], dim)
+        if name in split.whole():
+            piece = p / shards
+        else:
+            dim, ranges = split.ranges(name, shards, s)
+            piece = torch.cat([p.narrow(dim, a, b - a) for a, b in ranges], dim)
         setattr(shard.get_submodule(owner), leaf, nn.Parameter(piece, requires_grad=False))
     for owner, attr in split.attrs:
         setattr(shard.get_submodule(owner), attr, split.inner // shards)
@@ -219,20 +238,26 @@ def own_split(module: nn.Module, args, kwargs, hidden: int) -> OwnSplit:
     params = dict(module.named_parameters())
     counts = {v for m in module.modules() for v in vars(m).values()
               if isinstance(v, int) and not isinstance(v, bool) and v > 1}
-    options = [[(name, *c) for c in _candidates(tuple(p.shape), hidden, counts)] for name, p in params.items()]
+    # Each parameter split by the inner features, or (last: a bias added
+    # once per expert's output) held whole and scaled by 1/shards.
+    options = [[(name, *c) for c in _candidates(tuple(p.shape), hidden, counts)] + [(name, WHOLE, 1, 1, None)]
+               for name, p in params.items()]
     clone = real_copy(module)
     gen = torch.Generator().manual_seed(4)
     args = [torch.randn(a.shape, generator=gen, dtype=torch.float32).to(a.dtype) if i == 0 else a
             for i, a in enumerate(args)]
+
+    def one_inner(combo) -> bool:  # every split parameter by the same (even) inner width
+        inner = {c[4] for c in combo} - {None}
+        return len(inner) == 1 and not next(iter(inner)) % 2
+
     with torch.no_grad():
         whole = clone(*args, **kwargs)
-        for combo in itertools.islice(itertools.product(*options), 256):
-            inner = {c[4] for c in combo}
-            if len(inner) != 1 or inner.pop() % 2:
-                continue
-            split = OwnSplit(tuple(c[:4] for c in combo), combo[0][4],
+        for combo in itertools.islice(filter(one_inner, itertools.product(*options)), 256):
+            inner = next(c[4] for c in combo if c[4] is not None)
+            split = OwnSplit(tuple(c[:4] for c in combo), inner,
                              tuple((n, a) for n, m in clone.named_modules() for a, v in vars(m).items()
-                                   if v == combo[0][4] and isinstance(v, int) and not isinstance(v, bool)))
+                                   if v == inner and isinstance(v, int) and not isinstance(v, bool)))
             try:
                 parts = [_run_shard(clone, split, 2, s, args, kwargs) for s in range(2)]
             except Exception:  # the module's forward does not run on this split: not it

@@ -350,7 +350,12 @@ class ParallelMode(CostHooks):
         split, whole_rows = self.layouts[ctx.name], self.replicated_activations
         group = self.mesh.tp_group if whole_rows else self.stream_group()
         shards, s = self.geo.size if whole_rows else self.geo.q, comm.group_rank(group)  # (also in a dry run)
+        whole = split.whole()
         for name, full in list(module.named_parameters()):
+            if name in whole:  # held whole, its gradient each rank's part (of 1/shards of its rows' terms):
+                owner, _, leaf = name.rpartition(".")  # every rank of the grid a replica (rewrite shares them)
+                setattr(module.get_submodule(owner), leaf, ctx.shard(full, self.split_spec(full)))
+                continue
             dim, ranges = split.ranges(name, shards, s)
             owner, _, leaf = name.rpartition(".")
             setattr(module.get_submodule(owner), leaf, ctx.shard(full, self.split_spec(full, dim, ranges)))
@@ -358,6 +363,13 @@ class ParallelMode(CostHooks):
             setattr(module.get_submodule(owner), attr, split.inner // shards)
 
         def entry(mod, args, kwargs):
+            # A parameter held whole is read by the forward as 1/shards of
+            # itself (an instance attribute shadows the registered one for
+            # this call): the shards' partial outputs then add it once.
+            for name in whole:
+                owner, _, leaf = name.rpartition(".")
+                held = mod.get_submodule(owner)
+                held.__dict__[leaf] = held._parameters[leaf] / shards
             args, kwargs = list(args), dict(kwargs)
             if not whole_rows:
                 return (comm.gather_along(args[0], group, -1), *args[1:]), kwargs
@@ -369,9 +381,14 @@ class ParallelMode(CostHooks):
                 box[where] = comm.copy_to_group(box[where], group)
             return tuple(args), kwargs
 
+        def exit(mod, args, out):
+            for name in whole:
+                owner, _, leaf = name.rpartition(".")
+                mod.get_submodule(owner).__dict__.pop(leaf, None)
+            return comm.reduce_to_replicated(out, group) if whole_rows else comm.reduce_scatter_along(out, group, -1)
+
         module.register_forward_pre_hook(entry, with_kwargs=True)
-        module.register_forward_hook(lambda mod, args, out: comm.reduce_to_replicated(out, group) if whole_rows
-                                     else comm.reduce_scatter_along(out, group, -1))
+        module.register_forward_hook(exit)
         return module
 
     def weight_spec(self, weight: torch.Tensor, role: str, layout=None, n: Optional[int] = None) -> ShardSpec:

@@ -183,7 +183,8 @@ def test_a_models_build_warnings_go_to_the_log_not_the_terminal(capfd, caplog):
     assert "CUDA-fused xIELU not available" in logged and "rope_parameters look odd" in logged
 
 
-@pytest.mark.parametrize("family,key", [("dbrx", "1d-2"), ("mixtral", "2d-4"), ("qwen2_moe", "1d-2-pp2")])
+@pytest.mark.parametrize("family,key", [("dbrx", "1d-2"), ("mixtral", "2d-4"), ("qwen2_moe", "1d-2-pp2"),
+                                        ("oss_experts", "3d-8")])
 def test_inspect_names_the_role_of_every_module_of_a_model_that_trains(family, key):
     """`tpctl inspect`'s table (a dry run on rank 0) for experts split as
     measured in a module's own forward (DBRX: OwnSplit) and as 3-d gate/up

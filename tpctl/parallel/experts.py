@@ -195,7 +195,8 @@ class OwnSplit:
 
     def describe(self) -> str:
         return f"own forward, {self.inner} inner features an expert: " + \
-            ", ".join(f"{n} whole (1/shards each)" if d == WHOLE else f"{n} dim {d} ({g} x {p})"
+            ", ".join(f"{n} whole (1/shards each)" if d == WHOLE else
+                      f"{n} dim {d} ({g} x {-p} interleaved)" if p < 0 else f"{n} dim {d} ({g} x {p})"
                       for n, d, g, p in self.dims)
 
 

@@ -77,6 +77,12 @@ def experts_layout(module: nn.Module) -> tuple[str, str, FusedLayout]:
                      "and (experts, hidden, inner)")
 
 
+def expert_count(module: nn.Module) -> Optional[int]:
+    """The experts of an experts module: its 3-d parameters' first dimension."""
+    three = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+    return three[0].shape[0] if three else None
+
+
 def dense_weights(rows: int, experts: int, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """The (rows, experts) routing matrix: each row's top-k weights at its
     experts, zero elsewhere (an index equal to `experts` marks no expert)."""

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from .experts import experts_layout, own_split, routed_per_row
+from .experts import expert_count, experts_layout, own_split, routed_per_row
 from .fused import FusedLayout, ProbeError, attention_layout, mlp_layout
 from .layers import is_experts, norm_width, on_cpu
 from .roles import GROUP_ATTRS, HEAD_ATTRS, RATIO_ATTRS, ROLES, Heads, RolePlan, blocks_of, common_parent
@@ -345,28 +345,16 @@ class _Inference:
                 block = modules[moe_blocks[-1]]
                 self.widths[moe_blocks[-1]] = {a: v for a, v in vars(block).items()
                                                if isinstance(v, int) and not isinstance(v, bool) and v == hidden}
-        experts_of = {n.rpartition(".")[0]: self.expert_count(n) for n, r in roles.items() if r == "experts"}
+        experts_of = {n.rpartition(".")[0]: expert_count(modules[n]) for n, r in roles.items() if r == "experts"}
         for n in nodes:
             weight = getattr(modules.get(n.name), "weight", None)
             block = next((b for b in moe_blocks if n.name.startswith(f"{b}." if b else "")), None)
-            if n.kind not in ("linear", "layer", "experts") or n.name in roles or hidden is None or block is None \
-                    or not (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == hidden):
-                continue
-            # A router holding its (experts x hidden) weight beside other
-            # ≥2-d parameters (Ernie 4.5's score-correction statistics) looks
-            # like experts held in a module's own forward until measured: it
-            # is not one (called without routing indices), and scores a row
-            # for each of the block's experts.
-            if n.kind == "experts" and weight.shape[0] != experts_of[block]:
-                continue
-            self.problems.pop(n.name, None)
-            self.assign(n.name, "router")
-
-    def expert_count(self, name: str) -> Optional[int]:
-        """The experts of an experts module: its 3-d parameters' first dimension."""
-        module = self.modules.get(name)
-        three = [p for p in module.parameters(recurse=False) if p.dim() == 3] if module is not None else []
-        return three[0].shape[0] if three else None
+            # (a router holding other ≥2-d parameters beside its weight looks like experts until measured)
+            if n.kind in ("linear", "layer", "experts") and n.name not in roles and block is not None \
+                    and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == hidden \
+                    and (n.kind != "experts" or weight.shape[0] == experts_of[block]):
+                self.problems.pop(n.name, None)
+                self.assign(n.name, "router")
 
     def stray_linears(self) -> None:
         """Why each Linear still without a role has none."""

@@ -61,6 +61,10 @@ FAMILIES = {
     # Experts as (experts x inner, hidden) matrices in a module of the family's own, run by its forward.
     "dbrx": ("DbrxConfig", dict(n_heads=4, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                                 ffn_config=dict(ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2))),
+    # Learned per-head attention sinks, sliding-window layers beside global ones, experts stored
+    # transposed with biases, gate and up interleaved.
+    "gpt_oss": ("GptOssConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=24,
+                                     num_local_experts=4, num_experts_per_tok=2, sliding_window=4)),
     # A learned activation (xIELU: two scalars) in a non-gated MLP.
     "apertus": ("ApertusConfig", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)),
 }

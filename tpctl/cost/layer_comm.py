@@ -23,7 +23,7 @@ import torch.nn as nn
 from tpctl.parallel.cost_hooks import ExpertsShape
 from tpctl.parallel.experts import OwnSplit, experts_layout
 from tpctl.parallel.layers import is_rms_norm, norm_width
-from tpctl.parallel.rewrite import held_by_heads_or_slices
+from tpctl.parallel.rewrite import held_by_heads_or_slices, per_head_params
 from tpctl.parallel.shard import spec_of
 
 
@@ -93,6 +93,7 @@ def sliced_sums(plan, mode, named: list, dp_plan=None) -> list[tuple[str, int]]:
     `named`: the rewritten stage's (name, parameter) in order; `dp_plan`:
     its data-parallel plan (the gradient elements each holds), if any."""
     owners = {name: mode.cost_sliced_replicas(plan.roles[name]) for name in held_by_heads_or_slices(plan)}
+    owners.update({name: mode.cost_sliced_replicas("latent_up") for name in per_head_params(plan)})  # by heads
     # An experts module's parameters held whole (OwnSplit.whole: a bias
     # added once per expert) are alike on every rank of the grid: a call of
     # their own over all of it.
@@ -101,7 +102,7 @@ def sliced_sums(plan, mode, named: list, dp_plan=None) -> list[tuple[str, int]]:
     out: dict[str, int] = defaultdict(int)
     everywhere = 0
     for i, (name, p) in enumerate(named):
-        owner = next((o for o in owners if name.startswith(o + ".")), None)
+        owner = next((o for o in owners if name == o or name.startswith(o + ".")), None)
         numel = dp_plan.grad_numel(i) if dp_plan else math.prod(spec_of(p).local_shape())
         if name in whole and mode.geo.size > 1:
             everywhere += numel

@@ -221,6 +221,14 @@ class StageCut:
         if self.blocks_of:
             return
         what = type(model).__name__
+        # A model that picks a block's mask by the loop's position (Hugging
+        # Face's `config.layer_types[i]` in `for i, layer in enumerate(...)`)
+        # would give a stage's first block the first layer's type: refused,
+        # never run with another layer's sliding window.
+        kinds = getattr(getattr(model, "config", None), "layer_types", None)
+        if isinstance(kinds, (list, tuple)) and len(set(kinds)) > 1:
+            raise PipelineRefused(f"{what} mixes layer types ({', '.join(sorted(set(map(str, kinds))))}) that its "
+                                  "forward picks by the loop's position, which a pipeline stage does not keep: use pp=1", "pp")
         if self.weights is None:  # (a cut of the same model at the same seq_len may have read it: cost/dry_run.py)
             self._read(model, what)
         n = len(self.block_keys)

@@ -19,6 +19,7 @@ wrongly.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from typing import Any, Optional
 
@@ -391,9 +392,22 @@ class _Inference:
                 self.assign(n.name, "pos_table")
             elif n.kind == "elementwise" and n.name not in roles:
                 self.elementwise(n)
+            elif n.kind == "layer" and n.name in self.heads and self.per_head_params(n.name):
+                continue  # (an attention module holding learned sinks: split with its heads)
             elif n.kind in ("layer", "experts") and n.name not in roles:
                 self.problems.setdefault(n.name, f"an unsupported layer type ({type(modules[n.name]).__name__}) "
                                                  "with parameters")
+
+    def per_head_params(self, owner: str) -> bool:
+        """Whether every parameter an attention module holds itself has one
+        entry per query head along its first dimension (GPT-OSS's sinks);
+        if so they are recorded on its Heads."""
+        heads = self.heads[owner]
+        own = dict(self.modules[owner].named_parameters(recurse=False))
+        if not own or any(p.dim() < 1 or p.shape[0] != heads.heads for p in own.values()):
+            return False
+        self.heads[owner] = dataclasses.replace(heads, params=tuple(own))
+        return True
 
     def elementwise(self, n) -> None:
         """A module measured to act on each element alone (tracing.py): its

@@ -29,10 +29,10 @@ def share_slices(model: nn.Module, names: list[str], mesh: Mesh) -> None:
     its own (its query heads): its rows then carry their replicas run by run
     (ShardSpec.row_replicas). Who holds what is learnt with one gather over
     the group; the replica groups are made once per mesh."""
-    mine = {}
-    for owner in names:
-        for attr, p in model.get_submodule(owner).named_parameters():
-            mine[f"{owner}.{attr}"] = p
+    mine, params = {}, dict(model.named_parameters())
+    for owner in names:  # a module's parameters, or one parameter by name
+        for attr, p in ([("", params[owner])] if owner in params else model.get_submodule(owner).named_parameters()):
+            mine[f"{owner}.{attr}" if attr else owner] = p
     keys = {}
     for name, p in mine.items():
         spec = spec_of(p)

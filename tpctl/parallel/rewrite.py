@@ -106,6 +106,11 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
         for attr, full in heads.attrs.items():
             setattr(module, attr, heads.local(attr, full, split))
         per_rank_counts(module, heads, split)
+        ctx.name = owner
+        for attr in heads.params if mode.rewrites else ():  # (learned sinks) this rank's heads' entries
+            held = held_units(heads.heads, split, mode.head_block())
+            full = getattr(module, attr)
+            setattr(module, attr, ctx.shard(full, mode.split_spec(full, 0, ((held.start, held.stop),))))
         if heads.per_head_args and mode.geo.head_split > 1:
             module.register_forward_pre_hook(PerHeadSlice(heads, mode), with_kwargs=True)
     if init is not None:
@@ -128,7 +133,7 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
     shared = [name for name, layout in plan.layouts.items() if layout.shares(split)]
     shared += [norm for norm, source in mode.sources.items() if source in shared]
     shared += list(plan.head_lists) + list(plan.head_rows) if split > 1 else []
-    shared += held_by_heads_or_slices(plan) if mode.rewrites else []
+    shared += held_by_heads_or_slices(plan) + per_head_params(plan) if mode.rewrites else []
     if shared and not dry_run:  # (which rank shares what is learnt by communicating)
         share_slices(model, shared, mode.mesh)
     record_replicas(model, mode.mesh.group_ranks["dp_cp"], mode.mesh.groups["dp_cp"])
@@ -150,6 +155,12 @@ def held_by_heads_or_slices(plan) -> list[str]:
 
     return [name for name, role in plan.roles.items()
             if role == "latent_up" or role == "experts" and isinstance(plan.layouts.get(name), OwnSplit)]
+
+
+def per_head_params(plan) -> list[str]:
+    """Attention modules' own per-head parameters (`Heads.params`), by
+    name: ranks with other rows hold their heads' entries alike."""
+    return [f"{owner}.{attr}" for owner, heads in plan.heads.items() for attr in heads.params]
 
 
 def key_dropout_streams(model: nn.Module, mesh: Mesh) -> None:

@@ -64,6 +64,10 @@ class Heads:
     # head (MPT's: [heads, 1, seq]): positions (ints) or keyword names; the
     # rewrite passes each rank its heads' slices.
     per_head_args: list = field(default_factory=list)
+    # Parameters of the attention module itself holding one entry per query
+    # head along their first dimension (learned attention sinks): a rank
+    # keeps its heads' entries.
+    params: tuple = ()
 
     def kv_local(self, split: int) -> int:
         """Key/value heads a rank holds: its share, or one shared head."""

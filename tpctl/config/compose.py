@@ -25,6 +25,8 @@ CONFIG_NAME = "train"
 # Named experiments; configs/recipe is a link to this folder, so Hydra sees
 # each file as an option of the `recipe` group (`tpctl train recipe=NAME`).
 RECIPE_DIR = CONFIG_DIR.parent / "recipes"
+# Hardware profiles (layout=auto, tpctl plan): no Hydra group, so `hardware=NAME` is a plain key.
+HARDWARE_DIR = CONFIG_DIR / "hardware_profiles"
 
 
 def register_configs() -> None:

@@ -82,9 +82,9 @@ def _check_auto(cfg: Any) -> None:
     left must be the layout it picked, for the world asked."""
     hardware = cfg.get("hardware")
     if hardware is not None:  # the profile layout=auto prices the choices on (tpctl.cost.hardware reads it)
-        from .compose import CONFIG_DIR
+        from .compose import HARDWARE_DIR
 
-        check_choice("hardware", hardware, sorted(p.stem for p in (CONFIG_DIR / "hardware_profiles").glob("*.yaml")))
+        check_choice("hardware", hardware, sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml")))
     layout = cfg.get("layout")
     if layout is None:
         return

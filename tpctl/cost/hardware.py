@@ -7,10 +7,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tpctl.config import CONFIG_DIR
+from tpctl.config import HARDWARE_DIR
 from tpctl.errors import ConfigError
-
-HARDWARE_DIR = CONFIG_DIR / "hardware_profiles"
 
 
 @dataclass

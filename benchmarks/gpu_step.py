@@ -66,7 +66,7 @@ class Plain:
 
     def __init__(self, cfg, device, compiled: bool):
         from tpctl.models import build_model
-        from tpctl.parallel.roles import logits_of
+        from tpctl.parallel.roles.plan import logits_of
         from tpctl.training.compile import backend
 
         self.model = build_model(cfg.model, cfg.seed).to(device)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tpctl.cost.measure import peak_allocated_bytes as peak_bytes
-from tpctl.parallel.loss import vocab_parallel_cross_entropy
+from tpctl.parallel.tensor.loss import vocab_parallel_cross_entropy
 
 
 def run(rows: int, vocab: int, dtype: torch.dtype, which: str) -> tuple[int, float]:

@@ -43,7 +43,7 @@ def _imports() -> None:
     from transformers import AutoModelForCausalLM  # noqa: F401
 
     import tpctl.models  # noqa: F401
-    import tpctl.parallel.three_d  # noqa: F401
+    import tpctl.parallel.tensor.modes.three_d  # noqa: F401
 
 
 def load_whole(directory: str) -> tuple[int, int]:

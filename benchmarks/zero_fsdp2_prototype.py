@@ -1,6 +1,6 @@
 """The prototype behind docs/DESIGN.md's choice of ZeRO engine: PyTorch's
 FSDP2 (`torch.distributed.fsdp.fully_shard`, ZeRO-3 over a mesh dimension)
-against tpctl's own stage 3 (parallel/zero.py), on the same model, batch and
+against tpctl's own stage 3 (parallel/data_parallel/zero.py), on the same model, batch and
 ranks (mode=none, dp=2, gloo on CPU).
 
     python benchmarks/zero_fsdp2_prototype.py [--model gpt-tiny] [--steps 5]
@@ -27,9 +27,9 @@ def _run(engine: str, model: str, steps: int) -> dict:
     from tpctl.config import compose_jobs
     from tpctl.launch.pool import pooled_run
     from tpctl.parallel import comm
+    from tpctl.parallel.data_parallel.zero import storage_bytes
     from tpctl.parallel.layout import Layout
     from tpctl.parallel.shard import spec_of
-    from tpctl.parallel.zero import storage_bytes
     from tpctl.training.build import build_step
     from tpctl.training.step import build_optimizer
 

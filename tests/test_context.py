@@ -1,12 +1,12 @@
-"""Context parallelism (parallel/context.py): each sequence split across
+"""Context parallelism (parallel/context/split.py): each sequence split across
 cp ranks, ring and Ulysses attention, trains as one process does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from tpctl.parallel.layout import Layout
 
 
@@ -16,7 +16,7 @@ def _cp_against_one_process(name: str, impl: str, matmul: bool = False, **overri
     (norm-relative), and the bytes comm counted by kind. `matmul`: the ring
     computes its blocks as it does off the CPU (explicit scores), not with
     the CPU's flash kernel."""
-    from tpctl.parallel import context_attention
+    from tpctl.parallel.context.split import attention as context_attention
 
     flash = context_attention._FLASH
     context_attention._FLASH = None if matmul else flash
@@ -28,11 +28,11 @@ def _cp_against_one_process(name: str, impl: str, matmul: bool = False, **overri
 
 def _compare(name: str, impl: str, **overrides) -> tuple[float, float, dict]:
     import torch.nn.functional as F
-
     from conftest import build
+
     from tpctl.models import build_model
-    from tpctl.parallel.roles import logits_of
     from tpctl.parallel import comm
+    from tpctl.parallel.roles.plan import logits_of
 
     settings = {"model.n_embd": 32, "model.n_head": 8, "context.impl": impl, **overrides}
     cfg = tiny_config(1, **settings)
@@ -137,6 +137,7 @@ def _curve(name: str, steps: int = 3, **overrides) -> list[float]:
 def _curve_and_bytes(name: str, steps: int = 3, **overrides) -> tuple[list[float], int]:
     """_curve, and the bytes this rank's collectives carried in the last step."""
     from conftest import build
+
     from tpctl.parallel import comm
 
     cfg = tiny_config(steps, **{"model.n_embd": 32, "model.n_head": 8, **overrides})
@@ -197,7 +198,7 @@ def test_attention_cp_cannot_replace_is_refused_naming_the_module():
     answer) would attend over this rank's positions alone: refused, never silent."""
     from types import SimpleNamespace
 
-    from tpctl.parallel.context import ContextParallel, ContextRefused
+    from tpctl.parallel.context.split import ContextParallel, ContextRefused
     from tpctl.parallel.mesh import build_mesh
 
     class EagerAttention(torch.nn.Module):
@@ -248,6 +249,7 @@ def _fit(name: str, run_dir: str, resume: str | None = None):
 
     from conftest import build_trainer
     from test_checkpoint import _train_cfg
+
     from tpctl import checkpoint
 
     layout = Layout.parse(name)
@@ -268,9 +270,10 @@ def _fit_and_decode(tmp: str) -> dict:
 
     from conftest import build
     from test_checkpoint import _train_cfg
+
     from tpctl import checkpoint
     from tpctl.models import build_model
-    from tpctl.parallel.rewrite import parallelize
+    from tpctl.parallel.tensor.rewrite import parallelize
     from tpctl.training.generation import generate
 
     curves = {"cp": _fit("none-cp2-dp4", f"{tmp}/cp")[0]}

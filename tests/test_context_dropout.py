@@ -1,5 +1,5 @@
 """Dropout with context parallelism: masks drawn by global position
-(parallel/context.py ContextDropout, context_attention.gathered_attention),
+(parallel/context/split.py ContextDropout, context_attention.gathered_attention),
 so a cp run drops what the same layout without cp drops.
 
 The reference without cp is the same layout with its cp ranks turned into
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from tpctl.parallel.layout import Layout
 
 DROPOUT = {"model.n_embd": 32, "model.n_head": 8, "model.dropout": 0.2, "pipeline.schedule": "gpipe",
@@ -23,6 +23,7 @@ def _curve_and_bytes(name: str, steps: int = 3, **overrides) -> tuple[list[float
     """The global loss of `steps` optimizer steps in layout `name`, and the
     bytes comm counted by kind in the first step."""
     from conftest import build
+
     from tpctl.parallel import comm
 
     cfg = tiny_config(steps, **{**DROPOUT, **overrides})

@@ -6,8 +6,8 @@ a split that is not exact is refused before step 1, in one line."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import tiny_config
+
 from tpctl.parallel.layout import Layout
 
 LLAMA = {"model.arch": "llama", "model.bias": None}
@@ -18,8 +18,9 @@ def _proof(name: str, impl: str, local_positions: bool = False, **overrides):
     difference, or the refusal's line. `local_positions`: the position
     lookups left local (a split that is not exact)."""
     from conftest import build
-    from tpctl.parallel.context import ContextParallel
-    from tpctl.parallel.verify import RewriteRefused
+
+    from tpctl.parallel.context.split import ContextParallel
+    from tpctl.parallel.verify.proof import RewriteRefused
 
     cfg = tiny_config(1, **{"model.n_embd": 32, "model.n_head": 8, "context.impl": impl, **overrides})
     hook = ContextParallel._global_positions

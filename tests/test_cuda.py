@@ -21,9 +21,9 @@ import os
 
 import pytest
 import torch
-
 from cli_support import tpctl  # noqa: F401 (fixture)
 from conftest import build_trainer, layouts, tiny_config
+
 from tpctl.parallel.layout import Layout
 
 pytestmark = [pytest.mark.cuda,
@@ -153,7 +153,7 @@ def test_the_cuda_loss_policy_equals_torch_on_cuda(dtype):
     where Triton is), and its eager fallback in ragged chunks, padding included."""
     import torch.nn.functional as F
 
-    from tpctl.parallel import loss
+    from tpctl.parallel.tensor import loss
 
     policy = loss.policy_for(torch.device("cuda"))
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -12,9 +12,9 @@ training steps, not a CLI run.
 from __future__ import annotations
 
 import pytest
-
 from cli_support import tpctl  # noqa: F401  (fixture)
 from conftest import build, layouts, trainer_of
+
 from tpctl.parallel.layout import Layout
 
 pytest.importorskip("transformers")
@@ -49,7 +49,7 @@ def _curve(key: str, family: str, steps: int = STEPS):
     """[(loss, grad norm)] of every step, or ("refused", reason)."""
     from tpctl.models import build_model
     from tpctl.parallel.layout import Layout
-    from tpctl.parallel.verify import RewriteRefused
+    from tpctl.parallel.verify.proof import RewriteRefused
 
     cfg = _cfg(key, family, steps)
     try:  # as a worker does it: rewritten, then proven against the original
@@ -134,7 +134,7 @@ def _plan(family: str):
     import torch
 
     from tests.hf_families import build
-    from tpctl.parallel.inference import infer_plan
+    from tpctl.parallel.roles.inference import infer_plan
 
     torch.manual_seed(0)
     model = build(family)
@@ -186,8 +186,8 @@ def test_a_fused_projection_that_is_no_set_of_heads_is_refused_with_what_was_see
     import torch.nn.functional as F
 
     from tpctl.parallel.layout import geometry
-    from tpctl.parallel.rewrite import check_plan
-    from tpctl.parallel.inference import infer_plan
+    from tpctl.parallel.roles.inference import infer_plan
+    from tpctl.parallel.tensor.rewrite import check_plan
 
     class Mixed(nn.Module):  # every feature of the fused output feeds every head
         def __init__(self):
@@ -220,7 +220,7 @@ def test_norm_offsets_and_embedding_scales_are_measured_not_assumed():
     import torch
     import torch.nn as nn
 
-    from tpctl.parallel.layers import embedding_semantics, norm_offset
+    from tpctl.parallel.roles.probes import embedding_semantics, norm_offset
 
     gemma, _ = _plan("gemma")
     assert norm_offset(gemma.model.norm) == 1.0  # x_hat * (1 + w)
@@ -244,9 +244,9 @@ def test_norm_offsets_and_embedding_scales_are_measured_not_assumed():
     with pytest.raises(ValueError, match="does not compute scale"):
         embedding_semantics(Shifted(10, 4))
 
-    from tpctl.parallel.rewrite import check_plan
     from tpctl.parallel.layout import geometry
-    from tpctl.parallel.inference import infer_plan
+    from tpctl.parallel.roles.inference import infer_plan
+    from tpctl.parallel.tensor.rewrite import check_plan
 
     gemma.model.norm.__class__ = type("DoubledGemmaRMSNorm", (type(gemma.model.norm),),
                                       {"forward": lambda self, x: super(type(self), self).forward(x) * 2})
@@ -296,9 +296,9 @@ def test_random_draws_in_the_forward_are_refused_with_what_draws_them():
     import torch.nn as nn
     import torch.nn.functional as F
 
-    from tpctl.parallel.rewrite import check_plan
     from tpctl.parallel.layout import geometry
-    from tpctl.parallel.inference import infer_plan
+    from tpctl.parallel.roles.inference import infer_plan
+    from tpctl.parallel.tensor.rewrite import check_plan
 
     class Noisy(nn.Module):
         def __init__(self, jitter: float, dropout: float):

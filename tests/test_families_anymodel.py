@@ -8,7 +8,6 @@ pipeline stages within 1e-4 of mode=none, on the shared pool, in process.
 from __future__ import annotations
 
 import pytest
-
 from test_families import _curve, deviation
 
 pytest.importorskip("transformers")
@@ -29,22 +28,22 @@ def _planned_shapes_and_curve(key: str, family: str, steps: int):
     real run, and the training curve (test_families._curve)."""
     import torch
     import torch.distributed as dist
+    from conftest import build
+    from test_families import _cfg
 
     from tpctl.models import build_model
     from tpctl.parallel import comm
     from tpctl.parallel.layout import Layout
     from tpctl.parallel.parallelism import parallelism
-    from tpctl.parallel.rewrite import parallelize
+    from tpctl.parallel.pipeline.stages import PipelineSpec
     from tpctl.parallel.shard import spec_of
-    from tpctl.parallel.stages import PipelineSpec
-    from test_families import _cfg
-    from conftest import build
+    from tpctl.parallel.tensor.rewrite import parallelize
 
     cfg, layout = _cfg(key, family, steps), Layout.parse(key)
     dry = parallelize(build_model(cfg.model, cfg.seed), parallelism(layout, rank=dist.get_rank(), groups=False),
                       dry_run=True)
     planned = {n: tuple(spec_of(p).local_shape()) for n, p in dry.named_parameters()}
-    real = build(cfg, layout, pipeline=PipelineSpec(layout.pp, "1f1b", 1, layout.pp) if layout.pp > 1 else None,
+    real = build(cfg, layout, pipeline=PipelineSpec.plain(layout.pp) if layout.pp > 1 else None,
                  lazy=False, verify=False, schedule=False)
     counted = {n: tuple(p.shape) for n, p in real.model.named_parameters()}
     accum, t = layout.pp, cfg.train
@@ -63,9 +62,10 @@ _SHAPES: dict = {}
 def _planned_comm(key: str, family: str) -> list[dict]:
     """The planner's collectives per kind of one step, per pipeline stage:
     from the model's shapes and roles (a dry run), not from running it."""
+    from test_families import _cfg
+
     from tpctl.cost.planner import model_shape, plan_split
     from tpctl.parallel.layout import Layout
-    from test_families import _cfg
 
     cfg, layout = _cfg(key, family), Layout.parse(key)
     if family not in _SHAPES:  # (the same model in every layout: traced once)
@@ -133,7 +133,7 @@ def test_elementwise_modules_are_found_by_what_they_do_not_by_name():
     import torch
     import torch.nn as nn
 
-    from tpctl.parallel.inference import infer_plan
+    from tpctl.parallel.roles.inference import infer_plan
 
     class Gate(nn.Module):  # a scalar gate and a learned slope: acts on each element alone
         def __init__(self):

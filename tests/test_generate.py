@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import layouts
+
 from tpctl.launch.pool import parallelism_of
 
 MESHES = layouts("none-dp4", "1d-2-dp2", "1d-4", "2d-4", "2.5d-8-d2", "3d-8")
@@ -33,7 +33,7 @@ def _gpt_cfg():
 
 def _build(model_cfg, key: str, seed: int = 0):
     from tpctl.models import build_model
-    from tpctl.parallel.rewrite import parallelize
+    from tpctl.parallel.tensor.rewrite import parallelize
 
     mode = parallelism_of(MESHES[key]).mode
     return parallelize(build_model(model_cfg, seed, lazy=True), mode, training=False), mode  # (decoded only)

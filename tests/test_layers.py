@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-
 from conftest import layouts
+
 from tpctl.launch.pool import parallelism_of
 
 MESHES = layouts("none-dp4", "1d-2-dp2", "1d-4-sp", "1d-4", "2d-4", "2.5d-8-d2", "3d-8")
@@ -110,7 +110,7 @@ def _build(case: str):
 def _compare(key: str, case: str, label_smoothing: float = 0.0) -> int:
     import torch.nn.functional as F
 
-    from tpctl.parallel.rewrite import parallelize
+    from tpctl.parallel.tensor.rewrite import parallelize
 
     tp = _parallel(key)
     mode = tp.mode
@@ -166,7 +166,7 @@ def _compare(key: str, case: str, label_smoothing: float = 0.0) -> int:
 def _dropout_masks(key: str) -> list[bool]:
     """Same-mask / own-mask rule: returns, for each dropout role, whether the
     tensor-parallel ranks drew identical masks."""
-    from tpctl.parallel.rewrite import parallelize
+    from tpctl.parallel.tensor.rewrite import parallelize
 
     mode = _mode(key)
     net = parallelize(nn.Sequential(nn.Dropout(0.5), nn.Dropout(0.5)), mode, {"0": "dropout", "1": "attn_dropout"})
@@ -201,7 +201,7 @@ def test_label_smoothing(pool, key):
 def _compare_with_the_cuda_loss(key: str) -> int:
     """_compare with the loss walked by the CUDA policy (fused chunks, run
     eagerly: no GPU here), in chunks of a few rows."""
-    from tpctl.parallel import loss
+    from tpctl.parallel.tensor import loss
 
     saved = loss.policy_for
     loss.policy_for = lambda device: loss.ChunkPolicy(3 * 64, fused=True, compiled=False)
@@ -228,9 +228,9 @@ def test_dropout_rng_rule(pool, key, same):
 
 def _mlp_comm(key: str) -> tuple[dict, dict]:
     """Collectives of one MLP forward + backward (no gradient sync)."""
-    from tpctl.parallel import comm
     from tpctl.models.gpt import MLP
-    from tpctl.parallel.rewrite import parallelize
+    from tpctl.parallel import comm
+    from tpctl.parallel.tensor.rewrite import parallelize
 
     mode = _mode(key)
     net = parallelize(MLP(_model_cfg()), mode, {"fc": "mlp_in", "proj": "mlp_out", "drop": "dropout"})

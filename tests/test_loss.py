@@ -1,4 +1,4 @@
-"""The vocab-parallel cross entropy on one rank (parallel/loss.py): exact
+"""The vocab-parallel cross entropy on one rank (parallel/tensor/loss.py): exact
 against F.cross_entropy with and without padding columns, label smoothing,
 row chunks and bf16 logits; and no waste: no fp32 copy of the logits block.
 (Every mode's split over ranks: tests/test_layers.py.)"""
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpctl.parallel import loss as loss_mod
-from tpctl.parallel.loss import ChunkPolicy, vocab_parallel_cross_entropy
+from tpctl.parallel.tensor import loss as loss_mod
+from tpctl.parallel.tensor.loss import ChunkPolicy, vocab_parallel_cross_entropy
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 

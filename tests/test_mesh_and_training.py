@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-
 from conftest import build_trainer, layouts, tiny_config
 
 MESHES = list(layouts("none-dp8", "1d-4-dp2", "2d-4-dp2", "2.5d-8-d2", "3d-8").values())
@@ -80,8 +79,8 @@ def _grad_accum_curves() -> tuple[list, list]:
 
 def _param_bytes(layout) -> tuple[int, int]:
     from tpctl.models import GPT
-    from tpctl.parallel.rewrite import parallelize
     from tpctl.parallel.parallelism import parallelism
+    from tpctl.parallel.tensor.rewrite import parallelize
     from tpctl.schema import ModelConfig
 
     gpt_small = ModelConfig(vocab_size=50257, n_layer=12, n_head=12, n_embd=768, block_size=1024)

@@ -15,8 +15,8 @@ import copy
 
 import pytest
 import torch
-
 from conftest import layouts
+
 from tpctl.launch.pool import parallelism_of
 
 pytest.importorskip("transformers")
@@ -77,7 +77,7 @@ def _compare(key: str, name: str) -> dict:
     import torch.nn.functional as F
 
     from tpctl.models import logits_of
-    from tpctl.parallel.rewrite import parallelize
+    from tpctl.parallel.tensor.rewrite import parallelize
 
     mode = _mode(key)
     ref = _reference(name)
@@ -127,7 +127,7 @@ def _curve(key: str, name: str, steps: int = 10) -> list[float]:
     from tpctl.data.batches import TokenData
     from tpctl.data.corpora import prepare_data
     from tpctl.models import build_model
-    from tpctl.parallel.rewrite import parallelize
+    from tpctl.parallel.tensor.rewrite import parallelize
     from tpctl.training.loop import Trainer
 
     mode = _mode(key)
@@ -179,7 +179,7 @@ def _pretrained(key: str, directory: str, name: str) -> float:
     from transformers import AutoModelForCausalLM
 
     from tpctl.models import build_model, logits_of
-    from tpctl.parallel.rewrite import parallelize
+    from tpctl.parallel.tensor.rewrite import parallelize
 
     mode = _mode(key)
     cfg = _model_cfg(name)
@@ -209,7 +209,7 @@ def test_pretrained_loads_slices_in_2d_and_3d(pool, tmp_path, name):
 def test_traced_roles_of_the_built_in_gpt_equal_its_hand_written_plan():
     from tpctl.config import default_config
     from tpctl.models import build_model
-    from tpctl.parallel.inference import infer_plan, resolve_plan
+    from tpctl.parallel.roles.inference import infer_plan, resolve_plan
 
     model = build_model(default_config().model, seed=0, lazy=True)
     traced, written = infer_plan(model), resolve_plan(model)
@@ -222,7 +222,7 @@ def test_traced_roles_of_the_built_in_gpt_equal_its_hand_written_plan():
 
 def test_a_given_plan_wins_over_the_trace():
     from tests.custom_model import build
-    from tpctl.parallel.inference import resolve_plan
+    from tpctl.parallel.roles.inference import resolve_plan
 
     model = build(VOCAB, 16, 4, 2, 16)
     plan = resolve_plan(model, {"tokens": "embedding", "stack.*.ff.0": "mlp_in", "stack.*.ff.2": "mlp_out"})
@@ -237,8 +237,8 @@ def test_what_fits_no_role_is_reported_not_guessed():
     import torch.nn as nn
 
     from tpctl.parallel.layout import geometry
-    from tpctl.parallel.inference import infer_plan
-    from tpctl.parallel.rewrite import check_plan
+    from tpctl.parallel.roles.inference import infer_plan
+    from tpctl.parallel.tensor.rewrite import check_plan
 
     class ThreeLinearMLP(nn.Module):
         def __init__(self):

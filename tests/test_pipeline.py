@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from cli_support import tpctl  # noqa: F401  (fixture)
 from conftest import build, build_trainer, tiny_config
+
 from tpctl.parallel.layout import Layout
-from tpctl.parallel.stages import PipelineSpec
+from tpctl.parallel.pipeline.stages import PipelineSpec
 
 REL = 1e-4  # the issue's bound; fp32 round-off measured here is ~1e-6
 
@@ -26,8 +26,8 @@ def _run(name: str, steps: int, spec: PipelineSpec | None = None, verify: bool =
     checkpoint to continue from."""
     from pathlib import Path
 
-    from tpctl.config import check_layout
     from tpctl import checkpoint
+    from tpctl.config import check_layout
 
     layout = Layout.parse(name)
     saving = {"checkpoint.every": 2, "checkpoint.keep": 0} if run_dir else {}
@@ -44,7 +44,7 @@ def _run(name: str, steps: int, spec: PipelineSpec | None = None, verify: bool =
     if resume is not None:
         trainer.resume(Path(resume), checkpoint.verify(Path(resume)))
     records = trainer.fit()
-    from tpctl.parallel.roles import repeated_blocks
+    from tpctl.parallel.roles.plan import repeated_blocks
 
     blocks = list(repeated_blocks(model).children())
     facts = {"compiled": trainer.compiled, "checkpointed": [getattr(b, "tpctl_checkpointed", False) for b in blocks]}
@@ -98,7 +98,7 @@ def _run_through_host(name: str, steps: int, spec: PipelineSpec):
     """_run with the stage exchange staged through host buffers (what gloo
     with device=cuda needs; forced here, on a CPU): the curve, and the bytes
     that crossed through host buffers on this rank."""
-    from tpctl.parallel import pipeline
+    from tpctl.parallel.pipeline.schedule import schedule as pipeline
 
     made, init = [], pipeline.Pipeline.__init__
 
@@ -179,7 +179,7 @@ def test_summa_broadcasts_leave_the_saved_weights_alone_with_micro_batches_in_fl
 
 
 def test_only_a_device_tensor_over_a_host_backend_is_staged():
-    from tpctl.parallel.pipeline import host_staging
+    from tpctl.parallel.pipeline.schedule import host_staging
 
     cuda = torch.device("cuda", 0)
     assert host_staging(cuda, "gloo") and not host_staging(cuda, "nccl")
@@ -357,8 +357,8 @@ def test_the_stage_weighting_is_pluggable():
     count the embedding first, it was 2 and 2), or what `weigh` says (the
     last block heavy: it alone on the last stage)."""
     from tpctl.models import build_model
-    from tpctl.parallel.cut import StageCut
     from tpctl.parallel.mesh import build_mesh
+    from tpctl.parallel.pipeline.cut import StageCut
 
     cfg = tiny_config(1, **{"model.n_layer": 4})
     mesh = build_mesh(Layout("none", pp=2), rank=0, groups=False)
@@ -386,8 +386,8 @@ def test_the_cut_weighs_what_the_plan_counts():
     the embedding), so the cut and the planned bubble see the same costs."""
     from tpctl.cost.planner import model_shape, plan_split
     from tpctl.models import build_model
-    from tpctl.parallel.cut import StageCut
     from tpctl.parallel.mesh import build_mesh
+    from tpctl.parallel.pipeline.cut import StageCut
 
     cfg = tiny_config(1, **{"model.n_layer": 4})
     layout = Layout("none", pp=2)
@@ -465,10 +465,11 @@ def test_what_cannot_be_pipelined_is_refused_in_one_line(overrides, key, phrase)
 
 def test_the_default_micro_batches_keep_the_bubble_at_most_a_quarter():
     from tpctl.config import compose_jobs
+    from tpctl.config.pipeline import pipeline_of
 
     for pp, schedule, want in ((2, "1f1b", 4), (4, "1f1b", 16), (4, "gpipe", 16), (4, "interleaved", 8)):
         cfg = compose_jobs([f"pp={pp}", f"pipeline.schedule={schedule}", "model.n_layer=8", "train.batch_size=32"])[0]
-        spec = Layout.from_config(cfg).pipeline(cfg)
+        spec = pipeline_of(Layout.from_config(cfg), cfg)
         assert spec.microbatches == want and spec.bubble() <= 0.25, (pp, schedule, spec)
         smaller = PipelineSpec(pp, schedule, spec.virtual, spec.microbatches // 2)
         assert smaller.bubble() > 0.25 or not 32 % smaller.microbatches
@@ -516,7 +517,9 @@ def test_two_nodes_hold_one_stage_each_and_train_like_one_node(tpctl):
     """Loopback multi-node: 1d size 2 with pp=2 on two nodes of two workers:
     each node holds one stage (its tensor-parallel group inside it), only
     the pipeline's sends cross nodes; bit for bit the one-node run."""
-    from test_multinode import COMMON as NODE_COMMON, curve, node_args
+    from test_multinode import COMMON as NODE_COMMON
+    from test_multinode import curve, node_args
+
     from tpctl.launch.local import free_port
 
     layout = ["mode=1d", "size=2", "pp=2", "model.n_layer=2", "train.steps=3", "train.batch_size=8", "train.seq_len=16"]

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from cli_support import tpctl  # noqa: F401  (fixture)
 from conftest import LAYOUTS, layouts
+
 from tpctl.parallel.layout import Layout
 
 # id: (layout, grad_accum, data-parallel bucket bytes: None the default, one
@@ -55,13 +55,13 @@ def _train_step(key: str, tied: bool):
     from tpctl.config import default_config
     from tpctl.launch.pool import pooled_run
     from tpctl.parallel import comm
-    from tpctl.parallel.stages import PipelineSpec
+    from tpctl.parallel.pipeline.stages import PipelineSpec
 
     layout, accum, bucket_bytes = MESHES[key]
     cfg = default_config()
     cfg.model = OmegaConf.structured(_model_cfg(tied))
     cfg.train.batch_size, cfg.train.seq_len, cfg.train.grad_accum = BATCH, SEQ, accum
-    run = pooled_run(cfg, layout, bucket_bytes, PipelineSpec(layout.pp, "1f1b", 1, layout.pp), schedule=False)
+    run = pooled_run(cfg, layout, bucket_bytes, PipelineSpec.plain(layout.pp), schedule=False)
     par, step = run.par, run.step
     ids = torch.randint(0, cfg.model.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     x, y = ids[:, :-1], ids[:, 1:]
@@ -173,10 +173,10 @@ def test_plan_bad_input_exits_2_with_one_line(capsys, args, key):
 def test_bench_runs_every_mode_on_the_same_model():
     """none, our 1d and PyTorch's TP train the same model on the same batch
     (equal step-1 losses), and our counted bytes per step are the plan's."""
-    from tpctl.cost.measure import bench, predicted_ms
     from tpctl.config import compose_jobs
-    from tpctl.parallel.layout import Layout
+    from tpctl.cost.measure import bench, predicted_ms
     from tpctl.cost.planner import model_shape, plan_split
+    from tpctl.parallel.layout import Layout
 
     cfg = compose_jobs(["model=gpt-tiny", "model.n_layer=1", "train.batch_size=4", "train.seq_len=16"])[0]
     results = bench(cfg, ["none", "1d", "dtensor"], size=2, steps=1, rounds=1, warmup=0, timeout_s=240)
@@ -202,4 +202,4 @@ def test_plan_refuses_a_mode_without_cost_hooks_by_name(tpctl, tmp_path):
     assert result.stderr.strip().splitlines() == [
         "tpctl: error: invalid config: mode='rows': it rewrites layers but defines none of the planner's cost hooks "
         "(cost_rows, cost_hidden, cost_vocab, cost_embedding, cost_norm, cost_linear, cost_loss; see "
-        "parallel/mode.py), so tpctl plan would count its communication as zero: define them to plan it"]
+        "parallel/tensor/mode.py), so tpctl plan would count its communication as zero: define them to plan it"]

@@ -18,14 +18,14 @@ import json
 
 import pytest
 import torch.nn.functional as F
-
 from cli_support import tpctl  # noqa: F401  (fixture)
 from conftest import build_trainer, tiny_config
-from tpctl.parallel.mode import ParallelMode
+
+from tpctl.parallel.dropout import ParallelDropout
 from tpctl.parallel.geometry import Geometry
-from tpctl.parallel.layers import ParallelDropout
 from tpctl.parallel.layout import Layout
 from tpctl.parallel.registry import register, unregister
+from tpctl.parallel.tensor.mode import ParallelMode
 
 
 class RowSplit(ParallelMode):
@@ -108,9 +108,9 @@ def write_mode_module(folder) -> str:
     """A module of its own under `folder` that defines RowSplit and
     registers it (a mode outside tpctl, as a user writes one); its name."""
     header = ("import torch.nn.functional as F\n\n"
-              "from tpctl.parallel.mode import ParallelMode\n"
+              "from tpctl.parallel.tensor.mode import ParallelMode\n"
               "from tpctl.parallel.geometry import Geometry\n"
-              "from tpctl.parallel.layers import ParallelDropout\n"
+              "from tpctl.parallel.tensor.layers import ParallelDropout\n"
               "from tpctl.parallel.registry import register\n\n\n")
     (folder / "my_rows_mode.py").write_text(header + "@register\n" + inspect.getsource(RowSplit))
     return "my_rows_mode"

@@ -9,9 +9,9 @@ from __future__ import annotations
 import re
 
 import pytest
+from cli_support import tiny_gpt2_directory
 from omegaconf import OmegaConf
 
-from cli_support import tiny_gpt2_directory
 from tpctl.config import compose_jobs
 from tpctl.config.layout_checks import check_layout
 from tpctl.errors import ConfigError
@@ -216,7 +216,6 @@ def _dropout_curves() -> dict:
     (both ranks), and on rank 0 alone as one process accumulating over
     MICRO micro-batches and over one: {run: [(loss, grad_norm)]}."""
     import torch.distributed as dist
-
     from conftest import build_trainer, tiny_config
 
     def curve(layout: Layout, **overrides) -> list:
@@ -240,7 +239,7 @@ def test_a_pipeline_with_dropout_is_one_process_accumulating_over_its_micro_batc
     block), so pp=P with M micro-batches equals mode=none train.grad_accum=M
     (fp32 round-off), not one unsplit batch."""
     from tpctl.launch.pool import DistPool
-    from tpctl.parallel.stages import PipelineSpec
+    from tpctl.parallel.pipeline.stages import PipelineSpec
 
     # What the start-up line and `tpctl inspect` say of such a run.
     assert PipelineSpec(2, "1f1b", 1, MICRO).dropout_note(0.3) == (

@@ -1,4 +1,4 @@
-"""The start-up verification (parallel/verify.py): every mode passes it on
+"""The start-up verification (parallel/verify/proof.py): every mode passes it on
 tpctl's GPT and on Hugging Face Llama and GPT-2; a replacement whose
 arithmetic is broken on purpose, and a fused projection sliced in the wrong
 layout, are refused, naming the module or block. The session's pools
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from cli_support import tpctl  # noqa: F401  (fixture)
 from conftest import layouts
+
 from tpctl.launch.pool import parallelism_of
 
 MESHES = layouts("none-dp4", "1d-2-dp2", "1d-2-sp-dp2", "2d-4", "2.5d-8-d2", "3d-8")
@@ -61,8 +61,8 @@ def _verify(key: str, name: str, plan=None, break_role: str = "", how: str = "")
     `break_role`, the mode's layer for that role broken on purpose (`how`)."""
     import dataclasses
 
-    from tpctl.parallel import rewrite
-    from tpctl.parallel.verify import RewriteRefused, TOLERANCE, parallelize_verified
+    from tpctl.parallel.tensor import rewrite
+    from tpctl.parallel.verify.proof import TOLERANCE, RewriteRefused, parallelize_verified
 
     mode = parallelism_of(MESHES[key]).mode
     share_slices = rewrite.share_slices

@@ -1,4 +1,4 @@
-"""ZeRO over data parallelism (parallel/zero.py): every tensor mode with
+"""ZeRO over data parallelism (parallel/data_parallel/zero.py): every tensor mode with
 zero = 1, 2, 3 trains exactly as mode=none (loss and gradient norm, 10
 steps), holds the fraction of the memory the stages promise, and its
 checkpoints load into any other layout and stage.
@@ -14,7 +14,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from conftest import build_trainer, tiny_config
 
 REL = 1e-4

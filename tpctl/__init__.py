@@ -37,7 +37,7 @@ def init_parallel(layout=None, *, seed: int = 0, device: str = "cpu", context: s
 def parallelize(model, tp, plan=None, verify: bool = False):
     """Rewrite `model`'s layers in place for the mode of `tp` (see init_parallel).
     verify=True: prove the rewrite against the original first, module by
-    module and block by block, as `tpctl train` does (parallel/verify.py);
+    module and block by block, as `tpctl train` does (parallel/verify/proof.py);
     raises parallel.verify.RewriteRefused if it differs. Every rank must call it."""
     if verify:
         from .parallel.verify import parallelize_verified

@@ -12,6 +12,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from tpctl.parallel.pipeline.stages import DEFAULT_SCHEDULE
+
 # Model architectures: tpctl's own, any importable builder, and (every
 # other name) a Hugging Face model_type that transformers builds as a causal
 # LM (models/hf.py checks it against transformers' own list).
@@ -129,7 +131,7 @@ class TrainLoopConfig:
     # once. Either way the same bits (docs/DESIGN.md, "Overlap").
     overlap: bool = True
     # Before step 1, check the rewritten model against the original, module
-    # by module and block by block (parallel/verify.py): refuse to train if
+    # by module and block by block (parallel/verify/proof.py): refuse to train if
     # they differ beyond fp32 round-off.
     verify_rewrite: bool = True
     # Every N steps (0: never) all ranks decode a short greedy sample of
@@ -225,12 +227,12 @@ class RecipeConfig:
 
 @dataclass
 class PipelineConfig:
-    """How a run with pp > 1 pipelines its stages (parallel/stages.py)."""
+    """How a run with pp > 1 pipelines its stages (parallel/pipeline/stages.py)."""
 
     # gpipe (every forward, then every backward), 1f1b (one forward, one
     # backward in the steady state: at most pp micro-batches in flight) or
     # interleaved (1f1b over virtual_stages chunks per rank: a smaller bubble).
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     virtual_stages: int = 2  # chunks per rank with schedule=interleaved
     # Micro-batches per step; null: the fewest that keep the planned bubble
     # at or below 25% (and divide the batch).
@@ -243,7 +245,7 @@ class PipelineConfig:
 @dataclass
 class ContextConfig:
     """How attention runs across the cp ranks that split each sequence
-    (parallel/context.py)."""
+    (parallel/context/split.py)."""
 
     # ring: key/value blocks passed around the cp ranks, each keeping its
     # queries (zigzag chunks balance the causal work); ulysses: an

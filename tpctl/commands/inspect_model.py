@@ -12,10 +12,8 @@ model, as `tpctl train` would refuse it.
 
 from __future__ import annotations
 
-
-from tpctl.errors import ConfigError, EXIT_OK, fail
+from tpctl.errors import EXIT_OK, ConfigError, fail
 from tpctl.parallel.layout import Layout
-
 
 
 def main(args: list[str]) -> int:
@@ -48,7 +46,7 @@ def main(args: list[str]) -> int:
 
 def verify_in_pool(cfg) -> tuple:
     """(refusal line or None, the checks) of the start-up verification
-    (parallel/verify.py), run as training runs it: `size` ranks on CPU
+    (parallel/verify/proof.py), run as training runs it: `size` ranks on CPU
     (gloo), one tensor-parallel group."""
     from tpctl.launch.pool import DistPool
 
@@ -61,7 +59,7 @@ def verify_in_pool(cfg) -> tuple:
 
 def _verify_rank(cfg) -> tuple:
     from tpctl.launch.pool import pooled_run
-    from tpctl.parallel.verify import RewriteRefused
+    from tpctl.parallel.verify.proof import RewriteRefused
 
     try:
         run = pooled_run(cfg, Layout.from_config(cfg).replace(dp=1), verify=True, step=False)
@@ -103,7 +101,7 @@ def inspect_model(cfg):
     import math
 
     from tpctl.models import build_checked
-    from tpctl.parallel.rewrite import parallelize
+    from tpctl.parallel.tensor.rewrite import parallelize
     from tpctl.training.build import build_parallelism
 
     model = build_checked(cfg.model, cfg.seed)
@@ -112,7 +110,7 @@ def inspect_model(cfg):
     par = build_parallelism(cfg, layout, groups=False)
     stage_of = lambda name: None  # noqa: E731
     if par.pipeline is not None:  # where the stages are cut, in the model as it is
-        from tpctl.parallel.pipeline import PipelineRefused
+        from tpctl.parallel.pipeline.schedule import PipelineRefused
 
         try:
             par.pipeline.assign(model)
@@ -158,8 +156,8 @@ def inspect_model(cfg):
     summary = {"roles from": {"inferred": "traced forward", "tp_plan": "the model's tp_plan", "plan": "model.plan"}[plan.source],
                "whole model": whole, "per rank": local, "heads": {k: (h.heads, h.kv_heads, h.head_dim) for k, h in plan.heads.items()}}
     layout = par.layout
-    if layout.dp * layout.cp > 1 and not problems:  # what a replica holds between steps (parallel/zero.py; dp x cp replicas)
-        from tpctl.parallel.zero import plan_of
+    if layout.dp * layout.cp > 1 and not problems:  # what a replica holds between steps (parallel/data_parallel/zero.py; dp x cp replicas)
+        from tpctl.parallel.data_parallel.zero import plan_of
 
         held = plan_of([model], layout.dp * layout.cp, layout.zero).held_numel()
         summary["held"] = {what: held[key] * 4 * (2 if what == "AdamW moments" else 1)
@@ -184,7 +182,9 @@ def _print(cfg, rows, verdicts: dict, summary) -> None:
         caption += (f"; rank 0 holds between steps with {replicas} zero={layout.zero}: "
                     + ", ".join(f"{what} {mib(n)}" for what, n in summary["held"].items()))
     if layout.pp > 1:
-        note = layout.pipeline(cfg).dropout_note(cfg.model.get("dropout") or 0)
+        from tpctl.config.pipeline import pipeline_of
+
+        note = pipeline_of(layout, cfg).dropout_note(cfg.model.get("dropout") or 0)
         caption += f"; {note}" if note else ""
     table = Table(title=title, caption=caption)
     columns = ["module", "type", "role", "becomes", "shard shape on rank 0", "bytes", "note"]

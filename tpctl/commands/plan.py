@@ -5,7 +5,7 @@ from the model's shapes (built on the meta device, nothing materialised) and
 each mode's algorithm as the code in `tpctl/parallel/` runs it:
 
   * every ZeRO stage of the layouts with data-parallel replicas (zero=1..3,
-    parallel/zero.py): what it shards, and the gathers and reduce-scatters
+    parallel/data_parallel/zero.py): what it shards, and the gathers and reduce-scatters
     it adds;
   * per-rank memory: parameters, gradients, AdamW state, activations
     (estimate), and under ZeRO-3 the parameters gathered at once;
@@ -34,8 +34,8 @@ import dataclasses
 import json
 from typing import Optional
 
-from tpctl.cost.planner import KIND_ABBREV, Hardware, SplitPlan, load_hardware, plan_label, plan_world
 from tpctl.commands.options import integer, parse_options, text
+from tpctl.cost.planner import KIND_ABBREV, Hardware, SplitPlan, load_hardware, plan_label, plan_world
 from tpctl.errors import ConfigError, fail
 
 

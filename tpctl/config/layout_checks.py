@@ -13,6 +13,7 @@ from tpctl.parallel.geometry import Geometry
 from tpctl.parallel.layout import Layout, layouts_of
 
 from .messages import check_integer
+from .pipeline import pipeline_of
 
 
 def check_layout(cfg: Any, layout: Optional[Layout] = None) -> Geometry:
@@ -35,7 +36,7 @@ def check_layout(cfg: Any, layout: Optional[Layout] = None) -> Geometry:
     if layout.pp > 1:
         _check_pipeline(cfg, layout)  # the pipeline's own split of the batch
         return geo
-    layout.pipeline(cfg)  # its keys' values, even where one stage does not read them
+    pipeline_of(layout, cfg)  # its keys' values, even where one stage does not read them
     split = t.grad_accum * layout.dp * geo.batch_split
     if t.batch_size < 1 or t.batch_size % split:
         raise ConfigError(
@@ -49,7 +50,7 @@ def check_layout(cfg: Any, layout: Optional[Layout] = None) -> Geometry:
 def _check_pipeline(cfg: Any, layout: Layout) -> None:
     """A pipeline of `layout.pp` stages for this config: what a stage cannot
     do, and its chunks against the model's blocks (the schedule's own
-    arithmetic refuses in `PipelineSpec.from_config`)."""
+    arithmetic refuses in config/pipeline.py)."""
     if layout.seq_parallel:
         raise ConfigError("seq_parallel", True, "the stream a pipeline stage sends is not sequence-sharded yet: "
                           "expected seq_parallel=false with pp > 1")
@@ -57,7 +58,7 @@ def _check_pipeline(cfg: Any, layout: Layout) -> None:
         raise ConfigError("train.sample_every", cfg.train.sample_every, "samples are decoded by one tensor-parallel "
                           "group, not through pipeline stages: expected 0 with pp > 1 (tpctl generate decodes a "
                           "checkpoint of any pp in any layout)")
-    spec = layout.pipeline(cfg)
+    spec = pipeline_of(layout, cfg)
     m = cfg.model
     blocks = m.get("n_layer") if m.get("arch") not in ("custom", None) and not m.get("pretrained") else None
     if blocks is not None and spec.chunks > blocks:
@@ -81,7 +82,7 @@ def check_context(cfg: Any, layout: Layout, geo: Geometry) -> None:
     CP_ARCHS (dropout: tpctl's GPT without sequence parallelism), without
     compiling or decoding; a sequence length the
     split divides; with Ulysses, heads the tensor split and cp divide."""
-    from tpctl.parallel.context import IMPLS
+    from tpctl.parallel.context.split import IMPLS
 
     impl = cfg.get("context", {}).get("impl", "ring")
     if impl not in IMPLS:
@@ -125,8 +126,8 @@ def name_unreplaceable_attention(cfg: Any) -> None:
     if cfg.get("cp", 1) <= 1 or m.get("arch") in CP_ARCHS:
         return
     from tpctl.models import build_checked
-    from tpctl.parallel.context import attention_modules
-    from tpctl.parallel.inference import resolve_plan
+    from tpctl.parallel.context.split import attention_modules
+    from tpctl.parallel.roles.inference import resolve_plan
 
     model = build_checked(m, cfg.seed)
     try:

@@ -18,12 +18,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from tpctl.config import check_layout
 from tpctl.errors import ConfigError
 from tpctl.parallel.layout import ZERO_STAGES, Layout, layouts_of
-from tpctl.parallel.loss import CHUNK_ELEMENTS
-from tpctl.parallel.stages import SCHEDULES, PipelineSpec
+from tpctl.parallel.pipeline.stages import DEFAULT_SCHEDULE, SCHEDULES, PipelineSpec
+from tpctl.parallel.tensor.loss import CHUNK_ELEMENTS
 
-from tpctl.config import check_layout
 from .hardware import Hardware
 from .planner import F32, ModelShape, SplitPlan, model_shape, plan_split, predict
 
@@ -42,7 +42,7 @@ class Choice:
 
     layout: Layout
     microbatches: int = 1
-    schedule: str = "1f1b"  # pp > 1 only
+    schedule: str = DEFAULT_SCHEDULE  # pp > 1 only
     virtual: int = 1  # interleaved only
     checkpointing: bool = False
 
@@ -118,7 +118,7 @@ def choices_of(cfg: Any, world: int) -> tuple[list[tuple[Choice, Optional[Pipeli
     its pipeline (None at pp=1), and the refused ones with why."""
     from omegaconf import OmegaConf
 
-    from tpctl.training.build import pipeline_of
+    from tpctl.config.pipeline import pipeline_of
 
     m, t = cfg.model, cfg.train
     blocks = m.get("n_layer") if m.get("arch") != "custom" and not m.get("pretrained") else None
@@ -171,7 +171,7 @@ def peak_parts(plan: SplitPlan, shape: ModelShape, choice: Choice, cfg: Any, hw:
     largest temporary, the data-parallel bucket being reduced, ZeRO-3's
     gathered block, and the process itself (hw.base_bytes: the interpreter
     and libraries, measured by `tpctl plan --calibrate` on CPU)."""
-    from tpctl.parallel import zero_plan
+    from tpctl.parallel.data_parallel.ddp import zero_plan
 
     lay, t = choice.layout, cfg.train
     rows = t.batch_size // (choice.microbatches * lay.dp) * t.seq_len  # a micro-batch's token rows per replica

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from tpctl.parallel.layout import Layout
-from tpctl.parallel.stages import PipelineSpec
+from tpctl.parallel.pipeline.stages import PipelineSpec
 
 from .layer_comm import sliced_sums
 
@@ -143,9 +143,9 @@ def stage_held(shape: Any, layout: Layout, rank: int, mode, model, holds, bucket
     """Parameters: this rank's shard of each (ShardSpec), those of its
     pipeline stage only (the stage a worker holds, cut by the dry run;
     tied ones once); with data parallelism the buckets and ZeRO chunks
-    the training step makes of them (parallel/zero_plan.py, the same
+    the training step makes of them (parallel/data_parallel/zero_plan.py, the same
     plan); and the replica buckets sync_replicas all-reduces."""
-    from tpctl.parallel import zero_plan
+    from tpctl.parallel.data_parallel.ddp import zero_plan
     from tpctl.parallel.shard import spec_of
 
     named = list(model.named_parameters())

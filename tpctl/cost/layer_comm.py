@@ -3,7 +3,7 @@ norms over the stream (a LayerNorm's two moments or an RMSNorm's one), a
 latent attention's down-projections (their entry makes whole rows of the
 attention's rows), mixture-of-experts routers (fed whole rows) and experts
 modules (in 3-d Linear weights, or run by a model's own forward), each by
-its mode's `cost_*` hook (parallel/cost_hooks.py). Read once from the model
+its mode's `cost_*` hook (parallel/tensor/cost_hooks.py). Read once from the model
 on the meta device and its role plan, never by running it.
 
 Not counted: a norm over all heads of q or k (`proj_norm`, OLMo-2's), and
@@ -20,11 +20,11 @@ from typing import Callable
 
 import torch.nn as nn
 
-from tpctl.parallel.cost_hooks import ExpertsShape
-from tpctl.parallel.experts import OwnSplit, experts_layout
-from tpctl.parallel.layers import is_rms_norm, norm_width
-from tpctl.parallel.rewrite import held_by_heads_or_slices, per_head_params
+from tpctl.parallel.roles.experts import OwnSplit, experts_layout
+from tpctl.parallel.roles.probes import is_rms_norm, norm_width
 from tpctl.parallel.shard import spec_of
+from tpctl.parallel.tensor.cost_hooks import ExpertsShape
+from tpctl.parallel.tensor.rewrite import held_by_heads_or_slices, per_head_params
 
 
 @dataclass

@@ -389,9 +389,9 @@ def flops_per_token(cfg) -> float:
     """Model FLOPs per trained token (forward and backward): 6 per weight
     of the matmuls (every parameter but the position table), plus attention's
     scores and mix, 12 * layers * width * sequence (as PaLM's MFU counts)."""
-    from .planner import model_shape
-
     import math
+
+    from .planner import model_shape
 
     shape = model_shape(cfg.model, cfg.seed)
     weights = sum(math.prod(p.shape) for p in shape.params if p.role != "pos_embedding")
@@ -446,7 +446,7 @@ def hardware_for(setting: str, device: str) -> str:
 
 def predicted_ms(cfg, modes, size, depth, hardware: str, pp: int = 1) -> dict[str, Optional[float]]:
     """`tpctl plan`'s predicted step time of each mode on `hardware`."""
-    from tpctl.training.build import pipeline_of
+    from tpctl.config.pipeline import pipeline_of
 
     from .planner import load_hardware, model_shape, plan_split, predict
 

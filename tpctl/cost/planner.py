@@ -23,15 +23,15 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from tpctl.errors import ConfigError
-from tpctl.parallel.cut import LOSS_FLOPS_PER_LOGIT
-from tpctl.parallel.geometry import WIRE_FACTOR, padded_vocab
-from tpctl.parallel.context import attention_path, cost_context
-from tpctl.parallel.layout import ZERO_STAGES, Layout, layouts_of
-from tpctl.parallel.registry import check_costed
-from tpctl.parallel.stages import PipelineSpec
-
 from tpctl.config import check_layout
+from tpctl.errors import ConfigError
+from tpctl.parallel.context.split import attention_path, cost_context
+from tpctl.parallel.geometry import WIRE_FACTOR, padded_vocab
+from tpctl.parallel.layout import ZERO_STAGES, Layout, layouts_of
+from tpctl.parallel.pipeline.cut import LOSS_FLOPS_PER_LOGIT
+from tpctl.parallel.pipeline.stages import PipelineSpec
+from tpctl.parallel.registry import check_costed
+
 from .dry_run import members, stage_held, stage_rewrite
 from .hardware import Hardware, load_hardware  # noqa: F401  (re-exported: callers name the planner)
 from .layer_comm import count_layers, layer_shapes
@@ -81,7 +81,7 @@ class ModelShape:
     def original(self):
         """The model on the meta device, as the rewrite sees it."""
         from tpctl.models import build_model
-        from tpctl.parallel.layers import linearize
+        from tpctl.parallel.roles.probes import linearize
 
         model = build_model(self.model_cfg, self.seed, lazy=True)
         linearize(model)
@@ -90,10 +90,11 @@ class ModelShape:
 
 def model_shape(model_cfg, seed: int = 0) -> ModelShape:
     """Build the model on the meta device and read its shapes and roles."""
-    from tpctl.models import build_model
-    from tpctl.parallel.layers import linearize
-    from tpctl.parallel.inference import resolve_plan
     from torch import nn
+
+    from tpctl.models import build_model
+    from tpctl.parallel.roles.inference import resolve_plan
+    from tpctl.parallel.roles.probes import linearize
 
     model = build_model(model_cfg, seed, lazy=True)
     linearize(model)  # as the rewrite sees it
@@ -259,7 +260,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     stage's plan (`.stages`), the one holding the most memory returned. `cache`: see dry_run.py;
     `context`: context.impl, with cp > 1."""
     if layout.pp > 1:  # the cut costs attention at this length
-        pipeline = dataclasses.replace(pipeline or PipelineSpec(layout.pp, "1f1b", 1, layout.pp), seq_len=seq_len)
+        pipeline = dataclasses.replace(pipeline or PipelineSpec.plain(layout.pp), seq_len=seq_len)
     if layout.pp > 1 and stage is None:
         stages = [plan_split(shape, layout, batch_size, seq_len, grad_accum, bucket_bytes, pipeline, s, cache, context)
                   for s in range(layout.pp)]
@@ -348,7 +349,7 @@ def _micro(shape: ModelShape, layout: Layout, rank: int, mode, linears: list, ho
 
 
 def _plan_pipeline(counter: _Counter, pipe, par, batch_size: int, seq_len: int, tied_numel: int) -> None:
-    """What the pipeline (parallel/pipeline.py) sends in a step on this
+    """What the pipeline (parallel/pipeline/schedule.py) sends in a step on this
     rank: each chunk's stream to the next stage and its gradient back, once
     per micro-batch; the tied weight's gradient summed between the end
     stages; the last stage's loss to every stage."""
@@ -458,7 +459,7 @@ def plan_world(cfg, world: int, hw: Optional[Hardware]) -> tuple[list[SplitPlan]
     check_costed()  # not a mode planned as free of communication
     shape = model_shape(cfg.model, cfg.seed)
     t = cfg.train
-    from tpctl.training.build import pipeline_of
+    from tpctl.config.pipeline import pipeline_of
 
     plans, invalid = [], []
     for layout, why in splits_of(world, cfg):

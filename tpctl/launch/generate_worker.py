@@ -28,11 +28,11 @@ RESULT = "generated.json"
 def run(argv: list[str]) -> None:
     import torch.distributed as dist
 
-    from tpctl.models import build_model
-    from tpctl.parallel.rewrite import parallelize
-    from tpctl.data.tokenizer import Tokenizer
-    from tpctl.training.generation import TextStream, generate, stop_ids
     from tpctl import checkpoint
+    from tpctl.data.tokenizer import Tokenizer
+    from tpctl.models import build_model
+    from tpctl.parallel.tensor.rewrite import parallelize
+    from tpctl.training.generation import TextStream, generate, stop_ids
     from tpctl.training.step import autocast
 
     config_path = Path(argv[0])

@@ -19,7 +19,6 @@ import torch.multiprocessing as mp
 
 from .local import free_port
 
-
 # How often an idle rank looks whether the process that started it is alive.
 PARENT_POLL_S = 2.0
 
@@ -162,7 +161,7 @@ def parallelism_of(layout, bucket_bytes: int | None = None, pipeline=None):
     step fill in, anew for each call. `pipeline` (a stages.PipelineSpec,
     with pp > 1): the schedule of a fresh pipeline (a pipeline holds one
     model's stage)."""
-    from tpctl.parallel.data_parallel import DataParallel
+    from tpctl.parallel.data_parallel.ddp import DataParallel
     from tpctl.parallel.parallelism import Parallelism, parallelism
 
     if layout not in _modes:
@@ -170,7 +169,7 @@ def parallelism_of(layout, bucket_bytes: int | None = None, pipeline=None):
     mesh = _modes[layout].mesh
     stages = None
     if layout.pp > 1:
-        from tpctl.parallel.pipeline import Pipeline
+        from tpctl.parallel.pipeline.schedule import Pipeline
 
         stages = Pipeline(mesh, pipeline or _modes[layout].pipeline.spec)
     return Parallelism(layout.mode_class(mesh), DataParallel(mesh, bucket_bytes) if bucket_bytes else None, stages)
@@ -182,8 +181,9 @@ def pooled_run(cfg, layout=None, bucket_bytes: int | None = None, pipeline=None,
     (`parallelism_of`); `pipeline`: the schedule with pp > 1 (default: the
     config's, as a worker's); `options` are build_run's (verify, step,
     lazy, schedule)."""
+    from tpctl.config.pipeline import pipeline_of
     from tpctl.parallel.layout import Layout
-    from tpctl.training.build import build_run, pipeline_of
+    from tpctl.training.build import build_run
 
     layout = layout or Layout.from_config(cfg)
     return build_run(cfg, parallelism_of(layout, bucket_bytes, pipeline or pipeline_of(layout, cfg)), **options)

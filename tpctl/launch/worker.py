@@ -254,8 +254,8 @@ def find_resume(cfg, run_dir: Path, rank: int):
     verifies it (after a restart by torchrun: the newest valid one of the run
     dir) and tells the others, so a bad checkpoint fails every rank alike."""
 
-    from tpctl.parallel import comm
     from tpctl.checkpoint import CheckpointError, resolve_resume
+    from tpctl.parallel import comm
 
     choice: list = [None]
     if rank == 0:
@@ -311,7 +311,7 @@ def serve(run: Callable[[list[str]], None], argv: list[str] | None = None) -> No
 
 def failed(error: BaseException, argv: list[str]) -> int:
     """The exit status of a rank that raised `error`, once it is recorded."""
-    from tpctl.parallel.verify import RewriteRefused
+    from tpctl.parallel.verify.proof import RewriteRefused
 
     if isinstance(error, RewriteRefused):
         # Every rank refuses alike; the launcher prints the one line

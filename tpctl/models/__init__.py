@@ -1,5 +1,5 @@
 """Models: the built-in ones, Hugging Face's, and a user's own, all
-parallelised from the outside by role (see parallel/inference.py for how roles are found
+parallelised from the outside by role (see parallel/roles/inference.py for how roles are found
 when a model has no plan)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from tpctl.parallel.inference import resolve_plan
-from tpctl.parallel.roles import RolePlan, logits_of
+from tpctl.parallel.roles.inference import resolve_plan
+from tpctl.parallel.roles.plan import RolePlan, logits_of
 from tpctl.schema import ARCHS
 
 from .gpt import GPT
@@ -148,8 +148,8 @@ def check_model(cfg: Any, training: bool = True) -> RolePlan:
     ConfigError naming the module and the reason, before any worker starts.
     Returns the plan."""
     from tpctl.errors import ConfigError
-    from tpctl.parallel.rewrite import check_plan
     from tpctl.parallel.layout import Layout
+    from tpctl.parallel.tensor.rewrite import check_plan
 
     m = cfg.model
     what = m.get("_target_") or m.get("pretrained") or m.arch
@@ -168,11 +168,12 @@ def check_model(cfg: Any, training: bool = True) -> RolePlan:
         name, reason = next(iter(problems.items()))
         raise ConfigError("model", what, f"mode={cfg.mode} size={cfg.size} cannot shard module {name}: {reason}")
     if layout.pp > 1:  # where the stages are cut: found in the model, as each worker will
+        from tpctl.config.pipeline import pipeline_of
         from tpctl.parallel.parallelism import parallelism
-        from tpctl.parallel.pipeline import PipelineRefused
+        from tpctl.parallel.pipeline.schedule import PipelineRefused
 
         try:
-            parallelism(layout, groups=False, pipeline=layout.pipeline(cfg)).pipeline.assign(model)
+            parallelism(layout, groups=False, pipeline=pipeline_of(layout, cfg)).pipeline.assign(model)
         except PipelineRefused as e:
             value = {"pp": layout.pp, "model": what}.get(e.key, cfg.get("pipeline", {}).get(e.key.split(".")[-1]))
             raise ConfigError(e.key, value, str(e)) from None

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from tpctl.errors import ConfigError
-from tpctl.parallel.layers import _probe_copy, linearize
+from tpctl.parallel.roles.probes import _probe_copy, linearize
 from tpctl.schema import ARCHS
 from tpctl.seeding import derive_seed
 

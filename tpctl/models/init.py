@@ -23,9 +23,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from tpctl.parallel.roles.probes import is_norm, norm_offset
 from tpctl.parallel.shard import ShardSpec
 from tpctl.seeding import derive_seed
-from tpctl.parallel.layers import is_norm, norm_offset
 
 
 class ParamSource:

@@ -15,8 +15,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .geometry import WIRE_FACTOR
+from tpctl.parallel.geometry import WIRE_FACTOR
 
 Group = Optional[dist.ProcessGroup]
 
@@ -110,6 +111,15 @@ def all_reduce(tensor: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_o
     return (tensor, work) if async_op else tensor
 
 
+def all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
+    """Sum `tensors` over `group` in one call, through one flat buffer."""
+    flat = _flatten_dense_tensors(tensors)
+    all_reduce(flat, group)
+    for t, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+        t.copy_(synced)
+
+
+
 def _blocks_first(shape, dim: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A fresh tensor of `shape` laid out with `dim` outermost, and the
     contiguous view of it with `dim` moved first: the collective writes the
@@ -156,7 +166,7 @@ def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: b
     return (out, work) if async_op else out
 
 
-# ---- flat buffers of the data-parallel component (parallel/zero.py): in
+# ---- flat buffers of the data-parallel component (parallel/data_parallel/zero.py): in
 # place, optionally asynchronous (a work handle to wait on), so a bucket's
 # reduction runs while the backward goes on.
 
@@ -222,7 +232,7 @@ def recv(tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     return tensor
 
 
-# ---- context parallelism (parallel/context_attention.py): the ring step
+# ---- context parallelism (parallel/context/attention.py): the ring step
 # and the all-to-all between a sequence split and a head split.
 
 def ring_pass(flat: torch.Tensor, group: Group, ranks: list[int]):

@@ -23,9 +23,7 @@ from functools import cached_property
 from typing import Any
 
 from tpctl.errors import ConfigError
-
-from .geometry import Geometry
-from .stages import PipelineSpec
+from tpctl.parallel.geometry import Geometry
 
 # Stages of ZeRO (docs/DESIGN.md, "Data parallelism"): 0 none, 1 optimizer
 # state, 2 + gradients, 3 + parameters sharded over the dp group.
@@ -44,7 +42,7 @@ class Layout:
     pp: int = 1
     zero: int = 0
     seq_parallel: bool = False
-    # Context parallelism: ranks that split each sequence (parallel/context.py).
+    # Context parallelism: ranks that split each sequence (parallel/context/split.py).
     cp: int = 1
 
     # ---- from and to configs -----------------------------------------------
@@ -112,7 +110,7 @@ class Layout:
 
     @cached_property
     def mode_class(self) -> type:
-        from .registry import mode_class
+        from tpctl.parallel.registry import mode_class
 
         return mode_class(self.mode)
 
@@ -177,11 +175,6 @@ class Layout:
         if self.seq_parallel and not cls.sequence_parallel:
             raise ConfigError("seq_parallel", True, f"sequence parallelism is for mode=1d; expected seq_parallel=false with mode={self.mode}")
         return geo
-
-    def pipeline(self, cfg: Any) -> PipelineSpec:
-        """The pipeline of run config `cfg` in this layout (a config that
-        `tpctl.config.check_layout` accepted); pp=1: one stage."""
-        return PipelineSpec.from_config(cfg, self.pp, self.dp * self.geo.batch_split)
 
     # ---- ranks -------------------------------------------------------------------
     def coords(self, rank: int) -> dict[str, int]:
@@ -276,7 +269,7 @@ def layouts_of(world: int, pp: int = 1) -> list[Layout]:
     """Every layout of `world` ranks with `pp` stages that the registered
     modes offer (for the planner): each divisor as the grid size, the rest
     data-parallel replicas; invalid grids (a non-square 2d) left out."""
-    from .registry import mode_classes
+    from tpctl.parallel.registry import mode_classes
 
     out = []
     for size in range(1, world // pp + 1):

@@ -23,8 +23,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .geometry import Geometry
-from .layout import GROUP_AXES, Layout
+from tpctl.parallel.geometry import Geometry
+from tpctl.parallel.layout import GROUP_AXES, Layout
 from tpctl.seeding import derive_seed
 
 

@@ -13,17 +13,17 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.nn as nn
 
-from . import comm
-from .mode import ParallelMode
-from .context import ContextParallel
-from .data_parallel import DataParallel, all_reduce_coalesced
-from .geometry import Geometry
-from .layout import Layout
-from .mesh import Mesh, build_mesh
-from .cut import compute_weight
-from .pipeline import Pipeline
-from .shard import spec_of
-from .stages import PipelineSpec
+from tpctl.parallel import comm
+from tpctl.parallel.context.split import ContextParallel
+from tpctl.parallel.data_parallel.ddp import DataParallel
+from tpctl.parallel.geometry import Geometry
+from tpctl.parallel.layout import Layout
+from tpctl.parallel.mesh import Mesh, build_mesh
+from tpctl.parallel.pipeline.cut import compute_weight
+from tpctl.parallel.pipeline.schedule import Pipeline
+from tpctl.parallel.pipeline.stages import PipelineSpec
+from tpctl.parallel.shard import spec_of
+from tpctl.parallel.tensor.mode import ParallelMode
 
 
 @dataclass
@@ -61,10 +61,10 @@ class Parallelism:
         stage wired; without, rewritten. `stage`: cut (default: unless a
         dry run, which rewrites the whole model for `tpctl inspect`; the
         planner's dry run asks for the stage)."""
-        from .rewrite import parallelize
-        from .layers import linearize
-        from .inference import resolve_plan
-        from .roles import RolePlan
+        from tpctl.parallel.roles.inference import resolve_plan
+        from tpctl.parallel.roles.plan import RolePlan
+        from tpctl.parallel.roles.probes import linearize
+        from tpctl.parallel.tensor.rewrite import parallelize
 
         if self.pipeline is None or not (not dry_run if stage is None else stage):
             return parallelize(model, self.mode, plan, dry_run, training)
@@ -191,7 +191,7 @@ def sum_stage_copies(model_parts: list[nn.Module]) -> None:
             for grad, group in spec.stage_parts(p.grad) if spec is not None and p.grad is not None else ():
                 by_group.setdefault(id(group), (group, []))[1].append(grad)
     for group, grads in by_group.values():
-        all_reduce_coalesced(grads, group)
+        comm.all_reduce_coalesced(grads, group)
 
 
 def _params(params: nn.Module | Iterable[nn.Parameter]) -> list[nn.Parameter]:
@@ -219,5 +219,5 @@ def parallelism(layout: Layout, seed: int = 0, device: str | torch.device = "cpu
     mesh = build_mesh(layout, rank, device, seed, groups)
     stages = None
     if layout.pp > 1:
-        stages = Pipeline(mesh, pipeline or PipelineSpec(layout.pp, "1f1b", 1, layout.pp), weigh)
+        stages = Pipeline(mesh, pipeline or PipelineSpec.plain(layout.pp), weigh)
     return Parallelism(layout.mode_class(mesh), pipeline=stages)

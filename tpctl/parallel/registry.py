@@ -18,21 +18,14 @@ from tpctl.errors import ConfigError
 
 # Modules of the built-in modes, imported on the first lookup. In the order
 # the modes are listed (and planned).
-BUILTIN = ("none", "one_d", "two_d", "two_p5_d", "three_d")
+BUILTIN = tuple(f"tpctl.parallel.tensor.modes.{name}" for name in ("none", "one_d", "two_d", "two_p5_d", "three_d"))
 
 _MODES: dict[str, type] = {}
 _loaded = False
 
 
 def register(cls: type) -> type:
-    """Make `cls` (a ParallelMode subclass) the mode named `cls.name`. A
-    linear role it has no `convert_<role>` for gets the default conversion
-    (`ParallelMode.convert_linear`: its weight_spec, output_spec, linear_fn)."""
-    from .linear import LINEAR_ROLES, default_converter
-
-    for role in LINEAR_ROLES:
-        if getattr(cls, f"convert_{role}", None) is None:
-            setattr(cls, f"convert_{role}", default_converter(role))
+    """Make `cls` (a ParallelMode subclass) the mode named `cls.name`."""
     _MODES[cls.name] = cls
     return cls
 
@@ -46,7 +39,7 @@ def _load() -> None:
     global _loaded
     if not _loaded:
         for module in BUILTIN:
-            importlib.import_module(f"{__package__}.{module}")
+            importlib.import_module(module)
         _loaded = True
 
 
@@ -65,7 +58,7 @@ def import_mode_module(module: Optional[str]) -> None:
 
 
 # The hooks through which a mode tells the planner what its rewrite costs
-# (parallel/mode.py); ParallelMode's own describe a grid that splits nothing.
+# (parallel/tensor/mode.py); ParallelMode's own describe a grid that splits nothing.
 COST_HOOKS = ("cost_rows", "cost_hidden", "cost_vocab", "cost_embedding", "cost_norm", "cost_linear", "cost_loss")
 
 
@@ -77,7 +70,7 @@ def check_costed() -> None:
         root = next(k for k in reversed(cls.__mro__) if "cost_linear" in vars(k))  # ParallelMode
         if cls.rewrites and all(getattr(cls, hook) is getattr(root, hook) for hook in COST_HOOKS):
             raise ConfigError("mode", cls.name, f"it rewrites layers but defines none of the planner's cost hooks "
-                              f"({', '.join(COST_HOOKS)}; see parallel/mode.py), so tpctl plan would count its "
+                              f"({', '.join(COST_HOOKS)}; see parallel/tensor/mode.py), so tpctl plan would count its "
                               "communication as zero: define them to plan it")
 
 

@@ -102,7 +102,7 @@ class ShardSpec:
     def rows(self, start: int, stop: int) -> "ShardSpec":
         """The sub-box of this shard made of its local rows [start, stop)
         (first dimension): a data-parallel replica's chunk under ZeRO
-        (parallel/zero.py), which that replica alone holds. The same tensor
+        (parallel/data_parallel/zero.py), which that replica alone holds. The same tensor
         replicas and stage copies hold the same sub-box."""
         full = self.full_shape[0]
         held = self.index[0] if self.index[0] is not None else ((0, full),)

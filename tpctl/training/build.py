@@ -12,9 +12,10 @@ from typing import Any, Optional
 
 import torch
 
+from tpctl.config.pipeline import pipeline_of
 from tpctl.parallel.layout import Layout
 from tpctl.parallel.parallelism import Parallelism, parallelism
-from tpctl.parallel.stages import PipelineSpec
+from tpctl.parallel.pipeline.stages import PipelineSpec
 
 from .step import Schedule, TrainStep
 
@@ -37,12 +38,6 @@ class Run:
     @property
     def layout(self) -> Layout:
         return self.par.layout
-
-
-def pipeline_of(layout: Layout, cfg) -> Optional[PipelineSpec]:
-    """The pipeline schedule of `cfg` in `layout`; None without stages
-    (the config's pipeline keys are only read, and checked, with pp > 1)."""
-    return layout.pipeline(cfg) if layout.pp > 1 else None
 
 
 def build_parallelism(cfg, layout: Optional[Layout] = None, device: str | torch.device = "cpu",
@@ -78,10 +73,10 @@ def build_run(cfg, par: Optional[Parallelism] = None, *, layout: Optional[Layout
     (default: the config's) on `device`. lazy: each parameter made whole one
     at a time, to slice this rank's shard (False: the whole model first; the
     same values). verify: the start-up proof of the rewrite
-    (parallel/verify.py; RewriteRefused when it differs). step: also build
+    (parallel/verify/proof.py; RewriteRefused when it differs). step: also build
     the TrainStep (`build_step`)."""
     from tpctl.models import build_model
-    from tpctl.parallel.verify import parallelize_verified
+    from tpctl.parallel.verify.proof import parallelize_verified
 
     if par is None:
         par = build_parallelism(cfg, layout, device, groups)
@@ -107,7 +102,7 @@ def prove_context(cfg, par: Parallelism, model: torch.nn.Module) -> Optional[flo
     all ranks; RewriteRefused (exit 2 from the workers) above CP_TOLERANCE.
     Returns it (None: nothing to prove)."""
     from tpctl.parallel import comm
-    from tpctl.parallel.verify import RewriteRefused
+    from tpctl.parallel.verify.proof import RewriteRefused
 
     if par.cp.size == 1 or par.pipeline is not None:
         return None

@@ -15,7 +15,7 @@ compiled pieces are the local math between them.
 Each rank's compile log (dynamo's steps, every graph break and recompile
 with its reason) goes to <run dir>/logs/compile_rank<r>.log (`keep_log`),
 not to the terminal. On CUDA the loss's chunks compile too, whatever this
-setting (parallel/loss.py's CUDA policy: one fused kernel each).
+setting (parallel/tensor/loss.py's CUDA policy: one fused kernel each).
 
 Test hook: TPCTL_COMPILE_BACKEND names another torch.compile backend (e.g.
 aot_eager: dynamo and AOT autograd without inductor's code generation).
@@ -129,7 +129,7 @@ def compile_model(model, setting: str, device: str, say: Callable[[str], None], 
 
     per_block (a pipeline stage): compile each block of the stack instead
     of the model's forward, whose code around the blocks a stage runs
-    with stand-ins and leaves early (parallel/pipeline.py): the blocks are
+    with stand-ins and leaves early (parallel/pipeline/schedule.py): the blocks are
     nearly all of the compute, and the stage's hooks stay eager.
     log_path: where this rank's compile log goes (`keep_log`)."""
     if setting == "false":
@@ -147,7 +147,7 @@ def compile_model(model, setting: str, device: str, say: Callable[[str], None], 
     if per_block:
         import torch
 
-        from tpctl.parallel.roles import repeated_blocks
+        from tpctl.parallel.roles.plan import repeated_blocks
 
         for block in repeated_blocks(model).children():
             block.forward = torch.compile(block.forward, backend=backend())

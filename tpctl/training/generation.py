@@ -38,9 +38,8 @@ import torch.nn as nn
 from tpctl.data.tokenizer import Tokenizer
 from tpctl.models.gpt import GPT, KVCache
 from tpctl.parallel import comm
-from tpctl.parallel.mode import ParallelMode
-from tpctl.parallel.roles import logits_of
-
+from tpctl.parallel.roles.plan import logits_of
+from tpctl.parallel.tensor.mode import ParallelMode
 
 # ---- text as it comes -------------------------------------------------------
 

@@ -15,11 +15,12 @@ from typing import Optional
 import torch
 
 from tpctl import checkpoint
+from tpctl.data.batches import TokenData
 from tpctl.parallel import comm
 from tpctl.parallel.parallelism import Parallelism
-from tpctl.data.batches import TokenData
-from .metrics import MetricsLog
+
 from .build import Run, build_step
+from .metrics import MetricsLog
 from .step import NonFiniteLoss, TrainStep, autocast
 
 log = logging.getLogger("tpctl.train")
@@ -215,7 +216,7 @@ class Trainer:
         pipeline = self.par.pipeline
         if pipeline is not None:
             # Measured: each stage's idle share of its steps' wall time
-            # (parallel/pipeline.py), averaged over the ranks; beside it the
+            # (parallel/pipeline/schedule.py), averaged over the ranks; beside it the
             # plan's (p-1)/(v*m+p-1).
             out.update(pp=pipeline.size, pipeline_schedule=pipeline.spec.schedule,
                        pipeline_microbatches=pipeline.spec.microbatches,

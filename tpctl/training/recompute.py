@@ -26,12 +26,12 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from tpctl.parallel.roles import repeated_blocks
+from tpctl.parallel.roles.plan import repeated_blocks
 
 
 def _generators(block: nn.Module) -> list[torch.Generator]:
     """The explicit generators the block's dropout layers draw from, once each."""
-    from tpctl.parallel.layers import ParallelDropout
+    from tpctl.parallel.dropout import ParallelDropout
 
     found: dict[int, torch.Generator] = {}
     for module in block.modules():

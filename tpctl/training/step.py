@@ -9,10 +9,10 @@ this one step. It holds `model_parts` (one part: the whole model, or with
 pp > 1 this rank's pipeline stage, whose chunks are views of it) and works
 against `Parallelism`, so it is the same for every layout; what runs the
 micro-batches is a component with one interface: with pp > 1 the
-pipeline's schedule (parallel/pipeline.py), else `Accumulate`. It
+pipeline's schedule (parallel/pipeline/schedule.py), else `Accumulate`. It
 builds the optimizer itself, over what the data-parallel component hands
 it: the parameters, or under ZeRO this replica's chunks of them
-(parallel/zero.py).
+(parallel/data_parallel/zero.py).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from tpctl.parallel.parallelism import Parallelism
-from tpctl.parallel.layers import CacheOff
-from tpctl.parallel.roles import logits_of
-from tpctl.parallel.shard import spec_of
 from tpctl.errors import TpctlError, warning
+from tpctl.parallel.parallelism import Parallelism
+from tpctl.parallel.roles.plan import logits_of
+from tpctl.parallel.roles.probes import CacheOff
+from tpctl.parallel.shard import spec_of
 
 
 @dataclass

@@ -1,0 +1,178 @@
+"""The role vocabulary every mode maps to its layers, and what a model's
+roles are recorded in (`RolePlan`), with the two facts about a model's shape
+every component reads: its repeated stack of blocks and its logits.
+
+Roles are found by parallel/roles/inference.py from a trace (parallel/roles/tracing.py)
+of the model's forward, or given by a plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+# The vocabulary every mode maps to its layers.
+ROLES = (
+    "embedding", "pos_embedding", "qkv", "attn_in", "attn_out", "mlp_in", "mlp_out",
+    "norm", "lm_head", "dropout", "attn_dropout", "head_norm", "proj_norm", "experts", "router", "pos_table",
+    "latent", "latent_norm", "latent_up", "elementwise", "split_elementwise",
+)
+# Latent attention (DeepSeek's MLA): `latent` Linears project the stream down
+# (q_a_proj, kv_a_proj_with_mqa: a latent and a rotary part shared by all
+# heads), `latent_norm`s normalise a latent, `latent_up` Linears project a
+# latent up to per-head q, k, v. The first two run whole on every rank, on
+# whole rows of the rows its attention holds; the last holds its heads.
+LATENT_ROLES = ("latent", "latent_norm", "latent_up")
+# Elementwise modules with parameters (a learned activation's scalars): on
+# the stream (`elementwise`) or on a split activation inside attention or an
+# MLP (`split_elementwise`); their parameters are replicated.
+ELEMENTWISE_ROLES = ("elementwise", "split_elementwise")
+# Roles whose Linear is fed the residual stream and produces a split
+# activation (Megatron's column-parallel ones); the other Linears are fed a
+# split activation and produce the stream.
+COLUMN_ROLES = ("qkv", "attn_in", "mlp_in", "lm_head")
+# Attributes of an attention module (or of the config it reads) that hold a
+# head count or a width, which the rewrite sets to this rank's (so
+# `view(b, t, self.num_heads, d)` works on a rank's heads): query counts and
+# widths divided by the split, key/value counts too unless fewer than the
+# split (a shared head: one per rank); the ratio of the two
+# (num_key_value_groups) changes only when key/value heads are shared.
+KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_head", "n_kv_heads", "multi_query_group_num")
+RATIO_ATTRS = ("num_key_value_groups", "num_kv_groups")
+# Counts of groups of heads a fused projection is reshaped into (CodeGen's
+# mp_num = 4: qkv viewed as 4 groups of [q | v | k]): a rank holds whole
+# groups, so the count is divided by the split, which must divide it.
+GROUP_ATTRS = ("mp_num",)
+HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", *KV_ATTRS[:4],
+              "embed_dim", "split_size", "hidden_size", "all_head_size", "inner_dim")
+
+
+@dataclass
+class Heads:
+    """The attention module of one layer, and what its heads look like."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    # attribute -> its full value; the rewrite divides each by the split.
+    attrs: dict[str, int] = field(default_factory=dict)
+    # Arguments of the attention module holding one slice per (row, head),
+    # rows outermost (BLOOM's alibi: [batch * heads, 1, seq]), or one per
+    # head (MPT's: [heads, 1, seq]): positions (ints) or keyword names; the
+    # rewrite passes each rank its heads' slices.
+    per_head_args: list = field(default_factory=list)
+    # Parameters of the attention module itself holding one entry per query
+    # head along their first dimension (learned attention sinks): a rank
+    # keeps its heads' entries.
+    params: tuple = ()
+
+    def kv_local(self, split: int) -> int:
+        """Key/value heads a rank holds: its share, or one shared head."""
+        return max(self.kv_heads // split, 1)
+
+    def local(self, attr: str, full: int, split: int) -> int:
+        """This rank's value of a head count, width or ratio `attr`."""
+        kv = self.kv_local(split)
+        if attr in RATIO_ATTRS:
+            return (self.heads // split) // kv
+        if attr in GROUP_ATTRS:
+            return full // split
+        if attr in KV_ATTRS or full in (self.kv_heads, self.kv_heads * self.head_dim) \
+                and full not in (self.heads, self.heads * self.head_dim):
+            return kv if full == self.kv_heads else kv * self.head_dim
+        return full // split
+
+
+@dataclass
+class RolePlan:
+    """Roles of a model's modules, and where they came from."""
+
+    roles: dict[str, str]  # module name -> role
+    source: str  # "tp_plan", "plan" (given) or "inferred" (traced)
+    heads: dict[str, Heads] = field(default_factory=dict)  # attention module name -> heads
+    problems: dict[str, str] = field(default_factory=dict)  # module name -> why it has no role
+    # The module list of the transformer blocks (where sequence parallelism
+    # starts when positions are computed from the embedding's output shape).
+    blocks: Optional[str] = None
+    # Attention and MLP modules -> the Linears inside them.
+    units: dict[str, list[str]] = field(default_factory=dict)
+    # Fused Linears -> the measured layout of their output features
+    # (parallel/roles/fused.py); every other Linear splits its features in blocks.
+    layouts: dict[str, Any] = field(default_factory=dict)
+    # Norms over all heads of q or k (`proj_norm`) -> the Linear whose output they normalise.
+    sources: dict[str, str] = field(default_factory=dict)
+    # ModuleLists holding one per-head norm per head (StableLM's q/k
+    # LayerNorms) -> their attention module; a rank keeps its heads' norms.
+    head_lists: dict[str, str] = field(default_factory=dict)
+    # Per-head norms whose weight holds one row per head (Cohere) -> their
+    # attention module; a rank keeps its heads' rows.
+    head_rows: dict[str, str] = field(default_factory=dict)
+    # Random functions the training forward calls on torch's global
+    # generator (outside Dropout modules): no split mode reproduces them.
+    draws: list[str] = field(default_factory=list)
+    # Mixture-of-experts blocks -> their attributes holding the hidden width
+    # (GraniteMoE views its output as input_size): set to the rank's.
+    widths: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Mixture-of-experts blocks' experts modules -> routing weights per row
+    # (the top-k) in the traced call: the planner's count of 1d's sum of
+    # their gradient.
+    routed: dict[str, int] = field(default_factory=dict)
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits a model returned: a tensor, `.logits` (Hugging Face) or the
+    first element of a tuple."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if getattr(output, "logits", None) is not None:
+        return output.logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"the model returned {type(output).__name__}; tpctl needs logits (a tensor or an object with .logits)")
+
+
+def repeated_blocks(model: nn.Module) -> Optional[nn.ModuleList]:
+    """The model's stack of blocks: of the nn.ModuleLists whose children are
+    all of one class and that no such list holds (a list of per-head norms
+    inside a block is not the stack, however many heads), the one with the
+    most children (ties: the first in definition order); a pipeline stage's
+    stack (pipeline.StageStack), whatever its length. None if the model has
+    no such list."""
+    for module in model.modules():
+        if getattr(module, "tpctl_stage_stack", False):
+            return module
+    lists = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(child) for child in m}) == 1]
+    best = None
+    for name, module in lists:
+        inside = any(other != name and name.startswith(f"{other}." if other else "") for other, _ in lists)
+        if not inside and (best is None or len(module) > len(best)):
+            best = module
+    return best
+
+
+def common_parent(names: list[str]) -> str:
+    parts = [n.split(".") for n in names]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    if len(common) == min(len(p) for p in parts):  # one of them is the parent itself
+        common = common[:-1]
+    return ".".join(common)
+
+
+def blocks_of(model: nn.Module, roles: dict[str, str]) -> Optional[str]:
+    """The nn.ModuleList holding the transformer blocks: the one whose
+    children hold the attention and MLP layers."""
+    best, count = None, 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module):
+            inside = sum(1 for r in roles if r.startswith(f"{name}." if name else ""))
+            if inside > count:
+                best, count = name, inside
+    return best

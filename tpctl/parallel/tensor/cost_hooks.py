@@ -1,0 +1,118 @@
+"""The planner's hooks of a mode (`CostHooks`, which `mode.ParallelMode`
+extends): what one micro-batch sends on a rank, layer by layer.
+
+cost/planner.py (and cost/layer_comm.py, for the layers other than Linears)
+calls them with `add(kind, group, numel, times=1, hidden=False)`, which
+counts a collective over the named mesh group; they return the activation
+elements kept for the backward (an estimate). Comm counts are exact:
+tests/test_plan.py and tests/test_families_anymodel.py check them against
+comm.STATS. The defaults are mode=none's (nothing is split, nothing is
+sent), and, for the layers after `cost_loss`, those of a mode whose
+stream is split by hidden features over `stream_group_name` (2d, 2.5d).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class ExpertsShape:
+    """What the planner knows of an experts module (parallel/roles/experts.py):
+    `experts` MLPs of `gate_up` -> `inner` features each (gate_up: the
+    first product's outputs, [gate; up]), `routed` routing weights per row
+    (its top-k), run by the mode's Linears (`own` False) or by the module's
+    own forward (True: experts.OwnSplit)."""
+
+    experts: int
+    gate_up: int
+    inner: int
+    routed: int
+    own: bool
+
+
+class CostHooks:
+    # The group of the vocab-parallel cross entropy (loss_group), by name.
+    loss_group_name: Optional[str] = None
+    # The group of stream_group() (the ranks holding a row's other hidden
+    # features), by name; None: a rank holds whole rows.
+    stream_group_name: Optional[str] = None
+
+    def recompute_comm_share(self, dropout: bool, kind: str) -> float:
+        """The share of the mode's tensor-parallel collectives of `kind`
+        that a checkpointed block's recomputation issues again: its
+        forward's (half, where forward and backward mirror each other),
+        less those after the block's last saved tensor, which torch's
+        recomputation stops before (`dropout`: the model drops out, and a
+        dropout after a block's output saves its mask)."""
+        return 0.5
+
+    def cost_rows(self, tokens: int) -> int:
+        """Token rows of a micro-batch this rank computes on (of `tokens`,
+        its replica's)."""
+        return tokens
+
+    def cost_hidden(self, hidden: int) -> int:
+        """This rank's features of a hidden (or vocabulary) dimension where
+        activations hold it."""
+        return hidden
+
+    def cost_vocab(self, vocab: int) -> int:
+        """This rank's columns of the (padded) logits."""
+        return self.cost_hidden(vocab)
+
+    def cost_embedding(self, add, tokens: int, vocab: int, dim: int) -> None:
+        """The lookup of `tokens` ids in a (padded) `vocab` x `dim` table."""
+
+    def cost_norm(self, add, tokens: int, hidden: int, moments: int = 2) -> int:
+        """A norm over the stream (`moments`: 2 a LayerNorm's, 1 an RMSNorm's)."""
+        return 2 * self.cost_rows(tokens) * self.cost_hidden(hidden)
+
+    def cost_linear(self, add, role: str, tokens: int, n: int, k: int) -> int:
+        """A Linear of role `role`, k -> n features, on `tokens` rows."""
+        return tokens * k
+
+    def cost_loss(self, add, tokens: int) -> None:
+        """The vocab-parallel cross entropy: the row max, then (sum-exp,
+        target logit, sum) over the ranks that share the rows."""
+        if self.loss_group_name:
+            rows = self.cost_rows(tokens)
+            add("all_reduce", self.loss_group_name, rows)
+            add("all_reduce", self.loss_group_name, 3 * rows)
+
+    # ---- layers other than Linears (cost/layer_comm.py) ----------------
+    def _cost_stream_gather(self, add, tokens: int, hidden: int, times: int = 1) -> None:
+        """Whole hidden vectors of this rank's rows gathered over the
+        stream's group (comm.gather_along; backward: reduce-scatter), or
+        the adjoint pair."""
+        if self.rewrites and self.stream_group_name:
+            add("all_gather", self.stream_group_name, self.cost_rows(tokens) * hidden, times=times)
+            add("reduce_scatter", self.stream_group_name, self.cost_rows(tokens) * hidden, times=times)
+
+    def cost_latent(self, add, tokens: int, hidden: int) -> None:
+        """The entry of a latent attention's down-projection: whole rows of
+        its attention's rows (ParallelMode.attention_rows)."""
+        self._cost_stream_gather(add, tokens, hidden)
+
+    def cost_router(self, add, tokens: int, hidden: int) -> None:
+        """A router's input gathered to whole rows (ParallelMode.convert_router)."""
+        self._cost_stream_gather(add, tokens, hidden)
+
+    def cost_sliced_replicas(self, role: str) -> Optional[str]:
+        """The mesh group whose ranks hold the same slice of a latent
+        up-projection (`role` latent_up: by heads) or of an experts module
+        run by its own forward (experts: by the stream's hidden blocks);
+        None: no rank shares it. 2d, 2.5d: the ranks of a hidden block."""
+        return getattr(self, "hidden_replica", None)
+
+    def cost_experts(self, add, tokens: int, hidden: int, e: ExpertsShape) -> int:
+        """An experts module: its own forward between a gather of whole rows
+        and a reduce-scatter of its partial output onto this rank's hidden
+        block (convert_own_experts); else every expert's MLP through the
+        mode's Linears (experts.DenseExperts)."""
+        if e.own:
+            self._cost_stream_gather(add, tokens, hidden, times=2)  # the entry's gather, the exit's reduce-scatter
+            return self.cost_rows(tokens) * hidden
+        return sum(self.cost_linear(add, "mlp_in", tokens, e.gate_up, hidden)
+                   + self.cost_linear(add, "mlp_out", tokens, hidden, e.inner) for _ in range(e.experts))

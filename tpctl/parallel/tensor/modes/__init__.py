@@ -1,0 +1,2 @@
+"""One module per tensor-parallel mode, each registering one ParallelMode subclass
+(tpctl.parallel.registry)."""

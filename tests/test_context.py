@@ -16,7 +16,7 @@ def _cp_against_one_process(name: str, impl: str, matmul: bool = False, **overri
     (norm-relative), and the bytes comm counted by kind. `matmul`: the ring
     computes its blocks as it does off the CPU (explicit scores), not with
     the CPU's flash kernel."""
-    from tpctl.parallel.context.split import attention as context_attention
+    from tpctl.parallel.context import attention as context_attention
 
     flash = context_attention._FLASH
     context_attention._FLASH = None if matmul else flash

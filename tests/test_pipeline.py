@@ -98,7 +98,7 @@ def _run_through_host(name: str, steps: int, spec: PipelineSpec):
     """_run with the stage exchange staged through host buffers (what gloo
     with device=cuda needs; forced here, on a CPU): the curve, and the bytes
     that crossed through host buffers on this rank."""
-    from tpctl.parallel.pipeline.schedule import schedule as pipeline
+    from tpctl.parallel.pipeline import schedule as pipeline
 
     made, init = [], pipeline.Pipeline.__init__
 

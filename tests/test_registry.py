@@ -110,7 +110,7 @@ def write_mode_module(folder) -> str:
     header = ("import torch.nn.functional as F\n\n"
               "from tpctl.parallel.tensor.mode import ParallelMode\n"
               "from tpctl.parallel.geometry import Geometry\n"
-              "from tpctl.parallel.tensor.layers import ParallelDropout\n"
+              "from tpctl.parallel.dropout import ParallelDropout\n"
               "from tpctl.parallel.registry import register\n\n\n")
     (folder / "my_rows_mode.py").write_text(header + "@register\n" + inspect.getsource(RowSplit))
     return "my_rows_mode"

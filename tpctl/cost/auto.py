@@ -171,7 +171,7 @@ def peak_parts(plan: SplitPlan, shape: ModelShape, choice: Choice, cfg: Any, hw:
     largest temporary, the data-parallel bucket being reduced, ZeRO-3's
     gathered block, and the process itself (hw.base_bytes: the interpreter
     and libraries, measured by `tpctl plan --calibrate` on CPU)."""
-    from tpctl.parallel.data_parallel.ddp import zero_plan
+    from tpctl.parallel.data_parallel import zero_plan
 
     lay, t = choice.layout, cfg.train
     rows = t.batch_size // (choice.microbatches * lay.dp) * t.seq_len  # a micro-batch's token rows per replica

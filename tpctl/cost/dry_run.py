@@ -145,7 +145,7 @@ def stage_held(shape: Any, layout: Layout, rank: int, mode, model, holds, bucket
     tied ones once); with data parallelism the buckets and ZeRO chunks
     the training step makes of them (parallel/data_parallel/zero_plan.py, the same
     plan); and the replica buckets sync_replicas all-reduces."""
-    from tpctl.parallel.data_parallel.ddp import zero_plan
+    from tpctl.parallel.data_parallel import zero_plan
     from tpctl.parallel.shard import spec_of
 
     named = list(model.named_parameters())

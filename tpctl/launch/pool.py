@@ -39,7 +39,10 @@ def _serve(rank: int, world: int, port: int, tasks, results, timeout_s: float, p
     import torch
     import torch.distributed as dist
 
+    from .gloo import share_one_device
+
     torch.set_num_threads(1)
+    share_one_device()  # one polling thread for the dozens of groups the calls make
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))

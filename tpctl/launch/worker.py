@@ -67,6 +67,10 @@ def init_distributed(device: str, timeout_s: float, backend: str = "auto"):
         if backend == "nccl":
             dist.init_process_group("nccl", timeout=timeout, device_id=device_id)
         else:
+            if backend == "gloo":
+                from .gloo import share_one_device
+
+                share_one_device()  # one polling thread for all of the mesh's groups
             dist.init_process_group(backend, timeout=timeout)
     finally:
         signal.alarm(0)

@@ -28,11 +28,11 @@ from tpctl.parallel.layout import Layout
 def _model(mode_key: str, layers: int, embd: int, block: int):
     from tpctl.config import default_config
     from tpctl.models import build_model
-    from tpctl.parallel.tensor.rewrite import parallelize
+    from tpctl.parallel.tensor.rewrite import rewrite_layers
 
     cfg = default_config(arch="gpt", vocab_size=256, n_layer=layers, n_head=embd // 64, n_embd=embd, block_size=block)
     mode = parallelism_of(Layout.parse(mode_key)).mode
-    return parallelize(build_model(cfg.model, 0, lazy=True), mode), mode
+    return rewrite_layers(build_model(cfg.model, 0, lazy=True), mode).model, mode
 
 
 _cache: dict = {}

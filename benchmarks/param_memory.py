@@ -41,7 +41,7 @@ def measure(mode: str, size: int, depth: int, dp: int, model_kwargs: dict) -> li
         with torch.device("meta"):  # shapes only: nothing is allocated
             model = GPT(ModelConfig(**model_kwargs))
             whole = sum(p.numel() * p.element_size() for p in model.parameters())
-            parallelism(Layout(mode, size, depth, dp=dp), groups=False, rank=rank).parallelize(model)
+            parallelism(Layout(mode, size, depth, dp=dp), groups=False, rank=rank).rewrite(model)
         out.append((whole, sum(p.numel() * p.element_size() for p in model.parameters())))
     return out
 

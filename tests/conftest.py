@@ -89,7 +89,7 @@ def trainer_of(run, run_dir=None, scan_ids: bool = True):
     from tpctl.data.corpora import prepare_data
     from tpctl.training.loop import Trainer
 
-    return Trainer.of(run, TokenData(run.cfg, prepare_data(run.cfg, scan_ids=scan_ids)), Path(run_dir) if run_dir else None)
+    return Trainer(run, TokenData(run.cfg, prepare_data(run.cfg, scan_ids=scan_ids)), Path(run_dir) if run_dir else None)
 
 
 class Pools:

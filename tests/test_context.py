@@ -196,8 +196,6 @@ def test_generate_with_cp_is_refused():
 def test_attention_cp_cannot_replace_is_refused_naming_the_module():
     """An attention module that computes its softmax itself (no call cp can
     answer) would attend over this rank's positions alone: refused, never silent."""
-    from types import SimpleNamespace
-
     from tpctl.parallel.context.split import ContextParallel, ContextRefused
     from tpctl.parallel.mesh import build_mesh
 
@@ -211,8 +209,7 @@ def test_attention_cp_cannot_replace_is_refused_naming_the_module():
 
     model = torch.nn.Sequential()
     model.add_module("attn", EagerAttention())
-    model.tpctl_plan = SimpleNamespace(roles={"attn.proj": "attn_out"})
-    ContextParallel(build_mesh(Layout(cp=2), rank=0, groups=False)).install(model)
+    ContextParallel(build_mesh(Layout(cp=2), rank=0, groups=False)).install(model, {"attn.proj": "attn_out"})
     with pytest.raises(ContextRefused, match=r"^cp=2: attn \(EagerAttention\) computes attention without torch's"):
         model(torch.randn(1, 3, 4))
 
@@ -272,8 +269,6 @@ def _fit_and_decode(tmp: str) -> dict:
     from test_checkpoint import _train_cfg
 
     from tpctl import checkpoint
-    from tpctl.models import build_model
-    from tpctl.parallel.tensor.rewrite import parallelize
     from tpctl.training.generation import generate
 
     curves = {"cp": _fit("none-cp2-dp4", f"{tmp}/cp")[0]}
@@ -283,8 +278,8 @@ def _fit_and_decode(tmp: str) -> dict:
     reference = generate(trainer.model, trainer.par.mode, [1, 2, 3], 6)
     layout = Layout.parse("1d-2-dp4")
     cfg = _train_cfg(layout, 1, 0)
-    par = build(cfg, layout, step=False).par
-    model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), par.mode, None, training=False)
+    run = build(cfg, layout, step=False, training=False)  # (decoded only)
+    model, par = run.model, run.par
     path = Path(tmp, "cp", "checkpoints", "step_6")
     checkpoint.load(path, model, None, par, checkpoint.verify(path, checksums=False), cfg.seed)
     return {"curves": curves, "ids": generate(model, par.mode, [1, 2, 3], 6), "reference": reference}

@@ -37,11 +37,10 @@ def _planned_shapes_and_curve(key: str, family: str, steps: int):
     from tpctl.parallel.parallelism import parallelism
     from tpctl.parallel.pipeline.stages import PipelineSpec
     from tpctl.parallel.shard import spec_of
-    from tpctl.parallel.tensor.rewrite import parallelize
 
     cfg, layout = _cfg(key, family, steps), Layout.parse(key)
-    dry = parallelize(build_model(cfg.model, cfg.seed), parallelism(layout, rank=dist.get_rank(), groups=False),
-                      dry_run=True)
+    dry = parallelism(layout, rank=dist.get_rank(), groups=False).rewrite(build_model(cfg.model, cfg.seed),
+                                                                          dry_run=True).model
     planned = {n: tuple(spec_of(p).local_shape()) for n, p in dry.named_parameters()}
     real = build(cfg, layout, pipeline=PipelineSpec.plain(layout.pp) if layout.pp > 1 else None,
                  lazy=False, verify=False, schedule=False)

@@ -33,10 +33,10 @@ def _gpt_cfg():
 
 def _build(model_cfg, key: str, seed: int = 0):
     from tpctl.models import build_model
-    from tpctl.parallel.tensor.rewrite import parallelize
+    from tpctl.parallel.tensor.rewrite import rewrite_layers
 
     mode = parallelism_of(MESHES[key]).mode
-    return parallelize(build_model(model_cfg, seed, lazy=True), mode, training=False), mode  # (decoded only)
+    return rewrite_layers(build_model(model_cfg, seed, lazy=True), mode, training=False).model, mode  # (decoded only)
 
 
 def _scale_up(model) -> None:
@@ -74,11 +74,11 @@ def test_greedy_equals_none(pool, reference, key):
 def _cache_vs_full(key: str) -> float:
     """Largest difference between the cached path's last-position logits
     (prefill, then one token at a time) and a forward of the whole sequence."""
-    from tpctl.training.generation import Stepper, last_logits, local_input
+    from tpctl.training.generation import Stepper, config_vocab, last_logits, local_input
 
     model, mode = _build(_gpt_cfg(), key)
     model.eval()
-    vocab = model.tpctl_vocab_size
+    vocab = config_vocab(model)
     seq = PROMPT + [5, 6, 7, 8]
     worst = 0.0
     with torch.no_grad():

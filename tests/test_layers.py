@@ -110,14 +110,14 @@ def _build(case: str):
 def _compare(key: str, case: str, label_smoothing: float = 0.0) -> int:
     import torch.nn.functional as F
 
-    from tpctl.parallel.tensor.rewrite import parallelize
+    from tpctl.parallel.tensor.rewrite import rewrite_layers
 
     tp = _parallel(key)
     mode = tp.mode
     torch.manual_seed(0)
     ref, plan, kind = _build(case)
     torch.manual_seed(0)
-    par = parallelize(_build(case)[0], mode, plan)
+    par = rewrite_layers(_build(case)[0], mode, plan).model
     gen = torch.Generator().manual_seed(1)
     rows = tp.rows(BATCH)
     vocab = getattr(ref, "wte", None).num_embeddings if kind.startswith("ids") else None
@@ -166,10 +166,10 @@ def _compare(key: str, case: str, label_smoothing: float = 0.0) -> int:
 def _dropout_masks(key: str) -> list[bool]:
     """Same-mask / own-mask rule: returns, for each dropout role, whether the
     tensor-parallel ranks drew identical masks."""
-    from tpctl.parallel.tensor.rewrite import parallelize
+    from tpctl.parallel.tensor.rewrite import rewrite_layers
 
     mode = _mode(key)
-    net = parallelize(nn.Sequential(nn.Dropout(0.5), nn.Dropout(0.5)), mode, {"0": "dropout", "1": "attn_dropout"})
+    net = rewrite_layers(nn.Sequential(nn.Dropout(0.5), nn.Dropout(0.5)), mode, {"0": "dropout", "1": "attn_dropout"}).model
     out = []
     for layer in net:
         mask = layer(torch.ones(64)).ne(0).float()
@@ -230,10 +230,10 @@ def _mlp_comm(key: str) -> tuple[dict, dict]:
     """Collectives of one MLP forward + backward (no gradient sync)."""
     from tpctl.models.gpt import MLP
     from tpctl.parallel import comm
-    from tpctl.parallel.tensor.rewrite import parallelize
+    from tpctl.parallel.tensor.rewrite import rewrite_layers
 
     mode = _mode(key)
-    net = parallelize(MLP(_model_cfg()), mode, {"fc": "mlp_in", "proj": "mlp_out", "drop": "dropout"})
+    net = rewrite_layers(MLP(_model_cfg()), mode, {"fc": "mlp_in", "proj": "mlp_out", "drop": "dropout"}).model
     rows = _parallel(key).rows(BATCH)
     x = mode.shard_hidden(torch.randn(BATCH, SEQ, HIDDEN)[rows.start:rows.stop]).requires_grad_()
     comm.STATS.reset()

@@ -80,14 +80,13 @@ def _grad_accum_curves() -> tuple[list, list]:
 def _param_bytes(layout) -> tuple[int, int]:
     from tpctl.models import GPT
     from tpctl.parallel.parallelism import parallelism
-    from tpctl.parallel.tensor.rewrite import parallelize
     from tpctl.schema import ModelConfig
 
     gpt_small = ModelConfig(vocab_size=50257, n_layer=12, n_head=12, n_embd=768, block_size=1024)
     with torch.device("meta"):  # shapes only: no 124M-parameter model per rank
         full = GPT(gpt_small)
         total = sum(p.numel() for p in full.parameters()) * 4
-        model = parallelize(full, parallelism(layout))
+        model = parallelism(layout).rewrite(full).model
     return total, sum(p.numel() * p.element_size() for p in model.parameters())
 
 

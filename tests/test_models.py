@@ -77,11 +77,11 @@ def _compare(key: str, name: str) -> dict:
     import torch.nn.functional as F
 
     from tpctl.models import logits_of
-    from tpctl.parallel.tensor.rewrite import parallelize
 
     mode = _mode(key)
     ref = _reference(name)
-    par = parallelize(copy.deepcopy(ref), mode)
+    done = mode.rewrite(copy.deepcopy(ref))
+    par = done.model
     ids, targets = _batch()
     rows = mode.rows(BATCH)
 
@@ -113,7 +113,7 @@ def _compare(key: str, name: str) -> dict:
     tied = None
     if hasattr(par, "get_output_embeddings"):
         tied = par.get_output_embeddings().weight is par.get_input_embeddings().weight
-    heads = {f"{o}.{a}": getattr(par.get_submodule(o), a) for o, h in par.tpctl_plan.heads.items() for a in h.attrs}
+    heads = {f"{o}.{a}": getattr(par.get_submodule(o), a) for o, h in done.plan.heads.items() for a in h.attrs}
     return {"logits": (got - expected).abs().max().item(), "grads": worst, "tied": tied, "heads": heads,
             "params": sum(1 for _ in par.named_parameters())}
 
@@ -124,13 +124,8 @@ def _curve(key: str, name: str, steps: int = 10) -> list[float]:
     from omegaconf import OmegaConf
 
     from tpctl.config import default_config
-    from tpctl.data.batches import TokenData
-    from tpctl.data.corpora import prepare_data
-    from tpctl.models import build_model
-    from tpctl.parallel.tensor.rewrite import parallelize
-    from tpctl.training.loop import Trainer
+    from conftest import build_trainer
 
-    mode = _mode(key)
     cfg = MESHES[key].write_to(default_config())
     cfg.model = _model_cfg(name, vocab_size=256)  # byte-level text: something to learn
     for k, v in {"data.name": "text",
@@ -138,8 +133,7 @@ def _curve(key: str, name: str, steps: int = 10) -> list[float]:
                  "train.seq_len": SEQ, "train.steps": steps, "train.eval_every": 0, "train.log_every": 1,
                  "train.progress": False, "optim.lr": 1e-2, "optim.eps": 1e-5, "optim.warmup_steps": 2}.items():
         OmegaConf.update(cfg, k, v)
-    model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode)
-    return [r["loss"] for r in Trainer(cfg, model, mode, TokenData(cfg, prepare_data(cfg))).fit()]
+    return [r["loss"] for r in build_trainer(cfg, MESHES[key], lazy=True).fit()]
 
 
 @pytest.mark.parametrize("key", list(MESHES))
@@ -179,14 +173,13 @@ def _pretrained(key: str, directory: str, name: str) -> float:
     from transformers import AutoModelForCausalLM
 
     from tpctl.models import build_model, logits_of
-    from tpctl.parallel.tensor.rewrite import parallelize
 
     mode = _mode(key)
     cfg = _model_cfg(name)
     OmegaConf.update(cfg, "pretrained", directory)
     model = build_model(cfg, seed=123, lazy=True)  # the seed must not matter
     assert all(p.is_meta for p in model.parameters())
-    par = parallelize(model, mode)
+    par = mode.rewrite(model).model
     ref = AutoModelForCausalLM.from_pretrained(directory)
     ids, _ = _batch()
     got = logits_of(par(mode.shard_batch(ids)))

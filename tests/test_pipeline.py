@@ -243,13 +243,13 @@ def test_a_pipeline_composes_with(pool, feature):
 # ---- one process: a stage computes what its blocks compute in the whole model
 
 def _whole_and_stages(dropout: float, schedule: str = "1f1b", pp: int = 2, **model):
-    """The tiny GPT whole (mode none, one process) and each pipeline rank's
-    stage of it, built as workers build them (meta, lazy, rewritten)."""
+    """The tiny GPT's run whole (mode none, one process) and each pipeline
+    rank's stage of it, built as workers build them (meta, lazy, rewritten)."""
     from tpctl.parallel.parallelism import parallelism
     from tpctl.training.build import build_run
 
     cfg = tiny_config(1, **{"model.n_layer": 4, "model.dropout": dropout, **model})
-    whole = build(cfg, Layout("none"), pooled=False, groups=False, step=False).model
+    whole = build(cfg, Layout("none"), pooled=False, groups=False, step=False)  # (its mesh draws the masks)
     layout = Layout("none", pp=pp)
     spec = PipelineSpec(pp, schedule, 2 if schedule == "interleaved" else 1, pp)
     stages = []
@@ -265,13 +265,14 @@ def test_each_stage_draws_the_dropout_masks_of_one_process(schedule):
     chunk of each stage puts out exactly what those blocks put out (the
     logits on the last): the same weights, the same masks (dropout streams
     are keyed by step, micro-batch and block, not by what ran before)."""
-    cfg, whole, stages = _whole_and_stages(0.3, schedule)
+    cfg, run, stages = _whole_and_stages(0.3, schedule)
+    whole, mesh = run.model, run.par.mesh
     whole.train()
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     seen: dict[str, tuple] = {}
     for key, block in whole.blocks._modules.items():
         block.register_forward_hook(lambda m, a, out, key=key: seen.__setitem__(key, (a[0].detach(), out.detach())))
-    whole.tpctl_mode.mesh.draw_step, whole.tpctl_mode.mesh.draw_micro = 5, 1
+    mesh.draw_step, mesh.draw_micro = 5, 1
     logits = whole(ids).detach()
     checked = 0
     for par, stage in stages:
@@ -285,14 +286,15 @@ def test_each_stage_draws_the_dropout_masks_of_one_process(schedule):
             checked += 1
     assert checked == len(stages) * (2 if schedule == "interleaved" else 1)
     # Dropout acts: another micro-batch draws other masks.
-    whole.tpctl_mode.mesh.draw_micro = 2
+    mesh.draw_micro = 2
     assert not torch.equal(whole(ids).detach(), logits)
 
 
 def test_a_stage_keeps_the_whole_models_names_and_only_its_share():
     from tpctl.parallel.shard import spec_of
 
-    cfg, whole, stages = _whole_and_stages(0.0)
+    cfg, run, stages = _whole_and_stages(0.0)
+    whole = run.model
     names = dict(whole.named_parameters())
     held = [dict(stage.named_parameters()) for _, stage in stages]
     assert set(held[0]) | set(held[1]) == set(names), "every parameter on some stage, under its own name"

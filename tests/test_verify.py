@@ -62,9 +62,10 @@ def _verify(key: str, name: str, plan=None, break_role: str = "", how: str = "")
     import dataclasses
 
     from tpctl.parallel.tensor import rewrite
-    from tpctl.parallel.verify.proof import TOLERANCE, RewriteRefused, parallelize_verified
+    from tpctl.parallel.verify.proof import TOLERANCE, RewriteRefused, rewrite_verified
 
-    mode = parallelism_of(MESHES[key]).mode
+    par = parallelism_of(MESHES[key])
+    mode = par.mode
     share_slices = rewrite.share_slices
     if how == "no shared sum":  # a key/value head several ranks hold: gradients never summed
         rewrite.share_slices = lambda *a, **k: None
@@ -88,7 +89,8 @@ def _verify(key: str, name: str, plan=None, break_role: str = "", how: str = "")
 
         setattr(mode, f"convert_{break_role}", broken)  # on this instance; removed below
     try:
-        model, report = parallelize_verified(model, mode, plan)
+        done, report = rewrite_verified(model, par, plan)
+        model = done.model
         refusal = None
     except RewriteRefused as e:
         refusal, report = str(e), e.report

@@ -35,17 +35,13 @@ def init_parallel(layout=None, *, seed: int = 0, device: str = "cpu", context: s
 
 
 def parallelize(model, tp, plan=None, verify: bool = False):
-    """Rewrite `model`'s layers in place for the mode of `tp` (see init_parallel).
+    """`model` made this rank's for `tp` (see init_parallel), in place: cut
+    to its pipeline stage with pp > 1, its layers rewritten for the mode,
+    attention across the cp ranks with cp > 1; returns the model.
     verify=True: prove the rewrite against the original first, module by
     module and block by block, as `tpctl train` does (parallel/verify/proof.py);
-    raises parallel.verify.RewriteRefused if it differs. Every rank must call it."""
-    if verify:
-        from .parallel.verify import parallelize_verified
+    raises parallel.verify.proof.RewriteRefused if it differs. Every rank must call it."""
+    from .parallel.verify.proof import rewrite_verified
 
-        model = parallelize_verified(model, tp, plan)[0]
-    else:
-        from .parallel.rewrite import parallelize as _parallelize
-
-        model = _parallelize(model, tp, plan)
-    context = getattr(tp, "cp", None)  # (a Parallelism; a bare mode has no cp axis)
-    return context.install(model) if context is not None else model
+    done, _ = rewrite_verified(model, tp, plan, verify)
+    return tp.cp.install(done.model, done.plan.roles)

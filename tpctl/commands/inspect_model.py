@@ -96,12 +96,12 @@ def _with_checks(rows: list, checks) -> tuple[list, dict]:
 
 def inspect_model(cfg):
     """(rows, summary, problems) for cfg.model in cfg's layout, seen from
-    rank 0: a dry run of the rewrite (parallel.rewrite.parallelize) on a
-    process-group-free mesh."""
+    rank 0: a dry run of the rewrite (Parallelism.rewrite, what build_run
+    calls) on a process-group-free mesh. It reads the model before the
+    rewrite as well, so it builds the model itself."""
     import math
 
     from tpctl.models import build_checked
-    from tpctl.parallel.tensor.rewrite import parallelize
     from tpctl.training.build import build_parallelism
 
     model = build_checked(cfg.model, cfg.seed)
@@ -117,10 +117,9 @@ def inspect_model(cfg):
         except PipelineRefused as e:
             raise ConfigError(e.key, layout.pp if e.key == "pp" else type(model).__name__, str(e)) from None
         stage_of = par.pipeline.stage_of
-    model = parallelize(model, par, cfg.model.get("plan"), dry_run=True)
-    plan = model.tpctl_plan
-    rewritten = {r.name: r for r in model.tpctl_rewritten}
-    problems = model.tpctl_problems
+    done = par.rewrite(model, cfg.model.get("plan"), dry_run=True)
+    model, plan, problems = done.model, done.plan, done.problems
+    rewritten = {r.name: r for r in done.modules}
     rows, seen, whole, local = [], set(), 0, 0
     for name, module in originals.items():
         own = list(module.named_parameters(recurse=False))

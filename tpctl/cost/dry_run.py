@@ -52,7 +52,7 @@ def stage_rewrite(shape: Any, layout: Layout, rank: int, pipeline: Optional[Pipe
             elif read is not pipe:
                 pipe.__dict__.update({a: getattr(read, a) for a in _READ})
                 pipe.assign(_whole(shape, cache))  # places the blocks (reads nothing of the model)
-        found = (par, par.parallelize(_original(shape, cache, pipe), shape.plan, dry_run=True, stage=True))
+        found = (par, par.rewrite(_original(shape, cache, pipe), shape.plan, dry_run=True, stage=True).model)
         if cache is None:
             return par, pipe, found[1]
         cache[key] = found

@@ -5,7 +5,7 @@ For every valid layout of a world of N ranks (parallel.layout.layouts_of),
 computed from the model's shapes (built on the meta device, nothing
 materialised) with the code that trains it, not a copy of it: each
 parameter's local size and replicas come from the ShardSpecs a dry run of
-the rewrite leaves (parallel.rewrite.parallelize(dry_run=True) on a
+the rewrite leaves (Parallelism.rewrite(dry_run=True) on a
 process-group-free mesh), each mode's communication from its own `cost_*`
 methods (next to its layers), the data-parallel reduction and the step's
 reductions from the groups they use. Per rank: memory, FLOPs of one

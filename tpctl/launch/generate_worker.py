@@ -30,8 +30,7 @@ def run(argv: list[str]) -> None:
 
     from tpctl import checkpoint
     from tpctl.data.tokenizer import Tokenizer
-    from tpctl.models import build_model
-    from tpctl.parallel.tensor.rewrite import parallelize
+    from tpctl.training.build import build_run
     from tpctl.training.generation import TextStream, generate, stop_ids
     from tpctl.training.step import autocast
 
@@ -44,7 +43,8 @@ def run(argv: list[str]) -> None:
     # transformers) go to logs/rank<r>.log, not between the user's tokens.
     logging.captureWarnings(True)
     mode, mesh, device = par.mode, par.mesh, par.mesh.device
-    model = parallelize(build_model(cfg.model, cfg.seed, lazy=True), mode, cfg.model.get("plan"), training=False).to(device)
+    run = build_run(cfg, par, step=False, training=False)  # decoded only: no step, no training-only refusals
+    model = run.model
     if opts.get("checkpoint"):
         path = Path(opts["checkpoint"])
         # The command has verified the checksums once; the ranks read.
@@ -64,7 +64,7 @@ def run(argv: list[str]) -> None:
     with autocast(device, cfg.precision):
         new = generate(model, mode, opts["prompt_ids"], opts["max_new_tokens"], opts["temperature"], opts["top_k"],
                        opts["seed"], vocab_limit=tokenizer.vocab_size, stop=sorted(stop_ids(model, tokenizer)),
-                       on_token=on_token)
+                       on_token=on_token, vocab_size=run.vocab_size)
     elapsed = time.perf_counter() - started
     if mesh.rank == 0:
         if show:

@@ -138,7 +138,7 @@ class DistPool:
                 p.join(timeout=5)
 
 
-_modes: dict = {}  # per rank process: the process groups of a mesh are built once
+_meshes: dict = {}  # per rank process: the process groups of a mesh are built once
 
 
 def _release_groups() -> None:
@@ -150,7 +150,7 @@ def _release_groups() -> None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    _modes.clear()
+    _meshes.clear()
     for group in list(distributed_c10d._world.pg_map):
         if group is not dist.group.WORLD:
             dist.destroy_process_group(group)
@@ -164,18 +164,12 @@ def parallelism_of(layout, bucket_bytes: int | None = None, pipeline=None):
     step fill in, anew for each call. `pipeline` (a stages.PipelineSpec,
     with pp > 1): the schedule of a fresh pipeline (a pipeline holds one
     model's stage)."""
-    from tpctl.parallel.data_parallel.ddp import DataParallel
-    from tpctl.parallel.parallelism import Parallelism, parallelism
+    from tpctl.parallel.mesh import build_mesh
+    from tpctl.parallel.parallelism import parallelism
 
-    if layout not in _modes:
-        _modes[layout] = parallelism(layout, seed=0, pipeline=pipeline)
-    mesh = _modes[layout].mesh
-    stages = None
-    if layout.pp > 1:
-        from tpctl.parallel.pipeline.schedule import Pipeline
-
-        stages = Pipeline(mesh, pipeline or _modes[layout].pipeline.spec)
-    return Parallelism(layout.mode_class(mesh), DataParallel(mesh, bucket_bytes) if bucket_bytes else None, stages)
+    if layout not in _meshes:
+        _meshes[layout] = build_mesh(layout, seed=0)
+    return parallelism(layout, pipeline=pipeline, mesh=_meshes[layout], bucket_bytes=bucket_bytes)
 
 
 def pooled_run(cfg, layout=None, bucket_bytes: int | None = None, pipeline=None, **options):

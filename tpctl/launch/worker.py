@@ -210,7 +210,7 @@ def run(argv: list[str]) -> None:
         if par.layout.zero and par.layout.dp * par.layout.cp == 1:  # (cp ranks are replicas ZeRO shards between)
             print(f"tpctl: zero={par.layout.zero} with dp=1: one replica has nothing to share, "
                   "so every rank keeps its whole state (as zero=0)", flush=True)
-    trainer = Trainer.of(run, data, run_dir)
+    trainer = Trainer(run, data, run_dir)
     found = find_resume(cfg, run_dir, mesh.rank)
     if found is not None:
         trainer.resume(*found)

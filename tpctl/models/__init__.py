@@ -37,7 +37,7 @@ def build_model(cfg: Any, seed: int, lazy: bool = False) -> torch.nn.Module:
     Built-in and Hugging Face models are built on the meta device with a
     parameter source attached as `model.tpctl_init` (seeded per parameter,
     see models.init, or the pretrained files): lazy=True leaves them there,
-    so that `parallelize` makes each parameter whole only to slice this
+    so that the rewrite (rewrite_layers) makes each parameter whole only to slice this
     rank's shard, one at a time; lazy=False materialises them.
 
     A custom model (`arch=custom`, `_target_` a callable) is built by its own
@@ -115,9 +115,9 @@ def build_custom(cfg: Any, seed: int) -> torch.nn.Module:
 def vocab_size_of(cfg: Any, plan: RolePlan, model: torch.nn.Module) -> int:
     """The real vocabulary size: the LM head's width (the config's for a
     model without one)."""
-    head = next((name for name, role in plan.roles.items() if role == "lm_head"), None)
-    if head is not None:
-        return model.get_submodule(head).out_features
+    vocab = plan.vocab_size(model)
+    if vocab is not None:
+        return vocab
     if getattr(cfg, "vocab_size", None) is None:
         raise ValueError("cannot tell the vocabulary size: no LM head found; set model.vocab_size")
     return cfg.vocab_size

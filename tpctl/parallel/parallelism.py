@@ -23,7 +23,11 @@ from tpctl.parallel.pipeline.cut import compute_weight
 from tpctl.parallel.pipeline.schedule import Pipeline
 from tpctl.parallel.pipeline.stages import PipelineSpec
 from tpctl.parallel.shard import spec_of
+from tpctl.parallel.roles.inference import resolve_plan
+from tpctl.parallel.roles.plan import RolePlan
+from tpctl.parallel.roles.probes import linearize
 from tpctl.parallel.tensor.mode import ParallelMode
+from tpctl.parallel.tensor.rewrite import Rewrite, rewrite_layers
 
 
 @dataclass
@@ -54,26 +58,23 @@ class Parallelism:
         return self.mesh.geo
 
     # ---- the model ------------------------------------------------------------
-    def parallelize(self, model: nn.Module, plan=None, dry_run: bool = False, training: bool = True,
-                    stage: Optional[bool] = None) -> nn.Module:
+    def rewrite(self, model: nn.Module, plan=None, dry_run: bool = False, training: bool = True,
+                stage: Optional[bool] = None) -> Rewrite:
         """The one place a model becomes this rank's: with a pipeline, cut
-        to this rank's stage, rewritten by the mode (rewrite.parallelize), the
-        stage wired; without, rewritten. `stage`: cut (default: unless a
-        dry run, which rewrites the whole model for `tpctl inspect`; the
-        planner's dry run asks for the stage)."""
-        from tpctl.parallel.roles.inference import resolve_plan
-        from tpctl.parallel.roles.plan import RolePlan
-        from tpctl.parallel.roles.probes import linearize
-        from tpctl.parallel.tensor.rewrite import parallelize
-
+        to this rank's stage, its layers rewritten by the mode
+        (tensor.rewrite.rewrite_layers), the stage wired; without, its
+        layers rewritten. `stage`: cut (default: unless a dry run, which
+        rewrites the whole model for `tpctl inspect`; the planner's dry run
+        asks for the stage)."""
         if self.pipeline is None or not (not dry_run if stage is None else stage):
-            return parallelize(model, self.mode, plan, dry_run, training)
+            return rewrite_layers(model, self.mode, plan, dry_run, training)
         linearize(model)  # GPT-2's Conv1D: a Linear with a transposed weight, before the plan reads it
         if not isinstance(plan, RolePlan):
             plan = resolve_plan(model, plan)
-        model = parallelize(model, self.mode, self.pipeline.cut(model, plan), dry_run, training)
-        self.pipeline.install(model)
-        return model
+        done = rewrite_layers(model, self.mode, self.pipeline.cut(model, plan), dry_run, training)
+        self.pipeline.install(done.model)
+        done.stage = self.pipeline
+        return done
 
     # ---- data ----------------------------------------------------------------
     def rows(self, batch_size: int, grad_accum: int = 1, micro: int = 0) -> range:
@@ -209,15 +210,22 @@ def _scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
 
 def parallelism(layout: Layout, seed: int = 0, device: str | torch.device = "cpu", groups: bool = True,
                 rank: int | None = None, pipeline: Optional[PipelineSpec] = None,
-                weigh: Callable[[nn.Module], float] = compute_weight) -> Parallelism:
-    """The parallel machinery of `layout` on this rank (groups=False: the
-    process-group-free version, for tools that only look at layouts).
-    `pipeline`: the schedule of a layout with pp > 1 (default: 1F1B over
-    pp micro-batches); `weigh`: each repeated block's (and what runs
-    before and after them) weight when the stages are balanced (default:
-    training FLOPs, parameters breaking ties: cut.compute_weight)."""
-    mesh = build_mesh(layout, rank, device, seed, groups)
+                weigh: Callable[[nn.Module], float] = compute_weight, mesh: Optional[Mesh] = None,
+                bucket_bytes: Optional[int] = None) -> Parallelism:
+    """The parallel machinery of `layout` on this rank, the one factory of
+    a Parallelism (groups=False: the process-group-free version, for tools
+    that only look at layouts). `pipeline`: the schedule of a layout with
+    pp > 1 (default: 1F1B over pp micro-batches); `weigh`: each repeated
+    block's (and what runs before and after them) weight when the stages
+    are balanced (default: training FLOPs, parameters breaking ties:
+    cut.compute_weight). `mesh`: one built before for this layout, whose
+    process groups are reused (the test pool's ranks); the mode, pipeline
+    and data-parallel objects, which a rewrite and a step fill in, are new.
+    `bucket_bytes`: the data-parallel gradient buckets' size (default:
+    DataParallel's)."""
+    mesh = mesh or build_mesh(layout, rank, device, seed, groups)
     stages = None
     if layout.pp > 1:
         stages = Pipeline(mesh, pipeline or PipelineSpec.plain(layout.pp), weigh)
-    return Parallelism(layout.mode_class(mesh), pipeline=stages)
+    dp = DataParallel(mesh, bucket_bytes) if bucket_bytes else None
+    return Parallelism(layout.mode_class(mesh), dp, pipeline=stages)

@@ -15,7 +15,7 @@ import torch
 from tpctl.config.pipeline import pipeline_of
 from tpctl.parallel.layout import Layout
 from tpctl.parallel.parallelism import Parallelism, parallelism
-from tpctl.parallel.pipeline.stages import PipelineSpec
+from tpctl.parallel.tensor.rewrite import Rewrite
 
 from .step import Schedule, TrainStep
 
@@ -23,17 +23,29 @@ from .step import Schedule, TrainStep
 @dataclass
 class Run:
     """What `build_run` assembled: the config, this rank's parallel machinery,
-    the rewritten model (this rank's stage with pp > 1), its training step
+    the rewrite (tensor.rewrite.Rewrite: the rewritten model, this rank's
+    stage with pp > 1, its roles and real vocabulary), its training step
     (None when not asked for), the start-up verification's report (None
     when it did not run) and, with cp > 1, the start-up proof's worst
     difference (`prove_context`; None when it did not run)."""
 
     cfg: Any
     par: Parallelism
-    model: torch.nn.Module
+    rewrite: Rewrite
     step: Optional[TrainStep] = None
     verified: Any = None
     cp_error: Optional[float] = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.rewrite.model
+
+    @property
+    def vocab_size(self) -> int:
+        """The real vocabulary (the LM head's width before a mode pads it;
+        the config's for a model without a head): the bound of every id
+        read and of the loss."""
+        return self.rewrite.vocab_size or self.cfg.model.vocab_size
 
     @property
     def layout(self) -> Layout:
@@ -49,7 +61,8 @@ def build_parallelism(cfg, layout: Optional[Layout] = None, device: str | torch.
     return parallelism(layout, cfg.seed, device, groups=groups, rank=rank, pipeline=pipeline_of(layout, cfg))
 
 
-def build_step(cfg, par: Parallelism, model: torch.nn.Module, schedule: bool = True) -> TrainStep:
+def build_step(cfg, par: Parallelism, model: torch.nn.Module, schedule: bool = True,
+               vocab_size: Optional[int] = None) -> TrainStep:
     """The training step over `model`, as the trainer runs it: activation
     checkpointing first (train.activation_checkpointing; it wraps blocks the
     step's hooks then see), then the step with the config's learning-rate
@@ -60,12 +73,12 @@ def build_step(cfg, par: Parallelism, model: torch.nn.Module, schedule: bool = T
         apply_activation_checkpointing(model)
     o = cfg.optim
     lr = Schedule(o.lr, o.min_lr, o.warmup_steps, cfg.train.steps) if schedule else None
-    return TrainStep(par, [model], cfg, lr)
+    return TrainStep(par, [model], cfg, lr, vocab_size)
 
 
 def build_run(cfg, par: Optional[Parallelism] = None, *, layout: Optional[Layout] = None,
               device: str | torch.device = "cpu", groups: bool = True, lazy: bool = True,
-              verify: bool = False, step: bool = True, schedule: bool = True) -> Run:
+              verify: bool = False, step: bool = True, schedule: bool = True, training: bool = True) -> Run:
     """Assemble a run of `cfg` on this rank.
 
     par: parallel machinery made elsewhere (the test pool reuses a process's
@@ -74,21 +87,24 @@ def build_run(cfg, par: Optional[Parallelism] = None, *, layout: Optional[Layout
     at a time, to slice this rank's shard (False: the whole model first; the
     same values). verify: the start-up proof of the rewrite
     (parallel/verify/proof.py; RewriteRefused when it differs). step: also build
-    the TrainStep (`build_step`)."""
+    the TrainStep (`build_step`). training=False: a model that is only
+    decoded (generation), which a split refuses less of (check_plan)."""
     from tpctl.models import build_model
-    from tpctl.parallel.verify.proof import parallelize_verified
+    from tpctl.parallel.verify.proof import rewrite_verified
 
     if par is None:
         par = build_parallelism(cfg, layout, device, groups)
     par.mode.overlap = par.dp.overlap = bool(cfg.train.get("overlap", True))  # read as layers and buckets are built
-    model, verified = parallelize_verified(build_model(cfg.model, cfg.seed, lazy=lazy), par, cfg.model.get("plan"),
-                                           verify)
+    rewrite, verified = rewrite_verified(build_model(cfg.model, cfg.seed, lazy=lazy), par, cfg.model.get("plan"),
+                                         verify, training)
+    model = rewrite.model
     # After the proof of the tensor rewrite, which replays units on whole sequences.
     par.cp.impl = cfg.get("context", {}).get("impl", "ring")
-    par.cp.install(model)
+    par.cp.install(model, rewrite.plan.roles)
     cp_error = prove_context(cfg, par, model) if verify else None
-    train_step = build_step(cfg, par, model, schedule) if step else None
-    return Run(cfg, par, model, train_step, verified, cp_error)
+    run = Run(cfg, par, rewrite, None, verified, cp_error)
+    run.step = build_step(cfg, par, model, schedule, run.vocab_size) if step else None
+    return run
 
 
 # What the start-up proof of context parallelism accepts: fp32 round-off of

@@ -168,16 +168,17 @@ def stop_ids(model: nn.Module, tokenizer: Optional[Tokenizer]) -> set[int]:
 def generate(model: nn.Module, mode: ParallelMode, prompt: Sequence[int], max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, seed: int = 0, use_cache: bool = True,
              vocab_limit: Optional[int] = None, stop: Sequence[int] = (),
-             on_token: Optional[Callable[[int], None]] = None) -> list[int]:
+             on_token: Optional[Callable[[int], None]] = None, vocab_size: Optional[int] = None) -> list[int]:
     """The tokens generated after `prompt` (at most max_new_tokens; fewer if a
     `stop` id comes, which is kept). Every rank of the mesh calls this; all
     return the same tokens; `on_token` is called on each as it is decided.
     `vocab_limit`: ids at or above it are never chosen (a tokenizer smaller
-    than the model's vocabulary)."""
+    than the model's vocabulary). `vocab_size`: the real vocabulary, where
+    a mode pads the LM head (Run.vocab_size; default: the model's config's)."""
     if not prompt:
         raise ValueError("the prompt encodes to no tokens")
     mesh = mode.mesh
-    vocab = getattr(model, "tpctl_vocab_size", None) or config_vocab(model)
+    vocab = vocab_size or config_vocab(model)
     was_training = model.training
     model.eval()
     stepper = Stepper(model, use_cache)
@@ -212,7 +213,8 @@ def config_vocab(model: nn.Module) -> int:
     return int(getattr(cfg, "vocab_size"))
 
 
-def sample(model: nn.Module, mode: ParallelMode, tokenizer: Tokenizer, prompt: str, max_new_tokens: int) -> str:
+def sample(model: nn.Module, mode: ParallelMode, tokenizer: Tokenizer, prompt: str, max_new_tokens: int,
+           vocab_size: Optional[int] = None) -> str:
     """A short greedy continuation of `prompt` as text (training's
     train.sample_every). The prompt keeps its end if it would not leave room
     in the model's positions; fewer tokens are generated if needed."""
@@ -222,6 +224,6 @@ def sample(model: nn.Module, mode: ParallelMode, tokenizer: Tokenizer, prompt: s
         ids = ids[-max(1, limit - max_new_tokens):]
         max_new_tokens = min(max_new_tokens, limit - len(ids))
     new = generate(model, mode, ids, max_new_tokens, vocab_limit=tokenizer.vocab_size,
-                   stop=stop_ids(model, tokenizer))
+                   stop=stop_ids(model, tokenizer), vocab_size=vocab_size)
     return tokenizer.decode(new)
 

@@ -17,11 +17,10 @@ import torch
 from tpctl import checkpoint
 from tpctl.data.batches import TokenData
 from tpctl.parallel import comm
-from tpctl.parallel.parallelism import Parallelism
 
 from .build import Run, build_step
 from .metrics import MetricsLog
-from .step import NonFiniteLoss, TrainStep, autocast
+from .step import NonFiniteLoss, autocast
 
 log = logging.getLogger("tpctl.train")
 __all__ = ["Trainer", "NonFiniteLoss", "peak_rss_bytes"]
@@ -41,13 +40,14 @@ def peak_rss_bytes() -> int:
 
 
 class Trainer:
-    def __init__(self, cfg, model: torch.nn.Module, par: Parallelism, data: TokenData,
-                 run_dir: Optional[Path] = None, step: Optional[TrainStep] = None):
-        """`step`: the model's step as build_run made it; else made here alike."""
+    def __init__(self, run: Run, data: TokenData, run_dir: Optional[Path] = None):
+        """The loop over a run build_run assembled, with its step (made here
+        alike when build_run was asked for none)."""
+        cfg, model, par = run.cfg, run.model, run.par
         self.cfg, self.model, self.par, self.data = cfg, model, par, data
         self.mesh = par.mesh
         self.run_dir = run_dir
-        self.step = step if step is not None else build_step(cfg, par, model)
+        self.step = run.step if run.step is not None else build_step(cfg, par, model, vocab_size=run.vocab_size)
         # The model's parts: one (the whole model) without a pipeline.
         self.model_parts = self.step.model_parts
         self.optimizer = self.step.optimizer
@@ -60,7 +60,7 @@ class Trainer:
         self.tokens_per_step = self.step.tokens_per_step
         # The real vocabulary (the LM head's width before any padding): the
         # bound every id read must be inside.
-        self.vocab_size = getattr(model, "tpctl_vocab_size", None) or cfg.model.vocab_size
+        self.vocab_size = run.vocab_size
         self.is_logger = self.mesh.rank == 0
         # Where training starts (a resumed run: the checkpoint's step).
         self.start_step = 0
@@ -68,11 +68,6 @@ class Trainer:
         c = cfg.checkpoint
         self.checkpointer = (checkpoint.Checkpointer(run_dir / checkpoint.CHECKPOINTS, c.every, c.keep, c.at_end)
                              if run_dir is not None else None)
-
-    @classmethod
-    def of(cls, run: Run, data: TokenData, run_dir: Optional[Path] = None) -> "Trainer":
-        """The loop over a run build_run assembled (with its step)."""
-        return cls(run.cfg, run.model, run.par, data, run_dir, run.step)
 
     @property
     def skipped_steps(self) -> int:
@@ -143,7 +138,8 @@ class Trainer:
             self._tokenizer = Tokenizer(self.cfg.data.tokenizer)
         t = self.cfg.train
         with autocast(self.mesh.device, self.cfg.precision):
-            return sample(self.model, self.par.mode, self._tokenizer, t.sample_prompt, t.sample_tokens)
+            return sample(self.model, self.par.mode, self._tokenizer, t.sample_prompt, t.sample_tokens,
+                          self.vocab_size)
 
     # ---- the loop ----------------------------------------------------------
     def fit(self) -> list[dict]:

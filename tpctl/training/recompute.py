@@ -93,7 +93,7 @@ def _checkpointed_forward(original, generators, *args, **kwargs):
 def apply_activation_checkpointing(model: nn.Module) -> int:
     """Checkpoint each block of the model's repeated stack (see
     `repeated_blocks`); returns how many blocks. Call it after
-    `parallelize`, so the dropout layers found are the parallel ones."""
+    the rewrite (Parallelism.rewrite), so the dropout layers found are the parallel ones."""
     blocks = repeated_blocks(model)
     if blocks is None:
         raise ValueError(f"{type(model).__name__} has no nn.ModuleList of repeated blocks to checkpoint")

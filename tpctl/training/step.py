@@ -192,8 +192,12 @@ class Accumulate:
 
 
 class TrainStep:
-    def __init__(self, par: Parallelism, model_parts: list[torch.nn.Module], cfg, schedule: Optional[Schedule] = None):
+    def __init__(self, par: Parallelism, model_parts: list[torch.nn.Module], cfg, schedule: Optional[Schedule] = None,
+                 vocab_size: Optional[int] = None):
         self.par, self.model_parts, self.cfg = par, model_parts, cfg
+        # The real vocabulary (the LM head's width before any padding; the
+        # rewrite's Rewrite.vocab_size): the loss masks the padding above it.
+        self.vocab_size = vocab_size or cfg.model.vocab_size
         # What runs a step's micro-batches: the pipeline's schedule through
         # the stages, or one after another through the whole model.
         self.runner = par.pipeline or Accumulate(model_parts, par.mesh, cfg.train.grad_accum)
@@ -233,9 +237,7 @@ class TrainStep:
 
     def criterion(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The summed cross entropy of this rank's rows of one micro-batch."""
-        # The real vocabulary (the LM head's width before any padding).
-        vocab = getattr(self.model, "tpctl_vocab_size", None) or self.cfg.model.vocab_size
-        return self.par.cross_entropy(logits, y, vocab, self.cfg.train.label_smoothing).sum()
+        return self.par.cross_entropy(logits, y, self.vocab_size, self.cfg.train.label_smoothing).sum()
 
     def eval_loss_sum(self, micro_batches) -> torch.Tensor:
         """Forward only: the summed loss of this rank's rows of a batch."""

@@ -76,12 +76,12 @@ class ContextParallel:
         return rows[:, self.positions(rows.shape[1]).to(rows.device)].contiguous()
 
     # ---- the model --------------------------------------------------------------
-    def install(self, model: nn.Module) -> nn.Module:
+    def install(self, model: nn.Module, roles: dict[str, str]) -> nn.Module:
         """Position lookups by global index and attention across the cp
-        ranks, in `model` (rewritten by its mode, plan in `tpctl_plan`)."""
+        ranks, in `model` (rewritten by its mode with the `roles` of its
+        plan: module name -> role)."""
         if self.size == 1:
             return model
-        roles = model.tpctl_plan.roles
         for name in attention_modules(roles):
             module = model.get_submodule(name)
             module.forward = _attending(module.forward, self, name)

@@ -121,6 +121,16 @@ class RolePlan:
     # their gradient.
     routed: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def lm_head(self) -> Optional[str]:
+        return next((name for name, role in self.roles.items() if role == "lm_head"), None)
+
+    def vocab_size(self, model: nn.Module) -> Optional[int]:
+        """The real vocabulary: the LM head's output features as the model
+        was built (read before a mode pads them); None without an LM head."""
+        head = self.lm_head
+        return None if head is None else model.get_submodule(head).out_features
+
 
 def logits_of(output: Any) -> torch.Tensor:
     """The logits a model returned: a tensor, `.logits` (Hugging Face) or the

@@ -459,17 +459,11 @@ class ParallelMode(CostHooks):
                          self.mesh.groups[replicas])
 
     def prepare(self, model: nn.Module, plan) -> None:
-        """Called by `parallelize` before any layer is converted."""
+        """Called by the rewrite (rewrite_layers) before any layer is converted."""
 
     def replicated(self, param: torch.Tensor, group: str, partial: bool) -> None:
         """Tag a parameter every rank of `group` holds whole."""
         param.tpctl_spec = self.split_spec(param, replicas=group, partial=partial)
-
-
-def as_mode(tp) -> ParallelMode:
-    """The tensor-parallel mode of `tp`: a ParallelMode, or a
-    parallelism.Parallelism holding one."""
-    return tp if isinstance(tp, ParallelMode) else tp.mode
 
 
 def _gather_hidden(module, args, kwargs, group):

@@ -1,6 +1,6 @@
 """The rewrite of a model by a mode: every module with a role replaced by
-the mode's parallel layer (`parallelize`, also as a dry run: shapes and
-records only), what a split refuses before anything is rewritten
+the mode's parallel layer (`rewrite_layers`, also as a dry run: shapes and
+records only; what it made comes back as a `Rewrite`), what a split refuses before anything is rewritten
 (`check_plan`), and what a rewrite sets beside the layers (this rank's head
 counts, per-head arguments and norms, dropout streams keyed by block).
 """
@@ -8,8 +8,8 @@ counts, per-head arguments and norms, dropout streams keyed by block).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -40,10 +40,33 @@ class Rewritten:
     problem: str = ""
 
 
-def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool = False,
-                training: bool = True) -> nn.Module:
-    """Replace the model's layers, by role, with `mode`'s parallel layers
-    (`mode`: a ParallelMode or a Parallelism).
+@dataclass
+class Rewrite:
+    """What rewriting a model's layers made, for whoever reads it after
+    (the training step, generation, `tpctl inspect`, the planner): the
+    rewritten model, the roles it was rewritten by, the real vocabulary
+    (the LM head's width before a mode pads it; None without a head), and
+    in a dry run every module's record and what the mode cannot shard;
+    with pipeline stages, the stage the model now is."""
+
+    model: nn.Module
+    plan: RolePlan
+    vocab_size: Optional[int] = None
+    modules: list[Rewritten] = field(default_factory=list)
+    problems: dict[str, str] = field(default_factory=dict)
+    # pp > 1: the pipeline whose stage `model` is (Parallelism.rewrite).
+    stage: Optional[Any] = None
+
+
+def is_rewritten(model: nn.Module) -> bool:
+    """Whether a rewrite already placed `model`'s parameters (each then
+    carries its ShardSpec)."""
+    return any(spec_of(p) is not None for p in model.parameters())
+
+
+def rewrite_layers(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool = False,
+                   training: bool = True) -> Rewrite:
+    """Replace the model's layers, by role, with `mode`'s parallel layers.
 
     `plan`: a parallel.roles.RolePlan, or module-name patterns (fnmatch) -> roles;
     by default the model's own `tp_plan`, else roles traced from its forward.
@@ -54,21 +77,20 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
     dry_run: shapes only (every shard on the meta device, nothing read or
     made), on any mesh (a process-group-free one: parallelism(..., groups=False));
     a module the mode cannot shard is recorded with its problem instead of
-    refused, `model.tpctl_rewritten` lists every module's `Rewritten` record
-    and `model.tpctl_problems` what the mode cannot shard (check_plan). `tpctl inspect` shows them; the planner reads every parameter's
-    local shape and replicas from the ShardSpecs it leaves.
+    refused, and the Rewrite lists every module's `Rewritten` record and
+    what the mode cannot shard (check_plan). `tpctl inspect` shows them; the
+    planner reads every parameter's local shape and replicas from the
+    ShardSpecs it leaves.
 
-    A Parallelism places its components around the rewrite
-    (Parallelism.parallelize: with pp > 1 the model is first cut to this
-    rank's pipeline stage, and only that is rewritten).
+    The run's Parallelism places its other components around this rewrite
+    (Parallelism.rewrite: with pp > 1 the model is first cut to this rank's
+    pipeline stage, and only that is rewritten).
     """
     from tpctl.parallel.roles.probes import linearize
     from tpctl.parallel.shard import record_replicas
 
-    if not isinstance(mode, ParallelMode):
-        return mode.parallelize(model, plan, dry_run, training)
-    if getattr(model, "tpctl_mode", None) is not None:
-        raise ValueError(f"{type(model).__name__} is already parallelized ({model.tpctl_mode.name})")
+    if is_rewritten(model):
+        raise ValueError(f"{type(model).__name__} is already rewritten: its parameters are placed")
     linearize(model)  # GPT-2's Conv1D: a Linear with a transposed weight
     if not isinstance(plan, RolePlan):
         plan = resolve_plan(model, plan)
@@ -76,9 +98,7 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
     if problems and not dry_run:
         name, reason = next(iter(problems.items()))
         raise ValueError(f"cannot parallelize {name} in mode {mode.name} (size {mode.geo.size}): {reason}")
-    head = next((name for name, role in plan.roles.items() if role == "lm_head"), None)
-    if head is not None:  # the real vocabulary, before a mode pads it
-        model.tpctl_vocab_size = model.get_submodule(head).out_features
+    vocab_size = plan.vocab_size(model)  # before a mode pads it
     init = None if dry_run else getattr(model, "tpctl_init", None)
     ctx = RewriteContext(mode.mesh, init, shapes_only=dry_run)
     mode.layouts = dict(getattr(plan, "layouts", {}))
@@ -138,13 +158,11 @@ def parallelize(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool =
     if shared and not dry_run:  # (which rank shares what is learnt by communicating)
         share_slices(model, shared, mode.mesh)
     record_replicas(model, mode.mesh.group_ranks["dp_cp"], mode.mesh.groups["dp_cp"])
-    model.tpctl_mode = mode  # marks the model as rewritten (and by which mode)
-    model.tpctl_plan = plan
     if not dry_run:
         key_dropout_streams(model, mode.mesh)
-    if dry_run:  # (a real rewrite keeps no reference to the originals: their memory goes)
-        model.tpctl_rewritten, model.tpctl_problems = rewritten, problems
-    return model
+        # (a real rewrite keeps no reference to the originals: their memory goes)
+        return Rewrite(model, plan, vocab_size)
+    return Rewrite(model, plan, vocab_size, rewritten, problems)
 
 
 

@@ -59,8 +59,7 @@ from tpctl.parallel import comm
 from tpctl.parallel.roles.inference import resolve_plan
 from tpctl.parallel.roles.plan import RolePlan
 from tpctl.parallel.roles.probes import linearize
-from tpctl.parallel.tensor.mode import as_mode
-from tpctl.parallel.tensor.rewrite import parallelize
+from tpctl.parallel.tensor.rewrite import Rewrite
 from tpctl.parallel.verify.capture import (
     ELSEWHERE,
     TOLERANCE,
@@ -120,13 +119,17 @@ class Report:
                 f"scale) in {self.seconds:.2f}s; largest piece made whole {self.peak_extra_bytes / 2**20:.1f} MiB")
 
 
-def parallelize_verified(model: nn.Module, mode, plan=None, verify: bool = True) -> tuple[nn.Module, Optional[Report]]:
-    """`parallelize(model, mode, plan)`, moved to the mesh's device, and (if
-    `verify`) proven against the original model: returns the model and the
-    report; RewriteRefused (on every rank alike) when they differ."""
-    par, mode = mode, as_mode(mode)
+def rewrite_verified(model: nn.Module, par, plan=None, verify: bool = True,
+                     training: bool = True) -> tuple[Rewrite, Optional[Report]]:
+    """`par.rewrite(model, plan)` (par: the run's Parallelism), moved to the
+    mesh's device, and (if `verify`) proven against the original model:
+    returns the Rewrite and the report; RewriteRefused (on every rank
+    alike) when they differ."""
+    mode = par.mode
     if not verify or not mode.rewrites:  # mode none replaces nothing
-        return parallelize(model, par, plan).to(mode.mesh.device), None
+        done = par.rewrite(model, plan, training=training)
+        done.model = done.model.to(mode.mesh.device)
+        return done, None
     linearize(model)
     if not isinstance(plan, RolePlan):
         plan = resolve_plan(model, plan)
@@ -134,26 +137,27 @@ def parallelize_verified(model: nn.Module, mode, plan=None, verify: bool = True)
     # With pp > 1 each rank checks what its stage holds (an instance of
     # each distinct unit there, and the embedding or the head on the end
     # stages), and the verdicts are agreed over every rank.
-    pipeline = getattr(par, "pipeline", None)
+    pipeline = par.pipeline
     if pipeline is not None:
         pipeline.assign(model)
     originals = capture_originals(model, plan, mode, pipeline.holds if pipeline is not None else None)
     setup = time.perf_counter() - start
-    model = parallelize(model, par, plan).to(mode.mesh.device)
-    report = verify_rewrite(model, mode, originals)
+    done = par.rewrite(model, plan, training=training)
+    done.model = done.model.to(mode.mesh.device)
+    report = verify_rewrite(done.model, mode, originals, pipeline)
     report.seconds += setup
     if report.failure is not None:
         raise RewriteRefused(report.line(mode), report)
-    return model, report
+    return done, report
 
 
-def verify_rewrite(model: nn.Module, mode, originals: Originals) -> Report:
-    """Check every unit of `originals` against the rewritten `model` on this
-    rank; every rank of the world must call it (collectives)."""
+def verify_rewrite(model: nn.Module, mode, originals: Originals, pipeline=None) -> Report:
+    """Check every unit of `originals` against the rewritten `model` (with
+    pp > 1 `pipeline`'s stage) on this rank; every rank of the world must
+    call it (collectives)."""
     start = time.perf_counter()
     units = [u for u in originals.units if u.check.note != ELSEWHERE]
     local_ids = local_rows(mode, originals.ids).to(mode.mesh.device)
-    pipeline = getattr(model, "tpctl_stage", None)
     stream = None
     if pipeline is not None:  # the stream a stage receives in the check's forward (its values do not matter)
         rows, seq = originals.ids.shape[0] // mode.read_block()[1], originals.ids.shape[1]

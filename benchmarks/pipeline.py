@@ -119,7 +119,7 @@ def _run(pool_of, args, pp: int, schedule: str, m: int, world: int) -> dict:
            "ms": statistics.median(steps) * 1e3, "act_peak_stage0": per_rank[0]["act_peak"],
            "send_bytes_stage0": per_rank[0]["send_bytes"]}
     if pp > 1:
-        from tpctl.config.pipeline import pipeline_of
+        from tpctl.parallel.pipeline.stages import pipeline_of
 
         spec = pipeline_of(layout, cfg)
         from tpctl.cost.planner import model_shape, plan_split

@@ -1,6 +1,8 @@
 """The package's shape (docs/ARCHITECTURE.md): every import inside tpctl/,
 lazy ones in functions included, goes to the importing module's own layer or
-a lower one, and no two modules of one layer import each other in a circle."""
+a lower one, and no two modules of one layer import each other in a circle.
+Inside parallel/ likewise its parts (PARTS): the foundation, roles/, the
+components beside each other, verify/, parallelism.py on top."""
 
 from __future__ import annotations
 
@@ -23,6 +25,28 @@ LAYERS = [
     {"commands"},
     {"cli", "__init__"},
 ]
+
+
+# parallel/'s parts and what each may import besides itself: the foundation
+# (the top-level modules: layout, geometry, mesh, comm, shard, registry,
+# dropout) nothing else of parallel/; roles/ (what a model's modules are) the
+# foundation; the components (tensor/, pipeline/, data_parallel/, context/)
+# the foundation and roles/, never each other; verify/ (the start-up proof of
+# the tensor rewrite) those and tensor/; parallelism.py composes them all.
+COMPONENTS = ("tensor", "pipeline", "data_parallel", "context")
+PARTS = {
+    "foundation": set(),
+    "roles": {"foundation"},
+    **{c: {"foundation", "roles"} for c in COMPONENTS},
+    "verify": {"foundation", "roles", "tensor"},
+    "parallelism": {"foundation", "roles", *COMPONENTS, "verify"},
+}
+
+
+def part_of(module: str) -> str:
+    """The part of parallel/ that module tpctl.parallel.X... belongs to."""
+    first = module.split(".")[2] if module.count(".") >= 2 else ""
+    return first if first in PARTS else "foundation"
 
 
 def layer_of(module: str) -> int:
@@ -105,11 +129,33 @@ def test_no_import_circle():
     assert circle is None, "import circle: " + " -> ".join(circle)
 
 
+def parallel_climbs(g: dict[str, set[str]]) -> list[str]:
+    inside = {m: {d for d in deps if d.startswith("tpctl.parallel")} for m, deps in g.items()
+              if m.startswith("tpctl.parallel")}
+    return [f"{m} ({part_of(m)}) imports {d} ({part_of(d)})" for m, deps in inside.items() for d in deps
+            if part_of(d) != part_of(m) and part_of(d) not in PARTS[part_of(m)]]
+
+
+def test_parallel_parts_import_only_what_lies_below_them():
+    wrong = parallel_climbs(graph())
+    assert not wrong, "\n".join(wrong)
+
+
+def test_parallel_parts_are_the_tree():
+    """PARTS names parallel/ as it is: a part renamed or moved would pass
+    the check above by holding nothing."""
+    held = {part_of(m) for m in graph() if m.startswith("tpctl.parallel.")}
+    assert held == set(PARTS), f"parts without modules: {set(PARTS) - held}"
+
+
 def test_the_checks_see_what_they_look_for():
     assert climbs({"tpctl.parallel.mesh": {"tpctl.training.loop"}})
     assert not climbs({"tpctl.training.loop": {"tpctl.parallel.mesh"}})
     assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_circle({"a": {"b"}, "b": set()}) is None
+    assert parallel_climbs({"tpctl.parallel.tensor.mode": {"tpctl.parallel.pipeline.cut"}})
+    assert parallel_climbs({"tpctl.parallel.layout": {"tpctl.parallel.roles.plan"}})
+    assert not parallel_climbs({"tpctl.parallel.verify.proof": {"tpctl.parallel.tensor.rewrite"}})
 
 
 def test_every_module_is_named_in_the_map():

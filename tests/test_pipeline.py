@@ -467,7 +467,7 @@ def test_what_cannot_be_pipelined_is_refused_in_one_line(overrides, key, phrase)
 
 def test_the_default_micro_batches_keep_the_bubble_at_most_a_quarter():
     from tpctl.config import compose_jobs
-    from tpctl.config.pipeline import pipeline_of
+    from tpctl.parallel.pipeline.stages import pipeline_of
 
     for pp, schedule, want in ((2, "1f1b", 4), (4, "1f1b", 16), (4, "gpipe", 16), (4, "interleaved", 8)):
         cfg = compose_jobs([f"pp={pp}", f"pipeline.schedule={schedule}", "model.n_layer=8", "train.batch_size=32"])[0]

@@ -12,8 +12,6 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-from tpctl.parallel.pipeline.stages import DEFAULT_SCHEDULE
-
 # Model architectures: tpctl's own, any importable builder, and (every
 # other name) a Hugging Face model_type that transformers builds as a causal
 # LM (models/hf.py checks it against transformers' own list).
@@ -223,6 +221,10 @@ class RecipeConfig:
     # layout must fit under, or (low) one a layout must not, to show why
     # another is needed (recipes/gpt-tiny-long-*.yaml).
     peak_mib: Optional[List[float]] = None
+
+
+# What a run with pp > 1 does without pipeline.schedule (the stages read it too).
+DEFAULT_SCHEDULE = "1f1b"
 
 
 @dataclass

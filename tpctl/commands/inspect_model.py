@@ -181,9 +181,9 @@ def _print(cfg, rows, verdicts: dict, summary) -> None:
         caption += (f"; rank 0 holds between steps with {replicas} zero={layout.zero}: "
                     + ", ".join(f"{what} {mib(n)}" for what, n in summary["held"].items()))
     if layout.pp > 1:
-        from tpctl.config.pipeline import pipeline_of
+        from tpctl.config.pipeline import check_pipeline
 
-        note = pipeline_of(layout, cfg).dropout_note(cfg.model.get("dropout") or 0)
+        note = check_pipeline(layout, cfg).dropout_note(cfg.model.get("dropout") or 0)
         caption += f"; {note}" if note else ""
     table = Table(title=title, caption=caption)
     columns = ["module", "type", "role", "becomes", "shard shape on rank 0", "bytes", "note"]

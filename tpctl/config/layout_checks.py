@@ -13,7 +13,7 @@ from tpctl.parallel.geometry import Geometry
 from tpctl.parallel.layout import Layout, layouts_of
 
 from .messages import check_integer
-from .pipeline import pipeline_of
+from .pipeline import check_pipeline
 
 
 def check_layout(cfg: Any, layout: Optional[Layout] = None) -> Geometry:
@@ -36,7 +36,7 @@ def check_layout(cfg: Any, layout: Optional[Layout] = None) -> Geometry:
     if layout.pp > 1:
         _check_pipeline(cfg, layout)  # the pipeline's own split of the batch
         return geo
-    pipeline_of(layout, cfg)  # its keys' values, even where one stage does not read them
+    check_pipeline(layout, cfg)  # its keys' values, even where one stage does not read them
     split = t.grad_accum * layout.dp * geo.batch_split
     if t.batch_size < 1 or t.batch_size % split:
         raise ConfigError(
@@ -58,7 +58,7 @@ def _check_pipeline(cfg: Any, layout: Layout) -> None:
         raise ConfigError("train.sample_every", cfg.train.sample_every, "samples are decoded by one tensor-parallel "
                           "group, not through pipeline stages: expected 0 with pp > 1 (tpctl generate decodes a "
                           "checkpoint of any pp in any layout)")
-    spec = pipeline_of(layout, cfg)
+    spec = check_pipeline(layout, cfg)
     m = cfg.model
     blocks = m.get("n_layer") if m.get("arch") not in ("custom", None) and not m.get("pretrained") else None
     if blocks is not None and spec.chunks > blocks:

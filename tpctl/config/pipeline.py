@@ -1,7 +1,8 @@
-"""A run config's pipeline (pp > 1): the schedule, chunks and micro-batches
-its `pipeline.*` keys ask for, as a `PipelineSpec`, and every refusal of
-those keys (one ConfigError naming the key) -- the arithmetic itself lives
-with the stages (parallel/pipeline/stages.py)."""
+"""Every refusal of a run config's `pipeline.*` keys (and of what pp > 1
+asks of train.*), one ConfigError naming the key, before any worker starts.
+Reading the keys into a `PipelineSpec` is the stages' own
+(parallel/pipeline/stages.py `pipeline_of`), which a worker calls on a
+config this module has accepted."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any, Optional
 from tpctl.errors import ConfigError
 from tpctl.parallel.layout import Layout
 from tpctl.parallel.pipeline.stages import (
+    default_microbatches,
+    pipeline_of,
     DEFAULT_SCHEDULE,
     SCHEDULES,
     TARGET_BUBBLE,
@@ -19,18 +22,19 @@ from tpctl.parallel.pipeline.stages import (
 )
 
 
-def pipeline_of(layout: Layout, cfg: Any) -> Optional[PipelineSpec]:
-    """The pipeline of `cfg` in `layout`; None without stages. The keys'
-    values are checked as written whatever pp is: a bad value is refused
-    even where this run does not use it."""
-    spec = _spec(cfg, layout.pp, layout.dp * layout.geo.batch_split)
-    return spec if layout.pp > 1 else None
+def check_pipeline(layout: Layout, cfg: Any) -> Optional[PipelineSpec]:
+    """The pipeline of `cfg` in `layout` (stages.pipeline_of; None without
+    stages), once its keys are accepted: ConfigError names the first bad
+    key. The keys' values are checked as written whatever pp is: a bad
+    value is refused even where this run does not use it."""
+    _check(cfg, layout.pp, layout.dp * layout.geo.batch_split)
+    return pipeline_of(layout, cfg)
 
 
-def _spec(cfg: Any, pp: int, row_split: int) -> PipelineSpec:
-    """The pipeline of a run config with `pp` stages whose every
+def _check(cfg: Any, pp: int, row_split: int) -> None:
+    """Refuse the first key of a run config with `pp` stages whose every
     micro-batch is split into `row_split` row blocks (dp x the mode's
-    batch split); ConfigError names the first bad key."""
+    batch split) that the pipeline cannot take."""
     p = cfg.get("pipeline") or {}
     get = p.get if hasattr(p, "get") else (lambda k, d=None: getattr(p, k, d))
     schedule = get("schedule", DEFAULT_SCHEDULE)
@@ -44,7 +48,7 @@ def _spec(cfg: Any, pp: int, row_split: int) -> PipelineSpec:
     if m is not None and (type(m) is not int or m < 1):
         raise ConfigError("pipeline.microbatches", m, "expected a positive number of micro-batches (or null)")
     if pp == 1:  # one stage: nothing below applies
-        return PipelineSpec()
+        return
     virtual = virtual if schedule == "interleaved" else 1
     split = get("split", None)
     if split is not None:
@@ -57,10 +61,9 @@ def _spec(cfg: Any, pp: int, row_split: int) -> PipelineSpec:
         raise ConfigError("train.grad_accum", t.grad_accum, "with pp > 1 the pipeline's micro-batches split the batch: "
                           "expected train.grad_accum=1 (set pipeline.microbatches)")
     least = least_microbatches(schedule, pp, virtual)
-    spec = PipelineSpec(pp, schedule, virtual, 1, split)
+    spec = PipelineSpec(pp, schedule, virtual, 1, split)  # (its label, for the message)
     if m is None:
-        per_row = t.batch_size // row_split if t.batch_size % row_split == 0 else 0
-        m = next((k for k in range(least, per_row + 1) if per_row % k == 0 and schedule_takes(schedule, pp, k)), None)
+        m = default_microbatches(schedule, pp, virtual, t.batch_size, row_split)
         if m is None:
             raise ConfigError("pipeline.microbatches", None,
                               f"by default the fewest micro-batches that keep the bubble of {spec.label_without_m()} at or below "
@@ -78,5 +81,4 @@ def _spec(cfg: Any, pp: int, row_split: int) -> PipelineSpec:
         raise ConfigError("train.batch_size", t.batch_size,
                           f"the global batch is split into pipeline.microbatches({m}) x {row_split} row blocks "
                           f"(dp x the mode's batch split): expected a positive multiple of {m * row_split}")
-    return PipelineSpec(pp, schedule, virtual, m, split, t.seq_len)
 

@@ -118,7 +118,7 @@ def choices_of(cfg: Any, world: int) -> tuple[list[tuple[Choice, Optional[Pipeli
     its pipeline (None at pp=1), and the refused ones with why."""
     from omegaconf import OmegaConf
 
-    from tpctl.config.pipeline import pipeline_of
+    from tpctl.config.pipeline import check_pipeline
 
     m, t = cfg.model, cfg.train
     blocks = m.get("n_layer") if m.get("arch") != "custom" and not m.get("pretrained") else None
@@ -137,7 +137,7 @@ def choices_of(cfg: Any, world: int) -> tuple[list[tuple[Choice, Optional[Pipeli
                     choice = Choice(lay, micro, schedule, virtual)
                     try:
                         check_layout(choice.apply(work), lay)
-                        pipe = pipeline_of(lay, work)
+                        pipe = check_pipeline(lay, work)
                     except ConfigError as e:
                         invalid.append((choice.name, str(e).removeprefix("invalid config: ")))
                         continue

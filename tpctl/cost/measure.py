@@ -446,7 +446,7 @@ def hardware_for(setting: str, device: str) -> str:
 
 def predicted_ms(cfg, modes, size, depth, hardware: str, pp: int = 1) -> dict[str, Optional[float]]:
     """`tpctl plan`'s predicted step time of each mode on `hardware`."""
-    from tpctl.config.pipeline import pipeline_of
+    from tpctl.config.pipeline import check_pipeline
 
     from .planner import load_hardware, model_shape, plan_split, predict
 
@@ -455,7 +455,7 @@ def predicted_ms(cfg, modes, size, depth, hardware: str, pp: int = 1) -> dict[st
     out = {}
     for m in modes:
         layout = layout_of(m, size, depth, pp)
-        spec = pipeline_of(layout, cfg)
+        spec = check_pipeline(layout, cfg)
         plan = plan_split(shape, layout, cfg.train.batch_size, cfg.train.seq_len, pipeline=spec,
                           context=cfg.get("context", {}).get("impl", "ring"))
         out[m] = predict(plan, hw, overlap=overlapped(m)[1]).step_time_s * 1e3

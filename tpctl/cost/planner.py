@@ -459,7 +459,7 @@ def plan_world(cfg, world: int, hw: Optional[Hardware]) -> tuple[list[SplitPlan]
     check_costed()  # not a mode planned as free of communication
     shape = model_shape(cfg.model, cfg.seed)
     t = cfg.train
-    from tpctl.config.pipeline import pipeline_of
+    from tpctl.config.pipeline import check_pipeline
 
     plans, invalid = [], []
     for layout, why in splits_of(world, cfg):
@@ -467,7 +467,7 @@ def plan_world(cfg, world: int, hw: Optional[Hardware]) -> tuple[list[SplitPlan]
             invalid.append((layout, why))
             continue
         try:
-            p = plan_split(shape, layout, t.batch_size, t.seq_len, t.grad_accum, pipeline=pipeline_of(layout, cfg),
+            p = plan_split(shape, layout, t.batch_size, t.seq_len, t.grad_accum, pipeline=check_pipeline(layout, cfg),
                            context=attention_path(cfg.get("context", {}).get("impl", "ring"), cfg.model.dropout))
         except ValueError as e:
             invalid.append((layout, str(e)))

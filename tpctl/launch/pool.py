@@ -178,7 +178,7 @@ def pooled_run(cfg, layout=None, bucket_bytes: int | None = None, pipeline=None,
     (`parallelism_of`); `pipeline`: the schedule with pp > 1 (default: the
     config's, as a worker's); `options` are build_run's (verify, step,
     lazy, schedule)."""
-    from tpctl.config.pipeline import pipeline_of
+    from tpctl.parallel.pipeline.stages import pipeline_of
     from tpctl.parallel.layout import Layout
     from tpctl.training.build import build_run
 

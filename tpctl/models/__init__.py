@@ -168,7 +168,7 @@ def check_model(cfg: Any, training: bool = True) -> RolePlan:
         name, reason = next(iter(problems.items()))
         raise ConfigError("model", what, f"mode={cfg.mode} size={cfg.size} cannot shard module {name}: {reason}")
     if layout.pp > 1:  # where the stages are cut: found in the model, as each worker will
-        from tpctl.config.pipeline import pipeline_of
+        from tpctl.parallel.pipeline.stages import pipeline_of
         from tpctl.parallel.parallelism import parallelism
         from tpctl.parallel.pipeline.schedule import PipelineRefused
 

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from tpctl.config.pipeline import pipeline_of
+from tpctl.parallel.pipeline.stages import pipeline_of
 from tpctl.parallel.layout import Layout
 from tpctl.parallel.parallelism import Parallelism, parallelism
 from tpctl.parallel.tensor.rewrite import Rewrite

@@ -24,8 +24,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from tpctl.schema import DEFAULT_SCHEDULE
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-DEFAULT_SCHEDULE = "1f1b"
 # The default number of micro-batches keeps the planned bubble at or below this.
 TARGET_BUBBLE = 0.25
 
@@ -132,6 +133,36 @@ class PipelineSpec:
 
     def label_without_m(self) -> str:
         return f"pp={self.stages} {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else "")
+
+
+def pipeline_of(layout: Any, cfg: Any) -> Optional[PipelineSpec]:
+    """The pipeline a run config asks for in `layout` (a Layout); None
+    without stages. It reads and refuses nothing: the config was accepted
+    before any worker started (tpctl.config.pipeline.check_pipeline), so a
+    value it cannot use is a ValueError."""
+    pp = layout.pp
+    if pp == 1:
+        return None
+    p = cfg.get("pipeline") or {}
+    get = p.get if hasattr(p, "get") else (lambda k, d=None: getattr(p, k, d))
+    schedule = get("schedule", DEFAULT_SCHEDULE)
+    virtual = get("virtual_stages", 2) if schedule == "interleaved" else 1
+    t, row_split = cfg.train, layout.dp * layout.geo.batch_split
+    m = get("microbatches", None) or default_microbatches(schedule, pp, virtual, t.batch_size, row_split)
+    if m is None:
+        raise ValueError(f"no default number of micro-batches for {schedule} over pp={pp} divides "
+                         f"train.batch_size={t.batch_size} into {row_split}-row blocks")
+    split = get("split", None)
+    return PipelineSpec(pp, schedule, virtual, m, None if split is None else tuple(split), t.seq_len)
+
+
+def default_microbatches(schedule: str, pp: int, virtual: int, batch_size: int, row_split: int) -> Optional[int]:
+    """The fewest micro-batches that keep the planned bubble at or below
+    TARGET_BUBBLE, that the schedule takes, and that divide `batch_size`
+    into `row_split`-row blocks; None where none does."""
+    per_row = batch_size // row_split if batch_size % row_split == 0 else 0
+    least = least_microbatches(schedule, pp, virtual)
+    return next((k for k in range(least, per_row + 1) if per_row % k == 0 and schedule_takes(schedule, pp, k)), None)
 
 
 def least_microbatches(schedule: str, pp: int, virtual: int) -> int:

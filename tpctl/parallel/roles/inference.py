@@ -30,7 +30,7 @@ from tpctl.parallel.roles.experts import expert_count, experts_layout, own_split
 from tpctl.parallel.roles.fused import FusedLayout, ProbeError, attention_layout, mlp_layout
 from tpctl.parallel.roles.plan import GROUP_ATTRS, HEAD_ATTRS, RATIO_ATTRS, ROLES, Heads, RolePlan, blocks_of, common_parent
 from tpctl.parallel.roles.probes import is_experts, norm_width, on_cpu
-from tpctl.parallel.roles.tracing import TRACE_BATCH, random_draws, trace
+from tpctl.parallel.roles.tracing import per_head_args, random_draws, trace
 
 
 @on_cpu
@@ -217,7 +217,7 @@ class _Inference:
             for name in feeders:
                 if name != q_name and name not in layouts and modules[name].out_features == kv_width:
                     layouts[name] = FusedLayout.heads(kv_width, kv, "k" if name == k_name else "v")
-        self.heads[owner] = Heads(h, kv, head_dim, attrs, _per_head_args(self.first_inputs.get(owner), h))
+        self.heads[owner] = Heads(h, kv, head_dim, attrs, per_head_args(self.first_inputs.get(owner), h))
         self.units[owner] = feeders + [out_proj]
 
     def read_linears(self, name: str) -> set[str]:
@@ -262,7 +262,7 @@ class _Inference:
         self.latent_nodes.update(i for name in latent for i in self.calls[name])
         attrs = {a: v for a, v in vars(modules[owner]).items() if isinstance(v, int) and not isinstance(v, bool)
                  and (a in HEAD_ATTRS[:8] and v == heads or a in RATIO_ATTRS and v == 1)}
-        self.heads[owner] = Heads(heads, heads, head_dim, attrs, _per_head_args(self.first_inputs.get(owner), heads))
+        self.heads[owner] = Heads(heads, heads, head_dim, attrs, per_head_args(self.first_inputs.get(owner), heads))
         self.units[owner] = list(dict.fromkeys(latent + feeders + [out_proj]))
 
     def lm_head(self) -> None:
@@ -496,18 +496,3 @@ class _Inference:
         return RolePlan(ordered, "inferred", self.heads, problems, blocks_of(self.model, ordered), self.units,
                         self.layouts, self.sources, self.head_lists, self.head_rows,
                         random_draws(self.model, vocab_size), self.widths, self.routed)
-
-
-def _per_head_args(call, heads: int) -> list:
-    """The arguments (after the hidden states) of an attention module's
-    traced call that hold one slice per (row, head): floating tensors whose
-    first dimension is the trace's batch times the query heads."""
-    if call is None or heads < 2:
-        return []
-    args, kwargs = call
-    def per_head(a) -> bool:  # [batch * heads, ...] (BLOOM), or [heads, ...] shared by every row (MPT)
-        return isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() >= 2 \
-            and a.shape[0] in (TRACE_BATCH * heads, heads)
-
-    found = [i for i, a in enumerate(args) if i and per_head(a)]
-    return found + [k for k, a in kwargs.items() if k != "hidden_states" and per_head(a)]

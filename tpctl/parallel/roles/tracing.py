@@ -286,3 +286,17 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
         model.train(was_training)
     return tracer.nodes, out, calls
 
+
+def per_head_args(call, heads: int) -> list:
+    """The arguments (after the hidden states) of an attention module's
+    traced call that hold one slice per (row, head): floating tensors whose
+    first dimension is the trace's batch times the query heads."""
+    if call is None or heads < 2:
+        return []
+    args, kwargs = call
+    def per_head(a) -> bool:  # [batch * heads, ...] (BLOOM), or [heads, ...] shared by every row (MPT)
+        return isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() >= 2 \
+            and a.shape[0] in (TRACE_BATCH * heads, heads)
+
+    found = [i for i, a in enumerate(args) if i and per_head(a)]
+    return found + [k for k, a in kwargs.items() if k != "hidden_states" and per_head(a)]

@@ -23,12 +23,6 @@ from tpctl.parallel.pipeline.stages import PipelineSpec
 
 from .layer_comm import sliced_sums
 
-# What StageCut.assign sets: names, block indices and shapes, no tensor of the model it read.
-_ASSIGNED = ("stack_name", "block_keys", "blocks_of", "beside", "hidden", "weights", "chunks")
-# What of it depends on the model and seq_len only (StageCut._read): the same for every cut.
-_READ = ("stack_name", "block_keys", "beside", "hidden", "weights")
-
-
 def stage_rewrite(shape: Any, layout: Layout, rank: int, pipeline: Optional[PipelineSpec], cache: Optional[dict]):
     """(the Parallelism of `rank`, its pipeline read with `pipeline`'s
     schedule and micro-batches, the model rewritten on it, shapes only).
@@ -43,18 +37,18 @@ def stage_rewrite(shape: Any, layout: Layout, rank: int, pipeline: Optional[Pipe
         pipe = par.pipeline
         if pipe is not None and cache is not None:
             # Where the blocks go depends on the model and the cut, not on the
-            # mode: a stage assigned once is copied (StageCut.assign then
-            # returns at once); another cut of the model skips its trace.
-            assigned = cache.setdefault(("cut", cut, pipe.rank), pipe)
-            read = cache.setdefault(("read", cut.seq_len), pipe)
-            if assigned is not pipe:
-                pipe.__dict__.update({a: getattr(assigned, a) for a in _ASSIGNED})
-            elif read is not pipe:
-                pipe.__dict__.update({a: getattr(read, a) for a in _READ})
-                pipe.assign(_whole(shape, cache))  # places the blocks (reads nothing of the model)
+            # mode: the record a cut read (a frozen StageMap) is adopted by
+            # every later one, as it is under the same cut, its blocks placed
+            # again under another (what a trace reads depends on the model
+            # and seq_len only).
+            known = cache.get(("cut", cut)) or cache.get(("read", cut.seq_len))
+            if known is not None:
+                pipe.adopt(known)
         found = (par, par.rewrite(_original(shape, cache, pipe), shape.plan, dry_run=True, stage=True).model)
         if cache is None:
             return par, pipe, found[1]
+        if pipe is not None:  # (read by the cut of the rewrite, where no record was known)
+            cache[("cut", cut)] = cache[("read", cut.seq_len)] = pipe.stage_map
         cache[key] = found
     par, model = cache[key]
     pipe = par.pipeline
@@ -79,8 +73,8 @@ def _original(shape: Any, cache: Optional[dict], pipe=None):
         return shape.original()
     model = _whole(shape, cache)
     memo: dict = {}
-    if pipe is not None and pipe.blocks_of:
-        stack = model.get_submodule(pipe.stack_name)
+    if pipe is not None and pipe.stage_map is not None:
+        stack = model.get_submodule(pipe.stage_map.stack_name)
         held = {str(i) for c in pipe.chunks for i in c.blocks}
         memo[id(stack)] = _clone(stack, memo, keep=held)
     return _clone(model, memo)

@@ -32,10 +32,11 @@ import torch.nn as nn
 from tpctl.parallel import comm
 from tpctl.parallel.mesh import Mesh
 from tpctl.parallel.pipeline.cut import Chunk, PipelineRefused, StageCut, StageOutput, StageStack, StandIn, compute_weight
+from tpctl.parallel.pipeline.stage_map import StageMap
 from tpctl.parallel.pipeline.stages import PipelineSpec
 from tpctl.parallel.roles.plan import logits_of
 
-__all__ = ["Pipeline", "PipelineRefused", "StageOutput", "StageStack", "StandIn", "Chunk"]
+__all__ = ["Pipeline", "PipelineRefused", "StageOutput", "StageStack", "StandIn", "Chunk", "StageMap"]
 
 # Backends whose point-to-point carries CUDA tensors themselves.
 DEVICE_BACKENDS = ("nccl",)
@@ -64,15 +65,20 @@ class _Step:
     loss_sums: list = field(default_factory=list)
 
 
-class Pipeline(StageCut):
-    """This rank's stage (StageCut: what it holds, cut and wired) and the
-    schedule that runs a step through the stages: `forward_backward`."""
+class Pipeline:
+    """This rank's stage (`stage`, a StageCut: what it holds, cut and
+    wired) and the schedule that runs a step through the stages:
+    `forward_backward`. `spec` is the schedule's (the stage's places the
+    blocks: the planner reads a cut's record under other schedules and
+    micro-batch counts, cost/dry_run.py)."""
 
     # Tests set it to run the host staging on a CPU (where host_staging says no).
     force_host_staging = False
 
     def __init__(self, mesh: Mesh, spec: PipelineSpec, weigh: Callable[[nn.Module], float] = compute_weight):
-        super().__init__(mesh, spec, weigh)
+        self.mesh, self.spec = mesh, spec
+        self.size, self.rank = spec.stages, mesh.pp_rank
+        self.stage = StageCut(mesh, spec, weigh)
         self.group = mesh.groups.get("pp")
         import torch.distributed as dist
 
@@ -89,6 +95,55 @@ class Pipeline(StageCut):
         self.timings: list[tuple[float, float]] = []  # (busy, wall) seconds of each step
         self.busy_s = 0.0
 
+    # ---- the stage: what this rank holds (StageCut's) ---------------------------------
+    def assign(self, model: nn.Module) -> StageMap:
+        """Where the stages cut `model` (StageCut.assign): read once, the record returned."""
+        return self.stage.assign(model)
+
+    def adopt(self, stage_map: StageMap) -> StageMap:
+        """StageCut.adopt: another cut's record of the same model, taken without a trace."""
+        return self.stage.adopt(stage_map)
+
+    def cut(self, model: nn.Module, plan):
+        """The whole (meta) model trimmed to this rank's stage (StageCut.cut); its role plan."""
+        return self.stage.cut(model, plan)
+
+    def install(self, model: nn.Module) -> None:
+        """The rewritten stage wired (StageCut.install)."""
+        self.stage.install(model)
+        model.tpctl_stage = self
+
+    def holds(self, name: str) -> bool:
+        return self.stage.holds(name)
+
+    def stage_of(self, name: str) -> Optional[int]:
+        return self.stage.stage_of(name)
+
+    @property
+    def stage_map(self) -> Optional[StageMap]:
+        return self.stage.stage_map
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self.stage.chunks
+
+    @property
+    def blocks_of(self) -> list[range]:
+        return self.stage.blocks_of
+
+    @property
+    def first(self) -> bool:
+        return self.stage.first
+
+    @property
+    def last(self) -> bool:
+        return self.stage.last
+
+    @property
+    def model(self) -> Optional[nn.Module]:
+        """The rewritten stage (once installed)."""
+        return self.stage.model
+
     @property
     def micro_batches(self) -> int:
         """Micro-batches a step's batch is cut into."""
@@ -98,7 +153,7 @@ class Pipeline(StageCut):
                       autocast: Callable[[], Any] = contextlib.nullcontext) -> torch.Tensor:
         """The chunk's forward (under `autocast()`): its output stream, or
         the logits (last chunk)."""
-        with self.running(chunk, stream), autocast():
+        with self.stage.running(chunk, stream), autocast():
             try:
                 out = self.model(ids)
             except StageOutput as end:
@@ -110,7 +165,7 @@ class Pipeline(StageCut):
     def stream_shape(self, rows: int, seq: int, mode) -> tuple[int, ...]:
         """This rank's piece of the stream between two stages, for a
         micro-batch of which it reads `rows` rows of `seq` tokens."""
-        return tuple(mode.shard_hidden(torch.empty(rows, seq, self.hidden, device="meta")).shape)
+        return tuple(mode.shard_hidden(torch.empty(rows, seq, self.stage_map.hidden, device="meta")).shape)
 
     # ---- one step ----------------------------------------------------------------
     def forward_backward(self, micro_batches: list, criterion: Callable, tokens: int, stream: tuple,

@@ -160,7 +160,7 @@ def test_bench_takes_its_mode_names_from_the_registry():
 
     names = mode_names()
     assert {cls.name for cls in mode_classes()} | {"plain", "dtensor"} <= set(names) and "rows" in names
-    assert [f"{cls.name}+sp" for cls in mode_classes() if cls.sequence_parallel] == [n for n in names if n.endswith("+sp")]
+    assert [f"{cls.name}-sp" for cls in mode_classes() if cls.sequence_parallel] == [n for n in names if n.endswith("-sp")]
     cfg = compose_jobs(["model=gpt-tiny"])[0]
     check(cfg, ["none", "rows"], 2, None)
     assert layout_of("rows", 4, None) == Layout("rows", 4)

@@ -35,7 +35,7 @@ import json
 from typing import Optional
 
 from tpctl.commands.options import integer, parse_options, text
-from tpctl.cost.planner import KIND_ABBREV, Hardware, SplitPlan, load_hardware, plan_label, plan_world
+from tpctl.cost.planner import KIND_ABBREV, Hardware, SplitPlan, load_hardware, plan_world
 from tpctl.errors import ConfigError, fail
 
 
@@ -92,14 +92,14 @@ def main(args: list[str]) -> int:
     except ConfigError as e:
         return fail(e)
     if not plans:  # an empty table would read as "nothing to say"
-        why = "; ".join(f"{plan_label(s)}: {reason}" for s, reason in invalid) or "no mode has a size that divides it"
+        why = "; ".join(f"{s.label()}: {reason}" for s, reason in invalid) or "no mode has a size that divides it"
         return fail(f"invalid config: world={world}: no split of {world} ranks is valid for this model and batch: {why}")
     if as_json:
         print(json.dumps({"world": world, "hardware": dataclasses.asdict(hw) if hw else None,
                           "model": dict(cfg.model), "batch_size": cfg.train.batch_size,
                           "seq_len": cfg.train.seq_len, "recommended": plans[0].label if hw and plans and plans[0].fits else None,
                           "splits": [p.to_json() for p in plans],
-                          "invalid": [{"label": plan_label(s), "reason": why} for s, why in invalid]}, indent=1))
+                          "invalid": [{"label": s.label(), "reason": why} for s, why in invalid]}, indent=1))
         return 0
     print_table(plans, invalid, cfg, world, hw)
     return 0
@@ -149,4 +149,4 @@ def print_table(plans: list[SplitPlan], invalid, cfg, world: int, hw: Optional[H
     if hw and plans and not plans[0].fits:
         console.print("no split fits in memory: raise train.grad_accum (smaller micro-batches) or the world size")
     for s, why in invalid:
-        console.print(f"  not valid: {plan_label(s)}: {why}")
+        console.print(f"  not valid: {s.label()}: {why}")

@@ -147,7 +147,7 @@ def _check_jobs(overrides: list[str], multirun: bool, config_name: str, config_d
         return _Checked(fail(str(errors[0])))
     for job, (cfg, refusal) in enumerate(zip(jobs, errors)):
         if refusal is not None:
-            print(f"tpctl: skipping job {job} ({_layout(cfg)}): {refusal}", file=sys.stderr)
+            print(f"tpctl: skipping job {job} (mode={Layout.from_config(cfg).label()}): {refusal}", file=sys.stderr)
     return _Checked(EXIT_OK, run_dir, node_rank)
 
 
@@ -165,12 +165,6 @@ def check_run_inputs(cfg, dry_run: bool) -> None:
     from tpctl.data.corpora import prepare_data  # imported late: --cfg never needs it
 
     prepare_data(cfg)
-
-
-def _layout(cfg) -> str:
-    defaults = {"depth": 1, "pp": 1, "dp": 1, "zero": 0}
-    return f"mode={cfg.mode} size={cfg.size}" + "".join(f" {k}={cfg.get(k, d)}" for k, d in defaults.items()
-                                                        if cfg.get(k, d) != d)
 
 
 def _check_resume(cfg, run_dir: Path) -> None:

@@ -29,50 +29,49 @@ BLOCKING = "-blocking"
 
 def overlapped(name: str) -> tuple[str, bool]:
     """A bench mode name without its `-blocking` suffix, and whether it
-    overlaps communication (True unless the suffix was there)."""
-    return (name[:-len(BLOCKING)], False) if name.endswith(BLOCKING) else (name, True)
+    overlaps communication (True unless the suffix was there). `1d+sp`,
+    the spelling bench took before it read layout names, is `1d-sp`."""
+    name, overlaps = (name[:-len(BLOCKING)], False) if name.endswith(BLOCKING) else (name, True)
+    return (f"{name[:-3]}-sp" if name.endswith("+sp") else name), overlaps
 
 
 def mode_names() -> list[str]:
     """What `modes=[...]` takes besides layout names: the registered modes
-    (`none` among them), `<mode>+sp` for those with sequence parallelism,
+    (`none` among them), `<mode>-sp` for those with sequence parallelism,
     `plain` and `dtensor`."""
     from tpctl.parallel.registry import mode_classes
 
     names = [REFERENCE, PLAIN]
     for cls in mode_classes():
-        names += ([cls.name] if cls.name != REFERENCE else []) + ([f"{cls.name}+sp"] if cls.sequence_parallel else [])
+        names += ([cls.name] if cls.name != REFERENCE else []) + ([f"{cls.name}-sp"] if cls.sequence_parallel else [])
         names += [BASELINE] if cls.name == BASELINE_MODE else []  # beside the mode it reproduces
     return names
 
 
 def layout_of(name: str, size: int, depth: Optional[int], pp: int = 1):
-    """The layout a bench mode name measures: `none` and `plain` one rank,
-    `dtensor` a 1d group of `size`, a registered mode a group of `size`
-    (`1d+sp`: with sequence parallelism; a mode using depth, as 2.5d: the
-    smallest depth > 1 its geometry takes, unless given), with `pp`
-    pipeline stages of that group (pp x size ranks); or a layout's short
-    name (Layout.parse: `none-dp4-z2`, `2d-4-dp2-z3`) of `size` ranks in all."""
+    """The layout a bench mode name measures. Every name is a layout's
+    short name (Layout.parse) but `plain` (one rank) and `dtensor` (a 1d
+    group of `size`). One that names a mode alone (`1d`, `1d-sp`, `2.5d`:
+    no size, no other axis) is that mode on one group of `size` ranks,
+    with `pp` pipeline stages of it (pp x size ranks; a mode using depth,
+    as 2.5d: the smallest depth > 1 its geometry takes, unless given);
+    `none` is one rank. Any other (`none-dp4-z2`, `2d-4-dp2-z3`) is the
+    layout it names, of `size` ranks in all."""
     from tpctl.parallel.layout import Layout
 
     name = overlapped(name)[0]
-    if is_layout_name(name):
-        return Layout.parse(name)
-    if name in (REFERENCE, PLAIN):
+    if name == PLAIN:
         return Layout()
     if name == BASELINE:
         return Layout(BASELINE_MODE, size)
-    mode, sp = (name[:-3], True) if _sequence_parallel(name) else (name, False)
-    if not Layout(mode).mode_class.uses_depth:
-        return Layout(mode, size, pp=pp, seq_parallel=sp)
+    layout = Layout.parse(name)
+    if is_layout_name(name) or layout.mode == REFERENCE:
+        return layout
+    if not layout.mode_class.uses_depth:
+        return layout.replace(size=size, pp=pp)
     if depth is None:
-        depth = next((v["depth"] for v in Layout(mode).mode_class.variants(size) if _fits(Layout(mode, size, v["depth"]))), 1)
-    return Layout(mode, size, depth, pp=pp, seq_parallel=sp)
-
-
-def _sequence_parallel(name: str) -> bool:
-    """`1d+sp` (or `1d-sp`): a mode's name with sequence parallelism."""
-    return name.endswith(("+sp", "-sp")) and "-" not in name[:-3]
+        depth = next((v["depth"] for v in layout.mode_class.variants(size) if _fits(Layout(layout.mode, size, v["depth"]))), 1)
+    return layout.replace(size=size, depth=depth, pp=pp)
 
 
 def _fits(layout) -> bool:
@@ -84,9 +83,18 @@ def _fits(layout) -> bool:
 
 
 def is_layout_name(name: str) -> bool:
-    """Whether a bench mode name is a layout's short name (`2d-4-dp2-z1`)."""
+    """Whether a bench mode name names a whole layout (`2d-4-dp2-z1`:
+    anything besides a mode and `sp`), rather than a mode on the bench's
+    group; a name Layout.parse refuses is one where it has a '-' (`check`
+    says what is wrong with it)."""
+    from tpctl.parallel.layout import Layout
+
     name = overlapped(name)[0]
-    return "-" in name and not _sequence_parallel(name)
+    try:
+        layout = Layout.parse(name)
+    except ValueError:
+        return "-" in name
+    return layout.replace(seq_parallel=False) != Layout(layout.mode)
 
 
 def one_rank(name: str) -> bool:

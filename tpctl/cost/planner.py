@@ -135,15 +135,6 @@ def _linear_dims(module) -> tuple[int, int]:
 # One layout
 
 
-def plan_label(layout: Layout) -> str:
-    """The planner's name of a layout: `2d size=4 dp=2`, `2.5d size=8 d=2 dp=1`."""
-    name = layout.mode + ("+sp" if layout.seq_parallel else "")
-    extra = f" d={layout.depth}" if layout.mode_class.uses_depth else ""
-    pp = f" pp={layout.pp}" if layout.pp > 1 else ""
-    pp += f" cp={layout.cp}" if layout.cp > 1 else ""
-    return f"{name} size={layout.size}{extra}{pp} dp={layout.dp}" + (f" zero={layout.zero}" if layout.zero else "")
-
-
 @dataclass
 class Comm:
     """Collectives of one kind over one mesh group, per step, for one rank."""
@@ -184,7 +175,7 @@ class SplitPlan:
 
     @property
     def label(self) -> str:
-        return plan_label(self.layout)
+        return self.layout.label()
 
     def by_kind(self) -> dict[str, dict[str, float]]:
         out: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "bytes": 0, "wire_bytes": 0.0})

@@ -70,17 +70,37 @@ class Layout:
                     break
             else:
                 if part != "sp":
-                    raise ValueError(f"layout name {name!r}: {part!r} is not a size, d<depth>, sp, pp<N>, dp<N> or z<stage>")
+                    raise ValueError(f"layout name {name!r}: {part!r} is not a size, d<depth>, sp, pp<N>, cp<N>, dp<N> "
+                                     "or z<stage>")
                 fields["seq_parallel"] = True
         return cls(**fields)
 
+    # The one rendering of a layout, in two spellings: `name` (what `parse`
+    # reads back, `Layout.parse(layout.name) == layout`) and `label` (the
+    # same fields for people). Both show the mode, then each field that
+    # differs from its default, in this order.
+    _SHOWN = ("size", "depth", "seq_parallel", "pp", "cp", "dp", "zero")
+    _SHORT = {"size": "", "depth": "d", "pp": "pp", "cp": "cp", "dp": "dp", "zero": "z"}
+
+    def _shown(self, size: bool = False) -> list[tuple[str, Any]]:
+        """(key, value) of each field that differs from its default (and
+        with `size`, the size always), in the order names and labels show them."""
+        return [(key, getattr(self, key)) for key in self._SHOWN
+                if getattr(self, key) != _DEFAULTS[key] or (size and key == "size")]
+
     @property
     def name(self) -> str:
-        """The short name `parse` reads."""
-        parts = [self.mode] + ([str(self.size)] if self.size > 1 else []) + ([f"d{self.depth}"] if self.depth > 1 else [])
-        parts += ["sp"] if self.seq_parallel else []
-        parts += [f"{key}{getattr(self, key)}" for key in ("pp", "cp", "dp") if getattr(self, key) > 1]
-        return "-".join(parts + ([f"z{self.zero}"] if self.zero else []))
+        """The short name `parse` reads: `2d-4-dp2`, `1d-2-sp-cp2`, `2.5d-8-d2-pp2-z1`."""
+        return "-".join([self.mode] + ["sp" if key == "seq_parallel" else f"{self._SHORT[key]}{value}"
+                                       for key, value in self._shown()])
+
+    def label(self) -> str:
+        """The name spelled out for people, its fields by their config keys
+        and the size always: `2d size=4`, `2.5d size=8 depth=2 dp=2`,
+        `1d size=2 sp cp=2`, `3d size=8 pp=2 dp=2 zero=1` (any values, a
+        config's refused ones too)."""
+        return " ".join([str(self.mode)] + ["sp" if key == "seq_parallel" else f"{key}={value}"
+                                            for key, value in self._shown(size=True)])
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -132,19 +152,6 @@ class Layout:
         grid's (a cp group's ranks lie one grid apart: the tensor group
         stays the run of consecutive ranks)."""
         return (("dp", self.dp), ("pp", self.pp), ("cp", self.cp), *self.grid_axes)
-
-    def label(self) -> str:
-        """What tells layouts apart, briefly: `2d size=4`, `2.5d size=8
-        depth=2 dp=2`, `1d size=2 sp`, `3d size=8 pp=2 dp=2 zero=1`."""
-        parts = [self.mode, f"size={self.size}"]
-        if self.mode_class.uses_depth:
-            parts.append(f"depth={self.depth}")
-        parts += [f"{key}={getattr(self, key)}" for key in ("pp", "cp", "dp") if getattr(self, key) > 1]
-        if self.seq_parallel:
-            parts.append("sp")
-        if self.zero:
-            parts.append(f"zero={self.zero}")
-        return " ".join(parts)
 
     # ---- validation ------------------------------------------------------------
     def validate(self) -> Geometry:
@@ -236,6 +243,8 @@ class Layout:
         return [self.rank_of({**coords, **dict(zip(varying, var))})
                 for var in itertools.product(*(range(extent[n]) for n in varying))]
 
+
+_DEFAULTS = asdict(Layout())
 
 # Groups named by purpose -> the axes their members differ in.
 GROUP_AXES = {

@@ -111,7 +111,6 @@ class Pipeline:
     def install(self, model: nn.Module) -> None:
         """The rewritten stage wired (StageCut.install)."""
         self.stage.install(model)
-        model.tpctl_stage = self
 
     def holds(self, name: str) -> bool:
         return self.stage.holds(name)

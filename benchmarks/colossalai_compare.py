@@ -12,7 +12,7 @@ step's loss of each is checked against the one-process loss.
 ColossalAI is optional (not a tpctl dependency); without it this prints how
 to install it and exits 0. It pins torch<=2.5.1 and imports optimizer
 packages its legacy layers never call; the recipe below installs it beside
-torch 2.13 (README: "tpctl against ColossalAI")."""
+torch 2.13 (docs/benchmarks.md: "Against ColossalAI")."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 INSTALL = ("colossalai is not importable: python3 -m venv /work/cvenv && /work/cvenv/bin/pip install torch==2.13.0 "
            "&& BUILD_EXT=0 /work/cvenv/bin/pip install --no-deps colossalai==0.5.0 && /work/cvenv/bin/pip install "
            "psutil einops hydra-core omegaconf rich safetensors numpy, plus stubs for peft, galore_torch, bitsandbytes "
-           "and its seed manager on the CPU generator (README: 'tpctl against ColossalAI'); then run this with "
+           "and its seed manager on the CPU generator (docs/benchmarks.md: 'Against ColossalAI'); then run this with "
            "/work/cvenv/bin/python and PYTHONPATH=<tpctl>")
 
 LR = 0.1  # large enough that a wrong gradient shows in the second step's loss

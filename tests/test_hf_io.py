@@ -466,7 +466,7 @@ def test_pretrained_directory_through_train_export_and_generate(tpctl):  # noqa:
 
 
 def measure() -> None:
-    """The README's table: `python tests/test_hf_io.py` (8 gloo ranks, a
+    """The table of docs/benchmarks.md: `python tests/test_hf_io.py` (8 gloo ranks, a
     few minutes on 2 cores): per family, the largest difference to
     from_pretrained's logits as read (mode=none, 2d), the largest relative
     loss difference of 1d and 2d to mode=none over the steps, whether

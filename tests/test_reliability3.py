@@ -235,7 +235,7 @@ def _dropout_curves() -> dict:
 
 @pytest.mark.timeout(600)
 def test_a_pipeline_with_dropout_is_one_process_accumulating_over_its_micro_batches():
-    """The README's statement: masks are drawn per (step, micro-batch,
+    """docs/guide/pipeline.md's statement: masks are drawn per (step, micro-batch,
     block), so pp=P with M micro-batches equals mode=none train.grad_accum=M
     (fp32 round-off), not one unsplit batch."""
     from tpctl.launch.pool import DistPool

@@ -14,7 +14,7 @@ How wide a chunk is and what computes it is a `ChunkPolicy`, chosen by the
 logits' device (`policy_for`) or passed in, so the CUDA policy's code runs
 (and is tested) on a CPU too:
 
-  * CPU: 4M elements (16 MiB of fp32), the memory table of the README;
+  * CPU: 4M elements (16 MiB of fp32), the memory table of docs/benchmarks.md;
   * CUDA (`fused`): the forward's sums and the backward's gradient are one
     function each that torch.compile turns into one kernel reading the
     logits in their own dtype: no fp32 temporary at all, so the whole block

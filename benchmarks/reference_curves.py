@@ -62,9 +62,11 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--compare", help="a JSON of an earlier run: exit 1 unless every number is bit-identical")
     ap.add_argument("--tpctl", default=str(Path(sys.executable).with_name("tpctl")))
+    ap.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS), help="default: all 15")
     args = ap.parse_args()
     curves = {}
-    for name, keys in LAYOUTS.items():
+    for name in args.layouts:
+        keys = LAYOUTS[name]
         start = time.monotonic()
         curves[name] = run(name, keys, args.tpctl)
         print(f"{name:18s} {len(curves[name])} rows  {time.monotonic() - start:5.1f} s", flush=True)

@@ -50,6 +50,7 @@ SCRIPTS = {
     "prepare_data.py": (["--mb", "0.05", "--vocab", "300"], "tokens each", False),
     "pretrained_memory.py": (["--tiny", "--mode", "1d", "--size", "2"], "peak RSS ratio", False),
     "summa_overlap.py": (["--tokens", "16", "--hidden", "16", "--repeats", "1"], "lock-step", False),
+    "reference_curves.py": (["--layouts", "none", "--out", "curves.json"], "none ", True),
     "teardown_stress.py": (["--trainings", "1", "--generations", "1", "--parallel", "1"], "ok", True),
     "zero_fsdp2_prototype.py": (["--model", "gpt-tiny", "--steps", "2"], "tpctl zero=3: loss vs none", False),
     "zero_memory.py": (["--model", "gpt-tiny", "--modes", "none", "--dp", "2", "--zero", "3", "--seq", "16", "--steps", "1"],

@@ -1,9 +1,13 @@
 """A pool of ranks with an initialised gloo process group, for tests.
 
 Spawning processes and importing torch costs seconds per rank, so a test
-module starts one pool and runs many functions on it. Every call has a hard
-timeout: a deadlocked collective fails the call (and closes the pool) instead
-of hanging the suite; an exception on any rank is re-raised naming the rank.
+module starts one pool and runs many functions on it, and the ranks of a
+pool fork from one process that has imported torch (and what the pool's
+owner had imported of transformers and tpctl) once: a rank then costs a
+fork, not an interpreter importing torch (a pool of 8 spawned ranks spent
+13 CPU-s starting). Every call has a hard timeout: a deadlocked collective
+fails the call (and closes the pool) instead of hanging the suite; an
+exception on any rank is re-raised naming the rank.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -21,6 +26,49 @@ from .local import free_port
 
 # How often an idle rank looks whether the process that started it is alive.
 PARENT_POLL_S = 2.0
+# Imported once by a pool's zygote, before its ranks fork from it: what
+# every rank imports, and (where the pool's owner has them loaded, as a test
+# process has) the heavy modules the calls' functions import.
+PRELOAD = ("torch", "torch.distributed", "tpctl.launch.worker")
+PRELOAD_IF_LOADED = ("transformers", "tpctl.training.build", "tpctl.training.loop", "tpctl.models",
+                     "tpctl.parallel.parallelism", "tpctl.checkpoint")
+
+
+def _zygote(world: int, port: int, tasks, results, timeout_s: float, owner: int, preload: tuple) -> None:
+    """A pool's ranks, forked from this process once it has imported
+    `preload` (single-threaded until then: nothing has run), and waited
+    for. It dies with the pool's owner (PDEATHSIG), and the ranks with it;
+    when a rank ends other than by the pool's close, the others are ended
+    too (they would wait for it in their next collective)."""
+    import importlib
+    import signal
+
+    from tpctl.errors import die_with_parent
+
+    die_with_parent(signal.SIGKILL)
+    if os.getppid() != owner:  # the owner died before the line above
+        os._exit(1)
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except Exception:  # the rank that needs it reports the error when its call imports it
+            pass
+    me, pids = os.getpid(), {}
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _serve(rank, world, port, tasks[rank], results, timeout_s, me)
+            finally:
+                os._exit(1)  # (_serve leaves through worker.leave; never back into this loop)
+        pids[pid] = rank
+    while pids:
+        pid, status = os.wait()
+        pids.pop(pid, None)
+        if status != 0:
+            for other in pids:
+                os.kill(other, signal.SIGKILL)
+    os._exit(0)
 
 
 def _serve(rank: int, world: int, port: int, tasks, results, timeout_s: float, parent: int) -> None:
@@ -74,13 +122,10 @@ class DistPool:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         port = free_port("127.0.0.1")
-        self._procs = [
-            ctx.Process(target=_serve, args=(r, world_size, port, self._tasks[r], self._results, timeout_s, os.getpid()),
-                        daemon=True)
-            for r in range(world_size)
-        ]
-        for p in self._procs:
-            p.start()
+        preload = PRELOAD + tuple(name for name in PRELOAD_IF_LOADED if name in sys.modules)
+        self._zygote = ctx.Process(target=_zygote, daemon=True,
+                                   args=(world_size, port, self._tasks, self._results, timeout_s, os.getpid(), preload))
+        self._zygote.start()
 
     def run(self, fn: Callable, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         """Run fn(*args, **kwargs) on every rank; return the results by rank."""
@@ -117,8 +162,9 @@ class DistPool:
         self.run(_release_groups)
 
     def alive(self) -> bool:
-        """Every rank still serves (close() was not called, none died)."""
-        return not self._closed and all(p.is_alive() for p in self._procs)
+        """Every rank still serves (close() was not called, none died: the
+        zygote ends the others and itself when one dies)."""
+        return not self._closed and self._zygote.is_alive()
 
     def close(self) -> None:
         self._closed = True
@@ -128,14 +174,12 @@ class DistPool:
             except Exception:
                 pass
         # One grace period for all ranks (a rank that compiled may take long
-        # to tear down its process group), then kill what is left.
-        deadline = time.monotonic() + 5
-        for p in self._procs:
-            p.join(timeout=max(deadline - time.monotonic(), 0))
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        # to tear down its process group), then kill what is left: the
+        # zygote, whose death kills the ranks (PDEATHSIG).
+        self._zygote.join(timeout=5)
+        if self._zygote.is_alive():
+            self._zygote.kill()
+            self._zygote.join(timeout=5)
 
 
 _meshes: dict = {}  # per rank process: the process groups of a mesh are built once

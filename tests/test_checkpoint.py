@@ -47,6 +47,7 @@ def _model(layout, n_layer=1, mechanism=None):
     from tpctl.schema import ModelConfig, OptimConfig
     from tpctl.training.step import build_optimizer
 
+    # Deliberately the custom-loop API (init_parallel, parallelize), not build_run: checkpoints of a user's own loop.
     tp = tpctl.init_parallel(layout)
     # 37: a vocabulary that pads in every mode.
     cfg = OmegaConf.structured(ModelConfig(n_layer=n_layer, n_embd=16, n_head=4, block_size=8, vocab_size=37))

@@ -35,6 +35,7 @@ def _build(model_cfg, key: str, seed: int = 0):
     from tpctl.models import build_model
     from tpctl.parallel.tensor.rewrite import rewrite_layers
 
+    # Deliberately the layers alone (no run, no step, no data): what decoding reads.
     mode = parallelism_of(MESHES[key]).mode
     return rewrite_layers(build_model(model_cfg, seed, lazy=True), mode, training=False).model, mode  # (decoded only)
 

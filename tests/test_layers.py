@@ -108,6 +108,8 @@ def _build(case: str):
 
 
 def _compare(key: str, case: str, label_smoothing: float = 0.0) -> int:
+    """One layer (or a tiny stack) rewritten alone, deliberately not a run
+    (build_run): its forward and backward against the original's."""
     import torch.nn.functional as F
 
     from tpctl.parallel.tensor.rewrite import rewrite_layers

@@ -11,13 +11,13 @@ from typing import Any, Optional
 from tpctl.errors import ConfigError
 from tpctl.parallel.layout import Layout
 from tpctl.parallel.pipeline.stages import (
-    default_microbatches,
-    pipeline_of,
-    DEFAULT_SCHEDULE,
     SCHEDULES,
     TARGET_BUBBLE,
     PipelineSpec,
+    default_microbatches,
     least_microbatches,
+    pipeline_key,
+    pipeline_of,
     schedule_takes,
 )
 
@@ -35,14 +35,12 @@ def _check(cfg: Any, pp: int, row_split: int) -> None:
     """Refuse the first key of a run config with `pp` stages whose every
     micro-batch is split into `row_split` row blocks (dp x the mode's
     batch split) that the pipeline cannot take."""
-    p = cfg.get("pipeline") or {}
-    get = p.get if hasattr(p, "get") else (lambda k, d=None: getattr(p, k, d))
-    schedule = get("schedule", DEFAULT_SCHEDULE)
+    schedule = pipeline_key(cfg, "schedule")
     if schedule not in SCHEDULES:
         raise ConfigError("pipeline.schedule", schedule, f"expected one of {', '.join(SCHEDULES)}")
     # The counts are checked as written whatever pp is: a bad value is
     # refused even where this run does not use it.
-    virtual, m = get("virtual_stages", 2), get("microbatches", None)
+    virtual, m = pipeline_key(cfg, "virtual_stages"), pipeline_key(cfg, "microbatches")
     if type(virtual) is not int or virtual < 2:
         raise ConfigError("pipeline.virtual_stages", virtual, "the interleaved schedule runs several chunks per rank: expected 2 or more")
     if m is not None and (type(m) is not int or m < 1):
@@ -50,7 +48,7 @@ def _check(cfg: Any, pp: int, row_split: int) -> None:
     if pp == 1:  # one stage: nothing below applies
         return
     virtual = virtual if schedule == "interleaved" else 1
-    split = get("split", None)
+    split = pipeline_key(cfg, "split")
     if split is not None:
         split = tuple(split)
         if len(split) != pp * virtual or any(type(s) is not int or s < 1 for s in split):

@@ -53,7 +53,7 @@ def _zygote(world: int, port: int, tasks, results, timeout_s: float, owner: int,
             importlib.import_module(name)
         except Exception:  # the rank that needs it reports the error when its call imports it
             pass
-    me, pids = os.getpid(), {}
+    me, pids = os.getpid(), set()
     for rank in range(world):
         pid = os.fork()
         if pid == 0:
@@ -61,10 +61,10 @@ def _zygote(world: int, port: int, tasks, results, timeout_s: float, owner: int,
                 _serve(rank, world, port, tasks[rank], results, timeout_s, me)
             finally:
                 os._exit(1)  # (_serve leaves through worker.leave; never back into this loop)
-        pids[pid] = rank
+        pids.add(pid)
     while pids:
         pid, status = os.wait()
-        pids.pop(pid, None)
+        pids.discard(pid)
         if status != 0:
             for other in pids:
                 os.kill(other, signal.SIGKILL)

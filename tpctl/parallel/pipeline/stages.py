@@ -143,17 +143,26 @@ def pipeline_of(layout: Any, cfg: Any) -> Optional[PipelineSpec]:
     pp = layout.pp
     if pp == 1:
         return None
-    p = cfg.get("pipeline") or {}
-    get = p.get if hasattr(p, "get") else (lambda k, d=None: getattr(p, k, d))
-    schedule = get("schedule", DEFAULT_SCHEDULE)
-    virtual = get("virtual_stages", 2) if schedule == "interleaved" else 1
+    schedule = pipeline_key(cfg, "schedule")
+    virtual = pipeline_key(cfg, "virtual_stages") if schedule == "interleaved" else 1
     t, row_split = cfg.train, layout.dp * layout.geo.batch_split
-    m = get("microbatches", None) or default_microbatches(schedule, pp, virtual, t.batch_size, row_split)
+    m = pipeline_key(cfg, "microbatches") or default_microbatches(schedule, pp, virtual, t.batch_size, row_split)
     if m is None:
         raise ValueError(f"no default number of micro-batches for {schedule} over pp={pp} divides "
                          f"train.batch_size={t.batch_size} into {row_split}-row blocks")
-    split = get("split", None)
+    split = pipeline_key(cfg, "split")
     return PipelineSpec(pp, schedule, virtual, m, None if split is None else tuple(split), t.seq_len)
+
+
+# What a config that leaves out a pipeline key means (the schema's defaults).
+KEY_DEFAULTS = {"schedule": DEFAULT_SCHEDULE, "virtual_stages": 2, "microbatches": None, "split": None}
+
+
+def pipeline_key(cfg: Any, key: str) -> Any:
+    """The run config's `pipeline.<key>` as written (KEY_DEFAULTS' where
+    absent): what the stages read and config/pipeline.py checks."""
+    p = cfg.get("pipeline") or {}
+    return p.get(key, KEY_DEFAULTS[key]) if hasattr(p, "get") else getattr(p, key, KEY_DEFAULTS[key])
 
 
 def default_microbatches(schedule: str, pp: int, virtual: int, batch_size: int, row_split: int) -> Optional[int]:

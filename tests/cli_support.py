@@ -3,6 +3,12 @@
 Every process a test starts carries a unique marker in its environment (the
 workers inherit it), so a test can find any process it left behind, however
 it was reparented, by scanning /proc.
+
+Every timeout of the suite is written as the seconds it needs on an idle
+machine and stretched by `scaled` with the machine's measured slowness (the
+rule in docs/guide/testing.md): a busy machine gets the time it needs, and a
+real hang still fails within TIMEOUT_CAP_S (10 minutes) or the test's own,
+longer, timeout.
 """
 
 from __future__ import annotations
@@ -20,6 +26,69 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 MARKER_VAR = "TPCTL_TEST_MARKER"
+
+# The slowness factor, when set: this instead of measuring (>= 1; e.g. 1 to
+# keep every timeout as written). A subprocess a test starts (Tpctl) gets the
+# factor measured then, so its waits (tests/fake_worker.py) stretch alike.
+SLOWNESS_VAR = "TPCTL_TEST_SLOWNESS"
+# A stretched timeout never exceeds this (seconds; TPCTL_TEST_TIMEOUT_CAP_S),
+# unless written longer: a hang fails within minutes however busy the machine.
+TIMEOUT_CAP_S = float(os.environ.get("TPCTL_TEST_TIMEOUT_CAP_S", 600))
+MAX_SLOWNESS = 10.0
+# CPU seconds of _workload on the machine the timeouts were written on (2
+# cores of a Xeon): a slower CPU is slower by its ratio to this.
+REFERENCE_CPU_S = 0.022
+REMEASURE_S = 10.0
+_measured: list = []  # [(monotonic time, factor)]: the last measurement
+
+
+def _workload() -> tuple[float, float]:
+    """(wall, CPU) seconds of a fixed pure-Python loop (about 20 ms of one
+    core): on a busy machine the wall time is the CPU time times the share of
+    a core this process gets."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    total = 0
+    for i in range(200_000):
+        total += i * i % 7
+    return time.perf_counter() - wall, time.thread_time() - cpu
+
+
+def measure_slowness() -> float:
+    """How many times slower than the reference machine at rest this machine
+    runs now, in [1, MAX_SLOWNESS]: the larger of the measured one (_workload:
+    wall over CPU time, times CPU time over REFERENCE_CPU_S where slower) and
+    the 1-minute load average per core (which lags a load just started, and
+    counts the suite's own ranks)."""
+    wall, cpu = _workload()
+    cpu = max(cpu, 1e-6)
+    measured = max(1.0, wall / cpu) * max(1.0, cpu / REFERENCE_CPU_S)
+    try:
+        by_load = os.getloadavg()[0] / (len(os.sched_getaffinity(0)) or 1)
+    except (OSError, AttributeError):
+        by_load = 1.0
+    return min(MAX_SLOWNESS, max(1.0, measured, by_load))
+
+
+def slowness() -> float:
+    """The factor every timeout of the suite is stretched by (scaled): the
+    SLOWNESS_VAR environment variable when set, else measure_slowness(),
+    measured again when the last measurement is older than REMEASURE_S (a
+    load may start after the session does)."""
+    fixed = os.environ.get(SLOWNESS_VAR)
+    if fixed:
+        return min(MAX_SLOWNESS, max(1.0, float(fixed)))
+    now = time.monotonic()
+    if not _measured or now - _measured[0][0] > REMEASURE_S:
+        _measured[:] = [(now, measure_slowness())]
+    return _measured[0][1]
+
+
+def scaled(seconds: float) -> float:
+    """`seconds` (what a wait needs on an idle machine) times slowness(), at
+    most TIMEOUT_CAP_S (or `seconds` itself where that is longer)."""
+    if seconds <= 0:
+        return seconds
+    return min(seconds * slowness(), max(seconds, TIMEOUT_CAP_S))
 
 
 def default_sigint() -> None:
@@ -46,21 +115,25 @@ class Tpctl:
         # Workers must find tests.fake_worker; the parent runs from tmp dirs.
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env.setdefault("OMP_NUM_THREADS", "1")
+        env[SLOWNESS_VAR] = f"{slowness():.2f}"  # its own waits stretch as this test's do
         return env
 
     def command(self, args: list[str]) -> list[str]:
         return [sys.executable, "-m", "tpctl.cli", *args]
 
     def run(self, args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run(self.command(args), cwd=self.cwd, env=self.env(), capture_output=True, text=True, timeout=timeout)
+        """`tpctl ARGS` to its end; `timeout`: seconds on an idle machine (scaled)."""
+        return subprocess.run(self.command(args), cwd=self.cwd, env=self.env(), capture_output=True, text=True,
+                              timeout=scaled(timeout))
 
     def start(self, args: list[str]) -> subprocess.Popen:
         return subprocess.Popen(self.command(args), cwd=self.cwd, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, preexec_fn=default_sigint)
 
     def leftover_pids(self, wait_s: float = 5.0) -> list[int]:
-        """Processes still alive with this test's marker, after up to wait_s."""
-        deadline = time.monotonic() + wait_s
+        """Processes still alive with this test's marker, after up to wait_s
+        (on an idle machine: scaled)."""
+        deadline = time.monotonic() + scaled(wait_s)
         while True:
             pids = marked_pids(self.marker)
             if not pids or time.monotonic() > deadline:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from cli_support import scaled, slowness
 from tpctl.launch.pool import DistPool
 from tpctl.parallel.layout import Layout
 
@@ -110,13 +111,14 @@ class Pools:
         if pool is None or not pool.alive():
             if pool is not None:
                 pool.close()
-            pool = self._by_world[world] = DistPool(world, timeout_s=180)
+            pool = self._by_world[world] = DistPool(world, timeout_s=scaled(POOL_TIMEOUT_S))
         return pool
 
-    def run(self, fn, *args, ranks: int | None = None, **kwargs):
+    def run(self, fn, *args, ranks: int | None = None, timeout_s: float = None, **kwargs):
         """fn(*args, **kwargs) on every rank of the pool of `ranks` (default:
-        the layout's world); the results by rank (DistPool.run)."""
-        return self.of(ranks or _world_of(args)).run(fn, *args, **kwargs)
+        the layout's world); the results by rank (DistPool.run). `timeout_s`:
+        the call's seconds on an idle machine (default POOL_TIMEOUT_S), scaled."""
+        return self.of(ranks or _world_of(args)).run(fn, *args, timeout_s=scaled(timeout_s or POOL_TIMEOUT_S), **kwargs)
 
     def release_groups(self) -> None:
         for pool in self._by_world.values():
@@ -139,6 +141,7 @@ def _world_of(args) -> int:
     return WORLD
 
 
+POOL_TIMEOUT_S = 180  # a pool call's, and its process group's, on an idle machine (scaled)
 _pools = Pools()
 
 
@@ -152,6 +155,27 @@ def pool():
 
 def pytest_sessionfinish(session, exitstatus):
     _pools.close()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test's timeout (its timeout mark, else the ini's `timeout`) is
+    stretched by the slowness measured as it starts (cli_support.scaled: at
+    most 10 minutes unless written longer), before pytest-timeout reads it."""
+    mark = item.get_closest_marker("timeout")
+    written = (mark.args[0] if mark and mark.args else mark.kwargs.get("timeout") if mark else None)
+    if written is None and not mark:
+        written = item.config._env_timeout if hasattr(item.config, "_env_timeout") else None
+    if written:
+        kwargs = dict(mark.kwargs) if mark else {}
+        kwargs.pop("timeout", None)
+        item.add_marker(pytest.mark.timeout(scaled(float(written)), *(mark.args[1:] if mark else ()), **kwargs),
+                        append=False)
+    yield
+
+
+def pytest_report_header(config):
+    return f"tpctl: timeouts stretched by the measured slowness, now {slowness():.1f} (tests/cli_support.py: scaled)"
 
 
 def pytest_collection_modifyitems(config, items):

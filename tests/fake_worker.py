@@ -20,6 +20,10 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+# Its waits for the other ranks stretch as the test's timeouts do: by the
+# slowness measured when the test started tpctl (cli_support.Tpctl sets it).
+WAIT_S = min(60 * float(os.environ.get("TPCTL_TEST_SLOWNESS") or 1), 600)
+
 
 @record
 def main() -> None:
@@ -29,7 +33,7 @@ def main() -> None:
     if os.environ.get("FAKE_WORKER_FAIL_RANK") == str(rank):
         # Fail only once every rank of this node is running, so there is
         # something to stop however fast or slow the machine starts them.
-        world, deadline = int(os.environ["LOCAL_WORLD_SIZE"]), time.monotonic() + 60
+        world, deadline = int(os.environ["LOCAL_WORLD_SIZE"]), time.monotonic() + WAIT_S
         while len(list(run_dir.glob("fake_worker_rank*.pid"))) < world and time.monotonic() < deadline:
             time.sleep(0.05)
         raise RuntimeError(f"fake failure on rank {rank}")
@@ -59,7 +63,7 @@ def run() -> None:
         from tpctl.launch.worker import DONE_MARKER
 
         attempt = Path(os.environ["TORCHELASTIC_ERROR_FILE"]).parent.parent
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + WAIT_S
         while len(list(attempt.glob(f"*/{DONE_MARKER}"))) < int(os.environ["LOCAL_WORLD_SIZE"]) and time.monotonic() < deadline:
             time.sleep(0.05)
         os.abort()

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import pytest
 
+from cli_support import scaled
+
 
 def test_plain_trains_the_same_model_as_none():
     from tpctl.config import compose_jobs
     from tpctl.cost.measure import bench
 
     cfg = compose_jobs(["model=gpt-tiny", "model.n_layer=1", "train.batch_size=4", "train.seq_len=16"])[0]
-    results = bench(cfg, ["none", "plain"], size=2, steps=2, rounds=1, warmup=1, timeout_s=240)
+    results = bench(cfg, ["none", "plain"], size=2, steps=2, rounds=1, warmup=1, timeout_s=scaled(240))
     none, plain = results["none"], results["plain"]
     assert abs(none["first_loss"] - plain["first_loss"]) < 1e-6
     assert none["param_bytes"] == plain["param_bytes"] and none["optim_bytes"] == plain["optim_bytes"]
@@ -46,7 +48,7 @@ def test_bench_cli_shows_the_plain_ratio(tmp_path):
 
     result = subprocess.run([sys.executable, "-m", "tpctl.cli", "bench", "size=2", "modes=[none,plain]", "steps=1",
                              "rounds=1", "warmup=0", "model.n_layer=1", "train.batch_size=4", "train.seq_len=16"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=240, env={**__import__("os").environ,
+                            cwd=tmp_path, capture_output=True, text=True, timeout=scaled(240), env={**__import__("os").environ,
                                                                                              "PYTHONPATH": str(REPO)})
     assert result.returncode == 0, result.stderr
     assert "x plain" in result.stdout and "plain" in result.stdout

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from cli_support import scaled
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 
@@ -75,7 +77,7 @@ def test_script_runs_on_tiny_shapes(script, tmp_path):
     proc = subprocess.Popen([sys.executable, str(BENCHMARKS / script), *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=840)
+        out, err = proc.communicate(timeout=scaled(840))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()

@@ -15,6 +15,7 @@ import os
 
 import pytest
 
+from cli_support import scaled
 from tpctl.parallel.layout import Layout
 from conftest import build_trainer, tiny_config
 
@@ -85,7 +86,7 @@ def pool1():
     # closing the pool wait for it; one tiny graph needs no pool.
     saved = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-    p = DistPool(1, timeout_s=600)
+    p = DistPool(1, timeout_s=scaled(600))
     if saved is None:
         os.environ.pop("TORCHINDUCTOR_COMPILE_THREADS")
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cli_support import scaled
 from conftest import tiny_config
 
 from tpctl.parallel.layout import Layout
@@ -101,14 +102,14 @@ def test_the_16_rank_cp_layouts_train_as_one_process():
     from tpctl.launch.pool import DistPool
 
     cfg = tiny_config(1, **{"model.n_embd": 32, "model.n_head": 8})
-    pool16 = DistPool(16, timeout_s=300)
+    pool16 = DistPool(16, timeout_s=scaled(300))
     try:
         for name in SIXTEEN:
             assert Layout.parse(name).world == 16, name
             for impl, kind in (("ring", "ring_pass"), ("ulysses", "all_to_all")):
                 plan = plan_split(model_shape(cfg.model), Layout.parse(name), cfg.train.batch_size,
                                   cfg.train.seq_len, context=impl)
-                results = pool16.run(_cp_against_one_process, name, impl, timeout_s=600)
+                results = pool16.run(_cp_against_one_process, name, impl, timeout_s=scaled(600))
                 assert len(results) == 16
                 for loss_err, grad_err, counted in results:
                     assert loss_err < 1e-6 and grad_err < 1e-6, (name, impl, loss_err, grad_err)
@@ -118,10 +119,10 @@ def test_the_16_rank_cp_layouts_train_as_one_process():
         # every step's loss as 16 data-parallel ranks give it, and every
         # byte rank 0 sends in a step as planned.
         batch = {"train.batch_size": 16}
-        want = pool16.run(_curve, "none-dp16", 4, timeout_s=600, **batch)[0]
+        want = pool16.run(_curve, "none-dp16", 4, timeout_s=scaled(600), **batch)[0]
         name = "2.5d-8-d2-cp2-z2"
         planned = plan_split(model_shape(cfg.model), Layout.parse(name), 16, cfg.train.seq_len).comm_bytes
-        results = pool16.run(_curve_and_bytes, name, 4, timeout_s=600, **batch)
+        results = pool16.run(_curve_and_bytes, name, 4, timeout_s=scaled(600), **batch)
         assert results[0][1] == planned > 0, (results[0][1], planned)
         for losses, _ in results:
             assert losses == pytest.approx(want, rel=1e-6) and losses != pytest.approx(want[:1] * 4), name

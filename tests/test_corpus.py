@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cli_support import scaled
 from conftest import build_trainer, layouts
 from tpctl.commands import prepare_data as command
 from tpctl.data import DataError, sources
@@ -288,7 +289,7 @@ def test_cli_refuses_the_vocab_before_workers_start(word_corpus, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     r = subprocess.run([sys.executable, "-m", "tpctl.cli", "train", f"data.path={word_corpus}", "mode=1d", "size=2",
                         "train.steps=2", f"hydra.run.dir={tmp_path / 'run'}"],
-                       capture_output=True, text=True, env=env, timeout=120)
+                       capture_output=True, text=True, env=env, timeout=scaled(120))
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "model.vocab_size" in lines[0] and str(WORDS + 2) in lines[0]

@@ -16,6 +16,7 @@ import os
 
 import pytest
 
+from cli_support import scaled
 from tpctl.commands.run_dir import layout_overrides, read_metrics, train_subprocess
 
 pytestmark = pytest.mark.slow
@@ -36,7 +37,7 @@ def run_curve(tmp_path_factory):
         if name not in cache:
             run_dir = tmp_path_factory.mktemp("e2e") / name
             env = dict(os.environ, OMP_NUM_THREADS="1")
-            proc = train_subprocess([*RUNS[name], *COMMON], run_dir, timeout=400, env=env)
+            proc = train_subprocess([*RUNS[name], *COMMON], run_dir, timeout=scaled(400), env=env)
             assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
             cache[name] = read_metrics(run_dir)
         return cache[name]
@@ -74,7 +75,7 @@ def test_layout_auto_trains_its_pick_exactly(run_curve, tmp_path):
 
     run_dir = tmp_path / "auto"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = train_subprocess(["layout=auto", "world=4", *COMMON], run_dir, timeout=400, env=env)
+    proc = train_subprocess(["layout=auto", "world=4", *COMMON], run_dir, timeout=scaled(400), env=env)
     assert proc.returncode == 0, f"layout=auto failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     picked = json.loads((run_dir / "summary.json").read_text())["auto"]
     assert f"layout=auto picked {picked['layout']}" in proc.stdout

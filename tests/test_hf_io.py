@@ -21,7 +21,7 @@ import json
 import pytest
 import torch
 
-from cli_support import tpctl  # noqa: F401  (fixture)
+from cli_support import tpctl, scaled  # noqa: F401  (fixture)
 from conftest import build, layouts, trainer_of
 
 pytest.importorskip("transformers")
@@ -481,7 +481,7 @@ def measure() -> None:
     from tpctl.launch.pool import DistPool
 
     sys.path.insert(0, str(Path(__file__).parent))
-    pool = DistPool(4, timeout_s=900)  # every layout below has 4 ranks
+    pool = DistPool(4, timeout_s=scaled(900))  # every layout below has 4 ranks
     root = Path(tempfile.mkdtemp(prefix="hf-io-"))
     print("| family | read, none / 2d | train 1d / 2d vs none | greedy = transformers, none / 2d "
           "| export vs trained, none / 2d | 2d export vs none export |")

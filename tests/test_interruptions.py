@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_support import default_sigint, marked_pids, tiny_gpt2_directory, tpctl  # noqa: F401  (fixture)
+from cli_support import default_sigint, marked_pids, tiny_gpt2_directory, tpctl, scaled  # noqa: F401  (fixture)
 from tpctl.data import prepare as corpus
 
 
@@ -40,13 +40,13 @@ def _interrupt_prepare(tpctl, tmp_path: Path, sig: int, group: bool, workers: in
                             start_new_session=True,  # its own process group, as a terminal's job
                             preexec_fn=default_sigint)  # and Ctrl-C's default, however this suite was started
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120)
         while not list(tmp_path.glob(".out.*.tmp" + ("/train-*.bin" if when == "mid" else ""))):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.02)
         (os.killpg if group else os.kill)(proc.pid, sig)
         sent = time.monotonic()
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=scaled(60))
         return proc.returncode, err, time.monotonic() - sent
     finally:
         if proc.poll() is None:
@@ -64,7 +64,7 @@ def test_an_interrupted_prepare_data_stops_in_seconds_with_one_line_and_no_tempo
     name = signal.Signals(sig).name
     assert status == 128 + sig, err
     assert err.splitlines() == [f"tpctl: prepare-data interrupted by {name}; out={tmp_path / 'out'} is as it was"]
-    assert seconds < 30
+    assert seconds < scaled(30)
     assert not list(tmp_path.glob(".out.*")) and not (tmp_path / "out").exists(), [list(p.iterdir()) for p in tmp_path.glob(".out.*")]
     assert tpctl.leftover_pids() == []
 
@@ -73,7 +73,7 @@ def test_a_child_started_to_be_interrupted_gets_ctrl_c_even_if_the_suite_ignores
     saved = signal.signal(signal.SIGINT, signal.SIG_IGN)  # this process, as under nohup or a script's `(make test &)`
     try:
         probe = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
-        inherited, reset = (subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+        inherited, reset = (subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=scaled(60),
                                            **options).stdout.strip() for options in ({}, {"preexec_fn": default_sigint}))
     finally:
         signal.signal(signal.SIGINT, saved)
@@ -123,12 +123,12 @@ def _ctrl_c(tpctl, args: list[str], when) -> tuple[int, str]:
     proc = subprocess.Popen(tpctl.command(args), cwd=tpctl.cwd, env=tpctl.env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=default_sigint)
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + scaled(180)
         while not when(proc.pid):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=90)
+        _, err = proc.communicate(timeout=scaled(90))
         return proc.returncode, err
     finally:
         if proc.poll() is None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from cli_support import REPO, tpctl  # noqa: F401  (fixture)
+from cli_support import REPO, tpctl, scaled  # noqa: F401  (fixture)
 from tpctl.config import compose_jobs
 from tpctl.launch.local import launch
 
@@ -72,12 +72,12 @@ def test_ctrl_c_stops_every_worker_and_exits_130(tpctl):
     run_dir = tpctl.cwd / "run"
     proc = tpctl.start(fake_run_args(run_dir, "mode=1d", "size=2"))
     try:
-        deadline = time.monotonic() + 40
+        deadline = time.monotonic() + scaled(40)
         while len(pid_files(run_dir)) < 2:  # every worker is running
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
         os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C sends to the launcher
-        _, stderr = proc.communicate(timeout=40)
+        _, stderr = proc.communicate(timeout=scaled(40))
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from cli_support import tpctl  # noqa: F401  (fixture)
+from cli_support import tpctl, scaled  # noqa: F401  (fixture)
 from tpctl.config import compose_jobs
 from tpctl.launch.local import free_port, node_layout
 
@@ -23,7 +23,7 @@ COMMON = ["data=synthetic", "train.log_every=1", "train.eval_every=0", "train.pr
 
 def node_args(run_dir: Path, port: int, node_rank: int, *overrides: str) -> list[str]:
     return ["train", *overrides, *COMMON, "launcher.nnodes=2", f"launcher.node_rank={node_rank}",
-            f"launcher.rdzv_endpoint=127.0.0.1:{port}", "launcher.rdzv_timeout_s=120", f"hydra.run.dir={run_dir}"]
+            f"launcher.rdzv_endpoint=127.0.0.1:{port}", f"launcher.rdzv_timeout_s={round(scaled(120))}", f"hydra.run.dir={run_dir}"]
 
 
 def curve(*run_dirs: Path) -> list[dict]:
@@ -69,7 +69,7 @@ def test_two_nodes_on_loopback_train_exactly_like_one_node(tpctl):
     port = free_port("127.0.0.1")
     dirs = [tpctl.cwd / "node0", tpctl.cwd / "node1"]
     nodes = [tpctl.start(node_args(dirs[k], port, k, *layout)) for k in (0, 1)]
-    outputs = [p.communicate(timeout=200) for p in nodes]
+    outputs = [p.communicate(timeout=scaled(200)) for p in nodes]
     for p, (out, err) in zip(nodes, outputs):  # (both nodes' errors: one's failure may be the other's cause)
         assert p.returncode == 0, "\n".join(f"node {k}: {e[-2000:]}" for k, (_, e) in enumerate(outputs))
     # 2 workers per node, size=4: the tensor-parallel group spans both, and tpctl says so.
@@ -90,7 +90,7 @@ def test_two_nodes_on_loopback_train_exactly_like_one_node(tpctl):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("dying", [1, 0], ids=["worker-node-dies", "rendezvous-host-dies"])
 def test_one_nodes_death_ends_the_other_with_exit_1(tpctl, dying):
-    timeout_s = 60  # (start-up's collectives run under it too: 30 s was too short on a loaded machine)
+    timeout_s = round(scaled(60))  # (start-up's collectives run under it too: 30 s was too short on a loaded machine)
     port = free_port("127.0.0.1")
     dirs = [tpctl.cwd / "node0", tpctl.cwd / "node1"]
     # One worker per node is enough to lose a peer, and starts fastest.
@@ -98,13 +98,13 @@ def test_one_nodes_death_ends_the_other_with_exit_1(tpctl, dying):
     nodes = [tpctl.start(node_args(dirs[k], port, k, *args)) for k in (0, 1)]
     survivor = 1 - dying
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + scaled(240)
         while not any((d / "metrics.jsonl").exists() and (d / "metrics.jsonl").read_text() for d in dirs):
             assert all(p.poll() is None for p in nodes) and time.monotonic() < deadline, "training never started"
             time.sleep(0.5)
         nodes[dying].send_signal(signal.SIGKILL)  # its tpctl dies; its workers follow (PDEATHSIG)
         killed_at = time.monotonic()
-        _, err = nodes[survivor].communicate(timeout=timeout_s + 60)
+        _, err = nodes[survivor].communicate(timeout=timeout_s + scaled(60))
         elapsed = time.monotonic() - killed_at
     finally:
         for p in nodes:
@@ -114,7 +114,7 @@ def test_one_nodes_death_ends_the_other_with_exit_1(tpctl, dying):
     assert nodes[survivor].returncode == 1, err[-3000:]
     # Within the collective timeout, plus the survivor's teardown (seconds;
     # more on a loaded machine, where a lost peer may only show as the timeout).
-    assert elapsed < timeout_s + 20, f"node {survivor} took {elapsed:.0f}s to notice"
+    assert elapsed < timeout_s + scaled(20), f"node {survivor} took {elapsed:.0f}s to notice"
     lines = [line for line in err.splitlines() if line.startswith("tpctl:")]
     # Either its workers lose their peer first, or (when node 0, the
     # rendezvous host, died) its agent loses the rendezvous first.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cli_support import tpctl  # noqa: F401  (fixture)
+from cli_support import tpctl, scaled  # noqa: F401  (fixture)
 from conftest import build, build_trainer, tiny_config
 
 from tpctl.parallel.layout import Layout
@@ -531,7 +531,7 @@ def test_two_nodes_hold_one_stage_each_and_train_like_one_node(tpctl):
     port = free_port("127.0.0.1")
     dirs = [tpctl.cwd / "node0", tpctl.cwd / "node1"]
     nodes = [tpctl.start(node_args(dirs[k], port, k, *layout)) for k in (0, 1)]
-    outputs = [p.communicate(timeout=400) for p in nodes]
+    outputs = [p.communicate(timeout=scaled(400)) for p in nodes]
     for p, (_, err) in zip(nodes, outputs):
         assert p.returncode == 0, err[-3000:]
     assert "1 whole tensor-parallel group(s) of 2; only pipeline and data-parallel traffic crosses nodes" in outputs[1][1]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cli_support import tpctl  # noqa: F401  (fixture)
+from cli_support import tpctl, scaled  # noqa: F401  (fixture)
 from conftest import LAYOUTS, layouts
 
 from tpctl.parallel.layout import Layout
@@ -179,7 +179,7 @@ def test_bench_runs_every_mode_on_the_same_model():
     from tpctl.parallel.layout import Layout
 
     cfg = compose_jobs(["model=gpt-tiny", "model.n_layer=1", "train.batch_size=4", "train.seq_len=16"])[0]
-    results = bench(cfg, ["none", "1d", "dtensor"], size=2, steps=1, rounds=1, warmup=0, timeout_s=240)
+    results = bench(cfg, ["none", "1d", "dtensor"], size=2, steps=1, rounds=1, warmup=0, timeout_s=scaled(240))
     losses = [results[m]["first_loss"] for m in ("none", "1d", "dtensor")]
     assert max(losses) - min(losses) < 1e-5, losses
     planned = plan_split(model_shape(cfg.model), Layout("1d", 2), 4, 16)

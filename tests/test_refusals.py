@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_support import REPO, marked_pids, tpctl  # noqa: F401  (fixture)
+from cli_support import REPO, marked_pids, tpctl, scaled  # noqa: F401  (fixture)
 from conftest import LAYOUTS, build_trainer, tiny_config
 from tpctl.errors import LAUNCHER_PID_ENV
 
@@ -96,7 +96,7 @@ def test_the_free_space_a_save_asks_for_is_what_the_checkpoint_takes(pool, tmp_p
 def test_workers_of_a_launcher_killed_while_they_import_end_with_it(tpctl):
     proc = tpctl.start(["train", "mode=1d", "size=2", "dp=2", "data=synthetic", f"hydra.run.dir={tpctl.cwd / 'run'}"])
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + scaled(180)
         while len([p for p in marked_pids(tpctl.marker) if p != proc.pid]) < 4:  # every worker exists
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
@@ -112,11 +112,11 @@ def test_a_worker_whose_launcher_is_already_gone_does_not_start(tmp_path):
     env = {**os.environ, LAUNCHER_PID_ENV: str(os.getpid() + 1_000_000), "RANK": "3"}  # not its parent
     started = time.monotonic()
     worker = subprocess.run([sys.executable, "-m", "tpctl.launch.worker", str(tmp_path / "config.yaml")],
-                            capture_output=True, text=True, env=env, timeout=60, cwd=REPO)
+                            capture_output=True, text=True, env=env, timeout=scaled(60), cwd=REPO)
     assert worker.returncode == 128 + signal.SIGTERM, worker.stderr
     assert worker.stderr.splitlines() == [f"tpctl: rank 3: the launcher (pid {env[LAUNCHER_PID_ENV]}) is gone; "
                                           "not starting"]
-    assert time.monotonic() - started < 30  # before torch: a few imports of the standard library
+    assert time.monotonic() - started < scaled(30)  # before torch: a few imports of the standard library
 
 
 @pytest.mark.timeout(240)
@@ -135,7 +135,7 @@ def test_a_worker_whose_store_never_answers_ends_after_the_collective_timeout_an
                "MASTER_PORT": str(silent.getsockname()[1])}
         env.pop(LAUNCHER_PID_ENV, None)
         worker = subprocess.run([sys.executable, "-m", "tpctl.launch.worker", str(tmp_path / "config.yaml")],
-                                capture_output=True, text=True, env=env, timeout=200, cwd=REPO)
+                                capture_output=True, text=True, env=env, timeout=scaled(200), cwd=REPO)
     assert worker.returncode == -signal.SIGALRM, worker.stderr
     from types import SimpleNamespace
 

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cli_support import tpctl  # noqa: F401  (fixture)
+from cli_support import tpctl, scaled  # noqa: F401  (fixture)
 from tpctl.config import compose_jobs, validate
 from tpctl.errors import ConfigError
 from tpctl.launch.run_lock import RunDirBusy, RunDirLock, probe
@@ -329,12 +329,12 @@ def test_rendezvous_problems_are_named_within_the_timeout():
     start = time.monotonic()
     refused = wait_for_rendezvous_host(f"127.0.0.1:{_closed_port()}", timeout_s=2)
     assert "within launcher.rdzv_timeout_s=2" in refused and "connection refused: is node 0" in refused
-    assert 2 <= time.monotonic() - start < 10
+    assert 2 <= time.monotonic() - start < scaled(10)
     assert "does not resolve" in wait_for_rendezvous_host("notahost.invalid:29500", timeout_s=2)
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # node 0's rendezvous store
-    assert wait_for_rendezvous_host(f"127.0.0.1:{store.port}", timeout_s=10) is None
+    assert wait_for_rendezvous_host(f"127.0.0.1:{store.port}", timeout_s=scaled(10)) is None
     with socket.socket() as server:  # something that accepts connections and never answers
         server.bind(("127.0.0.1", 0))
         server.listen()
@@ -342,7 +342,7 @@ def test_rendezvous_problems_are_named_within_the_timeout():
         silent = wait_for_rendezvous_host(f"127.0.0.1:{server.getsockname()[1]}", timeout_s=6)
         assert "accepts connections but does not answer as node 0's rendezvous store would within " \
                "launcher.rdzv_timeout_s=6" in silent
-        assert time.monotonic() - start < 60  # 6 s, and a child's import of torch
+        assert time.monotonic() - start < scaled(60)  # 6 s, and a child's import of torch
 
 
 # --------------------------------------------------------------------------
@@ -378,7 +378,7 @@ def test_a_second_run_on_a_busy_run_dir_exits_2_and_the_first_is_untouched(tpctl
     shared = tpctl.cwd / "shared"
     first = tpctl.start([*args, f"hydra.run.dir={shared}"])
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120)
         while not (shared / "config.yaml").exists():  # the first run owns the dir and has started
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()
             time.sleep(0.1)
@@ -396,7 +396,7 @@ def test_a_second_run_on_a_busy_run_dir_exits_2_and_the_first_is_untouched(tpctl
             elapsed = time.monotonic() - start
         finally:
             os.kill(first.pid, signal.SIGCONT)
-        out, err = first.communicate(timeout=480)
+        out, err = first.communicate(timeout=scaled(480))
     finally:
         if first.poll() is None:
             first.kill()
@@ -404,7 +404,7 @@ def test_a_second_run_on_a_busy_run_dir_exits_2_and_the_first_is_untouched(tpctl
     assert second.stderr.strip().splitlines() == [
         f"tpctl: error: run dir {shared} is in use by another tpctl run (pid {first.pid} holds .lock); "
         "wait for it to finish, or choose another hydra.run.dir"]
-    assert elapsed < 5 + 2 * baseline, (elapsed, baseline)
+    assert elapsed < scaled(5) + 2 * baseline, (elapsed, baseline)
     assert first.returncode == 0, err
     assert (shared / "config.yaml").read_text() == (lone / "config.yaml").read_text()
     assert _records(shared) == _records(lone)
@@ -425,7 +425,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_resume_cont
     # config, logs and metrics are not): the disk is "full" at the next save.
     limit = 64 * 1024
     full = subprocess.run(tpctl.command([*args, "train.steps=4", "train.resume=auto"]), cwd=tpctl.cwd, env=tpctl.env(),
-                          capture_output=True, text=True, timeout=480,
+                          capture_output=True, text=True, timeout=scaled(480),
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
     assert full.returncode == 1, full.stderr
     errors = [line for line in full.stderr.splitlines() if line.startswith("tpctl: error: rank")]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from cli_support import tiny_gpt2_directory
+from cli_support import tiny_gpt2_directory, scaled
 from omegaconf import OmegaConf
 
 from tpctl.config import compose_jobs
@@ -247,7 +247,7 @@ def test_a_pipeline_with_dropout_is_one_process_accumulating_over_its_micro_batc
         f"train.grad_accum={MICRO} (fp32 round-off), not pp=1 on one unsplit batch")
     assert PipelineSpec(2, "1f1b", 1, MICRO).dropout_note(0.0) is None
 
-    pool = DistPool(2, timeout_s=500)
+    pool = DistPool(2, timeout_s=scaled(500))
     try:
         rank0, rank1 = pool.run(_dropout_curves)
     finally:

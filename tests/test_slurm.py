@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from cli_support import REPO, tpctl  # noqa: F401  (fixture)
+from cli_support import REPO, tpctl, scaled  # noqa: F401  (fixture)
 from tpctl.config import compose_jobs, load_worker_config
 from tpctl.launch.local import free_port
 from tpctl.launch.slurm import dry_run, executor_parameters, node_settings
@@ -82,7 +82,7 @@ def test_a_slurm_task_launches_its_nodes_workers(tpctl, tmp_path):
                SLURM_JOB_NUM_NODES="1", SLURM_NTASKS="1", SLURM_PROCID="0", SLURM_LOCALID="0",
                TPCTL_WORKER_MODULE="tests.fake_worker")
     node = subprocess.run([sys.executable, "-c", f"from tpctl.launch.slurm import run_node; run_node({str(run_dir / 'config.yaml')!r})"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=100)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=scaled(100))
     assert node.returncode == 0, node.stderr
     assert sorted(p.name for p in run_dir.glob("fake_worker_rank*.pid")) == ["fake_worker_rank0.pid", "fake_worker_rank1.pid"]
     assert tpctl.leftover_pids() == []
@@ -105,7 +105,7 @@ def test_submitit_runs_the_slurm_path_end_to_end_without_a_cluster(tpctl, tmp_pa
                         f"hydra.run.dir={run_dir}"])
     assert result.returncode == 0, result.stderr
     executor = submitit.LocalExecutor(folder=str(tmp_path / "submitit"))
-    executor.update_parameters(timeout_min=4)
+    executor.update_parameters(timeout_min=round(scaled(4 * 60) / 60))
     from tpctl.launch.slurm import run_node
 
     job = executor.submit(run_node, str(run_dir / "config.yaml"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cli_support import scaled
 from conftest import build_trainer, tiny_config
 from tpctl.launch.pool import DistPool
 
@@ -22,7 +23,7 @@ LAYOUTS = ("none-dp4", "1d-2-dp2", "2d-4")
 
 @pytest.fixture(scope="module")
 def pool4():
-    p = DistPool(4, timeout_s=180)
+    p = DistPool(4, timeout_s=scaled(180))
     yield p
     p.close()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from cli_support import REPO
+from cli_support import REPO, scaled
 from tpctl.config import compose_jobs
 from tpctl.launch.local import launch
 
@@ -25,7 +25,7 @@ def test_ranks_that_leave_right_after_their_last_collective_exit_0_every_time():
     # 2-core machine; with it, none may.
     rounds = 20
     result = subprocess.run([sys.executable, str(TESTS / "teardown_race.py"), str(rounds)], capture_output=True,
-                            text=True, timeout=400, cwd=REPO)
+                            text=True, timeout=scaled(400), cwd=REPO)
     assert "terminate called" not in result.stderr, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == f"rounds {rounds}, failed 0", result.stdout + result.stderr[-2000:]
     assert result.returncode == 0
@@ -34,7 +34,7 @@ def test_ranks_that_leave_right_after_their_last_collective_exit_0_every_time():
 def test_worker_entry_points_import_nothing_heavy_before_they_can_die_with_the_launcher():
     code = ("import sys, tpctl.launch.worker, tpctl.launch.generate_worker; "
             "print(sorted(m for m in ('torch', 'numpy', 'omegaconf') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(60), cwd=REPO)
     assert out.stdout.strip() == "[]", out.stderr
 
 
@@ -69,7 +69,7 @@ POOL_OWNER = """
 import os, sys, time
 from tpctl.launch.pool import DistPool
 
-pool = DistPool(2, timeout_s=60)
+pool = DistPool(2, timeout_s=float(sys.argv[1]))
 print(*pool.run(os.getpid), flush=True)
 time.sleep(600)
 """
@@ -84,15 +84,15 @@ def test_pool_ranks_die_with_the_process_that_started_them(sig):
     import signal
     import time
 
-    owner = subprocess.Popen([sys.executable, "-c", POOL_OWNER], cwd=REPO, stdout=subprocess.PIPE, text=True,
+    owner = subprocess.Popen([sys.executable, "-c", POOL_OWNER, str(scaled(60))], cwd=REPO, stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "PYTHONPATH": str(REPO)}, preexec_fn=lambda: signal.signal(
                                  signal.SIGINT, signal.SIG_DFL))
     try:
         ranks = [int(pid) for pid in owner.stdout.readline().split()]
         assert len(ranks) == 2, ranks
         owner.send_signal(getattr(signal, sig))
-        owner.wait(timeout=30)
-        deadline = time.monotonic() + 30
+        owner.wait(timeout=scaled(30))
+        deadline = time.monotonic() + scaled(30)
         while time.monotonic() < deadline and any(_alive(pid) for pid in ranks):
             time.sleep(0.2)
         assert not [pid for pid in ranks if _alive(pid)], f"ranks left running after the owner's {sig}"

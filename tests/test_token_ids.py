@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cli_support import scaled
 from conftest import tiny_config
 from tpctl.config import largest_grids
 from conftest import build_trainer, layouts, tiny_config
@@ -118,7 +119,7 @@ def test_the_cli_refuses_a_damaged_corpus_before_any_worker_starts(tmp_path):
     _damage(shard, 5)
     run = subprocess.run([sys.executable, "-m", "tpctl.cli", "train", f"data.path={out}", "mode=1d", "size=2",
                           "train.steps=2", f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=180)
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=scaled(180))
     assert run.returncode == 2, run.stderr
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"tpctl: error: invalid config: data.path='{out}': {shard}: "

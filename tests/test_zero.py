@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+from cli_support import scaled
 from conftest import build_trainer, tiny_config
 
 REL = 1e-4
@@ -186,7 +188,7 @@ def cli_run(tmp_path_factory):
         if key not in cache:
             run_dir = tmp_path_factory.mktemp("zero-cli") / name
             env = dict(os.environ, OMP_NUM_THREADS="1")
-            proc = train_subprocess([*layout_overrides(name), *CLI, *extra], run_dir, timeout=900, env=env)
+            proc = train_subprocess([*layout_overrides(name), *CLI, *extra], run_dir, timeout=scaled(900), env=env)
             assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
             cache[key] = {"metrics": read_metrics(run_dir), "summary": read_summary(run_dir), "dir": run_dir,
                           "stdout": proc.stdout}

@@ -2,9 +2,10 @@
 
 docs/DESIGN.md, section 2: "the global batch of each step is the same whatever
 the mode; a rank reads only the rows it holds". Both halves live in
-``TokenData.batch``: the window offsets of *all* rows of a step come from a
-generator seeded by (seed, split, step) alone, so every rank agrees on them
-without communicating, and a rank then reads only the windows of its rows.
+``TokenData.batch``: the windows of *all* rows of a step are a function of
+(seed, split, step) alone (``windows``: data.order and data.mix, order.py),
+so every rank agrees on them without communicating, and a rank then reads
+only the windows of its rows.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from .corpora import DataInfo, split_bounds
+from .order import epoch_of, epoch_windows, n_windows
 from .shards import SPLITS, ShardedTokens, read_index, stream_paths
 from .token_ids import TokenOutOfRange, first_outside
 
@@ -37,6 +39,17 @@ def _open_tokens(info: DataInfo):
     return ShardedTokens(stream_paths(info.path, read_index(info.path)), np.dtype(info.dtype))
 
 
+class _Stream:
+    """One corpus of a run: its tokens and where its splits lie in them."""
+
+    def __init__(self, tokens, bounds: dict, info: DataInfo):
+        self.tokens, self.bounds, self.info = tokens, bounds, info
+
+    def split_len(self, split: str) -> int:
+        start, stop = self.bounds[split]
+        return stop - start
+
+
 class TokenData:
     """The train / val token streams of a run and the batch of each step."""
 
@@ -44,71 +57,134 @@ class TokenData:
         self.seq_len = int(cfg.train.seq_len)
         self.batch_size = int(cfg.train.batch_size)
         self.seed = int(cfg.seed)
+        self.order = cfg.data.get("order", "epoch")
         self.info = info
+        self.streams = [_Stream(self._tokens_of(cfg, part), split_bounds(part.n_tokens, cfg.data.val_fraction,
+                                                                         part.n_val), part)
+                        for part in (info.sources or (info,))]
+        self.schedule = self.entries = None
+        if info.sources:
+            from .mix import mix_entries, schedule_of
+
+            self.schedule, self.entries = schedule_of(cfg.data), mix_entries(cfg.data)
+        # One corpus (not a mix): its tokens and splits, as they always were.
+        self.tokens, self.bounds = self.streams[0].tokens, self.streams[0].bounds
+
+    def _tokens_of(self, cfg, info: DataInfo):
         if info.path is None:
             # Synthetic: the same generator and seed on every rank give the
             # same stream; it is small enough to hold in memory.
             g = torch.Generator().manual_seed(self.seed)
             ids = torch.randint(0, info.vocab_size, (info.n_tokens,), generator=g)
-            self.tokens = ids.numpy().astype(np.uint16 if info.vocab_size <= 1 << 16 else np.int32)
-        else:
-            # Memory-mapped: each rank pages in only the windows it reads.
-            self.tokens = _open_tokens(info)
-            if len(self.tokens) != info.n_tokens:
-                raise RuntimeError(f"{info.path} holds {len(self.tokens)} tokens, "
-                                   f"prepare_data saw {info.n_tokens}: did it change during the run?")
-        self.bounds = split_bounds(info.n_tokens, cfg.data.val_fraction, info.n_val)
+            return ids.numpy().astype(np.uint16 if info.vocab_size <= 1 << 16 else np.int32)
+        # Memory-mapped: each rank pages in only the windows it reads.
+        tokens = _open_tokens(info)
+        if len(tokens) != info.n_tokens:
+            raise RuntimeError(f"{info.path} holds {len(tokens)} tokens, "
+                               f"prepare_data saw {info.n_tokens}: did it change during the run?")
+        return tokens
 
     def __len__(self) -> int:
         return self.info.n_tokens
 
     def split_len(self, split: str) -> int:
-        start, stop = self.bounds[split]
-        return stop - start
+        return sum(s.split_len(split) for s in self.streams)
+
+    def windows(self, split: str, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, offset) of all ``batch_size`` rows of ``step``: which
+        corpus each row reads (0 without a mix) and where its window starts
+        in that corpus's ``split``. A function of (seed, split, step) and the
+        config alone: the global row step * batch_size + r is what decides."""
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        rows = step * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
+        if self.schedule is None:
+            source, reads = np.zeros(self.batch_size, dtype=np.int64), rows
+        else:
+            source, reads = self.schedule.assign(rows)
+        offsets = np.empty(self.batch_size, dtype=np.int64)
+        for s in np.unique(source).tolist():
+            at = source == s
+            length = self.streams[s].split_len(split)
+            if self.order == "epoch":
+                offsets[at] = epoch_windows(self.seed, split, s, n_windows(length, self.seq_len), reads[at]) * self.seq_len
+            else:
+                # A window starting at o reads tokens o .. o+seq_len inclusive.
+                # One corpus: the generator it always had (random-order curves unchanged).
+                label = split if self.schedule is None else f"{split}/{s}"
+                g = torch.Generator().manual_seed(_step_seed(self.seed, label, step))
+                offsets[at] = torch.randint(0, length - self.seq_len, (self.batch_size,), generator=g).numpy()[at]
+        return source, offsets
 
     def offsets(self, split: str, step: int) -> torch.Tensor:
-        """Start offsets (within ``split``) of all ``batch_size`` rows of ``step``."""
-        if split not in self.bounds:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        g = torch.Generator().manual_seed(_step_seed(self.seed, split, step))
-        # A window starting at o reads tokens o .. o+seq_len inclusive.
-        return torch.randint(0, self.split_len(split) - self.seq_len, (self.batch_size,), generator=g)
+        """Start offsets (within its corpus's ``split``) of all ``batch_size`` rows of ``step``."""
+        return torch.from_numpy(self.windows(split, step)[1])
+
+    def _read(self, split: str, step: int, rows: list[int]) -> tuple[np.ndarray, list[int]]:
+        """The windows of rows ``rows`` of ``step`` ([len(rows), seq_len + 1]
+        int64) and each one's first token in its corpus's stream."""
+        if any(not 0 <= r < self.batch_size for r in rows):
+            raise IndexError(f"rows {rows} outside the global batch range(0, {self.batch_size})")
+        source, offsets = self.windows(split, step)
+        windows = np.empty((len(rows), self.seq_len + 1), dtype=np.int64)
+        starts = []
+        for i, r in enumerate(rows):
+            stream = self.streams[source[r]]
+            o = stream.bounds[split][0] + int(offsets[r])
+            windows[i] = stream.tokens[o:o + self.seq_len + 1]
+            starts.append(o)
+        return windows, starts
 
     def batch(self, split: str, step: int, rows: Sequence[int],
               vocab_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``rows`` of the global batch of ``step``: ``x, y`` int64 of shape
         ``[len(rows), seq_len]`` with ``y`` = ``x`` shifted left by one token.
-        The offsets of all rows are drawn (cheap), only the requested windows
+        The windows of all rows are computed (cheap), only the requested ones
         are read. With ``vocab_size``, an id outside [0, vocab_size) raises
         TokenOutOfRange naming where it lies (a file damaged after the
         start-up scan, or ids a model the launcher could not check cannot
         embed): the 1d embedding would give it a zero vector, silently."""
-        offsets = self.offsets(split, step).tolist()
         rows = list(rows)
-        if any(not 0 <= r < self.batch_size for r in rows):
-            raise IndexError(f"rows {rows} outside the global batch range(0, {self.batch_size})")
-        base = self.bounds[split][0]
-        windows = np.empty((len(rows), self.seq_len + 1), dtype=np.int64)
-        for i, r in enumerate(rows):
-            o = base + offsets[r]
-            windows[i] = self.tokens[o:o + self.seq_len + 1]
+        windows, starts = self._read(split, step, rows)
         if vocab_size is not None and windows.size:
             at = first_outside(windows.reshape(-1), vocab_size)
             if at is not None:
                 i, j = divmod(at, self.seq_len + 1)
+                source = self.windows(split, step)[0][rows[i]]
                 raise TokenOutOfRange(split, step, int(windows[i, j]), vocab_size,
-                                      self._where(base + offsets[rows[i]] + j))
+                                      self._where(int(source), starts[i] + j))
         w = torch.from_numpy(windows)
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
-    def _where(self, i: int) -> str:
-        if isinstance(self.tokens, ShardedTokens):
-            return self.tokens.where(i)
-        return f"token {i} of {self.info.path or 'the synthetic stream'}"
+    def batch_hash(self, split: str, step: int) -> str:
+        """A hash of the token ids of the whole global batch of ``step`` (every
+        row, x and y): metrics.jsonl's ``data_hash``. Equal hashes in two
+        runs: the step read the same tokens, whatever the layouts."""
+        windows, _ = self._read(split, step, list(range(self.batch_size)))
+        return hashlib.blake2b(windows.astype("<i8").tobytes(), digest_size=8).hexdigest()
+
+    def progress(self, steps: int) -> dict:
+        """How far ``steps`` steps take the train split, for summary.json:
+        the epoch under way (0-based) and the fraction of it read, per corpus
+        of a mix. Under order=random: windows read over windows held (no
+        window is promised to have been read)."""
+        rows = steps * self.batch_size
+        windows = [n_windows(s.split_len("train"), self.seq_len) for s in self.streams]
+        if self.schedule is None:
+            return {"order": self.order, **epoch_of(rows, windows[0])}
+        return {"order": self.order, "sources": [
+            {"path": e.path, "weight": e.written, "rows": c, **epoch_of(c, n)}
+            for e, c, n in zip(self.entries, self.schedule.counts(rows), windows)]}
+
+    def _where(self, source: int, i: int) -> str:
+        stream = self.streams[source]
+        if isinstance(stream.tokens, ShardedTokens):
+            return stream.tokens.where(i)
+        return f"token {i} of {stream.info.path or 'the synthetic stream'}"
 
     def describe(self) -> str:
         return (f"{self.info.description}; train {self.split_len('train')} / "
-                f"val {self.split_len('val')} tokens")
+                f"val {self.split_len('val')} tokens; order {self.order}")
 
     def __repr__(self) -> str:
         return f"TokenData({self.describe()})"

@@ -61,6 +61,7 @@ class DataInfo:
     description: str  # one human line for the log
     dtype: str = "<u2"  # of the token file(s)
     n_val: Optional[int] = None  # a prepared directory's val tokens (its split); None: by val_fraction
+    sources: tuple = ()  # data.mix: each entry's DataInfo, in order (this one then describes the whole)
 
 
 def cache_dir(cfg) -> Path:
@@ -85,17 +86,42 @@ def prepare_data(cfg, scan_ids: bool = True) -> DataInfo:
     elif d.name == "text":
         if not 0.0 < d.val_fraction < 1.0:
             raise ConfigError("data.val_fraction", d.val_fraction, "must be in (0, 1)")
+        from .mix import check_data_keys, mix_entries
+
+        check_data_keys(cfg)
+        entries = mix_entries(d)
+        if entries:
+            return _mix(cfg, entries, scan_ids)
         if d.path is None:
             info = _stdlib_corpus(cfg)
-        elif Path(d.path).expanduser().is_dir():
-            info = _prepared_dir(cfg, d.path, scan_ids)
         else:
-            info = _user_file(cfg, d.path)
+            info = _corpus(cfg, d.path, scan_ids, "data.path")
         check_vocab(cfg, info.vocab_size, info.n_val is not None, info.description)
     else:
         raise ConfigError("data.name", d.name, "one of: text, synthetic")
     _check_splits(cfg, info)
     return info
+
+
+def _corpus(cfg, path: str, scan_ids: bool, key: str) -> DataInfo:
+    if Path(path).expanduser().is_dir():
+        return _prepared_dir(cfg, path, scan_ids, key)
+    return _user_file(cfg, path, key)
+
+
+def _mix(cfg, entries, scan_ids: bool) -> DataInfo:
+    """data.mix: each entry's corpus found or built and checked as
+    data.path's would be (the key named: data.mix[i].path)."""
+    parts = []
+    for i, e in enumerate(entries):
+        key = f"data.mix[{i}].path"
+        info = _corpus(cfg, e.path, scan_ids, key)
+        check_vocab(cfg, info.vocab_size, info.n_val is not None, info.description, f"{key}={e.path!r}")
+        _check_splits(cfg, info, (key, e.path))
+        parts.append(info)
+    desc = "mix of " + ", ".join(f"{p.description} (weight {e.written})" for p, e in zip(parts, entries))
+    return DataInfo(None, sum(p.n_tokens for p in parts), max(p.vocab_size for p in parts), desc,
+                    sources=tuple(parts))
 
 
 def _synthetic_info(cfg) -> DataInfo:
@@ -118,14 +144,14 @@ def split_bounds(n_tokens: int, val_fraction: float, n_val: Optional[int] = None
     return {"train": (0, n_tokens - n_val), "val": (n_tokens - n_val, n_tokens)}
 
 
-def _check_splits(cfg, info: DataInfo) -> None:
+def _check_splits(cfg, info: DataInfo, named: Optional[tuple] = None) -> None:
     # A window is seq_len + 1 tokens (x and y shifted by one); ask for at least
     # two distinct window offsets per split, so batches are not all alike.
     need = cfg.train.seq_len + 1
     bounds = split_bounds(info.n_tokens, cfg.data.val_fraction, info.n_val)
     shortest = min(stop - start for start, stop in bounds.values())
     if shortest <= need:
-        key, value = ("data.path", cfg.data.path) if cfg.data.path else ("train.seq_len", cfg.train.seq_len)
+        key, value = named or (("data.path", cfg.data.path) if cfg.data.path else ("train.seq_len", cfg.train.seq_len))
         raise ConfigError(
             key, value,
             f"each split must hold more than train.seq_len+1={need} tokens, but the "
@@ -259,18 +285,18 @@ def _stdlib_corpus(cfg) -> DataInfo:
 # -- a user's file: text (tokenised + cached) or .bin (used in place) ---------
 
 
-def _user_file(cfg, path_str: str) -> DataInfo:
+def _user_file(cfg, path_str: str, key: str = "data.path") -> DataInfo:
     path = Path(path_str).expanduser()
     if not path.is_file():
-        raise ConfigError("data.path", path_str, "no such file")
+        raise ConfigError(key, path_str, "no such file")
     st = path.stat()
     key = _key(cfg.data.get("tokenizer"), path=str(path.resolve()), size=st.st_size, mtime_ns=st.st_mtime_ns)
     if path.suffix == ".bin":
         if (path.parent / INDEX).is_file():
-            raise ConfigError("data.path", path_str, f"a shard of the prepared corpus {path.parent}: "
-                              f"pass data.path={path.parent} (its dtype and split are in its index)")
+            raise ConfigError(key, path_str, f"a shard of the prepared corpus {path.parent}: "
+                              f"pass {key}={path.parent} (its dtype and split are in its index)")
         if st.st_size % BIN_DTYPE.itemsize:
-            raise ConfigError("data.path", path_str,
+            raise ConfigError(key, path_str,
                               f"a .bin holds uint16 token ids, so its size must be even (it is {st.st_size} bytes)")
         return _info(path, cache_dir(cfg) / f"{path.stem}-{key}.json", f"token file {path.name}", text=False)
     dest = cache_dir(cfg) / f"{path.stem}-{key}.bin"
@@ -279,7 +305,7 @@ def _user_file(cfg, path_str: str) -> DataInfo:
     return _info(dest, dest.with_suffix(".json"), f"text file {path.name}", text=not cfg.data.get("tokenizer"))
 
 
-def _prepared_dir(cfg, path_str: str, scan_ids: bool) -> DataInfo:
+def _prepared_dir(cfg, path_str: str, scan_ids: bool, key: str = "data.path") -> DataInfo:
     """A directory written by ``tpctl prepare-data``: checked (index, shard
     sizes, tokenizer; with ``scan_ids`` every id of every shard)."""
     path = Path(path_str).expanduser()
@@ -289,10 +315,10 @@ def _prepared_dir(cfg, path_str: str, scan_ids: bool) -> DataInfo:
         if scan_ids:
             check_ids_once(path, index)
     except DataError as e:
-        raise ConfigError("data.path", path_str, str(e)) from None
+        raise ConfigError(key, path_str, str(e)) from None
     tokenizer = cfg.data.get("tokenizer")
     if tokenizer and Path(tokenizer).is_dir() and identity_hash(tokenizer) != index["tokenizer"]["hash"]:
-        raise ConfigError("data.tokenizer", tokenizer, f"is not the tokenizer data.path={path_str} was prepared with "
+        raise ConfigError("data.tokenizer", tokenizer, f"is not the tokenizer {key}={path_str} was prepared with "
                           f"({index['tokenizer']['name']}): leave data.tokenizer unset or pass that one")
     n_train, n_val = index["tokens"]["train"], index["tokens"]["val"]
     desc = (f"prepared corpus {path.name} ({len(index['sources'])} sources, tokenizer {index['tokenizer']['name']}, "

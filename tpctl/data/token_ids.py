@@ -29,21 +29,22 @@ def model_vocab(cfg) -> Optional[int]:
     return m.vocab_size
 
 
-def check_vocab(cfg, vocab_size: int, prepared: bool, description: str) -> None:
+def check_vocab(cfg, vocab_size: int, prepared: bool, description: str, where: Optional[str] = None) -> None:
     """ConfigError unless the model embeds every id of the data: a prepared
-    corpus's whole tokenizer, or a token file's largest id + 1 (`vocab_size`)."""
+    corpus's whole tokenizer, or a token file's largest id + 1 (`vocab_size`).
+    `where`: the key and path of the corpus (default data.path's)."""
     model = model_vocab(cfg)
     if model is None or vocab_size <= model:
         return
-    path = cfg.data.path
+    where = where or f"data.path={cfg.data.path!r}"
     if prepared:
         raise ConfigError(
             "model.vocab_size", cfg.model.vocab_size,
-            f"must be >= {vocab_size}, the vocabulary data.path={path!r} was prepared with "
+            f"must be >= {vocab_size}, the vocabulary {where} was prepared with "
             f"({description}): the embedding must hold every id of the tokenizer")
     raise ConfigError(
         "model.vocab_size", cfg.model.vocab_size,
-        f"must be > {vocab_size - 1}, the largest token id in data.path={path!r} ({description})")
+        f"must be > {vocab_size - 1}, the largest token id in {where} ({description})")
 
 
 def first_outside(tokens: np.ndarray, vocab_size: int) -> Optional[int]:

@@ -76,6 +76,12 @@ class DataConfig:
     # Size of the default corpus and of the synthetic token stream.
     max_bytes: int = 4_000_000
     synthetic_tokens: int = 1_000_000
+    # "epoch": every window of a split once per epoch, in an order seeded by
+    # (seed, epoch); "random": windows at random offsets (data/order.py).
+    order: str = "epoch"
+    # Several corpora with weights: a list of {path: P, weight: W} or "P:W"
+    # (data/mix.py); null: the one corpus of `path`.
+    mix: Any = None
 
 
 FUSED_SETTINGS = ("auto", "true", "false")  # optim.fused (training/step.py fused_update)

@@ -67,6 +67,9 @@ def _check_values(cfg: Any) -> None:
     _check_hf_arch(cfg.model)
     cfg.model = typed_model(cfg.model)
     check_choice("data.name", cfg.data.name, DATASETS)
+    from tpctl.data.mix import check_data_keys
+
+    check_data_keys(cfg)  # data.order, data.mix (its form, weights and files)
     check_choice("device", cfg.device, DEVICES)
     check_choice("precision", cfg.precision, PRECISIONS)
     check_choice("logger", cfg.logger, LOGGERS)

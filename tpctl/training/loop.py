@@ -179,6 +179,8 @@ class Trainer:
                     records.append({"step": done, **out, "tokens": done * self.tokens_per_step,
                                     "tokens_per_s": steps * self.tokens_per_step / (now - last_time),
                                     "step_time_s": (now - last_time) / steps})
+                    if self.is_logger:  # this step's whole global batch, read again here: metrics.jsonl is rank 0's
+                        records[-1]["data_hash"] = self.data.batch_hash("train", step)
                     last_time, last_step = now, done
                     metrics.record(records[-1])
                 if self.checkpointer and self.checkpointer.due(done, t.steps):
@@ -206,6 +208,7 @@ class Trainer:
             "comm_wire_bytes_per_step": self.comm_train_wire_bytes / steps_run,
             "peak_rss_bytes": rss,
             "skipped_steps": self.skipped_steps or None,  # (None: not shown)
+            "data": self.data.progress(last["step"]),  # the epoch under way and the fraction of it read
         }
         if self.mesh.device.type == "cuda":
             out["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()

@@ -165,16 +165,24 @@ class TokenData:
 
     def progress(self, steps: int) -> dict:
         """How far ``steps`` steps take the train split, for summary.json:
-        the epoch under way (0-based) and the fraction of it read, per corpus
-        of a mix. Under order=random: windows read over windows held (no
-        window is promised to have been read)."""
+        ``data_epoch`` (the epoch under way, 0-based) and
+        ``data_epoch_fraction`` (the share of it read), or per corpus of a mix
+        ``data_sources``; ``data``, the same in words. Under order=random:
+        windows read over windows held (no window is promised to be read)."""
         rows = steps * self.batch_size
         windows = [n_windows(s.split_len("train"), self.seq_len) for s in self.streams]
+
+        def words(p: dict) -> str:
+            return f"epoch {p['epoch']}, {100 * p['epoch_fraction']:.1f}% read ({p['windows_read']:,} of {p['windows']:,} windows)"
+
         if self.schedule is None:
-            return {"order": self.order, **epoch_of(rows, windows[0])}
-        return {"order": self.order, "sources": [
-            {"path": e.path, "weight": e.written, "rows": c, **epoch_of(c, n)}
-            for e, c, n in zip(self.entries, self.schedule.counts(rows), windows)]}
+            p = epoch_of(rows, windows[0])
+            return {"data": f"{words(p)}, order {self.order}", "data_epoch": p["epoch"],
+                    "data_epoch_fraction": p["epoch_fraction"]}
+        sources = [{"path": e.path, "weight": e.written, "rows": c, **epoch_of(c, n)}
+                   for e, c, n in zip(self.entries, self.schedule.counts(rows), windows)]
+        return {"data": "; ".join(f"{p['path']} (weight {p['weight']}): {words(p)}" for p in sources)
+                + f", order {self.order}", "data_sources": sources}
 
     def _where(self, source: int, i: int) -> str:
         stream = self.streams[source]

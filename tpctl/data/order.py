@@ -100,8 +100,9 @@ def epoch_windows(seed: int, split: str, source: int, n: int, reads: np.ndarray)
 
 def epoch_of(reads: int, n: int) -> dict:
     """Where `reads` windows read leave a source: the epoch under way
-    (0-based) and the fraction of it read."""
-    return {"epoch": reads // n, "epoch_fraction": round((reads % n) / n, 6), "windows": n, "windows_read": reads}
+    (0-based), the fraction of it read, and the windows of one epoch and
+    those read in all."""
+    return {"epoch": reads // n, "epoch_fraction": (reads % n) / n, "windows": n, "windows_read": reads}
 
 
 # -- a mix: rows to sources ---------------------------------------------------

@@ -208,7 +208,7 @@ class Trainer:
             "comm_wire_bytes_per_step": self.comm_train_wire_bytes / steps_run,
             "peak_rss_bytes": rss,
             "skipped_steps": self.skipped_steps or None,  # (None: not shown)
-            "data": self.data.progress(last["step"]),  # the epoch under way and the fraction of it read
+            **self.data.progress(last["step"]),  # data, data_epoch, data_epoch_fraction: how far into the corpus
         }
         if self.mesh.device.type == "cuda":
             out["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()

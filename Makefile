@@ -16,9 +16,10 @@ $(VENV)/.installed: pyproject.toml
 	# Editable: configs/ lives at the repo root and is found next to the package.
 	# Optional extras the tests cover: hf (transformers), report (matplotlib),
 	# data (pyarrow, datasets: prepare-data's parquet and datasets sources),
-	# tensorboard (logger=tensorboard), slurm (submitit: launcher=slurm, whose
-	# tests run it end to end through submitit's local executor).
-	$(PIP) install -e '.[test,hf,report,data,tensorboard,slurm]'
+	# tensorboard (logger=tensorboard), tracking (mlflow-skinny and wandb:
+	# logger=mlflow|wandb), slurm (submitit: launcher=slurm, whose tests run it
+	# end to end through submitit's local executor).
+	$(PIP) install -e '.[test,hf,report,data,tensorboard,tracking,slurm]'
 	touch $@
 
 demo: install

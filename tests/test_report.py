@@ -84,7 +84,7 @@ def _composed(*overrides):
 
 @pytest.mark.parametrize("override,message", [
     ("precision=fp16", "invalid config: precision='fp16': expected one of fp32, bf16"),
-    ("logger=wandb", "invalid config: logger='wandb': expected one of jsonl, tensorboard"),
+    ("logger=visdom", "invalid config: logger='visdom': expected one of jsonl, tensorboard, mlflow, wandb"),
 ])
 def test_bad_precision_or_logger_is_a_config_error(override, message):
     from tpctl.config import validate

@@ -288,8 +288,10 @@ class TrainConfig:
     auto: Dict[str, Any] = field(default_factory=dict)
     # "fp32" or "bf16" (autocast; fp32 master weights and optimizer state).
     precision: str = "fp32"
-    # "jsonl" (metrics.jsonl only) or "tensorboard" (also TensorBoard events).
-    logger: str = "jsonl"
+    # Where metrics go besides metrics.jsonl (always written): "jsonl" (only
+    # there), "tensorboard", "mlflow", "wandb", or a list of them
+    # ([jsonl,mlflow,wandb]); untyped here so a list is accepted.
+    logger: Any = "jsonl"
     # A ModelConfig, or for arch=custom any keys (see config.typed_model):
     # untyped here so that a custom model's arguments can be added.
     model: Any = MISSING

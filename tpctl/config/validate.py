@@ -26,7 +26,7 @@ from .typed import typed_model
 DATASETS = ("synthetic", "text")
 DEVICES = ("cpu", "cuda")
 PRECISIONS = ("fp32", "bf16")
-LOGGERS = ("jsonl", "tensorboard")
+LOGGERS = ("jsonl", "tensorboard", "mlflow", "wandb")  # training/trackers.py LOGGERS
 NONFINITE_POLICIES = ("stop", "skip")
 
 
@@ -72,12 +72,24 @@ def _check_values(cfg: Any) -> None:
     check_data_keys(cfg)  # data.order, data.mix (its form, weights and files)
     check_choice("device", cfg.device, DEVICES)
     check_choice("precision", cfg.precision, PRECISIONS)
-    check_choice("logger", cfg.logger, LOGGERS)
-    if cfg.logger == "tensorboard":
-        import importlib.util
+    _check_logger(cfg.logger)
 
-        if importlib.util.find_spec("tensorboard") is None:
-            raise ConfigError("logger", cfg.logger, "needs the tensorboard package: pip install 'tpctl[tensorboard]' (or pip install tensorboard), or use logger=jsonl")
+
+def _check_logger(setting: Any) -> None:
+    """`logger`: a name or a list of names, each with its package installed
+    (checked here, before any worker starts: training/trackers.py)."""
+    from tpctl.training.trackers import loggers_of, missing_package
+
+    names = loggers_of(setting)
+    if isinstance(setting, (dict, DictConfig)) or not names:
+        raise ConfigError("logger", setting, f"expected one of {', '.join(LOGGERS)}, or a list of them: [jsonl,mlflow]")
+    for name in names:
+        check_choice("logger", name, LOGGERS)
+        if names.count(name) > 1:
+            raise ConfigError("logger", name, "named twice: list each logger once")
+        problem = missing_package(name)
+        if problem:
+            raise ConfigError("logger", name, problem)
 
 
 def _check_auto(cfg: Any) -> None:

@@ -234,6 +234,9 @@ def run(argv: list[str]) -> None:
 
         (run_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1) + "\n")
         print_summary(summary, run_dir)
+        from tpctl.training import trackers
+
+        trackers.finish(summary)  # logger=mlflow|wandb: the summary, then their runs ended
     dist.destroy_process_group()
 
 

@@ -1,6 +1,8 @@
 """Where a run's numbers go (rank 0): metrics.jsonl (docs/DESIGN.md,
-section 3), TensorBoard events (logger=tensorboard), the worker's log and
-the terminal (a rich progress bar, or a plain line per logged step)."""
+section 3; always, whatever `logger` adds), TensorBoard events
+(logger=tensorboard), MLflow and W&B runs (logger=mlflow, logger=wandb:
+trackers.py), the worker's log and the terminal (a rich progress bar, or a
+plain line per logged step). `logger` is one name or a list of them."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import logging
 import math
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 log = logging.getLogger("tpctl.train")
 
@@ -41,19 +43,29 @@ class MetricsLog:
     (`enabled`), and on every rank into its log."""
 
     def __init__(self, run_dir: Optional[Path], enabled: bool, total_steps: int, start_step: int = 0,
-                 logger: str = "jsonl", progress: bool = True):
+                 logger: Any = "jsonl", progress: bool = True):
+        from .trackers import loggers_of
+
         self.file = None
         self.tensorboard = None
+        self.trackers = None
+        loggers = loggers_of(logger)
         if enabled and run_dir:
             path = run_dir / "metrics.jsonl"
             if start_step > 0:  # each step once: drop what the resumed steps will log again
                 truncate_metrics(path, start_step)
             self.file = open(path, "a" if start_step > 0 else "w")
-            if logger == "tensorboard":
-                # config.validate has checked that the tensorboard package is installed.
+            # config.validate has checked that each logger's package is installed.
+            if "tensorboard" in loggers:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            if {"mlflow", "wandb"} & set(loggers):
+                from . import trackers
+
+                # Kept open past this log: the summary is logged to them after
+                # the loop (trackers.finish, from launch/worker.py).
+                self.trackers = trackers.start(run_dir, loggers)
         self.progress = _Progress(total_steps, enabled=enabled and progress)
 
     def __enter__(self) -> "MetricsLog":
@@ -77,6 +89,8 @@ class MetricsLog:
             for key, value in record.items():
                 if key != "step" and not isinstance(value, str):
                     self.tensorboard.add_scalar(key, value, record["step"])
+        if self.trackers:
+            self.trackers.log(record)
         if not self.progress.live:
             self.progress.plain(record)
 

@@ -173,7 +173,8 @@ class TokenData:
         windows = [n_windows(s.split_len("train"), self.seq_len) for s in self.streams]
 
         def words(p: dict) -> str:
-            return f"epoch {p['epoch']}, {100 * p['epoch_fraction']:.1f}% read ({p['windows_read']:,} of {p['windows']:,} windows)"
+            return (f"epoch {p['epoch']}, {100 * p['epoch_fraction']:.1f}% of it read "
+                    f"({p['windows']:,} windows an epoch, {p['windows_read']:,} read in all)")
 
         if self.schedule is None:
             p = epoch_of(rows, windows[0])

@@ -246,6 +246,8 @@ def test_the_command_line_forms_of_a_mix_compose(tmp_path):
     for override in ("data.mix=[a.txt:0.7,data/b:0.3]", "data.mix=[{path:a.txt,weight:0.7},{path:data/b,weight:0.3}]"):
         cfg = compose_jobs(["model=gpt-tiny", override])[0]
         assert [(e.path, e.weight) for e in mix_entries(cfg.data)] == [("a.txt", Fraction(7, 10)), ("data/b", Fraction(3, 10))]
+    # The weight is after the last colon: a path may hold one.
+    assert mix_entries(OmegaConf.create({"mix": ["runs:v2/a.txt:2"]}))[0].path == "runs:v2/a.txt"
 
 
 def test_a_bad_mix_on_the_command_line_exits_2_in_one_line(tpctl):

@@ -118,6 +118,10 @@ class TrainLoopConfig:
     # Recompute each block's forward in the backward instead of keeping its
     # activations (torch.utils.checkpoint, non-reentrant).
     activation_checkpointing: bool = False
+    # The memory each rank may use, GiB (null: the device's; on CPU this
+    # machine's available RAM split by its ranks): `tpctl train` refuses a
+    # run whose predicted peak per rank is above it (commands/memory_check.py).
+    memory_limit_gib: Optional[float] = None
     # A step whose loss or gradient norm is NaN or infinite: "stop" (the run
     # fails naming the step; its weights and checkpoints are kept) or "skip"
     # (no update for that step; a warning, and null in metrics.jsonl).

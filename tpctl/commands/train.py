@@ -1,9 +1,11 @@
 """`tpctl train`: compose, check, and run a training job (or a sweep of them).
 
-    tpctl train [Hydra overrides] [-m] [--cfg job] [--dry-run] [--help] [hydra.run.dir=PATH]
+    tpctl train [Hydra overrides] [-m] [--cfg job] [--dry-run] [--check] [--help] [hydra.run.dir=PATH]
 
 The flow (docs/DESIGN.md, section 2), one call per arrow:
-  compose every job of the command line and validate it   (`_check_jobs`)
+  compose every job of the command line and validate it, then check its
+    predicted peak memory per rank fits                    (`_check_jobs`;
+    `--check` prints that table and stops there: memory_check.py)
   → Hydra runs each job: write the resolved config.yaml into its run dir,
     prepare the data once, start the workers              (`TrainRun.train_job`)
   → the launcher waits for the workers and reports the failed rank.
@@ -34,7 +36,10 @@ def main(args: list[str]) -> int:
     # tpctl's own flag (Hydra's parser does not know it): print what would be
     # launched or submitted, start nothing.
     run = TrainRun(dry_run="--dry-run" in args)
-    args = [a for a in args if a != "--dry-run"]
+    # --check: validate as train does, print each rank's predicted peak
+    # memory beside what it has, start nothing (exit 2 where it will not fit).
+    check_only = "--check" in args
+    args = [a for a in args if a not in ("--dry-run", "--check")]
 
     parser = get_args_parser()  # Hydra's own flags, so nothing differs
     parser.error = lambda message: sys.exit(fail(f"tpctl train: {message} (see tpctl train --help)"))
@@ -53,8 +58,8 @@ def main(args: list[str]) -> int:
             args = [a for a in args if a not in flags.overrides] + picked
             flags.overrides = picked
         checked = _check_jobs(flags.overrides, flags.multirun, config_name, flags.config_dir,
-                              validate_values=not flags.cfg, dry_run=run.dry_run)
-        if checked.status != EXIT_OK:
+                              validate_values=not flags.cfg, dry_run=run.dry_run, show_memory=check_only)
+        if checked.status != EXIT_OK or check_only:
             return checked.status
         if not flags.cfg:
             try:
@@ -106,9 +111,11 @@ class _Checked:
 
 
 def _check_jobs(overrides: list[str], multirun: bool, config_name: str, config_dir: str | None, validate_values: bool,
-                dry_run: bool = False) -> _Checked:
-    """Compose and validate every job before Hydra creates any run dir.
-    `--cfg` only prints a config, so it needs composition, not valid values.
+                dry_run: bool = False, show_memory: bool = False) -> _Checked:
+    """Compose and validate every job before Hydra creates any run dir, and
+    refuse one whose predicted peak memory per rank will not fit
+    (`show_memory`: print each job's table, --check). `--cfg` only prints a
+    config, so it needs composition, not valid values.
 
     A sweep crosses values, and some combinations are invalid (mode=2d
     size=8): those jobs are skipped with one line each and the others run
@@ -138,6 +145,7 @@ def _check_jobs(overrides: list[str], multirun: bool, config_name: str, config_d
             continue
         try:
             check_run_inputs(cfg, dry_run)
+            check_memory(cfg, show_memory)
             errors.append(None)
         except ConfigError as e:
             errors.append(e)
@@ -165,6 +173,21 @@ def check_run_inputs(cfg, dry_run: bool) -> None:
     from tpctl.data.corpora import prepare_data  # imported late: --cfg never needs it
 
     prepare_data(cfg)
+
+
+def check_memory(cfg, show: bool = False) -> None:
+    """ConfigError where a rank's predicted peak is above its memory
+    (memory_check.py: the planner's dry run on the meta device); `show`:
+    print the per-rank table first (--check). A model the planner cannot
+    cost (a plugin mode without cost hooks) is not checked: --check says so."""
+    from .memory_check import predict, render
+
+    found = predict(cfg)
+    if show:
+        print(render(found, cfg), flush=True)
+    refusal = found.refusal(cfg)
+    if refusal is not None:
+        raise refusal
 
 
 def _check_resume(cfg, run_dir: Path) -> None:

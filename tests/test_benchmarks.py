@@ -38,6 +38,7 @@ SCRIPTS = {
     "cp_memory.py": (["--seq", "64", "--cps", "1", "2", "--impls", "ring"], "saved for backward", False),
     "generate_speed.py": (["--size", "2", "--new", "4", "--layers", "1", "--embd", "128", "--rounds", "1"],
                           "greedy decoding", False),
+    "data_order.py": (["--windows", "1000", "--layouts", "none", "--steps", "2"], "1 of 1 layouts read the same tokens", True),
     "gpu_step.py": (["--cpu"], "tpctl / plain", False),  # the CPU's smoke run: tiny shapes, dynamo only
     "hf_all_families.py": (["gpt2"], "OK gpt2", False),
     "loss_memory.py": (["64", "256"], "", False),

@@ -67,6 +67,44 @@ FAMILIES = {
                                      num_local_experts=4, num_experts_per_tok=2, sliding_window=4)),
     # A learned activation (xIELU: two scalars) in a non-gated MLP.
     "apertus": ("ApertusConfig", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)),
+    # ---- recurrent and hybrid token mixers: each runs whole (parallel/roles/whole.py) ----
+    # Mamba-1 alone: an input projection to [x, z], a depthwise causal convolution, a selective
+    # scan with its own dt/B/C projection and a dt rank; no attention at all.
+    "mamba": ("MambaConfig", dict(state_size=4, expand=2, conv_kernel=4, time_step_rank=4, intermediate_size=64)),
+    # Mamba-2 (one fused input projection to [z, x, B, C, dt], heads and groups, per-head A_log,
+    # D, dt_bias, a gated norm) beside a mixture of experts with a shared expert.
+    "nemotron_h": ("NemotronHConfig", dict(layers_block_type=["mamba", "moe"], num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                                           mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=8,
+                                           expand=2, chunk_size=4, n_routed_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
+                                           use_mamba_kernels=False, use_cache=False)),
+    # Mamba-1 layers beside attention layers, experts every other layer.
+    "jamba": ("JambaConfig", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                  attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                                  expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=4,
+                                  mamba_dt_rank=4, use_mamba_kernels=False)),
+    # A Mamba-2 mixer in parallel with attention in every block, scalar multipliers on both.
+    "falcon_h1": ("FalconH1Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         intermediate_size=64, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8,
+                                         mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=4)),
+    # Gated delta-rule linear attention (per-head short convolutions, beta and decay gates, a gated
+    # output norm) beside gated softmax attention, experts with a gated shared expert.
+    "qwen3_next": ("Qwen3NextConfig", dict(layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                                           linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                                           linear_num_value_heads=4, moe_intermediate_size=16,
+                                           shared_expert_intermediate_size=16, num_experts=4,
+                                           num_experts_per_tok=2)),
+    # Lightning attention (linear, per-head decay) beside softmax attention, experts.
+    "minimax": ("MiniMaxConfig", dict(layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, intermediate_size=16, num_local_experts=4,
+                                      num_experts_per_tok=2, block_size=4)),
+    # A real-gated linear recurrence (per-channel gates, a learned decay) after a short
+    # convolution, beside local attention.
+    "recurrent_gemma": ("RecurrentGemmaConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                                     intermediate_size=64, lru_width=32, attention_window_size=4,
+                                                     block_types=["recurrent", "attention"])),
 }
 WIDTH_KEYS = ("hidden_size", "n_embd", "d_model")
 DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")

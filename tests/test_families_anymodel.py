@@ -81,13 +81,19 @@ def reference(pool):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family,key", CASES)
 def test_a_mechanism_trains_like_mode_none(pool, reference, family, key):
-    """... and counted == planned: every rank's parameter shapes equal the
-    planner's dry run, and its collectives of one step the plan's (calls,
-    bytes, wire bytes of each kind: latent attention's entries, routers,
-    experts in Linears' 3-d weights or a module's own, replica sums). Not
-    with sequence parallelism: a Hugging Face attention or MLP module's
-    entry gathers the sequence for all its Linears, which the planner does
-    not count (cost/layer_comm.py)."""
+    trains_like_mode_none(pool, reference, family, key)
+
+
+def trains_like_mode_none(pool, reference: dict, family: str, key: str) -> None:
+    """`family` in layout `key` trains like mode=none within 1e-4 (loss
+    and gradient norm, every step), and counted == planned: every rank's
+    parameter shapes equal the planner's dry run, and its collectives of
+    one step the plan's (calls, bytes, wire bytes of each kind: latent
+    attention's entries, routers, modules run whole, experts in Linears'
+    3-d weights or a module's own, replica sums). Not with sequence
+    parallelism: a Hugging Face attention or MLP module's entry gathers the
+    sequence for all its Linears, which the planner does not count
+    (cost/layer_comm.py). `reference`: family -> mode=none's curve."""
     from tpctl.parallel.layout import Layout
 
     if family not in reference:

@@ -1,7 +1,8 @@
 """The planner's count of the layers that are not Linears of a linear role:
 norms over the stream (a LayerNorm's two moments or an RMSNorm's one), a
 latent attention's down-projections (their entry makes whole rows of the
-attention's rows), mixture-of-experts routers (fed whole rows) and experts
+attention's rows), mixture-of-experts routers and modules run whole (fed
+whole rows) and experts
 modules (in 3-d Linear weights, or run by a model's own forward), each by
 its mode's `cost_*` hook (parallel/tensor/cost_hooks.py). Read once from the model
 on the meta device and its role plan, never by running it.
@@ -34,6 +35,7 @@ class LayerShapes:
     norms: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (width, moments)
     latents: list[str] = field(default_factory=list)
     routers: list[str] = field(default_factory=list)
+    wholes: list[str] = field(default_factory=list)  # modules run whole (role `whole`)
     experts: dict[str, ExpertsShape] = field(default_factory=dict)
 
 
@@ -53,6 +55,8 @@ def layer_shapes(model: nn.Module, plan, model_cfg) -> LayerShapes:
             out.latents.append(name)
         elif role == "router":
             out.routers.append(name)
+        elif role == "whole":
+            out.wholes.append(name)
         elif role == "experts":
             routed = plan.routed.get(name, 0)
             if isinstance(plan.layouts.get(name), OwnSplit):
@@ -76,6 +80,8 @@ def count_layers(layers: LayerShapes, mode, add, tokens: int, holds: Callable[[s
         mode.cost_latent(add, tokens, hidden)
     for name in filter(holds, layers.routers):
         mode.cost_router(add, tokens, hidden)
+    for name in filter(holds, layers.wholes):
+        mode.cost_whole(add, tokens, hidden)
     for name, e in layers.experts.items():
         if holds(name):
             act += mode.cost_experts(add, tokens, hidden, e)

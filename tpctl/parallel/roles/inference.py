@@ -31,6 +31,7 @@ from tpctl.parallel.roles.fused import FusedLayout, ProbeError, attention_layout
 from tpctl.parallel.roles.plan import GROUP_ATTRS, HEAD_ATTRS, RATIO_ATTRS, ROLES, Heads, RolePlan, blocks_of, common_parent
 from tpctl.parallel.roles.probes import is_experts, norm_width, on_cpu
 from tpctl.parallel.roles.tracing import per_head_args, random_draws, trace
+from tpctl.parallel.roles.whole import run_whole, whole_roots
 
 
 @on_cpu
@@ -77,6 +78,8 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
     found.norms_dropouts_and_tables()
     found.uncalled()
     found.norm_lists()
+    found.whole = whole_roots(found)
+    run_whole(found, found.whole)
     return found.plan(vocab_size)
 
 
@@ -88,7 +91,9 @@ class _Inference:
     def __init__(self, model: nn.Module, vocab_size: int):
         self.model = model
         self.first_inputs: dict[str, tuple] = {}  # module -> the inputs of its first call, for probes
-        self.nodes, self.out, self.calls = trace(model, vocab_size, inputs=self.first_inputs)
+        self.flows: dict = {}  # module -> tracing.Flow of its first call
+        self.nodes, self.out, self.calls = trace(model, vocab_size, inputs=self.first_inputs, flows=self.flows)
+        self.whole: dict[str, str] = {}  # modules run whole (roles/whole.py) -> the problem that made them
         self.roles: dict[str, str] = {}
         self.layouts: dict[str, Any] = {}
         self.probed: dict[tuple, Any] = {}  # one probe per kind of module
@@ -495,4 +500,4 @@ class _Inference:
                                key=lambda item: (0, item[0].count(".")) if unsupported(item) else (1, 0)))
         return RolePlan(ordered, "inferred", self.heads, problems, blocks_of(self.model, ordered), self.units,
                         self.layouts, self.sources, self.head_lists, self.head_rows,
-                        random_draws(self.model, vocab_size), self.widths, self.routed)
+                        random_draws(self.model, vocab_size), self.widths, self.routed, self.whole)

@@ -18,7 +18,7 @@ import torch.nn as nn
 ROLES = (
     "embedding", "pos_embedding", "qkv", "attn_in", "attn_out", "mlp_in", "mlp_out",
     "norm", "lm_head", "dropout", "attn_dropout", "head_norm", "proj_norm", "experts", "router", "pos_table",
-    "latent", "latent_norm", "latent_up", "elementwise", "split_elementwise",
+    "latent", "latent_norm", "latent_up", "elementwise", "split_elementwise", "whole",
 )
 # Latent attention (DeepSeek's MLA): `latent` Linears project the stream down
 # (q_a_proj, kv_a_proj_with_mqa: a latent and a rotary part shared by all
@@ -30,6 +30,9 @@ LATENT_ROLES = ("latent", "latent_norm", "latent_up")
 # the stream (`elementwise`) or on a split activation inside attention or an
 # MLP (`split_elementwise`); their parameters are replicated.
 ELEMENTWISE_ROLES = ("elementwise", "split_elementwise")
+# `whole`: a module on the stream no split fits (a state-space or
+# linear-attention mixer, a recurrence): run as written on every rank, on
+# whole rows of the rows it holds (roles/whole.py).
 # Roles whose Linear is fed the residual stream and produces a split
 # activation (Megatron's column-parallel ones); the other Linears are fed a
 # split activation and produce the stream.
@@ -120,6 +123,9 @@ class RolePlan:
     # (the top-k) in the traced call: the planner's count of 1d's sum of
     # their gradient.
     routed: dict[str, int] = field(default_factory=dict)
+    # Modules run whole on every rank (roles/whole.py: no split fits them)
+    # -> the problem inside them that no split solves.
+    whole: dict[str, str] = field(default_factory=dict)
 
     @property
     def lm_head(self) -> Optional[str]:

@@ -202,13 +202,14 @@ def random_draws(model: nn.Module, vocab_size: int = 2) -> list[str]:
 
 
 def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: Optional[dict] = None,
-          ids: Optional[torch.Tensor] = None, draws: Optional[_Draws] = None):
+          ids: Optional[torch.Tensor] = None, draws: Optional[_Draws] = None, flows: Optional[dict] = None):
     """Run `model` on `ids` (default: a batch of TRACE_BATCH x `seq` random
     token ids); return (nodes, the node ids the output came from, module
     name -> node ids of its calls). `inputs`, if given, is filled with module
     name -> (args, kwargs) of its first call (what a probe of the module's
-    own forward runs it on). With `draws`, the forward runs in training mode
-    and `draws` records its random numbers."""
+    own forward runs it on), and `flows` with module name -> Flow of its
+    first call. With `draws`, the forward runs in training mode and `draws`
+    records its random numbers."""
     originals, stand_ins = {}, {}
     for module in model.modules():  # meta parameters: zero-stride stand-ins
         for attr, p in list(module._parameters.items()):
@@ -250,7 +251,16 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
     def keep(name):
         def before(mod, args, kwargs):
             inputs.setdefault(name, (args, kwargs))
-        handles.append(model.get_submodule(name).register_forward_pre_hook(before, with_kwargs=True))
+            if flows is not None and name not in flows:
+                hidden = hidden_arg(args, kwargs)
+                flows[name] = Flow(tracer.prov(hidden), _shape(hidden))
+
+        def after(mod, args, kwargs, out):
+            if flows is not None and flows[name].out is None:
+                flows[name].out = _shape(out[0] if isinstance(out, (tuple, list)) and out else out)
+        module = model.get_submodule(name)
+        handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(module.register_forward_hook(after, with_kwargs=True))
 
     holders: tuple = ()  # experts modules: what is inside them is theirs
     for name, module in model.named_modules():
@@ -285,6 +295,26 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
             module.__dict__.pop("_tpctl_in", None)
         model.train(was_training)
     return tracer.nodes, out, calls
+
+
+@dataclass
+class Flow:
+    """A module's first traced call: where its hidden states (first
+    argument) came from, their shape, and its output's (the first of a
+    tuple); () for what is not a tensor."""
+
+    inputs: frozenset
+    shape: tuple
+    out: Optional[tuple] = None
+
+
+def hidden_arg(args, kwargs):
+    """A module's hidden states: its first argument, or `hidden_states`."""
+    return args[0] if args else kwargs.get("hidden_states")
+
+
+def _shape(value) -> tuple:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else ()
 
 
 def per_head_args(call, heads: int) -> list:

@@ -99,6 +99,11 @@ class CostHooks:
         """A router's input gathered to whole rows (ParallelMode.convert_router)."""
         self._cost_stream_gather(add, tokens, hidden)
 
+    def cost_whole(self, add, tokens: int, hidden: int) -> None:
+        """A module run whole (tensor/whole.py): its input gathered to whole
+        rows; its output's cut sends nothing."""
+        self._cost_stream_gather(add, tokens, hidden)
+
     def cost_sliced_replicas(self, role: str) -> Optional[str]:
         """The mesh group whose ranks hold the same slice of a latent
         up-projection (`role` latent_up: by heads) or of an experts module

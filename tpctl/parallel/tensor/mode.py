@@ -32,6 +32,7 @@ from tpctl.parallel.tensor.layers import SplitNorm
 from tpctl.parallel.tensor.linear import LINEAR_ROLES, default_converter
 from tpctl.parallel.tensor.loss import vocab_parallel_cross_entropy
 from tpctl.parallel.tensor.replicas import sync_replicas
+from tpctl.parallel.tensor.whole import run_whole
 
 
 class RewriteContext:
@@ -350,6 +351,16 @@ class ParallelMode(CostHooks):
         for param in module.parameters() if self.rewrites else ():
             self.replicated(param, "tp", partial=True)
         return module
+
+    def convert_whole(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """A module no split fits, run whole on every rank (tensor/whole.py)."""
+        return run_whole(self, module, ctx)
+
+    def whole_split(self, ctx: RewriteContext):
+        """(group, dim): the ranks holding the rest of this rank's piece of
+        the stream where the module being converted sits, and the dimension
+        they split; None where every rank holds the stream whole."""
+        return (self.stream_group(), -1) if self.splits_stream(ctx) else None
 
     def convert_own_experts(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
         """Experts in a model's own module (experts.OwnSplit), run by its own

@@ -203,6 +203,13 @@ class OneD(ParallelMode):
         if not self.seq_parallel:
             add("all_reduce", "tp", tokens * hidden)
 
+    def cost_whole(self, add, tokens: int, hidden: int) -> None:
+        # the sequence gathered on entry (backward: reduce-scatter); without
+        # sequence parallelism the stream is whole already
+        if self.seq_parallel:
+            add("all_gather", "tp", tokens * hidden)
+            add("reduce_scatter", "tp", tokens * hidden)
+
     def cost_experts(self, add, tokens: int, hidden: int, e) -> int:
         # (own module or not) the partial output summed; backward: the
         # input's and the routing weights' partial gradients
@@ -288,6 +295,9 @@ class OneD(ParallelMode):
 
     def splits_stream(self, ctx) -> bool:
         return self._shards_sequence(ctx)
+
+    def whole_split(self, ctx):
+        return (self.group, SEQ_DIM) if self._shards_sequence(ctx) else None
 
     def shard_hidden(self, rows: torch.Tensor) -> torch.Tensor:
         return comm.split_block(rows, self.group, SEQ_DIM) if self.seq_parallel else rows

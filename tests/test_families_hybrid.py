@@ -1,0 +1,31 @@
+"""Recurrent and hybrid token mixers (issue 46): state-space mixers (Mamba-1
+alone and beside attention and experts, Mamba-2 beside experts, Mamba-2 in
+parallel with attention), gated delta-rule and lightning linear attention,
+a real-gated linear recurrence. No split fits them: each runs whole on
+every rank, on whole rows of the rows it holds (parallel/roles/whole.py).
+Each family (tests/hf_families.py: tiny, random init) trains like mode=none
+in 1d, 2d, 3d and 1d with two pipeline stages, its shapes and collectives
+as planned, on the shared pool, in process.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_families_anymodel import trains_like_mode_none
+
+pytest.importorskip("transformers")
+
+FAMILIES = ("mamba", "nemotron_h", "jamba", "falcon_h1", "qwen3_next", "minimax", "recurrent_gemma")
+KEYS = ("1d-2-dp2", "2d-4", "3d-8", "1d-2-pp2-dp2")
+
+
+@pytest.fixture(scope="module")
+def reference(pool):
+    return {}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("key", KEYS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_mixer_trains_like_mode_none(pool, reference, family, key):
+    trains_like_mode_none(pool, reference, family, key)

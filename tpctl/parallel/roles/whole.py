@@ -1,0 +1,88 @@
+"""Modules run whole: a module tpctl has no split for (a state-space or
+linear-attention mixer, a recurrence, a convolution over the sequence, a
+norm over an MLP's inner width, an elementwise module with per-feature
+parameters) is run as written, on every rank, on whole hidden vectors of the
+rows that rank holds, when it sits on the residual stream: it reads the
+stream and its output has the stream's shape.
+
+That is exact in every mode for the same reason a router is: each rank
+gathers its rows' hidden features over the ranks holding the others, runs
+the module's own forward on them with its parameters whole, and keeps its
+own block of the output; the gather's backward sums the input gradients of
+every rank that ran it, and each rank's parameter gradient is the part of
+its rows and its output block, summed over the tensor-parallel group. What
+it costs: the module's parameters and compute are not divided (a split by
+heads, as Megatron-Core's for Mamba, would divide them; not built).
+
+Found after the other roles (inference.infer_plan): for every module with a
+problem, the innermost module holding it (itself included) that sits on the
+stream, inside a block of the model's stack (a block itself, or the stack,
+is never run whole: sequence parallelism and pipeline stages cut there).
+Everything under it loses its role and its problem; it gets role `whole`.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from tpctl.parallel.roles.plan import repeated_blocks
+
+
+def under(name: str, root: str) -> bool:
+    return name == root or name.startswith(root + ".")
+
+
+def whole_roots(found) -> dict[str, str]:
+    """{module run whole: why (its first problem)} for the problems of
+    `found` (inference._Inference) that a module on the stream holds."""
+    modules, flows, hidden = found.modules, found.flows, found.hidden
+    if hidden is None:
+        return {}
+    stack = repeated_blocks(found.model)
+    stack_name = next((n for n, m in modules.items() if m is stack), None) if stack is not None else None
+    blocks = {f"{stack_name}.{k}" for k in stack._modules} if stack is not None else set()
+    # Split activations: inside attention, or an MLP's hidden features.
+    inner = found.inner
+
+    def on_stream(name: str) -> bool:
+        flow = flows.get(name)
+        if not name or flow is None or name in blocks or (stack_name is not None and under(stack_name, name)):
+            return False
+        return len(flow.shape) == 3 and flow.shape[-1] == hidden and flow.out == flow.shape \
+            and not (flow.inputs & inner)
+
+    roots: dict[str, str] = {}
+    for name, reason in found.problems.items():
+        if name not in modules:
+            continue
+        parts = name.split(".")
+        root = next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if on_stream(".".join(parts[:i]))), None)
+        if root is not None:
+            roots.setdefault(root, f"{name}: {reason}")
+    # The outermost of nested ones.
+    return {r: why for r, why in roots.items() if not any(o != r and under(r, o) for o in roots)}
+
+
+def run_whole(found, roots: dict[str, str]) -> None:
+    """Give each of `roots` the role `whole`: what is under it loses its
+    role, its problem and its records; a unit or attention outside it that
+    pairs with a Linear inside it is a problem (its partner runs whole)."""
+    records = (found.roles, found.problems, found.heads, found.units, found.layouts, found.sources,
+               found.head_lists, found.head_rows, found.widths, found.routed)
+    for root in roots:
+        dropout = next((n for n, m in found.modules[root].named_modules()
+                        if isinstance(m, nn.Dropout) and m.p > 0), None)
+        outside = [(owner, members) for owner, members in found.units.items()
+                   if not under(owner, root) and any(under(m, root) for m in members)]
+        for record in records:
+            for key in [k for k in record if under(k, root)]:
+                del record[key]
+        if dropout is not None:  # its draws would follow the rows a rank holds, not the whole batch's
+            found.problems[root] = (f"runs whole (no split fits it) and holds a Dropout ({dropout}, p > 0): "
+                                    "its draws would differ from mode=none's; set the model's dropout to 0")
+            continue
+        found.roles[root] = "whole"
+        for owner, members in outside:
+            for member in members:
+                if not under(member, root):
+                    found.problems[member] = f"pairs with a Linear inside {root}, which runs whole"

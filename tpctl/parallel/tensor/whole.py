@@ -1,0 +1,49 @@
+"""A module run whole on every rank (role `whole`, parallel/roles/whole.py):
+its parameters whole, its input gathered to whole rows of the rows this
+rank holds, its output cut back to this rank's piece of the stream.
+
+Why the gradients come out right: the output's cut keeps this rank's block
+and its backward pads the others with zeros, so each rank back-propagates
+only its own block through the module; the gather's backward (a
+reduce-scatter) sums those input gradients over the ranks that ran it, and
+each parameter's gradient is this rank's part (its rows, its output block),
+summed over the tensor-parallel group like any partial gradient. Where the
+stream is whole and replicated (1d without sequence parallelism) nothing is
+gathered or cut: every rank computes the same gradient.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from tpctl.parallel import comm
+from tpctl.parallel.roles.tracing import hidden_arg
+
+
+def run_whole(mode, module: nn.Module, ctx) -> nn.Module:
+    """`module` placed whole by `mode` (a tensor.mode.ParallelMode) on
+    every rank of its grid, gathered and cut as its stream is split
+    (mode.whole_split)."""
+    if not mode.rewrites:
+        return module
+    split = mode.whole_split(ctx)
+    for name, full in list(module.named_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        spec = mode.split_spec(full, replicas="tp", partial=split is not None)
+        setattr(module.get_submodule(owner), leaf, ctx.shard(full, spec))
+    if split is None or ctx.shapes_only:  # (a dry run's mesh has no groups to gather over)
+        return module
+    group, dim = split
+
+    def entry(mod, args, kwargs):
+        whole = comm.gather_along(hidden_arg(args, kwargs), group, dim)
+        return ((whole, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": whole})
+
+    def exit(mod, args, kwargs, out):
+        if isinstance(out, tuple):
+            return (comm.split_block(out[0], group, dim), *out[1:])
+        return comm.split_block(out, group, dim)
+
+    module.register_forward_pre_hook(entry, with_kwargs=True)
+    module.register_forward_hook(exit, with_kwargs=True)
+    return module

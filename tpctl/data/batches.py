@@ -97,6 +97,15 @@ class TokenData:
         config alone: the global row step * batch_size + r is what decides."""
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        # The micro-batches of a step (and data_hash) ask for the same step
+        # again: keep the last answer (the permutation costs ~1 ms a batch).
+        cached = getattr(self, "_last", None)
+        if cached is not None and cached[0] == (split, step):
+            return cached[1]
+        self._last = ((split, step), self._windows(split, step))
+        return self._last[1]
+
+    def _windows(self, split: str, step: int) -> tuple[np.ndarray, np.ndarray]:
         rows = step * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
         if self.schedule is None:
             source, reads = np.zeros(self.batch_size, dtype=np.int64), rows
@@ -118,7 +127,7 @@ class TokenData:
 
     def offsets(self, split: str, step: int) -> torch.Tensor:
         """Start offsets (within its corpus's ``split``) of all ``batch_size`` rows of ``step``."""
-        return torch.from_numpy(self.windows(split, step)[1])
+        return torch.from_numpy(self.windows(split, step)[1].copy())  # a copy: the windows are cached
 
     def _read(self, split: str, step: int, rows: list[int]) -> tuple[np.ndarray, list[int]]:
         """The windows of rows ``rows`` of ``step`` ([len(rows), seq_len + 1]

@@ -91,9 +91,11 @@ def check_data_keys(cfg: Any) -> None:
     d = cfg.data
     order = d.get("order", "epoch")
     if order not in ORDERS:
-        from tpctl.config.messages import did_you_mean
+        import difflib  # (config.messages' did_you_mean: config is a layer above data)
 
-        raise ConfigError("data.order", order, f"expected one of {', '.join(ORDERS)}" + did_you_mean(str(order), ORDERS))
+        close = difflib.get_close_matches(str(order), ORDERS, n=1)
+        raise ConfigError("data.order", order, f"expected one of {', '.join(ORDERS)}"
+                          + (f" (did you mean {close[0]!r}?)" if close else ""))
     entries = mix_entries(d)
     if not entries:
         return

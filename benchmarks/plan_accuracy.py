@@ -20,7 +20,15 @@ and the profile's `base_bytes`, the process measured by
 `tpctl plan --calibrate`). The last line:
     MAPE_step=..% max_mem_err=..% spearman=.. pick_gap=..%
 pick_gap: the measured step of the predicted-fastest choice against the
-fastest measured one. On a machine shared with other work the step times
+fastest measured one.
+
+    python benchmarks/plan_accuracy.py --recipes [NAME ...]   # `tpctl train --check` against real runs
+
+--recipes: each recipe (configs/recipe/; all without names) trained for
+`--steps` steps by `tpctl train` itself (workers forked as a real run's,
+eval and checkpoints off), its largest rank's peak RSS (summary.json
+peak_rss_bytes_max_rank) beside the peak `tpctl train --check` predicts for
+its worst rank (commands/memory_check.py). The last line: max_mem_err=..%. On a machine shared with other work the step times
 are noisy; choices run one after another, not interleaved.
 """
 
@@ -117,8 +125,11 @@ def main() -> None:
     parser.add_argument("--json", help="write every rank's step times and the predictions here")
     parser.add_argument("--hardware", default="cpu")
     parser.add_argument("--tiny", action="store_true", help="the smoke run: world 2, 3 choices, a tiny model, 1 step")
+    parser.add_argument("--recipes", nargs="*", help="predicted vs measured peak of real `tpctl train` runs of these recipes")
     parser.add_argument("overrides", nargs="*", help="config overrides (after --)")
     args = parser.parse_args()
+    if args.recipes is not None:
+        return recipes(args.recipes, args.steps)
     overrides = args.overrides or ["model=gpt-tiny", "train.batch_size=16", "train.seq_len=64"]
     if args.tiny:
         args.world, args.count, args.steps, overrides = 2, 3, 1, args.overrides or TINY
@@ -185,6 +196,43 @@ def report(rows: list, pick) -> None:
     rho = spearman([row[0].step_time_s for row in rows], measured)
     print(f"\nMAPE_step={100 * statistics.fmean(step_errs):.1f}% max_mem_err={100 * max(mem_errs):.1f}% "
           f"spearman={rho:.2f} pick_gap={100 * (picked / min(measured) - 1):.1f}%")
+
+
+def recipes(names: list[str], steps: int) -> None:
+    """Each recipe's worst rank: `tpctl train --check`'s predicted peak beside a real run's."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from tpctl.commands.memory_check import predict
+    from tpctl.config import RECIPE_DIR, compose_jobs, validate
+
+    names = names or sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+    short = [f"train.steps={steps}", "train.eval_every=0", "checkpoint.every=0", "checkpoint.at_end=false",
+             "train.progress=false", "train.sample_every=0"]
+    print("| recipe | ranks | predicted peak MiB | measured peak MiB | err | predicted above the process MiB |")
+    print("|---|---|---|---|---|---|")
+    errs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            overrides = [f"recipe={name}", *short]
+            cfg = compose_jobs(overrides)[0]
+            validate(cfg)
+            found = predict(cfg)
+            worst = found.worst
+            run_dir = Path(tmp) / name
+            proc = subprocess.run([sys.executable, "-m", "tpctl.cli", "train", *overrides, f"hydra.run.dir={run_dir}"],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(f"| {name} | failed: {proc.stderr.strip().splitlines()[-1:]} |", flush=True)
+                continue
+            peak = json.loads((run_dir / "summary.json").read_text())["peak_rss_bytes_max_rank"]
+            errs.append(abs(worst.peak / peak - 1))
+            above = worst.peak - worst.parts["process"]
+            print(f"| {name} | {found.layout.world} | {worst.peak / 2**20:.1f} | {peak / 2**20:.1f} | "
+                  f"{worst.peak / peak - 1:+.1%} | {above / 2**20:.1f} |", flush=True)
+    print(f"\nmax_mem_err={100 * max(errs, default=0):.1f}% over {len(errs)} recipes")
 
 
 if __name__ == "__main__":

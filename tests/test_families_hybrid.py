@@ -11,12 +11,18 @@ as planned, on the shared pool, in process.
 from __future__ import annotations
 
 import pytest
+from test_families import _curve
 from test_families_anymodel import trains_like_mode_none
 
 pytest.importorskip("transformers")
 
 FAMILIES = ("mamba", "nemotron_h", "jamba", "falcon_h1", "qwen3_next", "minimax", "recurrent_gemma")
 KEYS = ("1d-2-dp2", "2d-4", "3d-8", "1d-2-pp2-dp2")
+# (family, layout) -> a phrase the refusal must contain.
+REFUSED = {
+    # Mamba layers and attention layers of two classes in one list: no stack of repeated blocks to cut.
+    ("jamba", "1d-2-pp2-dp2"): "cuts a model at its repeated blocks, and JambaForCausalLM has none",
+}
 
 
 @pytest.fixture(scope="module")
@@ -28,4 +34,17 @@ def reference(pool):
 @pytest.mark.parametrize("key", KEYS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_mixer_trains_like_mode_none(pool, reference, family, key):
+    if (family, key) in REFUSED:
+        got = pool.run(_curve, key, family)[0]
+        assert got[0] == "refused" and REFUSED[family, key] in got[1], got
+        return
     trains_like_mode_none(pool, reference, family, key)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["mamba", "qwen3_next"])
+def test_context_parallelism_refuses_a_mixer_that_runs_whole_in_one_line(pool, family):
+    """A recurrence over the sequence cannot run on a piece of it."""
+    got = pool.run(_curve, "1d-2-cp2", family, ranks=4)[0]
+    assert got[0] == "refused" and "runs on the whole sequence" in got[1] and "use cp=1" in got[1], got
+    assert "\n" not in got[1]

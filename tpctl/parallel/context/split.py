@@ -82,6 +82,11 @@ class ContextParallel:
         plan: module name -> role)."""
         if self.size == 1:
             return model
+        whole = next((name for name, role in roles.items() if role == "whole"), None)
+        if whole is not None:  # (a state passed along the ring would do it: not built)
+            raise ValueError(f"cp={self.size} splits each sequence across ranks, and {whole} "
+                             f"({type(model.get_submodule(whole)).__name__}) runs on the whole sequence "
+                             "(a recurrence or a convolution over it, no split fits it): use cp=1")
         for name in attention_modules(roles):
             module = model.get_submodule(name)
             module.forward = _attending(module.forward, self, name)

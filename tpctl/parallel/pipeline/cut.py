@@ -35,6 +35,7 @@ read once per model); running the stages is schedule.py's.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -92,14 +93,17 @@ class StageStack(nn.ModuleList):
 
     tpctl_stage_stack = True
 
-    def __init__(self, blocks: dict[int, nn.Module]):
+    def __init__(self, blocks: dict[int, nn.Module], kinds: Optional["StageKinds"] = None):
         super().__init__()
         for index, block in blocks.items():
             self.add_module(str(index), block)
-        self.active: list[nn.Module] = list(self._modules.values())
+        object.__setattr__(self, "_kinds", kinds)  # (not a submodule, not state)
+        self.show(list(blocks))
 
     def show(self, indices: list[int]) -> None:
         self.active = [self._modules[str(i)] for i in indices]
+        if self._kinds is not None:
+            self._kinds.show(indices)
 
     def __iter__(self):
         return iter(self.active)
@@ -109,6 +113,39 @@ class StageStack(nn.ModuleList):
 
     def __getitem__(self, idx):
         return self.active[idx]
+
+
+class StageKinds:
+    """A model whose forward picks each block's mask by the loop's position
+    (Hugging Face's `config.layer_types[i]` in `for i, layer in
+    enumerate(self.layers)`) sees, on a stage, its config's layer types in
+    the order of the blocks running now: the stage's own copy of the config
+    (every module of the stage that held the model's now holds it) lists
+    them, so position i of the stage's loop reads its block's type."""
+
+    def __init__(self, model: nn.Module, kinds: list):
+        config = model.config
+        own = copy.copy(config)
+        # The list may be a key, a property derived from others, or another
+        # key's alias (attribute_map): each reads the stage's list here.
+        cls = type(config)
+        names = {"layer_types", getattr(cls, "attribute_map", {}).get("layer_types", "layer_types")}
+        read = property(lambda self: self.__dict__["_tpctl_layer_types"])
+        own.__class__ = type(cls.__name__, (cls,), {**{n: read for n in names}, "attribute_map": {
+            k: v for k, v in getattr(cls, "attribute_map", {}).items() if k not in names}})
+        for module in model.modules():
+            if getattr(module, "config", None) is config:
+                module.__dict__["config"] = own
+        self.config, self.kinds = own, list(kinds)
+
+    def show(self, indices: list[int]) -> None:
+        self.config.__dict__["_tpctl_layer_types"] = [self.kinds[i] for i in indices]
+
+    @staticmethod
+    def of(model: nn.Module) -> Optional[list]:
+        """The model's layer types, if they differ between blocks."""
+        kinds = getattr(getattr(model, "config", None), "layer_types", None)
+        return list(kinds) if isinstance(kinds, (list, tuple)) and len(set(map(str, kinds))) > 1 else None
 
 
 class StandIn(nn.Module):
@@ -174,15 +211,6 @@ class StageCut:
         that cannot be cut."""
         if self.stage_map is not None:
             return self.stage_map
-        # A model that picks a block's mask by the loop's position (Hugging
-        # Face's `config.layer_types[i]` in `for i, layer in enumerate(...)`)
-        # would give a stage's first block the first layer's type: refused,
-        # never run with another layer's sliding window.
-        kinds = getattr(getattr(model, "config", None), "layer_types", None)
-        if isinstance(kinds, (list, tuple)) and len(set(kinds)) > 1:
-            raise PipelineRefused(f"{type(model).__name__} mixes layer types ({', '.join(sorted(set(map(str, kinds))))}) "
-                                  "that its forward picks by the loop's position, which a pipeline stage does not keep: "
-                                  "use pp=1", "pp")
         return self.adopt(read(model, self.spec, self.weigh))
 
     def adopt(self, stage_map: StageMap) -> StageMap:
@@ -212,7 +240,11 @@ class StageCut:
         found = self.assign(model)
         stack = model.get_submodule(found.stack_name)
         mine = {i: stack._modules[str(i)] for c in self.chunks for i in c.blocks}
-        self.stack = StageStack(mine)
+        kinds = StageKinds.of(model)
+        if kinds is not None and len(kinds) != len(stack):
+            raise PipelineRefused(f"{type(model).__name__}'s config lists {len(kinds)} layer types for "
+                                  f"{len(stack)} blocks: a stage cannot tell its blocks' types; use pp=1", "pp")
+        self.stack = StageStack(mine, StageKinds(model, kinds) if kinds is not None else None)
         _set(model, found.stack_name, self.stack)
         # Parameters this rank keeps, beside the stack: the tied ones among
         # them are held by both end stages.

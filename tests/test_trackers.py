@@ -63,6 +63,7 @@ def test_one_run_logs_to_jsonl_mlflow_and_wandb(tpctl, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     proc = tpctl.run(["train", "logger=[jsonl,mlflow,wandb]", *TINY, f"hydra.run.dir={run_dir}"], timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert tpctl.leftover_pids() == []  # W&B's service process ends with the run
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]  # metrics.jsonl is written whatever else is
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -163,3 +164,38 @@ def test_importing_tpctl_imports_no_tracker():
     code = "import sys, tpctl, tpctl.cli, tpctl.training.metrics, tpctl.config; print(sorted({'mlflow', 'wandb'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_resumed_run_continues_its_mlflow_run_and_a_failed_one_is_marked(tmp_path, monkeypatch):
+    """In-process (Trackers as rank 0 uses them): a resumed run logs into
+    the same MLflow run; a fresh run in the same dir starts a new one; a
+    run that ends without its summary is FAILED."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+    from omegaconf import OmegaConf
+
+    from tpctl.config import compose_jobs
+    from tpctl.training.trackers import Trackers
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # (what trackers.py sets for its own store)
+    OmegaConf.save(compose_jobs(["mode=1d", "size=2", "dp=2", "data=synthetic"])[0], tmp_path / "config.yaml")
+    record = {"lr": 1e-3, "grad_norm": 0.5, "sample": "text is left out", "data_hash": "ab12"}
+    first = Trackers(tmp_path, ["jsonl", "mlflow"])
+    for step in (1, 2):
+        first.log({"step": step, "loss": 3.0 - step, **record})
+    first.finish(None)  # as at exit after a crash: no summary
+    run_id = first_id = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    assert client.get_run(run_id).info.status == "FAILED" and client.get_run(run_id).info.run_name == "1d-2-dp2"
+    resumed = Trackers(tmp_path, ["mlflow"], resumed=True)
+    resumed.log({"step": 3, "loss": 0.5, **record})
+    resumed.finish({"final_loss": 0.5, "mode": "1d", "auto": {"predicted_ms": 2.0}, "val_loss": None})
+    assert json.loads((tmp_path / "trackers.json").read_text())["mlflow"] == first_id
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2, 3]
+    assert "sample" not in run.data.metrics and "data_hash" not in run.data.metrics
+    assert run.data.metrics["summary/auto.predicted_ms"] == 2.0 and run.data.tags["summary/mode"] == "1d"
+    fresh = Trackers(tmp_path, ["mlflow"])
+    fresh.finish({"final_loss": 0.1})
+    assert json.loads((tmp_path / "trackers.json").read_text())["mlflow"] != first_id

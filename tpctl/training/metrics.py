@@ -65,7 +65,7 @@ class MetricsLog:
 
                 # Kept open past this log: the summary is logged to them after
                 # the loop (trackers.finish, from launch/worker.py).
-                self.trackers = trackers.start(run_dir, loggers)
+                self.trackers = trackers.start(run_dir, loggers, resumed=start_step > 0)
         self.progress = _Progress(total_steps, enabled=enabled and progress)
 
     def __enter__(self) -> "MetricsLog":

@@ -176,7 +176,7 @@ class Trackers:
     """The trackers of one run on rank 0, from the first logged step to the
     summary (`finish`); a run that ends otherwise marks them failed at exit."""
 
-    def __init__(self, run_dir: Path, names: list[str]):
+    def __init__(self, run_dir: Path, names: list[str], resumed: bool = False):
         self.run_dir = run_dir
         self.open: dict[str, Any] = {}
         names = [n for n in names if n in TRACKERS]
@@ -184,7 +184,9 @@ class Trackers:
             return
         config = _read_config(run_dir)
         name = _run_name(config)
-        ids = _read_ids(run_dir)
+        # A resumed run (train.resume, a restart) continues its tracker runs;
+        # a fresh run in a used run dir starts new ones, as metrics.jsonl does.
+        ids = _read_ids(run_dir) if resumed else {}
         for tracker in names:
             self.open[tracker] = TRACKERS[tracker](run_dir, config, name, ids.get(tracker))
         _write_ids(run_dir, {**ids, **{k: t.id for k, t in self.open.items()}})
@@ -211,8 +213,8 @@ class Trackers:
 _ACTIVE: list[Trackers] = []
 
 
-def start(run_dir: Path, names: list[str]) -> Trackers:
-    trackers = Trackers(run_dir, names)
+def start(run_dir: Path, names: list[str], resumed: bool = False) -> Trackers:
+    trackers = Trackers(run_dir, names, resumed)
     _ACTIVE.append(trackers)
     return trackers
 

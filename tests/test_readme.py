@@ -192,8 +192,8 @@ def adapt(words: list[str], cwd: Path, n: int) -> tuple[list[str], Path | None]:
     summary.json afterwards, if it trains)."""
     sub, args = words[1], list(words[2:])
     if sub == "train":
-        if any(a in ("--help", "--cfg", "--hydra-help") for a in args) or "--dry-run" in args:
-            return [sub, *args], None
+        if any(a in ("--help", "--cfg", "--hydra-help", "--check") for a in args) or "--dry-run" in args:
+            return [sub, *args], None  # (--check: validates and prints the memory table, starts nothing)
         if _value(args, "device") == "cuda" or _elsewhere(args):
             # Validation only (see the module docstring): a GPU command on the CPU.
             args = ["--dry-run", *("device=cpu" if _key(a) == "device" else a for a in args)]

@@ -48,3 +48,21 @@ def test_context_parallelism_refuses_a_mixer_that_runs_whole_in_one_line(pool, f
     got = pool.run(_curve, "1d-2-cp2", family, ranks=4)[0]
     assert got[0] == "refused" and "runs on the whole sequence" in got[1] and "use cp=1" in got[1], got
     assert "\n" not in got[1]
+
+
+@pytest.mark.parametrize("family,key", [("qwen3_next", "2d-4"), ("falcon_h1", "1d-2-pp2")])
+def test_inspect_names_the_modules_run_whole_and_why(family, key):
+    """`tpctl inspect`'s table (a dry run on rank 0): a mixer's row says it
+    runs whole and why no split fits it; the modules inside it say whose."""
+    from test_families import _cfg
+
+    from tpctl.commands.inspect_model import inspect_model
+
+    rows, summary, problems = inspect_model(_cfg(key, family))
+    assert not problems, problems
+    whole = [row for row in rows if row[2] == "whole"]
+    assert whole and all(row[6].startswith("run whole on every rank") for row in whole), whole
+    inside = [row for row in rows if any(row[0].startswith(w[0] + ".") for w in whole)]
+    assert inside and all(row[6] == f"run whole, inside {row[0].rsplit('.', 1)[0]}" or "run whole, inside" in row[6]
+                          for row in inside), inside
+    assert summary["per rank"] < summary["whole model"]

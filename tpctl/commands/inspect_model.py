@@ -121,6 +121,7 @@ def inspect_model(cfg):
     model, plan, problems = done.model, done.plan, done.problems
     rewritten = {r.name: r for r in done.modules}
     rows, seen, whole, local = [], set(), 0, 0
+    run_whole = [n for n, role in plan.roles.items() if role == "whole"]  # (parallel/roles/whole.py)
     for name, module in originals.items():
         own = list(module.named_parameters(recurse=False))
         record = rewritten.get(name)
@@ -139,6 +140,12 @@ def inspect_model(cfg):
                 whole += math.prod(original.shape) * original.element_size()
         stage = stage_of(name)
         local += nbytes if stage in (None, 0) else 0
+        inside = next((r for r in run_whole if name.startswith(r + ".")), None)
+        if record is not None and record.role == "whole" and not note:
+            why = plan.whole.get(name)
+            note = "run whole on every rank, on whole rows: no split fits it" + (f" ({why})" if why else "")
+        elif inside is not None and not note:
+            note = f"run whole, inside {inside}"
         if record is None and own and not note:
             note = "kept whole (replicated)" if par.mode.replicated_activations else "no role"
         if name in plan.layouts and not note:  # a fused projection's parts, or a projection's heads (maybe shared)

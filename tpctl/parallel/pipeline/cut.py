@@ -264,7 +264,8 @@ class StageCut:
         present = {n for n, m in model.named_modules(remove_duplicate=False) if not isinstance(m, StandIn)}
         roles, heads, problems, units, layouts = ({k: v for k, v in d.items() if k in present} for d in
                                                   (plan.roles, plan.heads, plan.problems, plan.units, plan.layouts))
-        return RolePlan(roles, plan.source, heads, problems, plan.blocks, units, layouts)
+        whole = {k: v for k, v in plan.whole.items() if k in present}
+        return RolePlan(roles, plan.source, heads, problems, plan.blocks, units, layouts, whole=whole)
 
     # ---- after the rewrite: wire the stage ----------------------------------------
     def install(self, model: nn.Module) -> None:

@@ -187,10 +187,13 @@ def _cuda_per_rank(ranks: int) -> tuple[Optional[float], str]:
     touch the driver: CUDA workers are fresh interpreters, never forked."""
     import torch
 
-    count = torch.cuda.device_count()
-    if count == 0:
-        return None, "no CUDA device is visible here"
-    smallest = min(torch.cuda.get_device_properties(i).total_memory for i in range(min(count, ranks)))
+    try:
+        count = torch.cuda.device_count()
+        if count == 0:
+            return None, "no CUDA device is visible here"
+        smallest = min(torch.cuda.get_device_properties(i).total_memory for i in range(min(count, ranks)))
+    except RuntimeError as e:  # a driver that cannot be read: the run itself will say why
+        return None, f"the CUDA devices' memory could not be read ({e})"
     sharing = math.ceil(ranks / count)
     return smallest / sharing, (f"the smallest CUDA device ({smallest / GIB:.1f} GiB)"
                                 + (f" / {sharing} ranks sharing it" if sharing > 1 else ""))

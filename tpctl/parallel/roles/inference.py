@@ -28,10 +28,11 @@ import torch.nn as nn
 
 from tpctl.parallel.roles.experts import expert_count, experts_layout, own_split, routed_per_row
 from tpctl.parallel.roles.fused import FusedLayout, ProbeError, attention_layout, mlp_layout
-from tpctl.parallel.roles.plan import GROUP_ATTRS, HEAD_ATTRS, RATIO_ATTRS, ROLES, Heads, RolePlan, blocks_of, common_parent
+from tpctl.parallel.roles.plan import (GROUP_ATTRS, HEAD_ATTRS, RATIO_ATTRS, ROLES, Heads, RolePlan, blocks_of, common_parent,
+                                      repeated_blocks)
 from tpctl.parallel.roles.probes import is_experts, norm_width, on_cpu
 from tpctl.parallel.roles.tracing import per_head_args, random_draws, trace
-from tpctl.parallel.roles.whole import run_whole, whole_roots
+from tpctl.parallel.roles.whole import fundamental, run_whole, whole_roots
 
 
 @on_cpu
@@ -67,7 +68,21 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
     """Trace `model` and assign a role to every module that has one."""
     if vocab_size is None:
         vocab_size = _vocab(model)
-    found = _Inference(model, vocab_size)
+    found = _infer(model, vocab_size)
+    roots = whole_roots(found)
+    if roots:  # again, each module run whole for a problem of its own one opaque node: what it holds
+        # pairs with nothing outside it (roots found for the confusion around it may then vanish)
+        roots = {r: why for r, why in roots.items() if fundamental(why.partition(": ")[2])} or roots
+        found = _infer(model, vocab_size, frozenset(roots))
+        roots.update(whole_roots(found))
+    found.whole = roots
+    run_whole(found, roots)
+    return found.plan(vocab_size)
+
+
+def _infer(model: nn.Module, vocab_size: int, opaque: frozenset = frozenset()) -> "_Inference":
+    """One trace (modules `opaque` run whole) and every step of inference."""
+    found = _Inference(model, vocab_size, opaque)
     for ops in found.attention_units():
         found.attention(ops)
     found.lm_head()
@@ -78,9 +93,7 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
     found.norms_dropouts_and_tables()
     found.uncalled()
     found.norm_lists()
-    found.whole = whole_roots(found)
-    run_whole(found, found.whole)
-    return found.plan(vocab_size)
+    return found
 
 
 class _Inference:
@@ -88,13 +101,14 @@ class _Inference:
     so far. The steps run in one order (infer_plan): each reads the roles
     the ones before it assigned."""
 
-    def __init__(self, model: nn.Module, vocab_size: int):
+    def __init__(self, model: nn.Module, vocab_size: int, opaque: frozenset = frozenset()):
         self.model = model
         self.first_inputs: dict[str, tuple] = {}  # module -> the inputs of its first call, for probes
         self.flows: dict = {}  # module -> tracing.Flow of its first call
-        self.nodes, self.out, self.calls = trace(model, vocab_size, inputs=self.first_inputs, flows=self.flows)
+        self.nodes, self.out, self.calls = trace(model, vocab_size, inputs=self.first_inputs, flows=self.flows,
+                                                 opaque=opaque)
         self.whole: dict[str, str] = {}  # modules run whole (roles/whole.py) -> the problem that made them
-        self.roles: dict[str, str] = {}
+        self.roles: dict[str, str] = {name: "whole" for name in opaque}
         self.layouts: dict[str, Any] = {}
         self.probed: dict[tuple, Any] = {}  # one probe per kind of module
         self.problems: dict[str, str] = {}
@@ -284,9 +298,13 @@ class _Inference:
         `mlp_out`, what it reads `mlp_in` (with its layout, if fused)."""
         nodes, node_name, kind_of, modules, calls = self.nodes, self.node_name, self.kind_of, self.modules, self.calls
         rest = self.rest = {n.name for n in nodes if n.kind == "linear" and n.name not in self.roles}
+        block_of = self._block_of()
         for name in sorted(rest):
             inputs = set().union(*(nodes[i].inputs for i in calls[name]))
-            fed_by = {node_name[i] for i in inputs if kind_of[i] == "linear" and node_name[i] in rest}
+            # (an MLP lives in one block: a Linear reading the stream a block
+            # before it wrote, through the residual sum, pairs with nothing)
+            fed_by = {node_name[i] for i in inputs if kind_of[i] == "linear" and node_name[i] in rest
+                      and block_of(node_name[i]) == block_of(name)}
             if not fed_by:
                 continue
             if inputs - {i for i in inputs if node_name[i] in fed_by}:
@@ -306,6 +324,15 @@ class _Inference:
                     self.problems[source] = f"a fused projection whose layout tpctl cannot measure: {layout}"
                 else:
                     self.layouts[source] = layout
+
+    def _block_of(self):
+        """module name -> the block of the model's stack holding it (None
+        outside the stack, or without one)."""
+        stack = repeated_blocks(self.model)
+        prefix = next((f"{n}." for n, m in self.modules.items() if m is stack and n), None)
+        if prefix is None:
+            return lambda name: None
+        return lambda name: name[len(prefix):].split(".")[0] if name.startswith(prefix) else None
 
     def embeddings(self) -> None:
         """Embeddings: the one fed token ids (the vocabulary-sized one, if
@@ -470,8 +497,8 @@ class _Inference:
         for name, module in self.model.named_modules():
             if isinstance(module, nn.Dropout) and name not in roles:
                 self.assign(name, "attn_dropout" if owners and name.startswith(owners) else "dropout")
-        called = {id(p) for name in calls  # (what an experts module or a router holds runs inside its forward)
-                  for p in self.modules[name].parameters(recurse=roles.get(name) in ("experts", "router"))}
+        called = {id(p) for name in calls  # (what an experts module, a router or a module run whole holds runs inside it)
+                  for p in self.modules[name].parameters(recurse=roles.get(name) in ("experts", "router", "whole"))}
         for name, module in self.model.named_modules():
             own = list(module.parameters(recurse=False))
             if name and name not in calls and own and not all(id(p) in called for p in own):

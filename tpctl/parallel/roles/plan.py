@@ -154,19 +154,25 @@ def repeated_blocks(model: nn.Module) -> Optional[nn.ModuleList]:
     """The model's stack of blocks: of the nn.ModuleLists whose children are
     all of one class and that no such list holds (a list of per-head norms
     inside a block is not the stack, however many heads), the one with the
-    most children (ties: the first in definition order); a pipeline stage's
-    stack (pipeline.StageStack), whatever its length. None if the model has
-    no such list."""
+    most children (ties: the first in definition order); a hybrid's list of
+    blocks of several classes (Mamba layers beside attention layers) when it
+    holds that one or there is none; a pipeline stage's stack
+    (pipeline.StageStack), whatever its length. None if the model has no
+    such list."""
     for module in model.modules():
         if getattr(module, "tpctl_stage_stack", False):
             return module
-    lists = [(name, m) for name, m in model.named_modules()
-             if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(child) for child in m}) == 1]
-    best = None
-    for name, module in lists:
-        inside = any(other != name and name.startswith(f"{other}." if other else "") for other, _ in lists)
-        if not inside and (best is None or len(module) > len(best)):
-            best = module
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    inside = lambda name, other: other != name and name.startswith(f"{other}." if other else "")  # noqa: E731
+    alike = [(name, m) for name, m in lists if len({type(child) for child in m}) == 1]
+    best, best_name = None, None
+    for name, module in alike:
+        if not any(inside(name, other) for other, _ in alike) and (best is None or len(module) > len(best)):
+            best, best_name = module, name
+    outer = [(name, m) for name, m in lists if not any(inside(name, other) for other, _ in lists) and len(m) > 1]
+    mixed = max((item for item in outer if item[1] is not best), key=lambda item: len(item[1]), default=None)
+    if mixed is not None and (best is None or inside(best_name, mixed[0])):
+        return mixed[1]
     return best
 
 

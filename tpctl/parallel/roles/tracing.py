@@ -202,14 +202,17 @@ def random_draws(model: nn.Module, vocab_size: int = 2) -> list[str]:
 
 
 def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: Optional[dict] = None,
-          ids: Optional[torch.Tensor] = None, draws: Optional[_Draws] = None, flows: Optional[dict] = None):
+          ids: Optional[torch.Tensor] = None, draws: Optional[_Draws] = None, flows: Optional[dict] = None,
+          opaque: frozenset = frozenset()):
     """Run `model` on `ids` (default: a batch of TRACE_BATCH x `seq` random
     token ids); return (nodes, the node ids the output came from, module
     name -> node ids of its calls). `inputs`, if given, is filled with module
     name -> (args, kwargs) of its first call (what a probe of the module's
     own forward runs it on), and `flows` with module name -> Flow of its
-    first call. With `draws`, the forward runs in training mode and `draws`
-    records its random numbers."""
+    first call. Modules named in `opaque` (run whole: roles/whole.py) are one
+    node each, of kind "whole", what runs inside them not followed. With
+    `draws`, the forward runs in training mode and `draws` records its
+    random numbers."""
     originals, stand_ins = {}, {}
     for module in model.modules():  # meta parameters: zero-stride stand-ins
         for attr, p in list(module._parameters.items()):
@@ -227,8 +230,9 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
         def before(mod, args, kwargs):
             mod._tpctl_in = tracer.prov((args, kwargs))
             # Inside an experts module, weights indexed by routing decisions
-            # are no activations: it is one node, its ops not followed.
-            tracer.paused = kind == "experts"
+            # are no activations: it is one node, its ops not followed (and
+            # so is a module run whole).
+            tracer.paused = kind in ("experts", "whole")
 
         def after(mod, args, kwargs, out):
             tracer.paused = False
@@ -262,12 +266,12 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
         handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
         handles.append(module.register_forward_hook(after, with_kwargs=True))
 
-    holders: tuple = ()  # experts modules: what is inside them is theirs
+    holders: tuple = ()  # experts modules and modules run whole: what is inside them is theirs
     for name, module in model.named_modules():
-        kind = None if holders and name.startswith(holders) else _kind(module)
+        kind = None if holders and name.startswith(holders) else "whole" if name in opaque else _kind(module)
         if kind is not None and name:
             hooks(name, module, kind)
-            if kind == "experts":
+            if kind in ("experts", "whole"):
                 holders += (f"{name}.",)
         if inputs is not None:
             keep(name)

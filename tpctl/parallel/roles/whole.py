@@ -52,7 +52,9 @@ def whole_roots(found) -> dict[str, str]:
             and not (flow.inputs & inner)
 
     roots: dict[str, str] = {}
-    for name, reason in found.problems.items():
+    # A layer of a type tpctl has no rule for says most of why (the Linears
+    # around it fit no pattern because of it): its problem first.
+    for name, reason in sorted(found.problems.items(), key=lambda item: not fundamental(item[1])):
         if name not in modules:
             continue
         parts = name.split(".")
@@ -61,6 +63,13 @@ def whole_roots(found) -> dict[str, str]:
             roots.setdefault(root, f"{name}: {reason}")
     # The outermost of nested ones.
     return {r: why for r, why in roots.items() if not any(o != r and under(r, o) for o in roots)}
+
+
+def fundamental(reason: str) -> bool:
+    """Whether a problem is a module's own (a layer type with no rule, a
+    module whose parameters its owner's forward reads directly), not the
+    confusion such a module causes around it (a Linear fitting no pattern)."""
+    return reason.startswith(("an unsupported layer type", "never called"))
 
 
 def run_whole(found, roots: dict[str, str]) -> None:

@@ -30,7 +30,7 @@ def test_check_prints_the_table_and_starts_nothing(tpctl):
         assert column in header
     row = out[out.index(header) + 1].split()
     assert row[0] == "0-1" and row[-1] == "fits"
-    assert out[-1].startswith("memory per rank: ") and "available RAM" in out[-1]
+    assert out[-1].startswith("memory per rank: ") and "this machine's RAM" in out[-1]
     assert proc.stderr == ""
     assert not (tpctl.cwd / "run").exists()  # no run dir: nothing was started
     assert tpctl.leftover_pids(wait_s=0) == []
@@ -106,8 +106,8 @@ def test_memory_per_rank_sources(monkeypatch):
 
     cfg = _composed("mode=1d", "size=2", "data=synthetic", "model.n_layer=2")
     layout = Layout.from_config(cfg)
-    monkeypatch.setattr(memory_check, "_mem_available", lambda: 8 * 2**30)
-    assert memory_check.memory_per_rank(cfg, layout) == (4 * 2**30, "this machine's available RAM (8.0 GiB) / 2 rank(s)")
+    monkeypatch.setattr(memory_check, "_mem_total", lambda: 8 * 2**30)
+    assert memory_check.memory_per_rank(cfg, layout) == (4 * 2**30, "this machine's RAM (8.0 GiB) / 2 rank(s)")
     cfg.hardware = "h100"
     assert memory_check.memory_per_rank(cfg, layout) == (80e9, "hardware=h100")
     cfg.train.memory_limit_gib = 2.5

@@ -119,7 +119,7 @@ class TrainLoopConfig:
     # activations (torch.utils.checkpoint, non-reentrant).
     activation_checkpointing: bool = False
     # The memory each rank may use, GiB (null: the device's; on CPU this
-    # machine's available RAM split by its ranks): `tpctl train` refuses a
+    # machine's RAM split by its ranks): `tpctl train` refuses a
     # run whose predicted peak per rank is above it (commands/memory_check.py).
     memory_limit_gib: Optional[float] = None
     # A step whose loss or gradient norm is NaN or infinite: "stop" (the run

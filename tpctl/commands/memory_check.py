@@ -14,7 +14,8 @@ is a row.
 The memory a rank has, first found of: `train.memory_limit_gib`; the
 `hardware=` profile's memory per rank; on CUDA the smallest visible
 device's memory (shared by the ranks placed on it); on CPU this machine's
-available RAM (MemAvailable) split by the ranks it starts. A Slurm launch
+RAM (MemTotal: what is free at the moment would make the verdict depend on
+what else runs, e.g. a test suite's pools) split by the ranks it starts. A Slurm launch
 runs elsewhere: unchecked unless one of the first two is set.
 """
 
@@ -175,10 +176,10 @@ def memory_per_rank(cfg: Any, layout: Layout) -> tuple[Optional[float], str]:
     here = max(1, layout.world // max(1, int(cfg.launcher.nnodes)))  # ranks this node starts
     if cfg.device == "cuda":
         return _cuda_per_rank(here)
-    available = _mem_available()
-    if available is None:
-        return None, "this machine's available memory could not be read"
-    return available / here, f"this machine's available RAM ({available / GIB:.1f} GiB) / {here} rank(s)"
+    total = _mem_total()
+    if total is None:
+        return None, "this machine's memory could not be read"
+    return total / here, f"this machine's RAM ({total / GIB:.1f} GiB) / {here} rank(s)"
 
 
 def _cuda_per_rank(ranks: int) -> tuple[Optional[float], str]:
@@ -199,18 +200,18 @@ def _cuda_per_rank(ranks: int) -> tuple[Optional[float], str]:
                                 + (f" / {sharing} ranks sharing it" if sharing > 1 else ""))
 
 
-def _mem_available() -> Optional[int]:
+def _mem_total() -> Optional[int]:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith("MemTotal:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     try:
         import os
 
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
 

@@ -24,7 +24,8 @@ BENCHMARKS = ROOT / "benchmarks"
 TINY_TRAIN = ["--", "model.n_embd=16", "model.n_head=2", "model.n_layer=1", "model.block_size=16", "data=synthetic",
               "data.synthetic_tokens=20000", "train.batch_size=4", "train.seq_len=16"]
 
-# script -> (its arguments on tiny shapes, a line its output must hold, slow)
+# script (a second case of one: "<script> <what>") -> (its arguments on tiny
+# shapes, a line its output must hold, slow)
 SCRIPTS = {
     "activation_memory.py": (["--model", "gpt-tiny", "--batch", "2", "--seq", "16", "--modes", "none"],
                              "activation memory per rank", False),
@@ -41,6 +42,8 @@ SCRIPTS = {
     "data_order.py": (["--windows", "1000", "--layouts", "none", "--steps", "2"], "1 of 1 layouts read the same tokens", True),
     "gpu_step.py": (["--cpu"], "tpctl / plain", False),  # the CPU's smoke run: tiny shapes, dynamo only
     "hf_all_families.py": (["gpt2"], "OK gpt2", False),
+    # Its training pass: one family in mode=none, 1d-2 and 2d-4, on pools of its own.
+    "hf_all_families.py --train": (["--train", "gpt2"], "1 of 1 build: 1 exact", True),
     "loss_memory.py": (["64", "256"], "", False),
     "overlap.py": (["--model", "gpt-tiny", "--size", "2", "--modes", "1d", "--steps", "1", "--rounds", "1", "--",
                     "train.batch_size=2", "train.seq_len=8"], "overlapped vs blocking", False),
@@ -63,7 +66,7 @@ SCRIPTS = {
 
 def test_every_script_has_its_tiny_arguments():
     """A new script is added to the table (and so started here)."""
-    assert sorted(p.name for p in BENCHMARKS.glob("*.py")) == sorted(SCRIPTS)
+    assert sorted(p.name for p in BENCHMARKS.glob("*.py")) == sorted({name.split()[0] for name in SCRIPTS})
 
 
 @pytest.mark.timeout(900)  # on a loaded machine; seconds on an idle one
@@ -75,7 +78,7 @@ def test_script_runs_on_tiny_shapes(script, tmp_path):
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     # Its own session: a script that runs over is ended with the ranks it
     # spawned, none left behind.
-    proc = subprocess.Popen([sys.executable, str(BENCHMARKS / script), *args], cwd=tmp_path, env=env,
+    proc = subprocess.Popen([sys.executable, str(BENCHMARKS / script.split()[0]), *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=scaled(840))

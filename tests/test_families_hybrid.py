@@ -16,7 +16,7 @@ from test_families_anymodel import trains_like_mode_none
 
 pytest.importorskip("transformers")
 
-FAMILIES = ("mamba", "nemotron_h", "jamba", "falcon_h1", "qwen3_next", "minimax", "recurrent_gemma")
+FAMILIES = ("mamba", "nemotron_h", "jamba", "falcon_h1", "qwen3_next", "minimax", "recurrent_gemma", "llama4")
 KEYS = ("1d-2-dp2", "2d-4", "3d-8", "1d-2-pp2-dp2")
 # Two families (a mixer alone; linear attention beside gated attention and experts) in every
 # layout, the others taking turns down the list (each layout meets several mechanisms): the
@@ -63,3 +63,11 @@ def test_inspect_names_the_modules_run_whole_and_why(family, key):
     inside = [row for row in rows if any(row[0].startswith(w[0] + ".") for w in whole)]
     assert inside and all(row[6].startswith("run whole, inside ") for row in inside), inside
     assert summary["per rank"] < summary["whole model"]
+
+
+@pytest.mark.timeout(300)
+def test_sequence_parallelism_refuses_a_module_run_whole_that_flattens_its_rows(pool):
+    """Llama 4's MoE block returns its rows flattened ([rows * seq, hidden]):
+    run whole, its output is cut back by hidden features, never by sequence."""
+    got = pool.run(_curve, "1d-2-sp-dp2", "llama4")[0]
+    assert got[0] == "refused" and "returns its rows flattened" in got[1] and "seq_parallel=false" in got[1], got

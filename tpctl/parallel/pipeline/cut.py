@@ -151,7 +151,8 @@ class StageKinds:
 class StandIn(nn.Module):
     """A module beside the stack on a stage that does not run it: no
     parameters (but a tied one the stage holds elsewhere, registered under
-    its own name so names stay those of the whole model)."""
+    its own name so names stay those of the whole model; the others' names
+    hold empty tensors of their dtype, on the stage's device)."""
 
     def __init__(self, name: str, run: _Run):
         super().__init__()
@@ -254,11 +255,14 @@ class StageCut:
             if self.holds(b.name) or b.where == "every":
                 continue
             stand_in = StandIn(b.name, self.run)
+            original = model.get_submodule(b.name)
             for pn, first in b.params:
                 if first in held:
                     holder = next(f"{o.name}.{on}" for o in found.beside if self.holds(o.name)
                                   for on, o_first in o.params if o_first == first)
                     self._tied.append((f"{b.name}.{pn}", holder))
+                elif "." not in pn:  # (a model may read it for its device or dtype: Llama 4's embed_tokens.weight.device)
+                    stand_in.register_buffer(pn, torch.empty(0, dtype=getattr(original, pn).dtype), persistent=False)
             _set(model, b.name, stand_in)
         # What is still in the cut model, and not a stand-in (every path, as get_submodule finds them).
         present = {n for n, m in model.named_modules(remove_duplicate=False) if not isinstance(m, StandIn)}

@@ -48,8 +48,9 @@ def whole_roots(found) -> dict[str, str]:
         flow = flows.get(name)
         if not name or flow is None or name in blocks or (stack_name is not None and under(stack_name, name)):
             return False
-        return len(flow.shape) == 3 and flow.shape[-1] == hidden and flow.out == flow.shape \
-            and not (flow.inputs & inner)
+        # (an output of the input's rows flattened, [rows * seq, hidden], is the stream too: Llama 4's MoE)
+        return len(flow.shape) == 3 and flow.shape[-1] == hidden and not (flow.inputs & inner) \
+            and (flow.out == flow.shape or flow.out == (flow.shape[0] * flow.shape[1], hidden))
 
     roots: dict[str, str] = {}
     # A layer of a type tpctl has no rule for says most of why (the Linears

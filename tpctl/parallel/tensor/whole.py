@@ -34,15 +34,19 @@ def run_whole(mode, module: nn.Module, ctx) -> nn.Module:
     if split is None or ctx.shapes_only:  # (a dry run's mesh has no groups to gather over)
         return module
     group, dim = split
+    ctx_name = ctx.name
 
     def entry(mod, args, kwargs):
         whole = comm.gather_along(hidden_arg(args, kwargs), group, dim)
         return ((whole, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": whole})
 
     def exit(mod, args, kwargs, out):
-        if isinstance(out, tuple):
-            return (comm.split_block(out[0], group, dim), *out[1:])
-        return comm.split_block(out, group, dim)
+        first = out[0] if isinstance(out, tuple) else out
+        if dim != -1 and first.dim() != 3:  # (the sequence dimension of rows flattened is no block of it)
+            raise ValueError(f"{ctx_name} runs whole and returns its rows flattened ({tuple(first.shape)}): "
+                             "sequence parallelism cannot cut the sequence back out of it; use seq_parallel=false")
+        first = comm.split_block(first, group, dim)
+        return (first, *out[1:]) if isinstance(out, tuple) else first
 
     module.register_forward_pre_hook(entry, with_kwargs=True)
     module.register_forward_hook(exit, with_kwargs=True)

@@ -47,9 +47,9 @@ COMMON = ("model.n_layer=2 model.n_embd=32 model.n_head=4 model.dropout=0.1 trai
 KEYS = ("loss", "grad_norm", "val_loss")
 
 
-def run(name: str, keys: str, tpctl: str) -> list[dict]:
+def run(name: str, keys: str, tpctl: str, extra: str = "") -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [tpctl, "train", *keys.split(), *COMMON.split(), f"hydra.run.dir={tmp}/run"]
+        cmd = [tpctl, "train", *keys.split(), *COMMON.split(), *extra.split(), f"hydra.run.dir={tmp}/run"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
         if done.returncode != 0:
             raise SystemExit(f"{name}: exit {done.returncode}\n{done.stderr[-2000:]}")
@@ -63,12 +63,14 @@ def main() -> int:
     ap.add_argument("--compare", help="a JSON of an earlier run: exit 1 unless every number is bit-identical")
     ap.add_argument("--tpctl", default=str(Path(sys.executable).with_name("tpctl")))
     ap.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS), help="default: all 15")
+    ap.add_argument("--extra", default="", help="overrides added to every run (data.order=random: the curves of a "
+                                                 "checkout from before data.order existed)")
     args = ap.parse_args()
     curves = {}
     for name in args.layouts:
         keys = LAYOUTS[name]
         start = time.monotonic()
-        curves[name] = run(name, keys, args.tpctl)
+        curves[name] = run(name, keys, args.tpctl, args.extra)
         print(f"{name:18s} {len(curves[name])} rows  {time.monotonic() - start:5.1f} s", flush=True)
     Path(args.out).write_text(json.dumps(curves, indent=1))
     if not args.compare:

@@ -142,7 +142,9 @@ def _cfg(key: str, family: str, directory: str):
     cfg = default_config()
     cfg.model = _model_cfg(family, pretrained=directory)
     for k, v in {"mode": layout.mode, "size": layout.size, "depth": layout.depth, "dp": layout.dp,
-                 "seq_parallel": layout.seq_parallel, "data.name": "text",
+                 # (random windows: the reference's learning check below, first step's loss against the last's,
+                 # was written for them; its few steps in epoch order read other windows)
+                 "seq_parallel": layout.seq_parallel, "data.name": "text", "data.order": "random",
                  "data.max_bytes": 200_000, "train.batch_size": BATCH, "train.seq_len": SEQ, "train.steps": STEPS,
                  "train.eval_every": 0, "train.log_every": 1, "train.progress": False, "optim.lr": 1e-2, "optim.eps": 1e-5,
                  "optim.warmup_steps": 0, "checkpoint.every": 0}.items():

@@ -32,7 +32,7 @@ from tpctl.parallel.tensor.layers import SplitNorm
 from tpctl.parallel.tensor.linear import LINEAR_ROLES, default_converter
 from tpctl.parallel.tensor.loss import vocab_parallel_cross_entropy
 from tpctl.parallel.tensor.replicas import sync_replicas
-from tpctl.parallel.tensor.whole import run_whole
+from tpctl.parallel.tensor.whole import gather_hidden, run_whole
 
 
 class RewriteContext:
@@ -273,7 +273,7 @@ class ParallelMode(CostHooks):
             return module
         for param in module.parameters():
             self.replicated(param, "tp", partial=True)
-        module.register_forward_pre_hook(functools.partial(_gather_hidden, group=group), with_kwargs=True)
+        module.register_forward_pre_hook(functools.partial(gather_hidden, group=group), with_kwargs=True)
         return module
 
     def convert_experts(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
@@ -475,11 +475,3 @@ class ParallelMode(CostHooks):
     def replicated(self, param: torch.Tensor, group: str, partial: bool) -> None:
         """Tag a parameter every rank of `group` holds whole."""
         param.tpctl_spec = self.split_spec(param, replicas=group, partial=partial)
-
-
-def _gather_hidden(module, args, kwargs, group):
-    """Pre-hook: the first argument (or hidden_states) gathered along its
-    last dimension over `group`: whole hidden vectors of this rank's rows."""
-    if args:
-        return (comm.gather_along(args[0], group, -1), *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": comm.gather_along(kwargs["hidden_states"], group, -1)}

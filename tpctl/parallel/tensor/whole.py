@@ -14,10 +14,20 @@ gathered or cut: every rank computes the same gradient.
 
 from __future__ import annotations
 
+import functools
+
 import torch.nn as nn
 
 from tpctl.parallel import comm
 from tpctl.parallel.roles.tracing import hidden_arg
+
+
+def gather_hidden(module, args, kwargs, group, dim: int = -1):
+    """Pre-hook: a module's hidden states (its first argument, or
+    `hidden_states`) gathered along `dim` over `group` (a router's and a
+    module run whole's: whole rows of this rank's rows)."""
+    whole = comm.gather_along(hidden_arg(args, kwargs), group, dim)
+    return ((whole, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": whole})
 
 
 def run_whole(mode, module: nn.Module, ctx) -> nn.Module:
@@ -36,10 +46,6 @@ def run_whole(mode, module: nn.Module, ctx) -> nn.Module:
     group, dim = split
     ctx_name = ctx.name
 
-    def entry(mod, args, kwargs):
-        whole = comm.gather_along(hidden_arg(args, kwargs), group, dim)
-        return ((whole, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": whole})
-
     def exit(mod, args, kwargs, out):
         first = out[0] if isinstance(out, tuple) else out
         if dim != -1 and first.dim() != 3:  # (the sequence dimension of rows flattened is no block of it)
@@ -48,6 +54,6 @@ def run_whole(mode, module: nn.Module, ctx) -> nn.Module:
         first = comm.split_block(first, group, dim)
         return (first, *out[1:]) if isinstance(out, tuple) else first
 
-    module.register_forward_pre_hook(entry, with_kwargs=True)
+    module.register_forward_pre_hook(functools.partial(gather_hidden, group=group, dim=dim), with_kwargs=True)
     module.register_forward_hook(exit, with_kwargs=True)
     return module

@@ -82,6 +82,9 @@ class DataConfig:
     # Several corpora with weights: a list of {path: P, weight: W} or "P:W"
     # (data/mix.py); null: the one corpus of `path`.
     mix: Any = None
+    # true: a prepared corpus's documents kept apart (no attention across
+    # a boundary, positions restarting per document; data/documents.py).
+    documents: bool = False
 
 
 FUSED_SETTINGS = ("auto", "true", "false")  # optim.fused (training/step.py fused_update)

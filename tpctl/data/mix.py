@@ -86,8 +86,8 @@ def mix_entries(data: Any) -> list[MixEntry]:
 
 
 def check_data_keys(cfg: Any) -> None:
-    """data.order and data.mix: their values, and a mix against the other
-    data keys and the files it names."""
+    """data.order, data.mix and data.documents: their values, a mix against
+    the other data keys and the files it names, documents against the corpus."""
     d = cfg.data
     order = d.get("order", "epoch")
     if order not in ORDERS:
@@ -97,8 +97,14 @@ def check_data_keys(cfg: Any) -> None:
         raise ConfigError("data.order", order, f"expected one of {', '.join(ORDERS)}"
                           + (f" (did you mean {close[0]!r}?)" if close else ""))
     entries = mix_entries(d)
-    if not entries:
-        return
+    if entries:
+        _check_mix(d, entries)
+    from .documents import check_documents
+
+    check_documents(cfg)  # after the mix's files: it reads their index.json
+
+
+def _check_mix(d: Any, entries: list) -> None:
     mix = _plain(d.mix)
     if d.name != "text":
         raise ConfigError("data.mix", mix, f"a mix reads files: expected data.name=text (it is {d.name})")

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import handle_torch_function, has_torch_function
 
+from tpctl.parallel.context import documents as docs_
 from tpctl.schema import ModelConfig
 
 
@@ -56,8 +57,10 @@ def dropped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout
         return handle_torch_function(dropped_attention, (q, k, v), q, k, v, dropout)
     seq = q.shape[-2]
     att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
-    return dropout(att.masked_fill(~causal, float("-inf")).softmax(dim=-1)) @ v
+    documents = docs_.current()
+    # data.documents: causal within each document (Documents.mask), else causal.
+    seen = documents.mask() if documents is not None else torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    return dropout(att.masked_fill(~seen, float("-inf")).softmax(dim=-1)) @ v
 
 
 dropped_attention.tpctl_dropped_attention = True  # parallel.context.DROPPED_ATTENTION: cp may replace it
@@ -87,6 +90,10 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         elif self.training and self.attn_drop.p > 0:
             y = dropped_attention(q, k, v, self.attn_drop)
+        elif (documents := docs_.current()) is not None:
+            # data.documents: no query sees another document's keys.
+            documents.check(q)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=documents.mask())
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(batch, seq, -1)
@@ -118,6 +125,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # data.documents: parallel.context.documents.install gives it a setup;
+    # its forward then masks across documents and restarts positions.
+    tpctl_reads_documents = True
     tp_plan = {
         "wte": "embedding",
         "wpe": "pos_embedding",
@@ -153,9 +163,21 @@ class GPT(nn.Module):
         return 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("proj.weight") else 0.02
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        setup = getattr(self, docs_.SETUP, None)
+        if setup is not None and cache is None:
+            return self._forward_documents(idx, setup.of(idx))
         start = cache.length() if cache is not None else 0
         pos = torch.arange(start, start + idx.shape[1], device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for layer, block in enumerate(self.blocks):
             x = block(x, cache, layer) if cache is not None else block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def _forward_documents(self, idx: torch.Tensor, documents: docs_.Documents) -> torch.Tensor:
+        """data.documents: positions counted from each document's start, and
+        the blocks run inside the documents (their attention masks them)."""
+        x = self.drop(self.wte(idx) + documents.embed_positions(self.wpe))
+        with documents:
+            for block in self.blocks:
+                x = block(x)
         return self.lm_head(self.ln_f(x))

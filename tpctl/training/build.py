@@ -101,10 +101,20 @@ def build_run(cfg, par: Optional[Parallelism] = None, *, layout: Optional[Layout
     # After the proof of the tensor rewrite, which replays units on whole sequences.
     par.cp.impl = cfg.get("context", {}).get("impl", "ring")
     par.cp.install(model, rewrite.plan.roles)
+    _install_documents(cfg, par, model)
     cp_error = prove_context(cfg, par, model) if verify else None
     run = Run(cfg, par, rewrite, None, verified, cp_error)
     run.step = build_step(cfg, par, model, schedule, run.vocab_size) if step else None
     return run
+
+
+def _install_documents(cfg, par: Parallelism, model: torch.nn.Module) -> None:
+    """data.documents=true: the model keeps the corpus's documents apart on
+    this rank's layout (parallel/context/documents.py)."""
+    from tpctl.data.documents import separator
+    from tpctl.parallel.context import documents
+
+    documents.install(model, par.mode, par.cp, separator(cfg) if cfg.get("data") is not None else None)
 
 
 # What the start-up proof of context parallelism accepts: fp32 round-off of

@@ -82,12 +82,57 @@ def _block_grads(do, q, k, v, out, lse, delta, scale: float, diagonal: bool):
     return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ do
 
 
+# data.documents: a pair of chunks is masked by its queries' and keys'
+# documents as well (docs/DESIGN.md, "Documents"). A query may see no key of
+# a block; its block log-sum-exp is then -inf and its block output 0, and
+# the merge must not form -inf - (-inf): `_safe` reads an infinite
+# log-sum-exp as 0 where it is subtracted. Every query sees itself, so its
+# merged log-sum-exp is finite and the backward's probabilities are exact.
+
+
+def _safe(lse: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _pair_mask(doc: torch.Tensor, a: int, b: int, chunk: int, diagonal: bool) -> torch.Tensor:
+    """[rows, 1, chunk, chunk] bool: which keys of chunk b each query of
+    chunk a sees (same document; causal on the diagonal)."""
+    qd, kd = doc[:, a * chunk:(a + 1) * chunk], doc[:, b * chunk:(b + 1) * chunk]
+    seen = qd[:, :, None] == kd[:, None, :]
+    if diagonal:
+        seen = seen & torch.ones(chunk, chunk, dtype=torch.bool, device=doc.device).tril()
+    return seen[:, None]
+
+
+def _doc_pairs(doc, mine, theirs, chunk: int):
+    """_visible's pairs with their masks, less the pairs no query of which
+    sees any key (a chunk of other documents: skipped, as causality's are)."""
+    for i, j, diagonal in _visible(mine, theirs):
+        mask = _pair_mask(doc, mine[i], theirs[j], chunk, diagonal)
+        if bool(mask.any()):
+            yield i, j, mask
+
+
+def _doc_block(q, k, v, scale: float, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s = ((q @ k.transpose(-2, -1)) * scale).masked_fill(~mask, float("-inf"))
+    lse = s.logsumexp(-1)
+    return torch.exp(s - _safe(lse)[..., None]) @ v, lse
+
+
+def _doc_block_grads(do, q, k, v, lse, delta, scale: float, mask: torch.Tensor):
+    s = ((q @ k.transpose(-2, -1)) * scale).masked_fill(~mask, float("-inf"))
+    p = torch.exp(s - lse[..., None])
+    ds = p * (do @ v.transpose(-2, -1) - delta[..., None])
+    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ do
+
+
 class RingAttention(torch.autograd.Function):
     """q, k, v: [batch, heads, 2 chunks, head_dim] of this rank's zigzag
-    chunks; `ranks`: the cp group's global ranks in ring order."""
+    chunks; `ranks`: the cp group's global ranks in ring order; `doc`: the
+    whole rows' document ids [batch, 2·cp chunks] (data.documents), or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, ranks, index, scale):
+    def forward(ctx, q, k, v, group, ranks, index, scale, doc=None):
         cp = len(ranks)
         qs = q.chunk(2, dim=2)
         # Merged in fp32 whatever the inputs (bf16 under autocast): the
@@ -99,7 +144,15 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:  # the next block travels while this one is computed
                 nxt, works = comm.ring_pass(kv, group, ranks)
             ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-            for i, j, diagonal in _visible(zigzag_chunks(index, cp), zigzag_chunks((index - step) % cp, cp)):
+            mine, theirs = zigzag_chunks(index, cp), zigzag_chunks((index - step) % cp, cp)
+            if doc is not None:
+                for i, j, mask in _doc_pairs(doc, mine, theirs, qs[0].shape[2]):
+                    block_out, block_lse = _doc_block(qs[i], ks[j], vs[j], scale, mask)
+                    merged = torch.logaddexp(lse[i], block_lse)
+                    at = _safe(merged)
+                    out[i] = out[i] * torch.exp(lse[i] - at)[..., None] + block_out * torch.exp(block_lse - at)[..., None]
+                    lse[i] = merged
+            for i, j, diagonal in () if doc is not None else _visible(mine, theirs):
                 block_out, block_lse = _block(qs[i], ks[j], vs[j], scale, diagonal)
                 merged = torch.logaddexp(lse[i], block_lse)
                 out[i] = out[i] * torch.exp(lse[i] - merged)[..., None] + block_out * torch.exp(block_lse - merged)[..., None]
@@ -110,7 +163,7 @@ class RingAttention(torch.autograd.Function):
                 kv = nxt
         out, lse = _positions_major(out, q.dtype), torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.ranks, ctx.index, ctx.scale = group, ranks, index, scale
+        ctx.group, ctx.ranks, ctx.index, ctx.scale, ctx.doc = group, ranks, index, scale, doc
         return out
 
     @staticmethod
@@ -131,7 +184,13 @@ class RingAttention(torch.autograd.Function):
                 nxt, works = comm.ring_pass(kv, ctx.group, ctx.ranks)
             ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             dks, dvs = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
-            for i, j, diagonal in _visible(zigzag_chunks(index, cp), zigzag_chunks((index - step) % cp, cp)):
+            mine, theirs = zigzag_chunks(index, cp), zigzag_chunks((index - step) % cp, cp)
+            for i, j, mask in _doc_pairs(ctx.doc, mine, theirs, qs[0].shape[2]) if ctx.doc is not None else ():
+                dq_, dk_, dv_ = _doc_block_grads(dos[i], qs[i], ks[j], vs[j], lses[i], deltas[i], scale, mask)
+                dqs[i].add_(dq_)
+                dks[j].add_(dk_)
+                dvs[j].add_(dv_)
+            for i, j, diagonal in () if ctx.doc is not None else _visible(mine, theirs):
                 dq_, dk_, dv_ = _block_grads(dos[i], qs[i], ks[j], vs[j], outs[i], lses[i], deltas[i], scale, diagonal)
                 dqs[i].add_(dq_)
                 dks[j].add_(dk_)
@@ -144,7 +203,7 @@ class RingAttention(torch.autograd.Function):
             dkv = got
             if step < cp - 1:
                 kv = nxt
-        return dq, dkv[0], dkv[1], None, None, None, None
+        return dq, dkv[0], dkv[1], None, None, None, None, None
 
 
 def _positions_major(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -158,9 +217,10 @@ def _positions_major(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Ten
     return out
 
 
-def ring_attention(q, k, v, group, ranks: list[int], index: int, scale: float | None = None) -> torch.Tensor:
+def ring_attention(q, k, v, group, ranks: list[int], index: int, scale: float | None = None,
+                   doc: torch.Tensor | None = None) -> torch.Tensor:
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return RingAttention.apply(q, k, v, group, ranks, index, scale)
+    return RingAttention.apply(q, k, v, group, ranks, index, scale, doc)
 
 
 def _seq_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
@@ -203,14 +263,21 @@ class _HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads(grad.contiguous(), ctx.group, ctx.cp), None, None
 
 
-def ulysses_attention(q, k, v, group, cp: int, scale: float | None = None) -> torch.Tensor:
+def ulysses_attention(q, k, v, group, cp: int, scale: float | None = None, doc: torch.Tensor | None = None) -> torch.Tensor:
     """q, k, v: [batch, heads, L, head_dim] of this rank's contiguous L
-    positions; heads divisible by cp (checked before start)."""
+    positions; heads divisible by cp (checked before start). `doc`: the
+    whole rows' document ids (data.documents), or None."""
     q, k, v = (_SeqToHeads.apply(t, group, cp) for t in (q, k, v))
-    return _HeadsToSeq.apply(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale), group, cp)
+    if doc is None:
+        return _HeadsToSeq.apply(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale), group, cp)
+    # Whole sequences in global order (rank r held the r-th run): one process's mask.
+    t = torch.arange(doc.shape[1], device=doc.device)
+    seen = ((doc[:, :, None] == doc[:, None, :]) & (t[:, None] >= t[None, :]))[:, None]
+    return _HeadsToSeq.apply(F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=scale), group, cp)
 
 
-def gathered_attention(q, k, v, dropout, group, held: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+def gathered_attention(q, k, v, dropout, group, held: torch.Tensor, mine: torch.Tensor,
+                       doc: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention with dropout on the probabilities (tpctl's GPT,
     models.gpt.dropped_attention), over a sequence split across the cp
     ranks: every rank gathers the whole sequence's keys and values and
@@ -221,9 +288,12 @@ def gathered_attention(q, k, v, dropout, group, held: torch.Tensor, mine: torch.
     the one-process path holds [cp·L, cp·L]; ring and Ulysses cannot be
     used, their blocks' probabilities are never the final ones.
     `held`: the global position of every gathered row (the ranks' positions
-    in rank order); `mine`: this rank's query positions."""
+    in rank order); `mine`: this rank's query positions; `doc`: the whole
+    rows' document ids (data.documents), or None."""
     kv = comm.gather_along(torch.stack((k, v)), group, dim=3)[:, :, :, torch.argsort(held)]
     k, v = kv[0], kv[1]
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
     seen = mine[:, None] >= torch.arange(k.shape[-2], device=q.device)[None, :]
+    if doc is not None:
+        seen = (seen & (doc[:, mine][:, :, None] == doc[:, None, :]))[:, None]
     return dropout(scores.masked_fill(~seen, float("-inf")).softmax(dim=-1)) @ v

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from tpctl.errors import TpctlError
+from tpctl.parallel.context import documents as docs_
 from tpctl.parallel.context.attention import gathered_attention, ring_attention, ulysses_attention, zigzag_chunks
 from tpctl.parallel.dropout import ParallelDropout
 from tpctl.parallel.mesh import Mesh
@@ -140,8 +141,9 @@ class ContextParallel:
 
     def _global_positions(self, module: nn.Module, args: tuple):
         """A lookup of local positions 0..L-1 made a lookup of the global
-        positions this rank holds."""
-        if not self.active:
+        positions this rank holds (not the positions in their documents,
+        data.documents: those are counted on the whole sequence)."""
+        if not self.active or docs_.current() is not None:
             return None
         pos, *rest = args
         table = self.positions(pos.shape[-1] * self.size).to(pos.device)
@@ -163,12 +165,23 @@ class ContextParallel:
         (context_attention.gathered_attention)."""
         seq_len = q.shape[-2] * self.size
         held = torch.cat([self.positions(seq_len, r) for r in range(self.size)]).to(q.device)
-        return gathered_attention(q, k, v, dropout, self.group, held, self.positions(seq_len).to(q.device))
+        documents = docs_.current()
+        if documents is not None:
+            documents.check(q)
+        return gathered_attention(q, k, v, dropout, self.group, held, self.positions(seq_len).to(q.device),
+                                  None if documents is None else documents.doc)
 
     def attend(self, name: str, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False) -> torch.Tensor:
         """torch's scaled_dot_product_attention of this rank's positions,
-        computed across the cp ranks."""
+        computed across the cp ranks (data.documents: the mask of the
+        forward's documents, each pair of chunks masked by their documents)."""
+        documents = docs_.current()
+        if documents is not None and documents.is_mask(attn_mask):
+            documents.check(q, name)
+            attn_mask, is_causal, doc = None, True, documents.doc
+        else:
+            doc = None
         why = "a mask" if attn_mask is not None else "dropout" if dropout_p else None if is_causal else "is_causal=False"
         if why is not None:
             raise ContextRefused(f"cp={self.size}: {name} calls attention with {why}; context parallelism "
@@ -176,8 +189,8 @@ class ContextParallel:
         if enable_gqa and k.shape[1] != q.shape[1]:  # each shared key/value head repeated for its query heads
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         if self.impl == "ring":
-            return ring_attention(q, k, v, self.group, self.ranks, self.rank, scale)
-        return ulysses_attention(q, k, v, self.group, self.size, scale)
+            return ring_attention(q, k, v, self.group, self.ranks, self.rank, scale, doc)
+        return ulysses_attention(q, k, v, self.group, self.size, scale, doc)
 
 
 class ContextDropout(ParallelDropout):

@@ -1,0 +1,112 @@
+"""data.documents=true (tpctl/data/documents.py, parallel/context/documents.py):
+a prepared corpus's documents kept apart, no attention across a boundary
+and positions restarting per document, the same in every layout as in
+mode=none."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_trainer, tiny_config
+
+from tpctl.parallel.layout import Layout
+
+EOS = 0  # the byte tokenizer's separator
+
+
+def _ids(rows: int, seq: int, seed: int = 5, vocab: int = 256) -> torch.Tensor:
+    """Random ids with a separator at about one position in five."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (rows, seq), generator=g)
+    return ids.masked_fill(torch.rand(rows, seq, generator=g) < 0.2, EOS)
+
+
+def _model(cfg, eos=EOS):
+    from tpctl.models import build_model
+    from tpctl.parallel.context import documents
+
+    model = build_model(cfg.model, cfg.seed)
+    documents.install(model, None, None, eos)
+    return model
+
+
+def test_a_window_s_documents_and_positions_count_from_its_separators():
+    from tpctl.parallel.context.documents import document_ids, document_positions
+
+    ids = torch.tensor([[5, 6, EOS, 7, EOS, EOS, 8, 9], [EOS, 1, 2, 3, 4, 5, 6, 7]])
+    doc = document_ids(ids, EOS)
+    # A separator ends the document it closes; the window's first document starts at 0.
+    assert doc.tolist() == [[0, 0, 0, 1, 1, 2, 3, 3], [0, 1, 1, 1, 1, 1, 1, 1]]
+    assert document_positions(doc).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1], [0, 0, 1, 2, 3, 4, 5, 6]]
+
+
+def test_a_token_never_sees_another_document():
+    """Another document's tokens changed: this document's logits do not
+    move; a document inside a window gives the logits it gives alone (its
+    positions restart); without documents the mask and positions do matter."""
+    cfg = tiny_config(1, **{"model.n_layer": 2})
+    model = _model(cfg)
+    ids = _ids(2, 16)
+    ids[0, 5], ids[0, 10] = EOS, EOS
+    ids[0, 6:10] = torch.tensor([11, 12, 13, 14])
+    out = model(ids)
+    for doc_of in range(3):
+        other = ids.clone()
+        span = {0: slice(0, 5), 1: slice(6, 10), 2: slice(11, 16)}[doc_of]
+        other[0, span] = (other[0, span] + 7) % 255 + 1  # no separator: the same boundaries
+        moved = (model(other)[0] - out[0]).abs().amax(-1)
+        unmoved = torch.ones(16, dtype=torch.bool)
+        unmoved[span.start:span.stop + (1 if doc_of < 2 else 0)] = False  # its tokens and its separator
+        assert moved[unmoved].max() == 0, doc_of
+        assert moved[~unmoved].max() > 1e-3, doc_of
+    alone = _model(cfg, eos=None)(ids[:1, 6:11])  # the document 11..14 and its separator, from position 0
+    assert (out[0, 6:11] - alone[0]).abs().max() < 1e-5
+    plain = _model(cfg, eos=None)(ids)
+    assert (plain[0, 6:11] - out[0, 6:11]).abs().max() > 1e-3
+
+
+def _against_one_process(name: str, impl: str, dropless: bool = True) -> tuple[float, float]:
+    """One forward and backward of a batch with documents in layout `name`
+    (context.impl `impl`) against one process's: the loss's relative error
+    and the worst gradient's (norm-relative)."""
+    import torch.nn.functional as F
+    from conftest import build
+
+    from tpctl.parallel.context import documents
+    from tpctl.parallel.roles.plan import logits_of
+
+    cfg = tiny_config(1, **{"model.n_embd": 32, "model.n_head": 8, "context.impl": impl})
+    run = build(cfg, Layout.parse(name))
+    par = run.par
+    documents.install(run.model, par.mode, par.cp, EOS)
+    batch, seq, vocab = cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size
+    ids = _ids(batch, seq + 1)
+    x, y = ids[:, :-1], ids[:, 1:]
+    ref = _model(cfg)
+    ref_loss = F.cross_entropy(logits_of(ref(x)).reshape(-1, vocab), y.reshape(-1), reduction="sum") / y.numel()
+    ref_loss.backward()
+    loss_sum = run.step.forward_backward([(par.shard_batch(x), par.shard_targets(y))], 0)
+    par.finish_grads([run.model])
+    loss = par.global_mean(loss_sum, y.numel())
+    documents.install(run.model, par.mode, par.cp, None)
+    ref_grads = dict(ref.named_parameters())
+    worst = 0.0
+    for pname, p in run.model.named_parameters():
+        spec = getattr(p, "tpctl_spec", None)
+        want = ref_grads[pname].grad
+        want = spec.slice(want) if spec is not None else want
+        worst = max(worst, ((p.grad - want).norm() / want.norm().clamp_min(1e-30)).item())
+    return abs(loss - ref_loss.item()) / abs(ref_loss.item()), worst
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name,impl", [
+    ("none-cp4", "ring"), ("none-cp2-dp2", "ulysses"), ("1d-2-sp-cp2", "ring"), ("2d-4", "ring"),
+    ("1d-4-sp", "ring"), ("3d-8", "ring"), ("2.5d-8-d2", "ring"), ("2d-4-cp2", "ring"),
+])
+def test_every_layout_masks_documents_as_one_process(pool, name, impl):
+    for loss_err, grad_err in pool.run(_against_one_process, name, impl, ranks=Layout.parse(name).world):
+        assert loss_err < 1e-6 and grad_err < 1e-6, (name, impl, loss_err, grad_err)

@@ -121,6 +121,7 @@ def _stage_peaks(cfg: Any, layout: Layout) -> list[StagePeak]:
 
     from tpctl.cost.auto import Choice, peak_parts
     from tpctl.cost.planner import model_shape, plan_split
+    from tpctl.models import last_checked
     from tpctl.parallel.pipeline.stages import pipeline_of
 
     t = cfg.train
@@ -131,10 +132,14 @@ def _stage_peaks(cfg: Any, layout: Layout) -> list[StagePeak]:
         choice = Choice(layout, t.grad_accum, checkpointing=bool(t.activation_checkpointing))
     key = (json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True, default=str), cfg.seed)
     if key not in _SHAPES:  # the jobs of a sweep over layouts read the model once
-        _SHAPES[key] = model_shape(cfg.model, cfg.seed)
-    shape = _SHAPES[key]
+        # The config check has just built and traced this model (on the meta
+        # device): its shapes are read from that model, and the dry run
+        # rewrites a copy of it (dry_run._original), not a third build.
+        built = last_checked(cfg.model, cfg.seed)
+        _SHAPES[key] = (model_shape(cfg.model, cfg.seed, built), built[0] if built else None)
+    shape, model = _SHAPES[key]
     plan = plan_split(shape, layout, t.batch_size, t.seq_len, 1 if pipe else t.grad_accum, pipeline=pipe,
-                      context=cfg.context.impl)
+                      cache={"model": model} if model is not None else None, context=cfg.context.impl)
     hw = _profile(cfg)
     if layout.pp == 1:
         stages = [StagePeak(list(range(layout.world)), None, peak_parts(plan, shape, choice, cfg, hw))]

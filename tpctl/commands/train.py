@@ -19,8 +19,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpctl.config import (CONFIG_DIR, CONFIG_NAME, check_writable_dir, compose_jobs, load_worker_config, register_configs,
-                          run_dir_setting, validate)
+from tpctl.config import (CONFIG_DIR, CONFIG_NAME, check_writable_dir, compose_jobs, compose_run, load_worker_config,
+                          register_configs, run_dir_setting, validate)
 from tpctl.errors import ConfigError, EXIT_FAILED, EXIT_OK, EXIT_USAGE, error, fail, one_line
 from tpctl.parallel.layout import Layout
 from tpctl.launch.run_lock import RunDirBusy, RunDirLock, probe
@@ -123,9 +123,13 @@ def _check_jobs(overrides: list[str], multirun: bool, config_name: str, config_d
     compose (a misspelt key) fails the whole command, as does a sweep with no
     valid job at all."""
     try:
-        jobs = compose_jobs(overrides, multirun, config_name, config_dir)
+        if validate_values and not multirun:  # one composition gives the job and its run dir
+            jobs, run_dir = compose_run(overrides, config_name, config_dir)
+        else:
+            jobs = compose_jobs(overrides, multirun, config_name, config_dir)
         if validate_values:  # else Hydra fails with a traceback creating it
-            run_dir = run_dir_setting(overrides, multirun, config_name, config_dir)
+            if multirun:
+                run_dir = run_dir_setting(overrides, multirun, config_name, config_dir)
             check_writable_dir(*run_dir)
     except ConfigError as e:
         return _Checked(fail(str(e)))

@@ -11,12 +11,13 @@ Three entry points:
     config.yaml, typed, for the workers, which never run Hydra.
 """
 
-from .compose import CONFIG_DIR, CONFIG_NAME, HARDWARE_DIR, RECIPE_DIR, compose_jobs, register_configs, run_dir_setting
+from .compose import (CONFIG_DIR, CONFIG_NAME, HARDWARE_DIR, RECIPE_DIR, compose_jobs, compose_run, register_configs,
+                      run_dir_setting)
 from .layout_checks import check_layout, largest_grids
 from .machine import check_backend
 from .typed import default_config, load_worker_config, typed_model
 from .validate import check_writable_dir, validate
 
 __all__ = ["CONFIG_DIR", "CONFIG_NAME", "HARDWARE_DIR", "RECIPE_DIR", "check_backend", "check_layout", "check_writable_dir",
-           "compose_jobs", "default_config", "largest_grids", "load_worker_config", "register_configs", "run_dir_setting",
+           "compose_jobs", "compose_run", "default_config", "largest_grids", "load_worker_config", "register_configs", "run_dir_setting",
            "typed_model", "validate"]

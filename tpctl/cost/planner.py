@@ -88,17 +88,21 @@ class ModelShape:
         return model
 
 
-def model_shape(model_cfg, seed: int = 0) -> ModelShape:
-    """Build the model on the meta device and read its shapes and roles."""
+def model_shape(model_cfg, seed: int = 0, built: Optional[tuple] = None) -> ModelShape:
+    """Build the model on the meta device and read its shapes and roles.
+    `built`: (model, plan) of this config already built on the meta device
+    and traced (the config check's: models.last_checked), read instead."""
     from torch import nn
 
     from tpctl.models import build_model
     from tpctl.parallel.roles.inference import resolve_plan
     from tpctl.parallel.roles.probes import linearize
 
-    model = build_model(model_cfg, seed, lazy=True)
+    model, plan = built if built is not None else (build_model(model_cfg, seed, lazy=True), None)
+    before = len(getattr(model, "tpctl_transposed", ()))
     linearize(model)  # as the rewrite sees it
-    plan = resolve_plan(model, getattr(model_cfg, "plan", None))
+    if plan is None or len(model.tpctl_transposed) != before:  # (a Conv1D made a Linear: traced again)
+        plan = resolve_plan(model, getattr(model_cfg, "plan", None))
     roles = plan.roles
     owner = {}
     for mname, module in model.named_modules():

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_support import tpctl  # noqa: F401  (fixture)
 from conftest import build_trainer, tiny_config
 
 from tpctl.parallel.layout import Layout
@@ -110,3 +111,104 @@ def _against_one_process(name: str, impl: str, dropless: bool = True) -> tuple[f
 def test_every_layout_masks_documents_as_one_process(pool, name, impl):
     for loss_err, grad_err in pool.run(_against_one_process, name, impl, ranks=Layout.parse(name).world):
         assert loss_err < 1e-6 and grad_err < 1e-6, (name, impl, loss_err, grad_err)
+
+
+# ---- whole runs on a prepared corpus ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """A prepared corpus (byte tokenizer) of documents of 1 to 12 bytes:
+    every window of 16 tokens crosses several boundaries."""
+    from tpctl.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("documents")
+    g = torch.Generator().manual_seed(0)
+    lines = []
+    for _ in range(400):
+        n = int(torch.randint(1, 13, (1,), generator=g))
+        lines.append(json.dumps({"text": "".join(chr(97 + int(c)) for c in torch.randint(0, 26, (n,), generator=g))}))
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    prepare([str(root / "docs.jsonl")], root / "corpus", "bytes", val_fraction=0.1)
+    return str(root / "corpus")
+
+
+def _curve(name: str, path: str, impl: str = "ring", documents: bool = True) -> list[tuple]:
+    """Every step's loss and grad norm (and the last val loss) of a short run
+    on `path` in layout `name`, as this rank logs them."""
+    from tpctl.config import check_layout
+
+    layout = Layout.parse(name)
+    cfg = layout.write_to(tiny_config(3, **{"model.n_layer": 2, "data.path": path, "data.documents": documents,
+                                            "context.impl": impl, "train.eval_every": 3, "train.eval_batches": 1}))
+    if layout.pp > 1:
+        cfg.pipeline.schedule, cfg.pipeline.microbatches = "1f1b", 2
+    check_layout(cfg, layout)
+    records = build_trainer(cfg, layout, verify=True).fit()
+    return [(r.get("loss"), r.get("grad_norm"), r.get("val_loss")) for r in records]
+
+
+_reference: dict = {}
+
+
+def _one_process(pool, corpus: str, documents: bool = True) -> list[tuple]:
+    if documents not in _reference:
+        _reference[documents] = pool.run(_curve, "none", corpus, "ring", documents, ranks=1)[0]
+    return _reference[documents]
+
+
+def _deviation(curve: list[tuple], want: list[tuple]) -> float:
+    assert len(curve) == len(want) == 3
+    return max(abs(a - b) / abs(b) for got, ref in zip(curve, want) for a, b in zip(got, ref) if b is not None)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name,impl", [
+    ("1d-2-sp-dp2-z1", "ring"), ("1d-2-pp2-dp2", "ring"), ("none-cp2-dp2", "ring"), ("1d-2-cp2", "ulysses"),
+])
+def test_a_run_with_documents_trains_as_one_process(pool, corpus, name, impl):
+    """Loss, gradient norm and validation loss of three steps within fp32
+    round-off of mode=none's, with ZeRO, sequence parallelism, pipeline
+    stages (the ids reach every stage) and both cp attentions."""
+    want = _one_process(pool, corpus)
+    assert _deviation(_one_process(pool, corpus, documents=False), want) > 1e-3  # the documents change the run
+    for curve in pool.run(_curve, name, corpus, impl, ranks=Layout.parse(name).world):
+        assert _deviation(curve, want) < 1e-6, (name, impl, curve, want)
+
+
+# ---- the command line ---------------------------------------------------------
+
+RUN = ["model=gpt-tiny", "model.n_layer=1", "optim.eps=1e-5", "train.batch_size=4", "train.seq_len=16",
+       "train.log_every=1", "train.eval_every=0", "train.progress=false", "train.steps=3", "data.documents=true"]
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(600)
+def test_tpctl_train_with_documents_in_cp_ring_equals_mode_none(tpctl, corpus):
+    runs = {}
+    for name, layout in (("none", ["mode=none"]), ("cp", ["mode=1d", "size=2", "cp=2", "context.impl=ring"])):
+        runs[name] = tpctl.cwd / name
+        done = tpctl.run(["train", *RUN, f"data.path={corpus}", *layout, f"hydra.run.dir={runs[name]}"], timeout=300)
+        assert done.returncode == 0, done.stderr
+    want, got = _losses(runs["none"]), _losses(runs["cp"])
+    assert len(want) == 3 and got == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["data.name=synthetic"], "data.name=synthetic has no document boundaries"),
+    ([], "data.path is the default corpus, which has no document boundaries"),
+    (["data.path=a.txt"], "a token or text file, which has no document boundaries"),
+    (["data.path=CORPUS", "train.activation_checkpointing=true"], "expected train.activation_checkpointing=false"),
+    (["data.path=CORPUS", "model.arch=gpt2", "model.bias=null"], "(model.arch=gpt) only"),
+    (["data.documents=maybe"], "data.documents"),
+])
+def test_what_cannot_keep_documents_apart_is_refused_in_one_line(tpctl, corpus, overrides, says):
+    (tpctl.cwd / "a.txt").write_text("x" * 1000)
+    args = ["train", *RUN, *[o.replace("CORPUS", corpus) for o in overrides], f"hydra.run.dir={tpctl.cwd / 'run'}"]
+    done = tpctl.run(args)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and says in lines[0], done.stderr
+    assert not (tpctl.cwd / "run" / "metrics.jsonl").exists()

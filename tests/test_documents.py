@@ -133,14 +133,15 @@ def corpus(tmp_path_factory) -> str:
     return str(root / "corpus")
 
 
-def _curve(name: str, path: str, impl: str = "ring", documents: bool = True) -> list[tuple]:
+def _curve(name: str, path: str, impl: str = "ring", documents: bool = True, dropout: float = 0.0) -> list[tuple]:
     """Every step's loss and grad norm (and the last val loss) of a short run
     on `path` in layout `name`, as this rank logs them."""
     from tpctl.config import check_layout
 
     layout = Layout.parse(name)
     cfg = layout.write_to(tiny_config(3, **{"model.n_layer": 2, "data.path": path, "data.documents": documents,
-                                            "context.impl": impl, "train.eval_every": 3, "train.eval_batches": 1}))
+                                            "context.impl": impl, "train.eval_every": 3, "train.eval_batches": 1,
+                                            "model.dropout": dropout}))
     if layout.pp > 1:
         cfg.pipeline.schedule, cfg.pipeline.microbatches = "1f1b", 2
     check_layout(cfg, layout)
@@ -212,3 +213,13 @@ def test_what_cannot_keep_documents_apart_is_refused_in_one_line(tpctl, corpus, 
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and says in lines[0], done.stderr
     assert not (tpctl.cwd / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.timeout(600)
+def test_dropout_on_attention_with_documents_under_cp_drops_as_without_cp(pool, corpus):
+    """With dropout, cp gathers the keys (the probabilities must be the
+    final ones to drop them): masked by the documents, the same run as the
+    same replicas without cp."""
+    want = pool.run(_curve, "none-dp2", corpus, "ring", True, 0.1, ranks=2)[0]
+    for curve in pool.run(_curve, "none-cp2-dp2", corpus, "ulysses", True, 0.1, ranks=4):
+        assert _deviation(curve, want) < 1e-6, (curve, want)

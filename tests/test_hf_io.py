@@ -269,6 +269,29 @@ def test_size_keys_map_onto_each_familys_own_names():
     assert llama.attention_bias is True and llama.mlp_bias is True
 
 
+def test_settings_sized_for_the_familys_default_heads_follow_the_size_keys():
+    """GPT-J's and CodeGen's rotary part of a head (64 of a 256-wide head by
+    default) keeps its share of a head of 8; X-MOD's one language is the
+    input's; each then runs a forward. A router left without its top-k
+    (DeepSeek-V2) is refused naming the setting."""
+    from tpctl.errors import ConfigError
+    from tpctl.models import build_model, logits_of
+    from tpctl.models.hf import family_config
+
+    for family in ("gptj", "codegen", "xmod"):
+        config = family_config(_model_cfg(family))
+        if family == "xmod":
+            assert config.default_language == "en_XX"
+        else:
+            assert config.rotary_dim == 2
+        logits = logits_of(build_model(_model_cfg(family), seed=0)(torch.randint(0, 256, (1, 8))))
+        assert logits.shape == (1, 8, 256) and torch.isfinite(logits).all()
+    with pytest.raises(ConfigError, match=r"num_experts_per_tok \(its router's top-k\) unset: set it with "
+                                          r"\+model.config.num_experts_per_tok=K"):
+        family_config(_model_cfg("deepseek_v2"))
+    assert family_config(_model_cfg("deepseek_v2", config={"num_experts_per_tok": 2})).num_experts_per_tok == 2
+
+
 @pytest.mark.parametrize("overrides, key, phrase", [
     (["model.arch=qwen7"], "model.arch", "builds as a causal LM (did you mean 'qwen"),
     (["model.arch=qwen2", "+model.config.no_such_setting=1"], "model.config.no_such_setting", "not a setting of Qwen2Config"),

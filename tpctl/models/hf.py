@@ -125,6 +125,7 @@ def family_config(cfg: Any):
         first = str(e).strip().splitlines()
         raise ConfigError("model", cfg.get("pretrained") or cfg.arch,
                           f"{cls.__name__} refuses these settings: {' '.join(line.strip() for line in first[:2])}") from None
+    _check_required(config, cfg.get("pretrained") or cfg.arch)
     known = _settings(cls)
     for key, value in passed.items():
         # A key the family neither declares nor consumes (a legacy name it
@@ -155,6 +156,7 @@ def _size_settings(cls, cfg: Any) -> dict:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     if "head_dim" in fields:  # families that store it (Gemma's default is 256 whatever the width)
         out["head_dim"] = cfg.n_embd // cfg.n_head
+    _head_parts(fields, cls, cfg, out)
     for name, f in fields.items():
         default = _default(f)
         if isinstance(default, float) and not isinstance(default, bool) and name.endswith(("dropout", "pdrop")):
@@ -175,6 +177,34 @@ def _size_settings(cls, cfg: Any) -> dict:
         if any(isinstance(i, int) and i >= cfg.vocab_size for i in ids) and "None" in str(f.type):
             out[name] = None
     return out
+
+
+def _head_parts(fields: dict, cls, cfg: Any, out: dict) -> None:
+    """Settings sized for the family's default heads that the size keys'
+    smaller heads cannot hold, and choices left open that the forward needs
+    made (written into `out`)."""
+    head = cfg.n_embd // cfg.n_head
+    rotary = _default(fields["rotary_dim"]) if "rotary_dim" in fields else None
+    if isinstance(rotary, int) and rotary > head:
+        # The rotary part of a head (GPT-J, CodeGen: 64 of a 256-wide head
+        # by default) keeps its share of the head, in whole pairs: a part
+        # wider than the head fails in the forward.
+        family = cls()  # its default widths (attribute_map read through)
+        default_head = family.hidden_size // family.num_attention_heads
+        out["rotary_dim"] = min(head, max(2, 2 * round(rotary * head / default_head / 2)))
+    languages = _default(fields["languages"]) if "languages" in fields else None
+    if "default_language" in fields and _default(fields["default_language"]) is None and languages \
+            and len(languages) == 1:
+        # X-MOD's adapters: one language, so the input's is known (unset, its forward refuses every input).
+        out["default_language"] = languages[0]
+
+
+def _check_required(config, name: str) -> None:
+    """ConfigError when a setting the family's forward needs is left None
+    by its defaults (DeepSeek-V2's experts per token: its router's top-k)."""
+    if getattr(config, "num_experts_per_tok", 0) is None and (getattr(config, "n_routed_experts", 0) or 0) > 0:
+        raise ConfigError("model", name, f"{type(config).__name__} leaves num_experts_per_tok (its router's top-k) "
+                          "unset: set it with +model.config.num_experts_per_tok=K")
 
 
 def _default(f: dataclasses.Field):

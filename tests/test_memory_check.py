@@ -26,7 +26,7 @@ def test_check_prints_the_table_and_starts_nothing(tpctl):
     out = proc.stdout.splitlines()
     assert out[0].startswith("tpctl: memory check: 1d size=2 (2 ranks)")
     header = next(line for line in out if line.startswith("ranks"))
-    for column in ("params", "grads", "optimizer", "activations", "loss temp", "other", "peak", "has"):
+    for column in ("params", "grads", "optimizer", "activations", "temporary", "other", "peak", "has"):
         assert column in header
     row = out[out.index(header) + 1].split()
     assert row[0] == "0-1" and row[-1] == "fits"
@@ -91,7 +91,7 @@ def test_the_knob_named_is_the_part_that_dominates():
 
     cfg = _composed("mode=1d", "size=2", "dp=2", "data=synthetic", "model.n_layer=2")
     layout = Layout.from_config(cfg)
-    parts = dict(params=4, grads=4, optimizer=8, activations=1, loss_temporary=0, comm_buffer=0, zero_gathered=0, process=0)
+    parts = dict(params=4, grads=4, optimizer=8, activations=1, temporary=0, comm_buffer=0, zero_gathered=0, process=0)
     assert knobs(layout, parts, cfg).startswith("raise size (now 2), pp (now 1) or use zero=1 (dp=2 replicas share the state)")
     parts.update(activations=100)
     assert knobs(layout, parts, cfg).startswith("lower train.batch_size (now 16) or raise train.grad_accum (now 1), "

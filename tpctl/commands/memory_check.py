@@ -5,11 +5,12 @@ prints it; `tpctl train` refuses with the same line before any worker).
 The prediction is layout=auto's (cost/auto.py `peak_parts`) for the one
 choice the config makes: the planner's dry run on the meta device
 (parameters, gradients, AdamW state per rank, activations as the schedule
-holds them), the loss's largest temporary, the data-parallel bucket,
-ZeRO-3's gathered block, and the process itself (the hardware profile's
-`base_bytes`: on CPU, the interpreter and libraries `tpctl plan
---calibrate` measured). Ranks of one pipeline stage hold alike; each stage
-is a row.
+holds them), the step's largest temporary (the loss's chunk, or a Linear's
+blocks in flight), the data-parallel bucket, ZeRO-3's gathered block, and
+the process itself (the hardware profile's `train_base_bytes`, or
+`train_base_bytes_hf` for a Hugging Face model: on CPU, a `tpctl train`
+worker's interpreter and libraries as `tpctl plan --calibrate` measured
+them). Ranks of one pipeline stage hold alike; each stage is a row.
 
 The memory a rank has, first found of: `train.memory_limit_gib`; the
 `hardware=` profile's memory per rank; on CUDA the smallest visible
@@ -32,9 +33,10 @@ from tpctl.parallel.layout import Layout
 
 GIB = 2**30
 # The parts of a peak as printed (cost/auto.py peak_parts' keys); the rest
-# (the data-parallel bucket, ZeRO-3's gathered block, the process) as "other".
+# (the data-parallel bucket, ZeRO-3's gathered block, the allocator's slack,
+# the process) as "other".
 COLUMNS = (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"), ("activations", "activations"),
-           ("loss_temporary", "loss temp"))
+           ("temporary", "temporary"))
 
 
 @dataclass
@@ -81,7 +83,7 @@ class MemoryCheck:
 def _largest(parts: dict[str, int]) -> str:
     """The peak by what it is for: the three groups knobs() chooses between."""
     state = parts["params"] + parts["grads"] + parts["optimizer"] + parts.get("zero_gathered", 0)
-    act = parts["activations"] + parts["loss_temporary"] + parts.get("comm_buffer", 0)
+    act = parts["activations"] + parts["temporary"] + parts.get("comm_buffer", 0) + parts.get("heap", 0)
     return (f"weights, gradients and AdamW state {state / GIB:.2f} GiB, activations {act / GIB:.2f} GiB, "
             f"the process {parts.get('process', 0) / GIB:.2f} GiB")
 
@@ -89,7 +91,7 @@ def _largest(parts: dict[str, int]) -> str:
 def knobs(layout: Layout, parts: dict[str, int], cfg: Any) -> str:
     """The settings that shrink the part that dominates the peak."""
     state = parts["params"] + parts["grads"] + parts["optimizer"] + parts.get("zero_gathered", 0)
-    act = parts["activations"] + parts["loss_temporary"]
+    act = parts["activations"] + parts["temporary"] + parts.get("heap", 0)
     if parts.get("process", 0) > state + act:
         return "run fewer ranks on this machine or give each more memory (the process itself is most of it)"
     t = cfg.train
@@ -252,7 +254,7 @@ def render(found: MemoryCheck, cfg: Any) -> str:
     rows = []
     for s in found.stages:
         p = s.parts
-        other = p["comm_buffer"] + p["zero_gathered"] + p["process"]
+        other = p["comm_buffer"] + p["zero_gathered"] + p["heap"] + p["process"]
         has = _mib(found.limit_bytes) if found.limit_bytes is not None else "?"
         verdict = "" if found.limit_bytes is None else ("fits" if s.peak <= found.limit_bytes else "OVER")
         label = _ranks(s.ranks) + (f" (stage {s.stage})" if s.stage is not None else "")
@@ -262,7 +264,8 @@ def render(found: MemoryCheck, cfg: Any) -> str:
     t = cfg.train
     out = [f"tpctl: memory check: {found.layout.label()} ({found.layout.world} ranks), {what}, "
            f"batch {t.batch_size} x seq {t.seq_len}, grad_accum {t.grad_accum}, device {cfg.device}",
-           "predicted peak per rank, MiB (other: data-parallel bucket, ZeRO-3 gathered block, the process itself):",
+           "predicted peak per rank, MiB (other: data-parallel bucket, ZeRO-3 gathered block, the allocator's slack, "
+           "the process itself):",
            *([line(head), *(line(r) for r in rows)] if rows else found.notes),
            f"memory per rank: {_mib(found.limit_bytes) + ' MiB, ' if found.limit_bytes is not None else ''}{found.limit_source}"]
     return "\n".join(out)

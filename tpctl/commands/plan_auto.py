@@ -55,7 +55,8 @@ def plan_auto(world: int, hardware: str, memory_gib, overrides: list[str], as_js
     console.print(table)
     console.print(f"searched {len(found.ranked) + len(found.unfit)} choices ({found.splits} distinct splits costed; "
                   f"{len(found.unfit)} over memory, {len(found.invalid)} refused) in {elapsed:.1f} s. "
-                  "peak: parameters, gradients, AdamW, activations as the schedule holds them, the loss's temporary, "
-                  "a bucket being reduced, ZeRO-3's gathered block and the process (hardware base_bytes).")
+                  "peak: parameters, gradients, AdamW, activations as the schedule holds them, the largest temporary "
+                  "(the loss's or a Linear's), a bucket being reduced, ZeRO-3's gathered block, the allocator's slack "
+                  "(hardware heap_slack) and the process (hardware train_base_bytes[_hf], else base_bytes).")
     console.print("run the pick: tpctl train " + " ".join(found.pick.choice.overrides()))
     return 0

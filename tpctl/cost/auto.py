@@ -167,10 +167,13 @@ def peak_parts(plan: SplitPlan, shape: ModelShape, choice: Choice, cfg: Any, hw:
     """The bytes one rank holds at its peak (the pipeline stage holding the
     most): the planner's counted state, activations as the schedule holds
     them (with checkpointing: each block's input per micro-batch in flight,
-    and one block's whole activations while it is recomputed), the loss's
-    largest temporary, the data-parallel bucket being reduced, ZeRO-3's
-    gathered block, and the process itself (hw.base_bytes: the interpreter
-    and libraries, measured by `tpctl plan --calibrate` on CPU)."""
+    and one block's whole activations while it is recomputed), the step's
+    largest temporary (the loss's chunk, or a Linear's blocks in flight:
+    2d's SUMMA at the LM head), the data-parallel bucket being reduced, ZeRO-3's
+    gathered block, the allocator's slack over what a step makes and frees
+    (hw.heap_slack), and the process itself (hw.process_bytes: a `tpctl
+    train` worker's interpreter and libraries, for a tpctl or a Hugging Face
+    model, measured by `tpctl plan --calibrate` on CPU)."""
     from tpctl.parallel.data_parallel import zero_plan
 
     lay, t = choice.layout, cfg.train
@@ -180,6 +183,9 @@ def peak_parts(plan: SplitPlan, shape: ModelShape, choice: Choice, cfg: Any, hw:
     act = plan.activation_bytes
     vocab_cols = max(1, shape.vocab_size // lay.size if lay.mode != "none" else shape.vocab_size)
     loss_tmp = min(rows * vocab_cols, CHUNK_ELEMENTS) * F32 if _holds_head(plan, shape) else 0
+    # The loss's chunk and a Linear's blocks in flight are never held at once
+    # (the loss's backward is done before the LM head's starts): the larger.
+    temporary = max(loss_tmp, plan.temporary_bytes)
     if choice.checkpointing:
         per_mb = act / in_flight
         head = 2 * rows * vocab_cols * F32 if _holds_head(plan, shape) else 0
@@ -188,8 +194,16 @@ def peak_parts(plan: SplitPlan, shape: ModelShape, choice: Choice, cfg: Any, hw:
         act = int(in_flight * (stage_blocks * block_input + head) + block)
     bucket = min(zero_plan.BUCKET_BYTES, plan.grad_bytes) if lay.dp > 1 else 0
     return {"params": plan.param_bytes, "grads": plan.grad_bytes, "optimizer": plan.optim_bytes,
-            "activations": int(act), "loss_temporary": int(loss_tmp), "comm_buffer": int(bucket),
-            "zero_gathered": plan.gathered_bytes, "process": int(hw.base_bytes if hw else 0)}
+            "activations": int(act), "temporary": int(temporary), "comm_buffer": int(bucket),
+            "zero_gathered": plan.gathered_bytes, "heap": int((hw.heap_slack if hw else 0) * (act + temporary)),
+            "process": int(hw.process_bytes(_hf(cfg)) if hw else 0)}
+
+
+def _hf(cfg: Any) -> bool:
+    from tpctl.schema import is_hf_arch
+
+    arch = cfg.model.get("arch")
+    return arch is not None and is_hf_arch(arch)
 
 
 def _stage_blocks(plan: SplitPlan, shape: ModelShape) -> int:

@@ -168,6 +168,48 @@ def _floor(cfg_dict: dict) -> int:
     return peak_rss_bytes()
 
 
+# Near-empty models, a tpctl one and a Hugging Face one: the peak of a rank
+# training one is its process's (train_floors).
+TRAIN_FLOORS = {
+    "train_base_bytes": ["model=gpt-tiny", "model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=16"],
+    "train_base_bytes_hf": ["recipe=llama-tiny-none", "model.n_layer=1"],
+}
+
+
+def train_floors() -> dict[str, float]:
+    """The floor of a `tpctl train` worker (the profile's train_base_bytes,
+    and train_base_bytes_hf for a Hugging Face model): one rank trains a
+    near-empty model 2 steps as any run does (forked from the warm server),
+    on the default data (data=text: its corpus is resident in every run of
+    it); its peak RSS less what the planner counts above the process."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from tpctl.commands.memory_check import predict
+    from tpctl.config import compose_jobs, validate
+
+    short = ["train.batch_size=2", "train.seq_len=16", "train.steps=2", "train.eval_every=0",
+             "checkpoint.every=0", "checkpoint.at_end=false", "train.progress=false", "train.sample_every=0"]
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for key, overrides in TRAIN_FLOORS.items():
+            cfg = compose_jobs([*overrides, *short])[0]
+            validate(cfg)
+            worst = predict(cfg).worst
+            above = worst.peak - worst.parts["process"]
+            run_dir = Path(tmp) / key
+            proc = subprocess.run([sys.executable, "-m", "tpctl.cli", "train", *overrides, *short,
+                                   f"hydra.run.dir={run_dir}"], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{key}: the near-empty run failed: {proc.stderr.strip().splitlines()[-1:]}")
+            peak = json.loads((run_dir / "summary.json").read_text())["peak_rss_bytes_max_rank"]
+            out[key] = float(peak - above)
+    return out
+
+
 def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
     """Probe `world` gloo ranks with the config of `overrides`; write the profile."""
     import yaml
@@ -188,6 +230,7 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
         result = dict(results[0], base_bytes=results[-1]["base_bytes"])
     finally:
         pool.close()
+    floors = train_floors()
     shape = model_shape(cfg.model, cfg.seed)
     flops = plan_split(shape, Layout(), cfg.train.batch_size, cfg.train.seq_len).flops  # one process
     small = plan_split(shape, Layout(), _small({"train": dict(cfg.train)})["train"]["batch_size"], cfg.train.seq_len).flops
@@ -215,7 +258,7 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
     m = cfg.model
     profile = {
         "peak_flops": float(f"{peak:.4g}"), "efficiency": 1.0, "ranks_per_node": 1024,
-        "cores": os.cpu_count() or 1, "comm_world": world, "base_bytes": float(result["base_bytes"]),
+        "cores": os.cpu_count() or 1, "comm_world": world, "base_bytes": float(result["base_bytes"]), **floors,
         "block_overhead_s": float(f"{overhead:.4g}"),
         "intra_bw": float(f"{bw:.4g}"), "intra_latency": float(f"{latency:.4g}"),
         "inter_bw": float(f"{bw:.4g}"), "inter_latency": float(f"{latency:.4g}"),
@@ -238,7 +281,9 @@ def calibrate(hardware: str, world: int, overrides: list[str]) -> int:
         times = ", ".join(f"{n * 4:,} B {t * 1e6:.1f} us" for n, t in result["kinds"][kind].items())
         print(f"{kind} over {world} ranks: {times}: {f:.2f} x what the all-reduce's fit gives it "
               f"(median over the sizes; {kind}_factor)")
-    print(f"process: {result['base_bytes'] / 2**20:.1f} MiB resident per rank training a near-empty model (base_bytes)")
+    print(f"process: {result['base_bytes'] / 2**20:.1f} MiB resident per rank training a near-empty model (base_bytes); "
+          f"a tpctl train worker's: {floors['train_base_bytes'] / 2**20:.1f} MiB, with a Hugging Face model "
+          f"{floors['train_base_bytes_hf'] / 2**20:.1f} MiB (train_base_bytes, train_base_bytes_hf)")
     print(f"fit: bandwidth {bw / 1e9:.3f} GB/s per rank, latency {latency * 1e6:.1f} us per ring step")
     print(f"wrote {path}")
     return 0

@@ -25,6 +25,19 @@ class Hardware:
     # per rank: the process before any model (CPU: the interpreter, torch and
     # gloo, measured by --calibrate); added to layout=auto's predicted peak
     base_bytes: float = 0.0
+    # per rank: the floor of a `tpctl train` worker, training a tpctl model
+    # and a Hugging Face one (--calibrate: calibrate.train_floors). Lower
+    # than base_bytes, which is a calibration pool's rank: that preloads
+    # transformers whatever the model, a worker only imports it for a
+    # Hugging Face model (~40 MiB on CPU). 0: base_bytes for both.
+    train_base_bytes: float = 0.0
+    train_base_bytes_hf: float = 0.0
+    # CPU: glibc keeps freed blocks below its mmap threshold (which rises to
+    # 32 MiB after the first large free) in its heap, so the blocks a step
+    # makes and frees (activations, temporaries) peak this fraction above
+    # their live bytes; fitted to the recipes' measured peaks
+    # (benchmarks/check_accuracy.py). 0: none (a GPU's caching allocator).
+    heap_slack: float = 0.0
     # seconds per block per micro-batch beside its FLOPs (CPU: the operators'
     # fixed cost, fitted by --calibrate); layout=auto adds it per rank's blocks
     block_overhead_s: float = 0.0
@@ -40,6 +53,11 @@ class Hardware:
     peak_flops_bf16: float = 0.0  # per rank, dense bf16 (tensor cores); 0: unknown (bench's MFU at bf16)
     peak_flops_tf32: float = 0.0  # per rank, dense TF32 (train.tf32=true); 0: none (bench's MFU at fp32)
     note: str = ""
+
+    def process_bytes(self, hf: bool) -> float:
+        """The process's share of a `tpctl train` rank's peak (`hf`: the
+        model is a Hugging Face family's)."""
+        return (self.train_base_bytes_hf if hf else self.train_base_bytes) or self.base_bytes
 
     def kind_factor(self, kind: str) -> float:
         """How much longer a collective of `kind` takes than the latency and

@@ -162,6 +162,9 @@ class SplitPlan:
     flops: float
     comm: dict[tuple[str, str], Comm]  # (kind, group) -> Comm
     gathered_bytes: int = 0  # ZeRO-3: parameters gathered whole at once (the root and the largest block)
+    # the largest Linear's blocks in flight and partial products, for a moment
+    # (not in memory_bytes: the memory check's peak adds it, cost/auto.py)
+    temporary_bytes: int = 0
     step_time_s: Optional[float] = None
     compute_s: Optional[float] = None
     comm_s: Optional[float] = None
@@ -285,7 +288,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
         found = _micro(shape, layout, rank, mode, linears, holds, tokens, seq_len, vp, context)
         if cache is not None:
             cache[key] = found
-    micro, flops, act, rows = found
+    micro, flops, act, rows, temporary = found
     counter.merge(micro, grad_accum)
     flops *= 3 * grad_accum  # backward = two products per forward product
     if any(lin[1] == "lm_head" for lin in linears):  # the cross entropy over the rank's logits
@@ -309,16 +312,17 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
         _plan_pipeline(counter, pipe, par, batch_size, seq_len // layout.cp, held.tied_numel)
     n = held.numel
     return SplitPlan(layout, n["param"] * F32, n["grad"] * F32, 2 * n["moment"] * F32 + held.tensors * F32,
-                     act * F32, flops, counter.comm, gathered_bytes=held.gathered * F32,
+                     act * F32, flops, counter.comm, gathered_bytes=held.gathered * F32, temporary_bytes=temporary * F32,
                      bubble=pipe.spec.bubble() if pipe is not None else None,
                      recompute_shares={kind: mode.recompute_comm_share(shape.dropout, kind) for kind, _ in counter.comm})
 
 
 def _micro(shape: ModelShape, layout: Layout, rank: int, mode, linears: list, holds, tokens: int, seq_len: int, vp: int,
-           context: str) -> tuple[_Counter, float, int, int]:
+           context: str) -> tuple[_Counter, float, int, int, int]:
     """One micro-batch of `tokens` rows through the layers the stage holds:
     its collectives (the mode's own counts), forward FLOPs, activation
-    elements kept, and the rows the mode's loss sees."""
+    elements kept, the rows the mode's loss sees, and the elements of the
+    largest temporary of a Linear (the mode's cost_linear_temporary)."""
     micro = _Counter(layout, rank)
     flops, act = 0.0, 0
     for name, (_, dim) in shape.embeddings.items():
@@ -326,10 +330,12 @@ def _micro(shape: ModelShape, layout: Layout, rank: int, mode, linears: list, ho
             mode.cost_embedding(micro.add, tokens, vp, dim)
     act += count_layers(shape.layers, mode, micro.add, tokens, holds)  # norms, latent attention, experts
     rows = mode.cost_rows(tokens)
+    temporary = 0
     for _, role, out_f, in_f, _ in linears:
         n = vp if role == "lm_head" else out_f
         flops += 2 * tokens * n * in_f / layout.size
         act += mode.cost_linear(micro.add, role, tokens, n, in_f)
+        temporary = max(temporary, mode.cost_linear_temporary(role, tokens, n, in_f))
         if role == "lm_head":
             act += 2 * rows * mode.cost_vocab(vp)  # logits and the loss's saved probabilities
     # attention: scores and weighted sum over the rank's heads and rows
@@ -340,7 +346,7 @@ def _micro(shape: ModelShape, layout: Layout, rank: int, mode, linears: list, ho
     cost_context(micro.add, layout.cp, context, tokens // layout.geo.batch_split * heads_width, attention_layers)
     if any(lin[1] == "lm_head" for lin in linears) or not shape.linears:
         mode.cost_loss(micro.add, tokens)
-    return micro, flops, act, rows
+    return micro, flops, act, rows, temporary
 
 
 def _plan_pipeline(counter: _Counter, pipe, par, batch_size: int, seq_len: int, tied_numel: int) -> None:

@@ -73,6 +73,13 @@ class CostHooks:
         """A Linear of role `role`, k -> n features, on `tokens` rows."""
         return tokens * k
 
+    def cost_linear_temporary(self, role: str, tokens: int, n: int, k: int) -> int:
+        """Elements such a Linear holds for a moment beyond its output, what
+        cost_linear keeps and its weight's gradient: blocks in flight and
+        partial products of its forward or backward, whichever is larger
+        (the memory check adds the largest of the rank's to its peak)."""
+        return 0
+
     def cost_loss(self, add, tokens: int) -> None:
         """The vocab-parallel cross entropy: the row max, then (sum-exp,
         target logit, sum) over the ranks that share the rows."""

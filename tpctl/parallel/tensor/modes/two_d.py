@@ -224,6 +224,16 @@ class TwoD(ParallelMode):
             add("reduce", "col", w, times=times, hidden=hidden)  # dW, backward
         return rows * (k // q)
 
+    def cost_linear_temporary(self, role: str, tokens: int, n: int, k: int) -> int:
+        # _SummaLinear: the other ranks' blocks in flight (bcast_*: one at
+        # q=2, two when pipelined), and the q-1 partial products reduced to
+        # other ranks. Forward: W's blocks and Y's partials; backward: dY's
+        # and W's blocks and dW's partials (at the LM head: its largest).
+        q, rows = self.grid.q, self.cost_rows(tokens)
+        w, y = (n // q) * (k // q), rows * (n // q)
+        in_flight = min(2, q - 1)
+        return max(in_flight * w + (q - 1) * y, in_flight * (y + w) + (q - 1) * w)
+
     # ---- data: rows block i, hidden block j --------------------------------
     def read_block(self):
         return self.grid.i, self.grid.q

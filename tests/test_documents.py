@@ -188,7 +188,7 @@ def _losses(run: Path) -> list[float]:
 
 
 @pytest.mark.timeout(600)
-def test_tpctl_train_with_documents_in_cp_ring_equals_mode_none(tpctl, corpus):
+def test_tpctl_train_with_documents_in_cp_ring_equals_mode_none(tpctl, corpus):  # noqa: F811
     runs = {}
     for name, layout in (("none", ["mode=none"]), ("cp", ["mode=1d", "size=2", "cp=2", "context.impl=ring"])):
         runs[name] = tpctl.cwd / name
@@ -206,7 +206,7 @@ def test_tpctl_train_with_documents_in_cp_ring_equals_mode_none(tpctl, corpus):
     (["data.path=CORPUS", "model.arch=gpt2", "model.bias=null"], "(model.arch=gpt) only"),
     (["data.documents=maybe"], "data.documents"),
 ])
-def test_what_cannot_keep_documents_apart_is_refused_in_one_line(tpctl, corpus, overrides, says):
+def test_what_cannot_keep_documents_apart_is_refused_in_one_line(tpctl, corpus, overrides, says):  # noqa: F811
     (tpctl.cwd / "a.txt").write_text("x" * 1000)
     args = ["train", *RUN, *[o.replace("CORPUS", corpus) for o in overrides], f"hydra.run.dir={tpctl.cwd / 'run'}"]
     done = tpctl.run(args)

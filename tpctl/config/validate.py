@@ -70,6 +70,9 @@ def _check_values(cfg: Any) -> None:
     from tpctl.data.mix import check_data_keys
 
     check_data_keys(cfg)  # data.order, data.mix (its form, weights and files)
+    from tpctl.data.documents import check_documents
+
+    check_documents(cfg)  # data.documents: after the mix's files (it reads their index.json)
     check_choice("device", cfg.device, DEVICES)
     check_choice("precision", cfg.precision, PRECISIONS)
     _check_logger(cfg.logger)

@@ -86,8 +86,8 @@ def mix_entries(data: Any) -> list[MixEntry]:
 
 
 def check_data_keys(cfg: Any) -> None:
-    """data.order, data.mix and data.documents: their values, a mix against
-    the other data keys and the files it names, documents against the corpus."""
+    """data.order and data.mix: their values, and a mix against the other
+    data keys and the files it names."""
     d = cfg.data
     order = d.get("order", "epoch")
     if order not in ORDERS:
@@ -99,9 +99,6 @@ def check_data_keys(cfg: Any) -> None:
     entries = mix_entries(d)
     if entries:
         _check_mix(d, entries)
-    from .documents import check_documents
-
-    check_documents(cfg)  # after the mix's files: it reads their index.json
 
 
 def _check_mix(d: Any, entries: list) -> None:

@@ -115,3 +115,24 @@ def test_memory_per_rank_sources(monkeypatch):
     cfg.train.memory_limit_gib, cfg.hardware, cfg.launcher.name = None, None, "slurm"
     limit, why = memory_check.memory_per_rank(cfg, layout)
     assert limit is None and why.startswith("launcher=slurm")
+
+
+def test_the_prediction_is_within_5_percent_of_a_real_runs_peak(tpctl):
+    """--check's predicted peak beside the largest rank's peak resident set
+    (summary.json, VmHWM) of a real run of the same config, its workers
+    forked as any run's: within 5% (benchmarks/check_accuracy.py does this
+    for every recipe). The process's floor is the cpu profile's
+    train_base_bytes, measured on this machine by `tpctl plan --calibrate`."""
+    import json
+
+    overrides = ["mode=1d", "size=2", "model.n_layer=2", "train.steps=2", "train.batch_size=16", "train.seq_len=128", "model.block_size=128",
+                 "train.eval_every=0", "checkpoint.every=0", "checkpoint.at_end=false", "train.progress=false",
+                 "train.sample_every=0", "hydra.run.dir=run"]
+    check = tpctl.run(["train", "--check", *overrides])
+    assert check.returncode == 0, check.stderr
+    row = next(line.split() for line in check.stdout.splitlines() if line.startswith("0-1"))
+    predicted = float(row[-3].replace(",", "")) * 2**20
+    proc = tpctl.run(["train", *overrides], timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    measured = json.loads((tpctl.cwd / "run" / "summary.json").read_text())["peak_rss_bytes_max_rank"]
+    assert abs(predicted / measured - 1) < 0.05, (predicted / 2**20, measured / 2**20)

@@ -67,6 +67,9 @@ FAMILIES = {
                                      num_local_experts=4, num_experts_per_tok=2, sliding_window=4)),
     # A learned activation (xIELU: two scalars) in a non-gated MLP.
     "apertus": ("ApertusConfig", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)),
+    # RMSNorms without parameters (nor a stored width) on the stream and over each head of q and k,
+    # after their rotation (NanoChat).
+    "nanochat": ("NanoChatConfig", dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=64)),
     # ---- recurrent and hybrid token mixers: each runs whole (parallel/roles/whole.py) ----
     # Mamba-1 alone: an input projection to [x, z], a depthwise causal convolution, a selective
     # scan with its own dt/B/C projection and a dt rank; no attention at all.

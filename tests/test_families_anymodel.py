@@ -19,6 +19,8 @@ FAMILIES = ("deepseek_v3", "dbrx", "apertus", "mixtral", "oss_experts")
 # 2.5d and in 1d with sequence parallelism too.
 CASES = [(f, k) for f in FAMILIES for k in KEYS] + [("deepseek_v3_dense", "2.5d-8-d2"),
                                                      ("deepseek_v3_dense", "1d-4-sp")]
+# Norms without parameters nor a stored width, on a split stream and over each rotated head.
+CASES += [("nanochat", "2d-4"), ("nanochat", "1d-2-pp2-dp2")]
 
 
 def _planned_shapes_and_curve(key: str, family: str, steps: int):

@@ -25,9 +25,13 @@ class LayerSteps:
         head_dims = {h.head_dim for h in self.heads.values()}
         projections = {i for i, n in enumerate(self.nodes) if n.kind == "linear"
                        and roles.get(n.name) in ("qkv", "attn_in", "latent_up")}
+        # What tables of constants were computed from (a rotary table takes
+        # the stream only for its dtype and positions): a head's features
+        # rotated by them still come from the projection alone.
+        tabled = frozenset().union(*(n.inputs for n in self.nodes if n.kind == "table"))
         for n in self.nodes:
             if n.kind == "norm":
-                self.norm(n, projections, head_dims)
+                self.norm(n, projections, head_dims, tabled)
             elif n.kind == "dropout":
                 self.assign(n.name, "attn_dropout" if n.inputs & self.inner else "dropout")
             elif n.kind == "table" and n.inputs <= self.input_ids and hidden is not None and n.shape[-1:] == (hidden,):
@@ -65,7 +69,7 @@ class LayerSteps:
         else:
             self.assign(n.name, "split_elementwise" if n.inputs & self.inner else "elementwise")
 
-    def norm(self, n, projections: set[int], head_dims: set[int]) -> None:
+    def norm(self, n, projections: set[int], head_dims: set[int], tabled: frozenset = frozenset()) -> None:
         """One norm: on the stream (`norm`), over each head (`head_norm`,
         one weight row per head or one for all), or over all heads of one
         projection's output (`proj_norm`)."""
@@ -83,9 +87,11 @@ class LayerSteps:
                 self.head_rows[n.name] = owner
             else:
                 self.problems[n.name] = f"a norm with a {tuple(weight.shape)} weight that is not one row per head"
-        elif n.inputs and n.inputs <= projections and size in head_dims:
-            # A norm over each head of q or k (Qwen3 style): whole heads
-            # live on one rank, so it runs as written.
+        elif n.inputs and (n.inputs <= projections or (n.inputs - tabled and n.inputs - tabled <= projections
+                                                       and n.inputs & tabled)) and size in head_dims:
+            # A norm over each head of q or k (Qwen3 style), before or after
+            # their rotation (NanoChat): whole heads live on one rank, so it
+            # runs as written.
             self.assign(n.name, "head_norm")
         elif source is not None and size == modules[source].out_features:
             # A norm over all heads of one projection's output (OLMo-2's

@@ -23,6 +23,12 @@ def is_norm(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     if weight is None:  # a norm without parameters (OLMo's LayerNorm): its width is its normalized_shape
         shape = getattr(module, "normalized_shape", None)
+        if shape is None and not any(True for _ in module.parameters()):
+            # One that does not store it (NanoChat's RMSNorm over the stream
+            # and over each head): the tracer records the width it is called
+            # with (`traced_width`); unrecognised, it would run on whatever
+            # piece of its features a rank holds.
+            return True
         return isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1
     # (a 2-d weight: one row per head, Cohere's q/k LayerNorm over each head)
     return isinstance(weight, torch.Tensor) and weight.dim() in (1, 2)
@@ -49,9 +55,25 @@ def norm_eps(module: nn.Module) -> float:
 
 def norm_width(module: nn.Module) -> int:
     """The features a norm normalises over: its weight's, or (a norm
-    without parameters, OLMo's LayerNorm) its normalized_shape."""
+    without parameters, OLMo's LayerNorm) its normalized_shape, or the
+    width the tracer saw it called with (NanoChat's)."""
     weight = getattr(module, "weight", None)
-    return weight.shape[-1] if weight is not None else module.normalized_shape[-1]
+    if weight is not None:
+        return weight.shape[-1]
+    shape = getattr(module, "normalized_shape", None)
+    return shape[-1] if shape is not None else module.tpctl_traced_width
+
+
+def traced_width(module: nn.Module, width: int) -> None:
+    """Record the width a norm storing none of its own was called with;
+    ValueError if it is called with two (one module over two sizes)."""
+    if getattr(module, "weight", None) is not None or getattr(module, "normalized_shape", None) is not None:
+        return
+    seen = getattr(module, "tpctl_traced_width", None)
+    if seen is not None and seen != width:
+        raise ValueError(f"the norm {type(module).__name__} without parameters is called over {seen} and "
+                         f"{width} features: tpctl cannot split it")
+    module.tpctl_traced_width = width
 
 
 class CacheOff:

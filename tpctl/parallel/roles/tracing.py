@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from tpctl.parallel.roles.experts import holds_experts
 from tpctl.parallel.roles.plan import logits_of
-from tpctl.parallel.roles.probes import CacheOff, is_experts, is_norm, on_cpu
+from tpctl.parallel.roles.probes import CacheOff, is_experts, is_norm, on_cpu, traced_width
 
 TRACE_SEQ = 4
 TRACE_BATCH = 2
@@ -238,6 +238,8 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
             tracer.paused = False
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else ()
             found = kind
+            if kind == "norm" and shape:
+                traced_width(mod, shape[-1])
             if kind == "layer":
                 tracer.paused = True
                 try:

@@ -199,40 +199,12 @@ def report(rows: list, pick) -> None:
 
 
 def recipes(names: list[str], steps: int) -> None:
-    """Each recipe's worst rank: `tpctl train --check`'s predicted peak beside a real run's."""
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
+    """Each recipe's worst rank: `tpctl train --check`'s predicted peak beside
+    a real run's (benchmarks/check_accuracy.py, which also keeps and reuses
+    the measured peaks)."""
+    from check_accuracy import recipes as check_recipes  # (this script's folder is on sys.path)
 
-    from tpctl.commands.memory_check import predict
-    from tpctl.config import RECIPE_DIR, compose_jobs, validate
-
-    names = names or sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
-    short = [f"train.steps={steps}", "train.eval_every=0", "checkpoint.every=0", "checkpoint.at_end=false",
-             "train.progress=false", "train.sample_every=0"]
-    print("| recipe | ranks | predicted peak MiB | measured peak MiB | err | predicted above the process MiB |")
-    print("|---|---|---|---|---|---|")
-    errs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            overrides = [f"recipe={name}", *short]
-            cfg = compose_jobs(overrides)[0]
-            validate(cfg)
-            found = predict(cfg)
-            worst = found.worst
-            run_dir = Path(tmp) / name
-            proc = subprocess.run([sys.executable, "-m", "tpctl.cli", "train", *overrides, f"hydra.run.dir={run_dir}"],
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                print(f"| {name} | failed: {proc.stderr.strip().splitlines()[-1:]} |", flush=True)
-                continue
-            peak = json.loads((run_dir / "summary.json").read_text())["peak_rss_bytes_max_rank"]
-            errs.append(abs(worst.peak / peak - 1))
-            above = worst.peak - worst.parts["process"]
-            print(f"| {name} | {found.layout.world} | {worst.peak / 2**20:.1f} | {peak / 2**20:.1f} | "
-                  f"{worst.peak / peak - 1:+.1%} | {above / 2**20:.1f} |", flush=True)
-    print(f"\nmax_mem_err={100 * max(errs, default=0):.1f}% over {len(errs)} recipes")
+    check_recipes(names, steps, None, None)
 
 
 if __name__ == "__main__":

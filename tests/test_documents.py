@@ -106,7 +106,9 @@ def _against_one_process(name: str, impl: str, dropless: bool = True) -> tuple[f
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name,impl", [
     ("none-cp4", "ring"), ("none-cp2-dp2", "ulysses"), ("1d-2-sp-cp2", "ring"), ("2d-4", "ring"),
-    ("3d-8", "ring"), ("2.5d-8-d2", "ring"), ("2d-4-cp2", "ring"),
+    ("2d-4-cp2", "ring"),
+    # 8 ranks on 2 cores: a pool of its own, a minute or more each.
+    pytest.param("3d-8", "ring", marks=pytest.mark.slow), pytest.param("2.5d-8-d2", "ring", marks=pytest.mark.slow),
 ])
 def test_every_layout_masks_documents_as_one_process(pool, name, impl):
     for loss_err, grad_err in pool.run(_against_one_process, name, impl, ranks=Layout.parse(name).world):

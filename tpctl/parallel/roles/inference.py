@@ -432,4 +432,6 @@ class _Inference(LayerSteps):
                                key=lambda item: (0, item[0].count(".")) if unsupported(item) else (1, 0)))
         return RolePlan(ordered, "inferred", self.heads, problems, blocks_of(self.model, ordered), self.units,
                         self.layouts, self.sources, self.head_lists, self.head_rows,
-                        random_draws(self.model, vocab_size), self.widths, self.routed, self.whole)
+                        random_draws(self.model, vocab_size), self.widths, self.routed, self.whole,
+                        {n: m.tpctl_traced_width for n, m in self.modules.items() if n in ordered
+                         and getattr(m, "tpctl_traced_width", None) is not None})

@@ -126,6 +126,11 @@ class RolePlan:
     # Modules run whole on every rank (roles/whole.py: no split fits them)
     # -> the problem inside them that no split solves.
     whole: dict[str, str] = field(default_factory=dict)
+    # Norms storing no width of their own (NanoChat's RMSNorm: no weight,
+    # no normalized_shape) -> the width the trace saw: set on the module
+    # by the rewrite, which may meet another instance than the traced one
+    # (the planner's dry run).
+    norm_widths: dict[str, int] = field(default_factory=dict)
 
     @property
     def lm_head(self) -> Optional[str]:

@@ -61,7 +61,13 @@ def norm_width(module: nn.Module) -> int:
     if weight is not None:
         return weight.shape[-1]
     shape = getattr(module, "normalized_shape", None)
-    return shape[-1] if shape is not None else module.tpctl_traced_width
+    if shape is not None:
+        return shape[-1]
+    width = getattr(module, "tpctl_traced_width", None)
+    if width is None:
+        raise ValueError(f"the norm {type(module).__name__} stores no width (no weight, no normalized_shape) and "
+                         "no trace measured it: tpctl cannot split it")
+    return width
 
 
 def traced_width(module: nn.Module, width: int) -> None:

@@ -20,7 +20,7 @@ from tpctl.parallel.registry import mode_class
 from tpctl.parallel.roles.fused import held_units
 from tpctl.parallel.roles.inference import resolve_plan
 from tpctl.parallel.roles.plan import GROUP_ATTRS, KV_ATTRS, RolePlan, repeated_blocks
-from tpctl.parallel.roles.probes import embedding_semantics, norm_offset, norm_width
+from tpctl.parallel.roles.probes import embedding_semantics, norm_offset, norm_width, traced_width
 from tpctl.parallel.shard import spec_of
 from tpctl.parallel.tensor.mode import ParallelMode, RewriteContext
 from tpctl.parallel.tensor.replicas import share_slices
@@ -94,6 +94,8 @@ def rewrite_layers(model: nn.Module, mode: ParallelMode, plan=None, dry_run: boo
     linearize(model)  # GPT-2's Conv1D: a Linear with a transposed weight
     if not isinstance(plan, RolePlan):
         plan = resolve_plan(model, plan)
+    for name, width in plan.norm_widths.items():  # (a model the plan was not traced on)
+        traced_width(model.get_submodule(name), width)
     problems = check_plan(plan, model, mode.geo, training)
     if problems and not dry_run:
         name, reason = next(iter(problems.items()))

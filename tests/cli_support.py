@@ -121,9 +121,19 @@ class Tpctl:
     def command(self, args: list[str]) -> list[str]:
         return [sys.executable, "-m", "tpctl.cli", *args]
 
+    # Whether run() may fork the command from the suite's fork server
+    # (cli_server) instead of starting an interpreter: False for a runner
+    # that tests the installed script itself.
+    forked = True
+
     def run(self, args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
-        """`tpctl ARGS` to its end; `timeout`: seconds on an idle machine (scaled)."""
-        return subprocess.run(self.command(args), cwd=self.cwd, env=self.env(), capture_output=True, text=True,
+        """`tpctl ARGS` to its end; `timeout`: seconds on an idle machine (scaled).
+        Forked from the fork server where the command's environment allows
+        (cli_server: PYTHONPATH as the server's), else a fresh interpreter."""
+        env = self.env()
+        if self.forked and os.environ.get(FORK_VAR, "1") != "0" and env.get("PYTHONPATH") == _server_pythonpath():
+            return _fork_server().run(args, self.cwd, env, scaled(timeout))
+        return subprocess.run(self.command(args), cwd=self.cwd, env=env, capture_output=True, text=True,
                               timeout=scaled(timeout))
 
     def start(self, args: list[str]) -> subprocess.Popen:
@@ -146,6 +156,83 @@ class Tpctl:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+# Set to 0: every command a fresh interpreter (no fork server).
+FORK_VAR = "TPCTL_TEST_FORK_CLI"
+
+
+def _server_pythonpath() -> str:
+    return os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+
+
+class ForkServer:
+    """This test process's client of tests/cli_server.py (see there: why,
+    and what differs from a fresh interpreter). Started on first use; it
+    dies with this process."""
+
+    def __init__(self):
+        env = dict(os.environ, PYTHONPATH=_server_pythonpath())
+        env.setdefault("OMP_NUM_THREADS", "1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.cli_server", str(os.getpid())], cwd=REPO, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._pending = b""
+        if "ready" not in self._reply(time.monotonic() + scaled(120)):
+            raise RuntimeError("the tpctl fork server (tests/cli_server.py) did not start")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _reply(self, deadline: float) -> dict:
+        """The server's next line; TimeoutError past `deadline`, EOFError
+        if it died."""
+        import json
+        import select
+
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise EOFError("the tpctl fork server (tests/cli_server.py) died")
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, args: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+        import json
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="tpctl-cli-") as tmp:
+            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+            umask = os.umask(0)
+            os.umask(umask)
+            request = {"argv": list(args), "cwd": str(cwd), "env": env, "umask": umask, "out": str(out), "err": str(err)}
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+            deadline = time.monotonic() + timeout
+            pid = self._reply(time.monotonic() + scaled(60))["pid"]
+            try:
+                status = self._reply(deadline)["status"]
+            except TimeoutError:
+                with __import__("contextlib").suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)  # the command leads its own session
+                self._reply(time.monotonic() + scaled(60))
+                raise subprocess.TimeoutExpired(args, timeout, out.read_text(errors="replace"),
+                                                err.read_text(errors="replace")) from None
+            return subprocess.CompletedProcess(["tpctl", *args], status, out.read_text(errors="replace"),
+                                               err.read_text(errors="replace"))
+
+
+_server: list = []
+
+
+def _fork_server() -> ForkServer:
+    if not _server or not _server[0].alive():
+        _server[:] = [ForkServer()]
+    return _server[0]
 
 
 def marked_pids(marker: str) -> list[int]:

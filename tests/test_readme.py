@@ -246,7 +246,9 @@ def provide_corpus(folder: Path, files: int = 4, per_file: int = 25) -> None:
 
 class ReadmeTpctl(Tpctl):
     """cli_support's runner, through the venv's `tpctl` script (the command
-    the README tells a user to run)."""
+    the README tells a user to run), each a fresh process."""
+
+    forked = False
 
     def command(self, args: list[str]) -> list[str]:
         script = Path(sys.executable).with_name("tpctl")

@@ -104,12 +104,14 @@ def knobs(layout: Layout, parts: dict[str, int], cfg: Any) -> str:
     return f"{smaller_batch}; or raise size (now {layout.size}) or pp (now {layout.pp})"
 
 
-def predict(cfg: Any) -> MemoryCheck:
-    """Each stage's predicted peak and the memory per rank, for a validated run config."""
+def predict(cfg: Any, machine: bool = True) -> MemoryCheck:
+    """Each stage's predicted peak and the memory per rank, for a validated
+    run config. machine=False: without the hardware profile's terms (the
+    process, the allocator's slack; what calibrate.train_floors measures)."""
     layout = Layout.from_config(cfg)
     limit, source = memory_per_rank(cfg, layout)
     try:
-        stages = _stage_peaks(cfg, layout)
+        stages = _stage_peaks(cfg, layout, _profile(cfg) if machine else None)
     except Exception as e:  # a model or mode the planner cannot cost (a plugin mode without cost hooks)
         return MemoryCheck(layout, [], limit, source, [f"not predicted: the planner cannot cost this run ({e})"])
     return MemoryCheck(layout, stages, limit, source)
@@ -118,7 +120,7 @@ def predict(cfg: Any) -> MemoryCheck:
 _SHAPES: dict[tuple, Any] = {}  # (model config, seed) -> the planner's ModelShape
 
 
-def _stage_peaks(cfg: Any, layout: Layout) -> list[StagePeak]:
+def _stage_peaks(cfg: Any, layout: Layout, hw) -> list[StagePeak]:
     from omegaconf import OmegaConf
 
     from tpctl.cost.auto import Choice, peak_parts
@@ -142,7 +144,6 @@ def _stage_peaks(cfg: Any, layout: Layout) -> list[StagePeak]:
     shape, model = _SHAPES[key]
     plan = plan_split(shape, layout, t.batch_size, t.seq_len, 1 if pipe else t.grad_accum, pipeline=pipe,
                       cache={"model": model} if model is not None else None, context=cfg.context.impl)
-    hw = _profile(cfg)
     if layout.pp == 1:
         stages = [StagePeak(list(range(layout.world)), None, peak_parts(plan, shape, choice, cfg, hw))]
     else:

@@ -10,7 +10,7 @@ Measured: a real `tpctl train recipe=NAME` run of `--steps` steps (workers
 forked from the warm server as any run's; eval, checkpoints and samples
 off), the largest rank's peak resident set (summary.json
 peak_rss_bytes_max_rank: VmHWM, glibc's heap as it is). Predicted: the peak
-`tpctl train --check` prints for its worst rank (commands/memory_check.py
+`tpctl train --check` prints for its worst rank (cost/memory_check.py
 predict). A row per recipe: both, their ratio, and the part above the
 process's floor. The last line: max_mem_err=..%.
 
@@ -50,7 +50,7 @@ MIB = 2**20
 
 def predicted(overrides: list[str]):
     """(worst stage's peak, its part above the process, world) as --check predicts it."""
-    from tpctl.commands.memory_check import predict
+    from tpctl.cost.memory_check import predict
     from tpctl.config import compose_jobs, validate
 
     cfg = compose_jobs(overrides)[0]

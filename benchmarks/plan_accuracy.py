@@ -28,7 +28,7 @@ fastest measured one.
 `--steps` steps by `tpctl train` itself (workers forked as a real run's,
 eval and checkpoints off), its largest rank's peak RSS (summary.json
 peak_rss_bytes_max_rank) beside the peak `tpctl train --check` predicts for
-its worst rank (commands/memory_check.py). The last line: max_mem_err=..%. On a machine shared with other work the step times
+its worst rank (cost/memory_check.py). The last line: max_mem_err=..%. On a machine shared with other work the step times
 are noisy; choices run one after another, not interleaved.
 """
 

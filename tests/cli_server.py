@@ -126,6 +126,10 @@ def serve() -> None:
         if pid == 0:
             try:
                 _command(request, reply_fds)
+            except BaseException:  # before main ran (main's own errors end in _command): say why
+                import traceback
+
+                traceback.print_exc()
             finally:
                 os._exit(1)  # (_command leaves by os._exit; never back into this loop)
         replies.write(json.dumps({"pid": pid}) + "\n")

@@ -1,4 +1,4 @@
-"""Memory before launch (tpctl/commands/memory_check.py): `tpctl train
+"""Memory before launch (tpctl/cost/memory_check.py): `tpctl train
 --check` prints each rank's predicted peak beside its memory and starts
 nothing; `tpctl train` refuses a run that will not fit, in one line, exit 2,
 before any run dir or worker exists."""
@@ -72,7 +72,7 @@ def test_bad_memory_limit_exits_2(tpctl, value):
 
 def test_prediction_is_layout_autos_for_the_same_choice():
     """The check and layout=auto predict one peak for one choice."""
-    from tpctl.commands.memory_check import predict
+    from tpctl.cost.memory_check import predict
     from tpctl.cost.auto import search
     from tpctl.cost.hardware import load_hardware
 
@@ -86,7 +86,7 @@ def test_prediction_is_layout_autos_for_the_same_choice():
 
 
 def test_the_knob_named_is_the_part_that_dominates():
-    from tpctl.commands.memory_check import knobs
+    from tpctl.cost.memory_check import knobs
     from tpctl.parallel.layout import Layout
 
     cfg = _composed("mode=1d", "size=2", "dp=2", "data=synthetic", "model.n_layer=2")
@@ -101,7 +101,7 @@ def test_the_knob_named_is_the_part_that_dominates():
 
 
 def test_memory_per_rank_sources(monkeypatch):
-    from tpctl.commands import memory_check
+    from tpctl.cost import memory_check
     from tpctl.parallel.layout import Layout
 
     cfg = _composed("mode=1d", "size=2", "data=synthetic", "model.n_layer=2")

@@ -123,7 +123,7 @@ class TrainLoopConfig:
     activation_checkpointing: bool = False
     # The memory each rank may use, GiB (null: the device's; on CPU this
     # machine's RAM split by its ranks): `tpctl train` refuses a
-    # run whose predicted peak per rank is above it (commands/memory_check.py).
+    # run whose predicted peak per rank is above it (cost/memory_check.py).
     memory_limit_gib: Optional[float] = None
     # A step whose loss or gradient norm is NaN or infinite: "stop" (the run
     # fails naming the step; its weights and checkpoints are kept) or "skip"

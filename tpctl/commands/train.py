@@ -5,7 +5,7 @@
 The flow (docs/DESIGN.md, section 2), one call per arrow:
   compose every job of the command line and validate it, then check its
     predicted peak memory per rank fits                    (`_check_jobs`;
-    `--check` prints that table and stops there: memory_check.py)
+    `--check` prints that table and stops there: cost/memory_check.py)
   → Hydra runs each job: write the resolved config.yaml into its run dir,
     prepare the data once, start the workers              (`TrainRun.train_job`)
   → the launcher waits for the workers and reports the failed rank.
@@ -181,10 +181,10 @@ def check_run_inputs(cfg, dry_run: bool) -> None:
 
 def check_memory(cfg, show: bool = False) -> None:
     """ConfigError where a rank's predicted peak is above its memory
-    (memory_check.py: the planner's dry run on the meta device); `show`:
+    (cost/memory_check.py: the planner's dry run on the meta device); `show`:
     print the per-rank table first (--check). A model the planner cannot
     cost (a plugin mode without cost hooks) is not checked: --check says so."""
-    from .memory_check import predict, render
+    from tpctl.cost.memory_check import predict, render
 
     found = predict(cfg)
     if show:

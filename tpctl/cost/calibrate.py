@@ -188,7 +188,7 @@ def train_floors() -> dict[str, float]:
     import tempfile
     from pathlib import Path
 
-    from tpctl.commands.memory_check import predict
+    from tpctl.cost.memory_check import predict
     from tpctl.config import compose_jobs, validate
 
     short = ["train.batch_size=2", "train.seq_len=16", "train.steps=2", "train.eval_every=0",

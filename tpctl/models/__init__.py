@@ -143,7 +143,7 @@ def build_checked(m: Any, seed: int) -> torch.nn.Module:
 
 
 # The model check_model built last and its plan, by (model config, seed):
-# the memory check after it (commands/memory_check.py) reads the planner's
+# the memory check after it (cost/memory_check.py) reads the planner's
 # shapes from it rather than building and tracing the model again (most of
 # the check's own time). One entry: a meta model is small, a sweep's jobs
 # check one after another.

@@ -191,3 +191,17 @@ def pytest_collection_modifyitems(config, items):
     position = {id(item): i for i, item in enumerate(items)}
     items.sort(key=lambda item: (-slow[item.module.__name__], first_seen[item.module.__name__],
                                  item.get_closest_marker("slow") is None, position[id(item)]))
+
+
+def worst_grad_error(model, ref) -> float:
+    """The largest relative error (norm of the difference over the norm) of
+    a rank's gradients against the whole reference's, each sliced to the
+    rank's shard (its ShardSpec; whole where it has none)."""
+    ref_grads = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        spec = getattr(p, "tpctl_spec", None)
+        want = ref_grads[name].grad
+        want = spec.slice(want) if spec is not None else want
+        worst = max(worst, ((p.grad - want).norm() / want.norm().clamp_min(1e-30)).item())
+    return worst

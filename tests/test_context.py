@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cli_support import scaled
-from conftest import tiny_config
+from conftest import tiny_config, worst_grad_error
 
 from tpctl.parallel.layout import Layout
 
@@ -52,13 +52,7 @@ def _compare(name: str, impl: str, **overrides) -> tuple[float, float, dict]:
     counted = dict(comm.STATS.bytes)
     par.finish_grads([run.model])
     loss = par.global_mean(loss_sum, y.numel())
-    ref_grads = dict(ref.named_parameters())
-    worst = 0.0
-    for pname, p in run.model.named_parameters():
-        spec = getattr(p, "tpctl_spec", None)
-        want = ref_grads[pname].grad
-        want = spec.slice(want) if spec is not None else want
-        worst = max(worst, ((p.grad - want).norm() / want.norm().clamp_min(1e-30)).item())
+    worst = worst_grad_error(run.model, ref)
     return abs(loss - ref_loss.item()) / abs(ref_loss.item()), worst, counted
 
 

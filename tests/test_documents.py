@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_support import tpctl  # noqa: F401  (fixture)
-from conftest import build_trainer, tiny_config
+from conftest import build_trainer, tiny_config, worst_grad_error
 
 from tpctl.parallel.layout import Layout
 
@@ -93,13 +93,7 @@ def _against_one_process(name: str, impl: str, dropless: bool = True) -> tuple[f
     par.finish_grads([run.model])
     loss = par.global_mean(loss_sum, y.numel())
     documents.install(run.model, par.mode, par.cp, None)
-    ref_grads = dict(ref.named_parameters())
-    worst = 0.0
-    for pname, p in run.model.named_parameters():
-        spec = getattr(p, "tpctl_spec", None)
-        want = ref_grads[pname].grad
-        want = spec.slice(want) if spec is not None else want
-        worst = max(worst, ((p.grad - want).norm() / want.norm().clamp_min(1e-30)).item())
+    worst = worst_grad_error(run.model, ref)
     return abs(loss - ref_loss.item()) / abs(ref_loss.item()), worst
 
 

@@ -64,6 +64,25 @@ def is_rewritten(model: nn.Module) -> bool:
     return any(spec_of(p) is not None for p in model.parameters())
 
 
+def _hold_heads(model: nn.Module, plan: RolePlan, mode: ParallelMode, ctx: RewriteContext) -> None:
+    """Each attention module of the plan keeps this rank's heads: its stored
+    head counts, its per-head parameters (learned sinks) and, where its
+    arguments carry one entry per head, a pre-hook slicing them."""
+    split = mode.geo.head_split
+    for owner, heads in plan.heads.items():
+        module = model.get_submodule(owner)
+        for attr, full in heads.attrs.items():
+            setattr(module, attr, heads.local(attr, full, split))
+        per_rank_counts(module, heads, split)
+        ctx.name = owner
+        for attr in heads.params if mode.rewrites else ():  # (learned sinks) this rank's heads' entries
+            held = held_units(heads.heads, split, mode.head_block())
+            full = getattr(module, attr)
+            setattr(module, attr, ctx.shard(full, mode.split_spec(full, 0, ((held.start, held.stop),))))
+        if heads.per_head_args and split > 1:
+            module.register_forward_pre_hook(PerHeadSlice(heads, mode), with_kwargs=True)
+
+
 def rewrite_layers(model: nn.Module, mode: ParallelMode, plan=None, dry_run: bool = False,
                    training: bool = True) -> Rewrite:
     """Replace the model's layers, by role, with `mode`'s parallel layers.
@@ -124,18 +143,7 @@ def rewrite_layers(model: nn.Module, mode: ParallelMode, plan=None, dry_run: boo
         for attr, full in attrs.items():
             setattr(model.get_submodule(block), attr, full // mode.geo.q)
     split = mode.geo.head_split
-    for owner, heads in plan.heads.items():
-        module = model.get_submodule(owner)
-        for attr, full in heads.attrs.items():
-            setattr(module, attr, heads.local(attr, full, split))
-        per_rank_counts(module, heads, split)
-        ctx.name = owner
-        for attr in heads.params if mode.rewrites else ():  # (learned sinks) this rank's heads' entries
-            held = held_units(heads.heads, split, mode.head_block())
-            full = getattr(module, attr)
-            setattr(module, attr, ctx.shard(full, mode.split_spec(full, 0, ((held.start, held.stop),))))
-        if heads.per_head_args and mode.geo.head_split > 1:
-            module.register_forward_pre_hook(PerHeadSlice(heads, mode), with_kwargs=True)
+    _hold_heads(model, plan, mode, ctx)
     if init is not None:
         init.materialize(model)  # what no layer sharded: norms, replicated tables, ...
     for name, param in model.named_parameters():

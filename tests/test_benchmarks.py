@@ -31,6 +31,7 @@ SCRIPTS = {
                              "activation memory per rank", False),
     "bf16_band.py": (["--steps", "2", "--modes", "none", "--fp32-modes", "none", *TINY_TRAIN], "max_rel_vs_fp32_none",
                      True),
+    "check_accuracy.py": (["--steps", "1", "gpt-tiny-none"], "max_mem_err=", False),
     "checkpoint_cost.py": (["--mode", "none", "--size", "1", "--steps", "2", *TINY_TRAIN], "load time", True),
     # Without colossalai (CI): the install line, exit 0; with it, a 1d row on tiny shapes.
     "colossalai_compare.py": (["--modes", "1d", "--hidden", "16", "--batch", "4", "--seq", "4", "--layers", "1",

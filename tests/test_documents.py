@@ -44,6 +44,28 @@ def test_a_window_s_documents_and_positions_count_from_its_separators():
     assert document_positions(doc).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1], [0, 0, 1, 2, 3, 4, 5, 6]]
 
 
+def test_the_ring_skips_exactly_the_chunk_pairs_that_see_nothing():
+    """The ring's table of which chunk pairs see a key (one look at the host
+    per forward) equals each pair's mask looked at whole, over windows with
+    many, few and no separators."""
+    from tpctl.parallel.context.attention import _chunks_seen, _pair_mask
+    from tpctl.parallel.context.documents import document_ids
+
+    chunk, n = 3, 8
+    for seed, rate in [(1, 0.05), (2, 0.3), (3, 0.9), (4, 0.0)]:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(1, 256, (3, chunk * n), generator=g).masked_fill(torch.rand(3, chunk * n, generator=g) < rate, EOS)
+        doc = document_ids(ids, EOS)
+        seen = _chunks_seen(doc, chunk)
+        skipped = 0
+        for a in range(n):
+            for b in range(a):
+                whole = bool(_pair_mask(doc, a, b, chunk, False).any())
+                assert seen[a][b] == whole, (seed, a, b)
+                skipped += not whole
+        assert (skipped > 0) == (rate > 0.1), seed  # the cases do skip pairs (and none without separators)
+
+
 def test_a_token_never_sees_another_document():
     """Another document's tokens changed: this document's logits do not
     move; a document inside a window gives the logits it gives alone (its

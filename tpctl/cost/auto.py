@@ -21,7 +21,7 @@ from typing import Any, Optional
 from tpctl.config import check_layout
 from tpctl.errors import ConfigError
 from tpctl.parallel.layout import ZERO_STAGES, Layout, layouts_of
-from tpctl.parallel.pipeline.stages import DEFAULT_SCHEDULE, SCHEDULES, PipelineSpec
+from tpctl.parallel.pipeline.stages import DEFAULT_SCHEDULE, PipelineSpec
 from tpctl.parallel.tensor.loss import CHUNK_ELEMENTS
 
 from .hardware import Hardware

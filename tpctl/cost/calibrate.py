@@ -34,14 +34,11 @@ import statistics
 import time
 
 
-
 def _probe(cfg_dict: dict, sizes: list[int], reps: int) -> dict:
     import torch
     import torch.distributed as dist
 
     from tpctl.parallel import comm
-
-    from . import measure
 
     world = dist.get_world_size()
     out = {}

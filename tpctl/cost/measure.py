@@ -317,8 +317,6 @@ def _peak(name: str) -> int:
 
 
 def _collect(name: str) -> dict:
-    import torch
-
     st = rank_state.pop(name)
     if st.get("idle"):
         return {}

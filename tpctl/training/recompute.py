@@ -19,7 +19,6 @@ checkpointing.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch

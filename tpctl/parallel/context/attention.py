@@ -104,13 +104,22 @@ def _pair_mask(doc: torch.Tensor, a: int, b: int, chunk: int, diagonal: bool) ->
     return seen[:, None]
 
 
-def _doc_pairs(doc, mine, theirs, chunk: int):
+def _chunks_seen(doc: torch.Tensor, chunk: int) -> list[list[bool]]:
+    """[a][b]: some query of chunk a sees a key of an earlier chunk b. A
+    row's document ids never decrease along it, so that is the case exactly
+    when a row's first id in a equals its last id in b: one look at the host
+    per forward, not one per pair of chunks (a sync each on a GPU)."""
+    first, last = doc[:, ::chunk], doc[:, chunk - 1::chunk]
+    return (first[:, :, None] == last[:, None, :]).any(0).tolist()
+
+
+def _doc_pairs(doc, seen, mine, theirs, chunk: int):
     """_visible's pairs with their masks, less the pairs no query of which
-    sees any key (a chunk of other documents: skipped, as causality's are)."""
+    sees any key (`seen`: _chunks_seen; a chunk of other documents is
+    skipped, as causality's are; a diagonal pair sees itself)."""
     for i, j, diagonal in _visible(mine, theirs):
-        mask = _pair_mask(doc, mine[i], theirs[j], chunk, diagonal)
-        if bool(mask.any()):
-            yield i, j, mask
+        if diagonal or seen[mine[i]][theirs[j]]:
+            yield i, j, _pair_mask(doc, mine[i], theirs[j], chunk, diagonal)
 
 
 def _doc_block(q, k, v, scale: float, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,13 +149,14 @@ class RingAttention(torch.autograd.Function):
         out = [torch.zeros(c.shape, dtype=torch.float32, device=c.device) for c in qs]
         lse = [torch.full(c.shape[:-1], float("-inf"), dtype=torch.float32, device=c.device) for c in qs]
         kv = torch.stack([k, v])
+        seen = _chunks_seen(doc, qs[0].shape[2]) if doc is not None else None
         for step in range(cp):
             if step < cp - 1:  # the next block travels while this one is computed
                 nxt, works = comm.ring_pass(kv, group, ranks)
             ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             mine, theirs = zigzag_chunks(index, cp), zigzag_chunks((index - step) % cp, cp)
             if doc is not None:
-                for i, j, mask in _doc_pairs(doc, mine, theirs, qs[0].shape[2]):
+                for i, j, mask in _doc_pairs(doc, seen, mine, theirs, qs[0].shape[2]):
                     block_out, block_lse = _doc_block(qs[i], ks[j], vs[j], scale, mask)
                     merged = torch.logaddexp(lse[i], block_lse)
                     at = _safe(merged)
@@ -163,7 +173,7 @@ class RingAttention(torch.autograd.Function):
                 kv = nxt
         out, lse = _positions_major(out, q.dtype), torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.ranks, ctx.index, ctx.scale, ctx.doc = group, ranks, index, scale, doc
+        ctx.group, ctx.ranks, ctx.index, ctx.scale, ctx.doc, ctx.seen = group, ranks, index, scale, doc, seen
         return out
 
     @staticmethod
@@ -185,7 +195,7 @@ class RingAttention(torch.autograd.Function):
             ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             dks, dvs = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
             mine, theirs = zigzag_chunks(index, cp), zigzag_chunks((index - step) % cp, cp)
-            for i, j, mask in _doc_pairs(ctx.doc, mine, theirs, qs[0].shape[2]) if ctx.doc is not None else ():
+            for i, j, mask in _doc_pairs(ctx.doc, ctx.seen, mine, theirs, qs[0].shape[2]) if ctx.doc is not None else ():
                 dq_, dk_, dv_ = _doc_block_grads(dos[i], qs[i], ks[j], vs[j], lses[i], deltas[i], scale, mask)
                 dqs[i].add_(dq_)
                 dks[j].add_(dk_)

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from tpctl.parallel.dropout import ParallelDropout
 from tpctl.parallel.pipeline.stages import PipelineSpec
-from tpctl.parallel.roles.plan import repeated_blocks
+from tpctl.parallel.roles.plan import named_stack
 from tpctl.parallel.roles.tracing import TRACE_BATCH, TRACE_SEQ, trace
 
 
@@ -164,11 +164,11 @@ def read(model: nn.Module, spec: PipelineSpec, weigh: Callable[[nn.Module], floa
     costs each block's attention at the spec's seq_len and the loss over the
     logits). PipelineRefused (one line) for a model that cannot be cut."""
     what = type(model).__name__
-    stack = repeated_blocks(model)
-    if stack is None:
+    found = named_stack(model)
+    if found is None:
         raise PipelineRefused(f"pp={spec.stages} cuts a model at its repeated blocks, and {what} has none "
                               "(an nn.ModuleList of blocks of one class)")
-    stack_name = next(n for n, m in model.named_modules() if m is stack)
+    stack_name, stack = found
     first_call: dict = {}
     nodes, out, calls = trace(model, vocab_size=_vocab(model), inputs=first_call)
     prefix = f"{stack_name}." if stack_name else ""

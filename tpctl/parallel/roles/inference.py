@@ -28,7 +28,7 @@ import torch.nn as nn
 from tpctl.parallel.roles.experts import expert_count, experts_layout, own_split, routed_per_row
 from tpctl.parallel.roles.fused import FusedLayout, ProbeError, attention_layout, mlp_layout
 from tpctl.parallel.roles.plan import (GROUP_ATTRS, HEAD_ATTRS, RATIO_ATTRS, ROLES, Heads, RolePlan, blocks_of, common_parent,
-                                      repeated_blocks)
+                                      named_stack)
 from tpctl.parallel.roles.layer_steps import LayerSteps
 from tpctl.parallel.roles.probes import is_experts, on_cpu
 from tpctl.parallel.roles.tracing import per_head_args, random_draws, trace
@@ -328,10 +328,10 @@ class _Inference(LayerSteps):
     def _block_of(self):
         """module name -> the block of the model's stack holding it (None
         outside the stack, or without one)."""
-        stack = repeated_blocks(self.model)
-        prefix = next((f"{n}." for n, m in self.modules.items() if m is stack and n), None)
-        if prefix is None:
+        found = named_stack(self.model)
+        if found is None or not found[0]:
             return lambda name: None
+        prefix = f"{found[0]}."
         return lambda name: name[len(prefix):].split(".")[0] if name.startswith(prefix) else None
 
     def embeddings(self) -> None:

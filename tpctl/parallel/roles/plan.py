@@ -181,6 +181,16 @@ def repeated_blocks(model: nn.Module) -> Optional[nn.ModuleList]:
     return best
 
 
+def named_stack(model: nn.Module) -> Optional[tuple[str, nn.ModuleList]]:
+    """(its path in the model, the stack) of repeated_blocks(model), or None:
+    the path prefixes the names of the blocks' modules ("" when the model
+    is the list itself)."""
+    stack = repeated_blocks(model)
+    if stack is None:
+        return None
+    return next(name for name, m in model.named_modules() if m is stack), stack
+
+
 def common_parent(names: list[str]) -> str:
     parts = [n.split(".") for n in names]
     common = []

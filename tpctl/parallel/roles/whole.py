@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from tpctl.parallel.roles.plan import repeated_blocks
+from tpctl.parallel.roles.plan import named_stack
 
 
 def under(name: str, root: str) -> bool:
@@ -38,9 +38,9 @@ def whole_roots(found) -> dict[str, str]:
     modules, flows, hidden = found.modules, found.flows, found.hidden
     if hidden is None:
         return {}
-    stack = repeated_blocks(found.model)
-    stack_name = next((n for n, m in modules.items() if m is stack), None) if stack is not None else None
-    blocks = {f"{stack_name}.{k}" for k in stack._modules} if stack is not None else set()
+    stack = named_stack(found.model)
+    stack_name = stack[0] if stack is not None else None
+    blocks = {f"{stack_name}.{k}" for k in stack[1]._modules} if stack is not None else set()
     # Split activations: inside attention, or an MLP's hidden features.
     inner = found.inner
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-from tpctl.parallel.roles.plan import RolePlan, logits_of, repeated_blocks
+from tpctl.parallel.roles.plan import RolePlan, logits_of, named_stack
 from tpctl.parallel.roles.probes import CacheOff
 from tpctl.parallel.roles.tracing import trace
 
@@ -217,10 +217,10 @@ def with_first(out, x: torch.Tensor):
 
 def _block_names(model: nn.Module) -> list[str]:
     """Paths of the blocks of the model's repeated stack (none if it has none)."""
-    stack = repeated_blocks(model)
-    if stack is None:
+    found = named_stack(model)
+    if found is None:
         return []
-    prefix = next(name for name, m in model.named_modules() if m is stack)
+    prefix, stack = found
     return [f"{prefix}.{i}" if prefix else str(i) for i in stack._modules]  # (a pipeline stage keeps whole-model indices)
 
 

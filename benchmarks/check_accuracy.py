@@ -54,8 +54,7 @@ def predicted(overrides: list[str]):
     from tpctl.config import compose_jobs, validate
 
     cfg = compose_jobs(overrides)[0]
-    validate(cfg)
-    found = predict(cfg)
+    found = predict(cfg, built=validate(cfg))
     w = found.worst
     return w.peak, w.peak - w.parts["process"], found.layout.world
 

@@ -143,13 +143,13 @@ def _check_jobs(overrides: list[str], multirun: bool, config_name: str, config_d
     errors = []
     for cfg in jobs:
         try:
-            validate(cfg)
+            built = validate(cfg)
         except ConfigError as e:
             errors.append(e)
             continue
         try:
             check_run_inputs(cfg, dry_run)
-            check_memory(cfg, show_memory)
+            check_memory(cfg, built, show_memory)
             errors.append(None)
         except ConfigError as e:
             errors.append(e)
@@ -179,14 +179,15 @@ def check_run_inputs(cfg, dry_run: bool) -> None:
     prepare_data(cfg)
 
 
-def check_memory(cfg, show: bool = False) -> None:
+def check_memory(cfg, built, show: bool = False) -> None:
     """ConfigError where a rank's predicted peak is above its memory
-    (cost/memory_check.py: the planner's dry run on the meta device); `show`:
-    print the per-rank table first (--check). A model the planner cannot
-    cost (a plugin mode without cost hooks) is not checked: --check says so."""
+    (cost/memory_check.py: the planner's dry run on the meta device, of
+    `built`, what validate returned); `show`: print the per-rank table first
+    (--check). A model the planner cannot cost (a plugin mode without cost
+    hooks) is not checked: --check says so."""
     from tpctl.cost.memory_check import predict, render
 
-    found = predict(cfg)
+    found = predict(cfg, built=built)
     if show:
         print(render(found, cfg), flush=True)
     refusal = found.refusal(cfg)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -30,12 +30,13 @@ LOGGERS = ("jsonl", "tensorboard", "mlflow", "wandb")  # training/trackers.py LO
 NONFINITE_POLICIES = ("stop", "skip")
 
 
-def validate(cfg: Any, model_check: bool = True, training: bool = True) -> None:
-    """Raise ConfigError for the first invalid value in a composed config.
-    model_check=False skips building the model (tpctl inspect shows what a
-    mode cannot shard instead of refusing it); training=False: a config
-    that is only decoded (tpctl generate), whose training keys become the
-    decoding's."""
+def validate(cfg: Any, model_check: bool = True, training: bool = True) -> Optional[tuple]:
+    """Raise ConfigError for the first invalid value in a composed config;
+    return what the model check built: (the model on the meta device, its
+    role plan), None with model_check=False, which skips building the model
+    (tpctl inspect shows what a mode cannot shard instead of refusing it).
+    training=False: a config that is only decoded (tpctl generate), whose
+    training keys become the decoding's."""
     if not training:
         import_mode_module(cfg.get("mode_module"))
         check_decoding(cfg)
@@ -53,7 +54,8 @@ def validate(cfg: Any, model_check: bool = True, training: bool = True) -> None:
     if model_check:
         from tpctl.models import check_model  # imports torch: after every cheap check
 
-        check_model(cfg, training)
+        return check_model(cfg, training)
+    return None
 
 
 def _check_values(cfg: Any) -> None:

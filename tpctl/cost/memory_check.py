@@ -104,14 +104,16 @@ def knobs(layout: Layout, parts: dict[str, int], cfg: Any) -> str:
     return f"{smaller_batch}; or raise size (now {layout.size}) or pp (now {layout.pp})"
 
 
-def predict(cfg: Any, machine: bool = True) -> MemoryCheck:
+def predict(cfg: Any, machine: bool = True, built: Optional[tuple] = None) -> MemoryCheck:
     """Each stage's predicted peak and the memory per rank, for a validated
     run config. machine=False: without the hardware profile's terms (the
-    process, the allocator's slack; what calibrate.train_floors measures)."""
+    process, the allocator's slack; what calibrate.train_floors measures).
+    `built`: what validating the config returned, (its model on the meta
+    device, the role plan), read instead of building and tracing it again."""
     layout = Layout.from_config(cfg)
     limit, source = memory_per_rank(cfg, layout)
     try:
-        stages = _stage_peaks(cfg, layout, _profile(cfg) if machine else None)
+        stages = _stage_peaks(cfg, layout, _profile(cfg) if machine else None, built)
     except Exception as e:  # a model or mode the planner cannot cost (a plugin mode without cost hooks)
         return MemoryCheck(layout, [], limit, source, [f"not predicted: the planner cannot cost this run ({e})"])
     return MemoryCheck(layout, stages, limit, source)
@@ -120,12 +122,11 @@ def predict(cfg: Any, machine: bool = True) -> MemoryCheck:
 _SHAPES: dict[tuple, Any] = {}  # (model config, seed) -> the planner's ModelShape
 
 
-def _stage_peaks(cfg: Any, layout: Layout, hw) -> list[StagePeak]:
+def _stage_peaks(cfg: Any, layout: Layout, hw, built: Optional[tuple]) -> list[StagePeak]:
     from omegaconf import OmegaConf
 
     from tpctl.cost.auto import Choice, peak_parts
     from tpctl.cost.planner import model_shape, plan_split
-    from tpctl.models import last_checked
     from tpctl.parallel.pipeline.stages import pipeline_of
 
     t = cfg.train
@@ -136,10 +137,9 @@ def _stage_peaks(cfg: Any, layout: Layout, hw) -> list[StagePeak]:
         choice = Choice(layout, t.grad_accum, checkpointing=bool(t.activation_checkpointing))
     key = (json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True, default=str), cfg.seed)
     if key not in _SHAPES:  # the jobs of a sweep over layouts read the model once
-        # The config check has just built and traced this model (on the meta
+        # The config check has built and traced this model (on the meta
         # device): its shapes are read from that model, and the dry run
         # rewrites a copy of it (dry_run._original), not a third build.
-        built = last_checked(cfg.model, cfg.seed)
         _SHAPES[key] = (model_shape(cfg.model, cfg.seed, built), built[0] if built else None)
     shape, model = _SHAPES[key]
     plan = plan_split(shape, layout, t.batch_size, t.seq_len, 1 if pipe else t.grad_accum, pipeline=pipe,
@@ -222,15 +222,6 @@ def _mem_total() -> Optional[int]:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-def check_memory(cfg: Any) -> MemoryCheck:
-    """`predict`, refused as ConfigError where it does not fit."""
-    found = predict(cfg)
-    error = found.refusal(cfg)
-    if error is not None:
-        raise error
-    return found
 
 
 def _mib(n: float) -> str:

@@ -91,7 +91,7 @@ class ModelShape:
 def model_shape(model_cfg, seed: int = 0, built: Optional[tuple] = None) -> ModelShape:
     """Build the model on the meta device and read its shapes and roles.
     `built`: (model, plan) of this config already built on the meta device
-    and traced (the config check's: models.last_checked), read instead."""
+    and traced (what config.validate returned), read instead."""
     from torch import nn
 
     from tpctl.models import build_model

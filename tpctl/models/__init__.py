@@ -10,7 +10,7 @@ import logging
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -142,35 +142,13 @@ def build_checked(m: Any, seed: int) -> torch.nn.Module:
                           f"building the model failed: {type(e).__name__}: {first}") from None
 
 
-# The model check_model built last and its plan, by (model config, seed):
-# the memory check after it (cost/memory_check.py) reads the planner's
-# shapes from it rather than building and tracing the model again (most of
-# the check's own time). One entry: a meta model is small, a sweep's jobs
-# check one after another.
-_LAST_CHECKED: dict = {}
-
-
-def _model_key(m: Any, seed: int) -> str:
-    import json
-
-    from omegaconf import DictConfig, OmegaConf
-
-    plain = OmegaConf.to_container(m, resolve=True) if isinstance(m, DictConfig) else dict(m)
-    return json.dumps([plain, seed], sort_keys=True, default=str)
-
-
-def last_checked(m: Any, seed: int) -> Optional[tuple[torch.nn.Module, RolePlan]]:
-    """(model, plan) of the last check_model of model config `m` with `seed`
-    (the meta model as built, before any rewrite), or None."""
-    found = _LAST_CHECKED.get("entry")
-    return found[1] if found is not None and found[0] == _model_key(m, seed) else None
-
-
-def check_model(cfg: Any, training: bool = True) -> RolePlan:
+def check_model(cfg: Any, training: bool = True) -> tuple[torch.nn.Module, RolePlan]:
     """Build `cfg.model` as the workers will (on the meta device where it
     can be), find its roles and check that `cfg.mode` can shard every one:
     ConfigError naming the module and the reason, before any worker starts.
-    Returns the plan."""
+    Returns (the model as built, before any rewrite; its plan): the memory
+    check reads the planner's shapes from them rather than building and
+    tracing the model again (most of its own time)."""
     from tpctl.errors import ConfigError
     from tpctl.parallel.layout import Layout
     from tpctl.parallel.tensor.rewrite import check_plan
@@ -204,5 +182,4 @@ def check_model(cfg: Any, training: bool = True) -> RolePlan:
     vocab = vocab_size_of(m, plan, model)
     if cfg.data.vocab_size > vocab:
         raise ConfigError("data.vocab_size", cfg.data.vocab_size, f"the model's vocabulary has {vocab} entries: expected at most {vocab}")
-    _LAST_CHECKED["entry"] = (_model_key(m, cfg.seed), (model, plan))
-    return plan
+    return model, plan

@@ -254,3 +254,23 @@ def test_what_fits_no_role_is_reported_not_guessed():
     assert "unsupported layer type (Conv1d)" in plan.problems["conv"]
     assert check_plan(plan, model, geometry("none", 1)) == {}  # nothing split: nothing to refuse
     assert "conv" in check_plan(plan, model, geometry("2d", 4))
+
+
+def test_a_family_setting_may_be_a_list_or_a_sub_config():
+    """+model.config.layer_types=[...] and a sub-config ({...}) reach the
+    family as a list and a dict: transformers' typed fields refuse
+    OmegaConf's containers ("expected a list, got ListConfig")."""
+    from omegaconf import OmegaConf
+
+    from tpctl.config import typed_model
+    from tpctl.models.hf import family_config
+
+    def config(family: str, settings: dict):
+        return family_config(typed_model(OmegaConf.create({"arch": family, "vocab_size": VOCAB, "n_layer": 2,
+                                                           "n_head": 4, "n_embd": 16, "bias": None,
+                                                           "config": settings})))
+
+    types = ["full_attention", "sliding_attention"]
+    assert config("qwen2", {"layer_types": types, "sliding_window": 4}).layer_types == types
+    vision = config("phi4_multimodal", {"vision_config": {"hidden_size": 32, "num_hidden_layers": 1}}).vision_config
+    assert (vision.hidden_size, vision.num_hidden_layers) == (32, 1)

@@ -114,7 +114,7 @@ def family_config(cfg: Any):
         cls = CONFIG_MAPPING[cfg.arch]
         kwargs = _size_settings(cls, cfg)
         stored = None
-    passed = dict(getattr(cfg, "config", None) or {})
+    passed = _plain(getattr(cfg, "config", None) or {})
     if stored is not None and not passed:
         return stored
     try:
@@ -134,6 +134,16 @@ def family_config(cfg: Any):
             raise ConfigError(f"model.config.{key}", value, f"not a setting of {cls.__name__}: expected one of "
                               f"{', '.join(sorted(known))}")
     return config
+
+
+def _plain(settings) -> dict:
+    """`model.config` as plain dicts and lists: transformers' typed config
+    fields refuse OmegaConf's containers (`+model.config.layer_types=[...]`,
+    a sub-config such as `vision_config={...}`: "expected a list, got
+    ListConfig")."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(settings, resolve=True) if OmegaConf.is_config(settings) else dict(settings)
 
 
 def _size_settings(cls, cfg: Any) -> dict:

@@ -8,6 +8,9 @@ tested alone. Behaviour comes from environment variables:
   FAKE_WORKER_ABORT=r:when rank r aborts (SIGABRT) `before` or `after` marking
                            its work complete (tpctl.launch.worker.mark_done)
 Rank 0 writes a summary.json with made-up numbers (for sweep comparisons).
+Each rank writes <run dir>/fake_worker_rank<r>.json: its torch thread count and
+its parent's (the fork server's) command line beside its grandparent's (the
+launcher's).
 Each rank writes its pid to <run dir>/fake_worker_rank<r>.pid first, so a test
 can check afterwards that no worker is left alive.
 """
@@ -30,6 +33,13 @@ def main() -> None:
     run_dir = Path(sys.argv[1]).parent
     rank = int(os.environ["RANK"])
     (run_dir / f"fake_worker_rank{rank}.pid").write_text(str(os.getpid()))
+    import torch
+
+    server = os.getppid()
+    launcher = int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    cmdline = lambda pid: Path(f"/proc/{pid}/cmdline").read_text()  # noqa: E731
+    (run_dir / f"fake_worker_rank{rank}.json").write_text(json.dumps(
+        {"threads": torch.get_num_threads(), "server": cmdline(server), "launcher": cmdline(launcher)}))
     if os.environ.get("FAKE_WORKER_FAIL_RANK") == str(rank):
         # Fail only once every rank of this node is running, so there is
         # something to stop however fast or slow the machine starts them.

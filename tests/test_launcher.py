@@ -47,6 +47,22 @@ def test_launch_runs_size_times_dp_workers(tmp_path, monkeypatch, method):
     assert [p.name for p in pid_files(tmp_path)] == [f"fake_worker_rank{r}.pid" for r in range(4)]
 
 
+@pytest.mark.timeout(120)
+def test_the_fork_server_is_a_fork_of_the_launcher_and_workers_get_their_threads(tpctl):
+    """`tpctl train` validates on one thread and forks its warm server from
+    itself (launch/warm.py allow_fork_start): no second interpreter imports
+    torch; each worker still runs the OMP_NUM_THREADS threads a fresh
+    interpreter would."""
+    tpctl.extra_env.update(TPCTL_WORKER_MODULE="tests.fake_worker", OMP_NUM_THREADS="2")
+    run_dir = tpctl.cwd / "run"
+    result = tpctl.run(fake_run_args(run_dir, "mode=1d", "size=2"), timeout=100)
+    assert result.returncode == 0, result.stderr
+    for rank in range(2):
+        seen = json.loads((run_dir / f"fake_worker_rank{rank}.json").read_text())
+        assert seen["threads"] == 2, seen
+        assert seen["server"] == seen["launcher"] and "multiprocessing.forkserver" not in seen["server"], seen
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", START_METHODS)
 def test_failing_rank_is_named_and_the_others_are_stopped(tpctl, method):

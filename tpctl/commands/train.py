@@ -33,6 +33,10 @@ def main(args: list[str]) -> int:
     """`tpctl train ARGS`: check every job, then hand ARGS to Hydra."""
     from hydra._internal.utils import get_args_parser
 
+    from tpctl.launch.warm import allow_fork_start
+
+    allow_fork_start()  # before validation runs a tensor op
+
     # tpctl's own flag (Hydra's parser does not know it): print what would be
     # launched or submitted, start nothing.
     run = TrainRun(dry_run="--dry-run" in args)

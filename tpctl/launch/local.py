@@ -79,8 +79,10 @@ def launch(cfg: Any, run_dir: str | os.PathLike, worker_module: str | None = Non
     try:
         if method == "forkserver":
             with warm.server():
+                quiet_agent()
                 elastic_launch(config, warm.run_module)(module, str(run_dir / "config.yaml"))
         else:
+            quiet_agent()
             elastic_launch(config, sys.executable)("-u", "-m", module, str(run_dir / "config.yaml"))
         return 0
     except ChildFailedError as e:
@@ -133,7 +135,7 @@ def _rendezvous(lc) -> tuple[str, str]:
 
 
 def _prepare_agent(cfg: Any, nproc: int) -> None:
-    """The environment and logging the elastic agent and its workers need."""
+    """The environment the elastic agent and its workers need."""
     # torchrun's CLI sets this; its Python API does not. Without it every
     # worker starts one thread per core and they fight over the cores.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -144,9 +146,14 @@ def _prepare_agent(cfg: Any, nproc: int) -> None:
         # (gloo: "Connection refused"). Opting out gives each attempt a fresh
         # store hosted by its rank 0.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    # The agent logs every step of its life, and each failure in its own
-    # format; tpctl reports failures itself, one line per rank (launch).
-    # torch sets a level on each of its loggers, so the parent's is not enough.
+
+
+def quiet_agent() -> None:
+    """The agent logs every step of its life, and each failure in its own
+    format; tpctl reports failures itself, one line per rank (launch).
+    torch sets a level on each of its loggers, so the parent's is not
+    enough. After the fork server started: a server forked from this
+    process (warm._fork_server) keeps the workers' levels torch's."""
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)

@@ -34,7 +34,7 @@ import contextlib
 import os
 import signal
 import sys
-from typing import Iterator
+from typing import Iterator, Optional
 
 from tpctl.errors import LAUNCHER_PID_ENV
 
@@ -48,6 +48,34 @@ PRELOAD = ["tpctl.launch.warm_server", "torch", "torch._dynamo", "torch.distribu
 SERVER_PID = os.getpid()
 # True in a worker forked from the server (set by run_module).
 FORKED = False
+# The threads this process ran when it allowed the server to fork from it
+# (allow_fork_start); None: it did not.
+_FORK_SAFE_THREADS: Optional[frozenset] = None
+
+
+def allow_fork_start() -> None:
+    """Let this launch's fork server be a fork of this process (see
+    _fork_server) rather than a fresh interpreter. Call right after
+    importing torch, before any tensor op: torch's ops here run on one
+    thread from now on (a launcher validates on the meta device and probes
+    tiny tensors), so torch never starts its OpenMP threads in this process
+    — a fork of a process whose OpenMP threads ran hangs at the child's
+    first parallel op (GNU libgomp). The threads running now (OpenBLAS's,
+    started by importing numpy, which it restarts after a fork) are those a
+    fork may leave behind. The workers set their own thread count
+    (run_module)."""
+    global _FORK_SAFE_THREADS
+    import torch
+
+    torch.set_num_threads(1)
+    _FORK_SAFE_THREADS = frozenset(_threads())
+
+
+def _threads() -> list[str]:
+    try:
+        return os.listdir("/proc/self/task")
+    except OSError:  # no /proc: cannot tell
+        return ["?", "?"]
 
 
 @contextlib.contextmanager
@@ -59,7 +87,8 @@ def server() -> Iterator[None]:
     from multiprocessing import forkserver
 
     multiprocessing.set_forkserver_preload(PRELOAD)
-    forkserver.ensure_running()
+    if not _fork_server(forkserver._forkserver):
+        forkserver.ensure_running()
     try:
         yield
     finally:
@@ -83,6 +112,11 @@ def run_module(module: str, *argv: str) -> None:
 
     global FORKED
     FORKED = True
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # as a fresh interpreter reads it (a forked server's is the launcher's 1)
+        import torch
+
+        torch.set_num_threads(int(threads))
     # Imported here, not in the server (its preload failed): the parent is still the server.
     os.environ[LAUNCHER_PID_ENV] = str(SERVER_PID if SERVER_PID != os.getpid() else os.getppid())
     for fd, name in ((1, "stdout"), (2, "stderr")):
@@ -97,3 +131,82 @@ def run_module(module: str, *argv: str) -> None:
         if e.code not in (0, None):
             raise
     # Returning is how torch's context learns that the rank succeeded.
+
+
+def _fork_server(server) -> bool:
+    """Start multiprocessing's fork server `server` as a fork of this
+    process instead of a fresh interpreter, where that is safe: the
+    launcher allowed it and runs no thread it did not run then
+    (allow_fork_start); True if started (False: nothing done, the caller
+    starts it as multiprocessing does). The launcher has imported torch
+    already (it validated the config), so the server's imports of PRELOAD
+    cost only what is not loaded yet: a fresh server spends ~2.5 CPU-s
+    importing torch again before the first worker forks. What the workers
+    inherit is what a fresh server gives them: the launcher's environment,
+    working directory and sys.path at this moment, the listening socket and
+    the pipe that tells the server its clients are gone (every other
+    descriptor is let go), no logging handlers, default handling of the stop
+    signals, and warm_server's set-up, run in the server as its first
+    import."""
+    import socket
+    from multiprocessing import connection, forkserver, resource_tracker, util
+
+    if (_FORK_SAFE_THREADS is None or not set(_threads()) <= _FORK_SAFE_THREADS
+            or server._forkserver_pid is not None or not hasattr(forkserver, "main")):
+        return False
+    resource_tracker.ensure_running()
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the server: never returns
+            _serve_forked(server, listener.fileno(), alive_r)
+        os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    return True
+
+
+def _serve_forked(server, listener_fd: int, alive_r: int) -> None:
+    """The forked fork server's life (_fork_server)."""
+    global SERVER_PID
+    code = 0
+    try:
+        # Every other descriptor of the launcher (the run dir's lock, the
+        # log file, the pipes of whoever started it) is let go: made a copy
+        # of /dev/null rather than closed, so that a Python object owning
+        # one, finalised later, closes its own number and never one reused.
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            if fd not in (0, 1, 2, listener_fd, alive_r, null):
+                with contextlib.suppress(OSError):
+                    os.dup2(null, fd)
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # the launcher's handlers are not the server's
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        import logging
+
+        # The launcher's root handlers (Hydra's, on descriptors closed
+        # above) are not a worker's, which sets up its own
+        # (worker.setup_logging); the agent's loggers are quietened after
+        # this fork (local.quiet_agent).
+        logging.root.handlers.clear()
+        logging.root.setLevel(logging.WARNING)
+        SERVER_PID = os.getpid()
+        server._forkserver_pid = server._forkserver_alive_fd = None
+        sys.modules.pop("tpctl.launch.warm_server", None)  # its set-up runs in the server, as its first import
+        from multiprocessing import forkserver
+
+        forkserver.main(listener_fd, alive_r, PRELOAD)
+    except SystemExit:  # the launcher and every worker are gone
+        pass
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        os._exit(code)

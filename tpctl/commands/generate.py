@@ -156,6 +156,9 @@ def main(args: list[str]) -> int:
     if not args or "=" in args[0] or args[0].startswith("-"):
         return fail("tpctl generate takes SOURCE first (a checkpoint or a save_pretrained directory), "
                       "then key=value settings (see tpctl generate --help)")
+    from tpctl.launch.warm import allow_fork_start
+
+    allow_fork_start()  # before validation runs a tensor op: the launch's server may fork from here
     source = Path(args[0])
     try:
         opts, overrides = parse_options(args[1:], OPTIONS, flags=("--json",))

@@ -15,7 +15,9 @@ logit difference, or FAIL with the stage and the first line of the error.
     python benchmarks/hf_all_families.py --train qwen2 opt    # some
     python benchmarks/hf_all_families.py --train --timeout=600 hy_v3   # a family's limit (default 120 s)
 
---train trains each family instead, at the same sizes: 3 steps (batch 8,
+--train trains each family instead, at the same sizes (and, for a few
+families, settings the size keys do not reach, each with its reason in
+hf_zoo/family_keys.py and named in the family's row): 3 steps (batch 8,
 sequence 8, lr 1e-2 without warm-up, AdamW eps 1e-5: tests/test_families.py's
 recipe) in mode=none, 1d-2 and 2d-4, each run as a worker starts it (the
 rewrite checked, then proven against the original before step 1), on the
@@ -42,6 +44,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from hf_zoo.family_keys import model_keys, note
 
 
 # The survey's sizes, and the training pass's.
@@ -118,7 +122,8 @@ def train_cfg(family: str, key: str):
     from tpctl.parallel.layout import Layout
 
     cfg = Layout.parse(key).write_to(default_config())
-    cfg.model = typed_model(OmegaConf.create({**SIZES, "arch": family, "dropout": 0.0}))
+    # (and a few families' own settings the size keys do not reach: hf_zoo/family_keys.py)
+    cfg.model = typed_model(OmegaConf.create({**SIZES, "arch": family, "dropout": 0.0, **model_keys(family)}))
     for k, v in {"data.name": "text", "data.max_bytes": 200_000, "train.batch_size": BATCH, "train.seq_len": SEQ,
                  "train.steps": STEPS, "train.eval_every": 0, "train.log_every": 1, "train.progress": False,
                  "optim.lr": 1e-2, "optim.eps": 1e-5, "optim.warmup_steps": 0}.items():
@@ -316,6 +321,7 @@ def table_row(family: str, results: dict) -> str:
     # The first layout's reason; both where they differ (wrong in one, a timeout in the other).
     reason = reasons[0] if len(reasons) == 1 else "; ".join(f"{key}: {results[key].split(': ', 1)[1]}"
                                                            for key in LAYOUTS if results[key] != "exact")
+    reason = "; ".join(r for r in (reason, note(family)) if r)  # what the family was given beyond the size keys
     return f"| `{family}` | {' | '.join(kinds)} | {reason.replace('|', '/')} |"
 
 
@@ -391,7 +397,7 @@ def train_all(families: list[str]) -> None:
         with lock:
             verdicts[family] = results
             print(f"[{len(verdicts)}/{len(families)} {time.perf_counter() - start:.0f}s] {family}: "
-                  f"{verdict(results)}", flush=True)
+                  f"{verdict(results)}{f' ({note(family)})' if note(family) else ''}", flush=True)
 
     def chunk_then_alone(chunk: list[str]) -> None:
         short: list[str] = []  # out of the memory the chunk's earlier families left its process

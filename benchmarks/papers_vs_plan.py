@@ -14,6 +14,8 @@ the papers' tensor-parallel comparisons).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -43,14 +45,21 @@ PAPERS = [
 ]
 
 
-def plans(setup: str, hardware: str) -> dict:
-    """Each mode's predicted plan at 64 ranks."""
+@functools.lru_cache(maxsize=None)
+def splits(setup: str) -> dict:
+    """Each mode's split plan at 64 ranks (its dry run on the meta device:
+    what does not depend on the hardware, made once per setup)."""
     s = SETUPS[setup]
     cfg = ModelConfig(arch="gpt", vocab_size=51200, n_layer=24, n_head=64, n_embd=s["n_embd"], block_size=512,
                       mlp_ratio=4, dropout=0.0, bias=True, tie_embeddings=True)
     shape = model_shape(cfg)
+    return {name: plan_split(shape, layout, s["batch"], 512) for name, layout in SPLITS.items()}
+
+
+def plans(setup: str, hardware: str) -> dict:
+    """Each mode's predicted plan at 64 ranks on `hardware`."""
     hw = load_hardware(hardware)
-    return {name: predict(plan_split(shape, layout, s["batch"], 512), hw) for name, layout in SPLITS.items()}
+    return {name: predict(dataclasses.replace(plan), hw) for name, plan in splits(setup).items()}
 
 
 def terms(plan, hw) -> list[tuple[float, str]]:

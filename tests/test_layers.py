@@ -301,3 +301,57 @@ def _compare_lock_step(key: str, case: str) -> int:
 def test_summa_without_overlap_is_the_same(pool, key):
     """The lock-step SUMMA (benchmarks/summa_overlap.py's baseline)."""
     assert all(n > 0 for n in pool.run(_compare_lock_step, key, "block"))
+
+
+def test_a_fused_layout_splits_by_runs_exactly_as_feature_by_feature():
+    """roles/fused.py selects a shard's features run by run (a head's
+    features, or features that are their own units); the definition is
+    feature by feature: equal over contiguous and interleaved q/k/v layouts,
+    shared key/value heads, per-feature units, 1d/2d shards and 3d's
+    sub-blocks."""
+    import random
+
+    from tpctl.parallel.roles.fused import FusedLayout
+    from tpctl.parallel.shard import _merge
+
+    def by_feature(layout, shards, s):
+        held = [layout.held_units(p, shards, s) for p in range(len(layout.names))]
+        return _merge([(f, f + 1) for f in range(layout.features) if layout.unit[f] in held[layout.part[f]]])
+
+    rng, checked = random.Random(0), 0
+    for _ in range(60):
+        heads, width = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 3])
+        kv = rng.choice([h for h in (1, 2, 4, 8) if heads % h == 0])
+        part, unit = [], []
+        kind = rng.choice(["contiguous", "interleaved", "any order"])
+        if kind == "contiguous":  # [q | k | v], each its heads in order
+            for p, count in enumerate((heads, kv, kv)):
+                for h in range(count):
+                    part, unit = part + [p] * width, unit + [h] * width
+        elif kind == "any order":  # every unit's features together, the units in any order
+            units = [(p, h) for p, count in enumerate((heads, kv, kv)) for h in range(count)]
+            rng.shuffle(units)
+            for p, h in units:
+                part, unit = part + [p] * width, unit + [h] * width
+        else:  # per key/value head: its query heads, then k, then v
+            group = heads // kv
+            for j in range(kv):
+                for i in range(group):
+                    part, unit = part + [0] * width, unit + [j * group + i] * width
+                part, unit = part + [1] * width + [2] * width, unit + [j] * 2 * width
+        for layout in (FusedLayout(("q", "k", "v"), (heads, kv, kv), tuple(part), tuple(unit)),
+                       FusedLayout.equal(6 * width, ("q", "k", "v")), FusedLayout.heads(width * heads, heads, "k")):
+            for shards in (1, 2, 4, 8):
+                if layout.split_problem(shards):
+                    continue
+                for per in (1, 2, 4):
+                    for index in range(shards * per):
+                        shard, sub = divmod(index, per)
+                        whole = by_feature(layout, shards, shard)
+                        assert layout.shard_features(shards, shard) == whole
+                        flat = [f for a, b in whole for f in range(a, b)]
+                        size = len(flat) // per
+                        assert layout.ranges(shards, shards * per, index) == _merge(
+                            [(f, f + 1) for f in flat[sub * size:(sub + 1) * size]])
+                        checked += 1
+    assert checked > 1000

@@ -17,9 +17,9 @@ TOWER = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4}
 # by a dense routing matrix (parallel/roles/experts.py: the ranks' collectives
 # in lockstep over rows that route differently): two SUMMA products per
 # expert, each a few collectives, so hundreds of experts are tens of
-# thousands of collectives a run (dots3_note_text's 256: 25,000 waits on a
-# rank, its 2d run alone 95 s at load 10 on 2 cores, the family's three
-# runs over 300 s). 16 experts keep the mechanism (a router, its top-k of
+# thousands of collectives a run (256 experts: 25,000 waits on a rank; the
+# 2d run alone of dots3_note_text 95 s at load 10 on 2 cores, of
+# kimi_linear 81 s at load 5, of mimo_v2_flash 346 s at load 6 to 12). 16 experts keep the mechanism (a router, its top-k of
 # them, shared experts) at a sixteenth of the collectives.
 EXPERTS = 16
 

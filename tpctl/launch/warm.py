@@ -125,6 +125,10 @@ def run_module(module: str, *argv: str) -> None:
                                   errors="backslashreplace", write_through=True)
         setattr(sys, name, stream)
     sys.argv = [module, *argv]
+    # A server forked from the launcher may hold the module imported (tpctl
+    # generate imports its worker's helpers): run it afresh as __main__, as
+    # `python -m` does (runpy warns of a module imported before it runs).
+    sys.modules.pop(module, None)
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:

@@ -63,6 +63,16 @@ def test_the_fork_server_is_a_fork_of_the_launcher_and_workers_get_their_threads
         assert seen["server"] == seen["launcher"] and "multiprocessing.forkserver" not in seen["server"], seen
 
 
+def test_where_threads_cannot_be_counted_the_server_is_not_forked(monkeypatch):
+    """Without /proc (not Linux) nothing tells whether a fork is safe: the
+    server starts as a fresh interpreter."""
+    from tpctl.launch import warm
+
+    monkeypatch.setattr(warm, "_FORK_SAFE_THREADS", frozenset())
+    monkeypatch.setattr(warm, "_threads", lambda: None)
+    assert warm._fork_server(None) is False
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", START_METHODS)
 def test_failing_rank_is_named_and_the_others_are_stopped(tpctl, method):

@@ -68,14 +68,16 @@ def allow_fork_start() -> None:
     import torch
 
     torch.set_num_threads(1)
-    _FORK_SAFE_THREADS = frozenset(_threads())
+    _FORK_SAFE_THREADS = _threads()
 
 
-def _threads() -> list[str]:
+def _threads() -> Optional[frozenset]:
+    """The ids of this process's threads, native ones included; None where
+    there is no /proc to tell (then the server is never forked)."""
     try:
-        return os.listdir("/proc/self/task")
-    except OSError:  # no /proc: cannot tell
-        return ["?", "?"]
+        return frozenset(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
 
 
 @contextlib.contextmanager
@@ -156,7 +158,8 @@ def _fork_server(server) -> bool:
     import socket
     from multiprocessing import connection, forkserver, resource_tracker, util
 
-    if (_FORK_SAFE_THREADS is None or not set(_threads()) <= _FORK_SAFE_THREADS
+    running = _threads()
+    if (_FORK_SAFE_THREADS is None or running is None or not running <= _FORK_SAFE_THREADS
             or server._forkserver_pid is not None or not hasattr(forkserver, "main")):
         return False
     resource_tracker.ensure_running()
@@ -194,7 +197,7 @@ def _serve_forked(server, listener_fd: int, alive_r: int) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         import logging
 
-        # The launcher's root handlers (Hydra's, on descriptors closed
+        # The launcher's root handlers (Hydra's, on descriptors let go
         # above) are not a worker's, which sets up its own
         # (worker.setup_logging); the agent's loggers are quietened after
         # this fork (local.quiet_agent).

@@ -67,6 +67,48 @@ def separator(cfg: Any) -> Optional[int]:
     return next(iter(found.values()))
 
 
+# The Hugging Face families whose documents are proven kept apart as
+# tpctl's GPT keeps them (tests/test_documents_hf.py): causal attention by
+# torch's scaled_dot_product_attention, positions from a rotary module fed
+# position ids (parallel/context/documents.py, install_hf). A family
+# outside it may take positions from a learned table (GPT-2, OPT), bias
+# its attention (ALiBi: Bloom, Falcon), mix tokens by a recurrence (Mamba,
+# hybrids) or call attention otherwise.
+HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("gpt", *HF_ARCHS)
+
+
+def _check_model(cfg: Any) -> None:
+    """A model that keeps documents apart: tpctl's GPT, or a family of
+    HF_ARCHS without a sliding window shorter than the sequence (a window
+    and the documents' mask together is not built)."""
+    m = cfg.model
+    arch = m.get("arch", "gpt")
+    if arch == "gpt":
+        return
+    config = None
+    if m.get("pretrained"):
+        from tpctl.models.hf import family_config
+
+        config = family_config(m)
+        arch = config.model_type
+    if arch not in HF_ARCHS:
+        raise ConfigError(KEY, True, f"model.arch={arch} is not a model whose attention and positions the documents "
+                          "are proven to reach (causal scaled_dot_product_attention, positions from tpctl's GPT's "
+                          "table or a rotary module; not a learned table of Hugging Face's, ALiBi, a recurrence): "
+                          f"expected model.arch in {', '.join(ARCHS)}")
+    if config is None:
+        from tpctl.models.hf import family_config
+
+        config = family_config(m)
+    window = getattr(config, "sliding_window", None)
+    seq = cfg.train.seq_len
+    if window is not None and window < seq:
+        raise ConfigError(KEY, True, f"model.arch={arch} attends through a sliding window of {window} positions, "
+                          f"shorter than train.seq_len={seq}; the window within the documents' mask is not built: "
+                          f"expected a window of at least {seq} (+model.config.sliding_window) or none")
+
+
 def check_documents(cfg: Any) -> None:
     """data.documents: a bool, a corpus that records its boundaries, and a
     run that can keep them exactly (one ConfigError line otherwise)."""
@@ -78,10 +120,7 @@ def check_documents(cfg: Any) -> None:
     if cfg.data.name != "text":
         raise ConfigError(KEY, True, f"data.name={cfg.data.name} has no document boundaries: expected data.name=text "
                           "with a corpus prepared by `tpctl prepare-data`")
-    arch = cfg.model.get("arch", "gpt")
-    if arch != "gpt":
-        raise ConfigError(KEY, True, f"model.arch={arch} computes its own attention mask and positions: "
-                          "documents are kept apart for tpctl's GPT (model.arch=gpt) only")
+    _check_model(cfg)
     if cfg.train.get("activation_checkpointing", False):
         raise ConfigError(KEY, True, "train.activation_checkpointing=true recomputes blocks outside the forward "
                           "that holds the documents: expected train.activation_checkpointing=false")

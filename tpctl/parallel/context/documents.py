@@ -15,7 +15,11 @@ from the ids it is fed, which are the rows of (seed, split, step).
 GPT) its `DocumentSetup`; the model's forward asks it for the `Documents`
 of its ids and runs its blocks inside them (`with documents:`), where the
 attention finds them (`current()`): the mask of the rows it holds, or,
-across cp ranks, each pair of chunks' mask (context/attention.py). The
+across cp ranks, each pair of chunks' mask (context/attention.py). A
+Hugging Face causal LM, whose forward is transformers', gets the same from
+outside (`install_hf`): its forward wrapped, its rotary table fed the
+documents' positions, its attention modules' causal torch attention
+answered with the documents' mask. The
 setup knows what the layout does to a window: the cp ranks' positions
 (the ids are gathered over cp, a few bytes per token, once per forward),
 the rows the residual stream and the attention hold (3d splits rows inside
@@ -24,10 +28,14 @@ the model), the sequence shard of 1d's sequence parallelism.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from tpctl.parallel import comm
 
@@ -42,6 +50,21 @@ SETUP = "tpctl_documents"
 def current() -> Optional["Documents"]:
     """The documents of the forward running now (None: none, plain causal attention)."""
     return _ACTIVE[-1] if _ACTIVE else None
+
+
+@contextlib.contextmanager
+def answering(documents: Optional["Documents"]):
+    """While context parallelism computes a call these documents took (None:
+    no documents): the attention calls of its own computation pass the
+    documents' handler (_Masks) unchanged."""
+    if documents is None:
+        yield
+        return
+    was, documents.answered = documents.answered, True
+    try:
+        yield
+    finally:
+        documents.answered = was
 
 
 def document_ids(ids: torch.Tensor, eos: int) -> torch.Tensor:
@@ -75,10 +98,19 @@ class Documents:
     without cp), in the order its activations hold them; positions: [rows
     read, L] each held position's index in its document."""
 
-    def __init__(self, doc: torch.Tensor, held: torch.Tensor, positions: torch.Tensor, stream_rows: Optional[torch.Tensor]):
+    def __init__(self, doc: torch.Tensor, held: torch.Tensor, positions: torch.Tensor, stream_rows: Optional[torch.Tensor],
+                 attention_positions: Optional[torch.Tensor] = None):
         self.doc, self.held, self.positions = doc, held, positions
         self.stream_rows = stream_rows  # the rows read the residual stream holds (None: all)
+        # [rows the attention holds, L]: what a rotary table is fed (its
+        # cos/sin multiply the attention's q and k, row for row).
+        self.attention_positions = positions if attention_positions is None else attention_positions
         self._mask: Optional[torch.Tensor] = None
+        # A Hugging Face model's forward (install_hf): its causal attention
+        # calls are these documents' (`takes`), counted for the guards.
+        self.replaces_causal = False
+        self.attended = self.rotated = 0
+        self.answered = False  # cp is computing the call it took: its own attention calls pass (`answering`)
 
     def __enter__(self):
         _ACTIVE.append(self)
@@ -99,6 +131,28 @@ class Documents:
 
     def is_mask(self, tensor) -> bool:
         return tensor is not None and tensor is self._mask
+
+    def takes(self, name: str, attn_mask, is_causal: bool) -> bool:
+        """Whether an attention call inside module `name` is causal
+        attention these documents mask: their own mask (tpctl's GPT), or in
+        a Hugging Face model's forward is_causal=True without a mask, or a
+        mask of plain causal attention (the family's own, made where it
+        does not leave it to is_causal). Any other mask (padding, a sliding
+        window that cuts) raises naming the module: never combined silently."""
+        if self.is_mask(attn_mask):
+            self.attended += 1
+            return True
+        if not self.replaces_causal:
+            return False
+        if attn_mask is None and not is_causal:
+            raise RuntimeError(f"data.documents: {name} calls attention with is_causal=False and no mask "
+                               "(bidirectional), which documents cannot mask as causal attention")
+        if attn_mask is not None and not _plain_causal(attn_mask):
+            raise RuntimeError(f"data.documents: {name} calls attention with a mask of its own "
+                               f"{tuple(attn_mask.shape)} that is not plain causal (padding, a sliding window): "
+                               "documents replace plain causal attention only")
+        self.attended += 1
+        return True
 
     def check(self, q: torch.Tensor, name: str = "attention") -> None:
         """The attention's queries [rows, heads, L, head_dim] are the rows
@@ -169,18 +223,159 @@ class DocumentSetup:
         doc = document_ids(whole, self.eos)
         positions = document_positions(doc)[:, held]
         stream_rows, att_rows = self.rows(ids.shape[0], ids.shape[1])
-        return Documents(doc[att_rows.to(doc.device)], held, positions, stream_rows)
+        att_rows = att_rows.to(doc.device)
+        return Documents(doc[att_rows], held, positions, stream_rows, positions[att_rows])
 
 
 def install(model: nn.Module, mode, cp, eos: Optional[int]) -> None:
-    """Documents read by `model` (a model with `tpctl_reads_documents`),
-    separated by `eos`, on this rank's layout (None: none; the attribute
-    removed)."""
+    """Documents read by `model` (tpctl's GPT, which has
+    `tpctl_reads_documents`, or a Hugging Face causal LM: `install_hf`),
+    separated by `eos`, on this rank's layout (None: none; the setup and
+    what install_hf added removed)."""
     if eos is None:
         if hasattr(model, SETUP):
             delattr(model, SETUP)
+        _uninstall_hf(model)
         return
-    if not getattr(model, "tpctl_reads_documents", False):
-        raise ValueError(f"data.documents=true: {type(model).__name__} does not read documents (tpctl's GPT does)")
-    width = getattr(getattr(model, "cfg", None), "n_embd", 1)
-    object.__setattr__(model, SETUP, DocumentSetup(mode, cp, eos, width))
+    hf = not getattr(model, "tpctl_reads_documents", False)
+    if hf and getattr(model, "config", None) is None:
+        raise ValueError(f"data.documents=true: {type(model).__name__} does not read documents "
+                         "(tpctl's GPT and Hugging Face causal LMs do)")
+    width = model.config.hidden_size if hf else getattr(getattr(model, "cfg", None), "n_embd", 1)
+    setup = DocumentSetup(mode, cp, eos, width)
+    object.__setattr__(model, SETUP, setup)
+    if hf and not hasattr(model, _HF):
+        object.__setattr__(model, _HF, install_hf(model))
+
+
+# The model attribute holding what install_hf added (a function removing it).
+_HF = "tpctl_documents_hf"
+
+
+def _uninstall_hf(model: nn.Module) -> None:
+    remove = getattr(model, _HF, None)
+    if remove is not None:
+        remove()
+        delattr(model, _HF)
+
+
+def _plain_causal(mask: torch.Tensor) -> bool:
+    """A [..., L, L] mask of plain causal attention: bool (True: seen) or
+    additive (0 seen, -inf or the dtype's lowest not)."""
+    if mask.dim() < 2 or mask.shape[-1] != mask.shape[-2]:
+        return False
+    tril = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
+    if mask.dtype == torch.bool:
+        return bool((mask == tril).all())
+    seen, hidden = mask == 0, mask <= torch.finfo(mask.dtype).min / 2
+    return bool((seen == tril).all() and (seen | hidden).all())
+
+
+# ---- Hugging Face causal LMs ---------------------------------------------------
+# Their forward is theirs: the documents enter from outside. The rotary
+# table (computed once at the top, from position_ids) is fed the documents'
+# positions by a pre-hook, and inside each attention module torch's
+# scaled_dot_product_attention, which transformers' sdpa attention calls
+# with is_causal=True (its causal mask skipped), is answered with the
+# documents' mask; across cp ranks cp's own handler (context/split.py)
+# takes the call first and masks each chunk pair by the documents.
+
+
+def install_hf(model: nn.Module):
+    """The hooks keeping documents apart in Hugging Face causal LM `model`
+    (its setup at SETUP); returns the function removing them."""
+    attention = [(n, m) for n, m in model.named_modules()
+                 if type(m).__name__.endswith("Attention") and hasattr(m, "is_causal")]
+    rotary = [m for _, m in model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    if not attention or not rotary:
+        raise ValueError(f"data.documents=true: {type(model).__name__} has no "
+                         f"{'attention module calling torch attention' if not attention else 'rotary embedding module'}"
+                         ", through which documents are kept apart")
+    handles = [m.register_forward_pre_hook(_rotary_positions, with_kwargs=True) for m in rotary]
+    wrapped = [(m, m.forward) for _, m in attention]
+    for name, m in attention:
+        m.forward = _masking(m.forward, name, type(m).__name__)
+    original = model.forward
+    model.forward = _hf_forward(model, original)
+
+    def remove():
+        for h in handles:
+            h.remove()
+        for m, forward in wrapped:
+            m.forward = forward
+        model.forward = original
+    return remove
+
+
+def _hf_forward(model: nn.Module, forward):
+    @functools.wraps(forward)
+    def run(input_ids=None, *args, **kwargs):
+        setup = getattr(model, SETUP, None)
+        # A call of its own masks, positions or cache (decoding) is the family's, unchanged.
+        own = args or any(kwargs.get(k) is not None for k in ("attention_mask", "position_ids", "past_key_values",
+                                                               "cache", "inputs_embeds"))
+        if setup is None or own or input_ids is None:
+            return forward(input_ids, *args, **kwargs)
+        documents = setup.of(input_ids)
+        documents.replaces_causal = True
+        with documents:
+            out = forward(input_ids, **kwargs)
+        if documents.rotated == 0:  # the positions came from elsewhere: never silently the window's
+            raise RuntimeError(f"data.documents: {type(model).__name__}'s forward computed its positions without "
+                               "its rotary embedding module, which documents feed")
+        return out
+    return run
+
+
+def _rotary_positions(module: nn.Module, args: tuple, kwargs: dict):
+    """A rotary table's position ids (its second argument) made each
+    position's index in its document, of the rows the attention holds."""
+    documents = current()
+    if documents is None or not documents.replaces_causal:
+        return None
+    documents.rotated += 1
+    pos = documents.attention_positions  # on the ids' device, the model's
+    if len(args) > 1:
+        return (args[0], pos, *args[2:]), kwargs
+    return args, {**kwargs, "position_ids": pos}
+
+
+class _Masks(TorchFunctionMode):
+    """Inside one attention module's forward: its causal
+    scaled_dot_product_attention made the documents' (cp's handler, pushed
+    inside this one, answers first where cp splits the sequence)."""
+
+    def __init__(self, documents: Documents, name: str):
+        super().__init__()
+        self.documents, self.name = documents, name
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and not self.documents.answered:
+            q, k, v, *rest = args
+            names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+            call = {**dict(zip(names, rest)), **kwargs}
+            if self.documents.takes(self.name, call.get("attn_mask"), call.get("is_causal", False)):
+                self.documents.check(q, self.name)
+                call.update(attn_mask=self.documents.mask(), is_causal=False)
+                if call.get("enable_gqa") and k.shape[1] != q.shape[1]:  # a mask with gqa: not every kernel has it
+                    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+                    call["enable_gqa"] = False
+            return func(q, k, v, **call)
+        return func(*args, **kwargs)
+
+
+def _masking(forward, name: str, kind: str):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        documents = current()
+        if documents is None or not documents.replaces_causal:
+            return forward(*args, **kwargs)
+        before = documents.attended
+        with _Masks(documents, name):
+            out = forward(*args, **kwargs)
+        if documents.attended == before:  # it attended by other means: never unmasked silently
+            raise RuntimeError(f"data.documents: {name} ({kind}) computes attention without torch's "
+                               "scaled_dot_product_attention, whose mask documents replace")
+        return out
+    return run

@@ -150,8 +150,10 @@ class ContextParallel:
         return (table[pos], *rest)
 
     def _global_rotary(self, module: nn.Module, args: tuple, kwargs: dict):
-        """A rotary table's position ids (its second argument) made global."""
-        if not self.active:
+        """A rotary table's position ids (its second argument) made global
+        (data.documents: left to the documents' hook, which feeds each
+        position's index in its document, counted on the whole sequence)."""
+        if not self.active or docs_.current() is not None:
             return None
         if len(args) > 1:
             return (args[0], self._global_positions(module, args[1:])[0], *args[2:]), kwargs
@@ -177,7 +179,8 @@ class ContextParallel:
         computed across the cp ranks (data.documents: the mask of the
         forward's documents, each pair of chunks masked by their documents)."""
         documents = docs_.current()
-        if documents is not None and documents.is_mask(attn_mask):
+        # (In a Hugging Face model's forward also its plain causal call: Documents.takes.)
+        if documents is not None and documents.takes(name, attn_mask, is_causal):
             documents.check(q, name)
             attn_mask, is_causal, doc = None, True, documents.doc
         else:
@@ -188,9 +191,10 @@ class ContextParallel:
                                  "computes causal attention without dropout only")
         if enable_gqa and k.shape[1] != q.shape[1]:  # each shared key/value head repeated for its query heads
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-        if self.impl == "ring":
-            return ring_attention(q, k, v, self.group, self.ranks, self.rank, scale, doc)
-        return ulysses_attention(q, k, v, self.group, self.size, scale, doc)
+        with docs_.answering(documents if doc is not None else None):  # its own attention calls are not the model's
+            if self.impl == "ring":
+                return ring_attention(q, k, v, self.group, self.ranks, self.rank, scale, doc)
+            return ulysses_attention(q, k, v, self.group, self.size, scale, doc)
 
 
 class ContextDropout(ParallelDropout):

@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 
-from hf_zoo.family_keys import model_keys, note
+from hf_zoo.family_keys import SEQ, model_keys, note
 
 
 # The survey's sizes, and the training pass's.
@@ -104,7 +104,7 @@ def run(families: list[str], timeout_s: float) -> dict[str, str]:
 # ---- the training pass (--train) ---------------------------------------------
 
 LAYOUTS = ("1d-2", "2d-4")  # each against mode=none
-STEPS, BATCH, SEQ = 3, 8, 8
+STEPS, BATCH = 3, 8  # (the sequence length, SEQ, is family_keys': falcon_h1's chunk follows it)
 TOLERANCE = 1e-4  # relative, every step's loss and gradient norm (tests/test_families.py)
 FAMILY_S = 120  # all of a family's runs together
 CHUNK = 25  # families a process trains in turn (its pools' start-up: 45 s on a loaded machine)

@@ -8,7 +8,7 @@ limit, or a family rule the size keys' defaults break."""
 
 from __future__ import annotations
 
-SEQ = 8  # the training pass's sequence length (hf_all_families.SEQ)
+SEQ = 8  # the training pass's sequence length (hf_all_families reads it here)
 
 # A vision or audio tower at the size keys' sizes: width 32, 4 heads, 2 layers.
 TOWER = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4}

@@ -153,8 +153,9 @@ def _against_one_process(name: str, impl: str, arch: str) -> tuple[float, float]
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name,impl,arch", [
-    ("1d-2-sp-dp2", "ring", "llama"), ("2d-4", "ring", "llama"), ("none-cp2-dp2", "ring", "qwen2"),
-    ("1d-2-cp2", "ulysses", "llama"),
+    # (1d with sequence parallelism and pipeline stages: the whole runs below.)
+    ("2d-4", "ring", "llama"), ("none-cp2-dp2", "ring", "qwen2"), ("1d-2-cp2", "ulysses", "llama"),
+    # 8 ranks on 2 cores: the pool of its own; measured 6.5e-8 / 5.8e-7.
     pytest.param("3d-8", "ring", "llama", marks=pytest.mark.slow),
 ])
 def test_every_layout_masks_hf_documents_as_one_process(pool, name, impl, arch):

@@ -18,12 +18,21 @@ router's input is gathered over the ranks holding the row's other features.
     expert (routed rows only), its partial output summed once over the
     group; the routing weights' gradient (partial: each rank's experts see
     a slice of the hidden features) summed over the group too.
-  * 2d, 2.5d, 3d: every expert runs on every row this rank holds through
-    the mode's own Linear layers (SUMMA, the 3d cube), weighted by a dense
-    routing matrix that is zero where a row was not routed: the mode's
-    collectives must run in lockstep over ranks holding different rows,
-    which route differently. Exact (a product with 0 adds 0), at E/k times
-    the routed compute.
+  * 2d, 2.5d, 3d: every expert runs on every row this rank holds, as ONE
+    product of the mode's own Linear (SUMMA, the 3d cube) over all experts'
+    gate/up shards stacked along the output features, each expert's gate,
+    the dense routing weights (zero where a row was not routed) applied,
+    then (2d, 2.5d) ONE product over all experts' down shards stacked along
+    the input features, which sums the experts inside the matmul: two
+    products' collectives whatever the expert count, where a product per
+    expert issued E times as many. Dense because the mode's collectives
+    must run in lockstep over ranks holding different rows, which route
+    differently. Exact (a product with 0 adds 0; routing_e * (a_e D_e^T) =
+    (routing_e * a_e) D_e^T), at E/k times the routed compute. 3d's cube
+    returns the first product in the flipped layout, other rows than the
+    routing weights' (which the mode's row map would move there; it is not
+    given here): a down product per expert, weighted after it (E + 1
+    products).
 
 Expert parallelism (experts placed on data-parallel ranks) is not done:
 every tensor-parallel group holds every expert.
@@ -94,8 +103,10 @@ def dense_weights(rows: int, experts: int, index: torch.Tensor, weights: torch.T
 class DenseExperts(nn.Module):
     """An experts module whose every expert runs on every row through the
     mode's Linear layers (`linear_in`, `linear_out`: (x, weight) -> y),
-    weighted by the dense routing matrix. Holds this rank's shards under
-    the original parameter names."""
+    weighted by the dense routing matrix: all experts in one gate/up
+    product, and in one down product where the first returns the routing
+    weights' rows. Holds this rank's shards under the original parameter
+    names."""
 
     def __init__(self, module: nn.Module, gate_up: str, down: str, weights: dict[str, nn.Parameter],
                  linear_in: Callable, linear_out: Callable):
@@ -115,10 +126,32 @@ class DenseExperts(nn.Module):
         rows = hidden_states.reshape(-1, hidden_states.shape[-1])
         routing = dense_weights(rows.shape[0], self.num_experts, top_k_index, top_k_weights)
         gate_up, down = getattr(self, self.gate_up), getattr(self, self.down)
-        out = torch.zeros_like(rows)
-        for e in range(self.num_experts):  # in order, as the original adds its routed experts
-            y = self.linear_out(self.apply_gate(self.linear_in(rows, gate_up[e])), down[e])
-            out = out + y * routing[:, e, None].to(y.dtype)
+        experts, parts = gate_up.shape[:2]
+        # One product over every expert's gate/up shard stacked along the
+        # output features: a mode's product acts on local shards of one
+        # shape on every rank, so the stack is the shard of a stacked weight.
+        y = self.linear_in(rows, gate_up.reshape(experts * parts, -1))
+        # Its output holds `blocks` such shards gathered along the output
+        # features in rank order (3d's cube gathers q over i, SUMMA none),
+        # each stacked by expert: each expert's pieces put together again,
+        # in the order its own product gives them, for its gate.
+        n, blocks = y.shape[0], y.shape[-1] // (experts * parts)
+        a = self.apply_gate(y.reshape(n, blocks, experts, parts).transpose(1, 2).reshape(n, experts, blocks * parts))
+        if blocks > 1:
+            # A cube's output is in the flipped layout, other rows than the
+            # routing weights' (rows (i, l), not (i, j)): each expert's down
+            # product back in the input's rows, weighted there.
+            out = torch.zeros_like(rows)
+            for e in range(experts):
+                y = self.linear_out(a[:, e].contiguous(), down[e])
+                out = out + y * routing[:, e, None].to(y.dtype)
+        else:
+            # The routing weights applied before the down product (linear),
+            # then one product over every expert's down shard stacked along
+            # the input features, expert by expert as `a` is: it sums the
+            # experts inside the matmul.
+            a = (a * routing[:, :, None].to(a.dtype)).reshape(n, -1)
+            out = self.linear_out(a, down.transpose(0, 1).reshape(down.shape[1], -1)).to(rows.dtype)  # as the sum's
         return out.reshape(*hidden_states.shape[:-1], out.shape[-1])
 
 

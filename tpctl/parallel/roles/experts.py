@@ -22,17 +22,17 @@ router's input is gathered over the ranks holding the row's other features.
     product of the mode's own Linear (SUMMA, the 3d cube) over all experts'
     gate/up shards stacked along the output features, each expert's gate,
     the dense routing weights (zero where a row was not routed) applied,
-    then (2d, 2.5d) ONE product over all experts' down shards stacked along
-    the input features, which sums the experts inside the matmul: two
-    products' collectives whatever the expert count, where a product per
-    expert issued E times as many. Dense because the mode's collectives
-    must run in lockstep over ranks holding different rows, which route
+    then ONE product over all experts' down shards stacked along the input
+    features, which sums the experts inside the matmul: two products'
+    collectives whatever the expert count, where a product per expert
+    issued E times as many. Dense because the mode's collectives must run
+    in lockstep over ranks holding different rows, which route
     differently. Exact (a product with 0 adds 0; routing_e * (a_e D_e^T) =
     (routing_e * a_e) D_e^T), at E/k times the routed compute. 3d's cube
     returns the first product in the flipped layout, other rows than the
-    routing weights' (which the mode's row map would move there; it is not
-    given here): a down product per expert, weighted after it (E + 1
-    products).
+    routing weights' (rows (i, l), not (i, j)): the mode brings the
+    (rows, E) routing weights there first (ParallelMode.rows_like_output:
+    3d one small gather; the others hold the same rows, nothing).
 
 Expert parallelism (experts placed on data-parallel ranks) is not done:
 every tensor-parallel group holds every expert.
@@ -104,18 +104,18 @@ class DenseExperts(nn.Module):
     """An experts module whose every expert runs on every row through the
     mode's Linear layers (`linear_in`, `linear_out`: (x, weight) -> y),
     weighted by the dense routing matrix: all experts in one gate/up
-    product, and in one down product where the first returns the routing
-    weights' rows. Holds this rank's shards under the original parameter
-    names."""
+    product and one down product. `rows_like` brings a per-row tensor held
+    in the input's rows to those `linear_in`'s output holds. Holds this
+    rank's shards under the original parameter names."""
 
     def __init__(self, module: nn.Module, gate_up: str, down: str, weights: dict[str, nn.Parameter],
-                 linear_in: Callable, linear_out: Callable):
+                 linear_in: Callable, linear_out: Callable, rows_like: Callable = lambda t: t):
         super().__init__()
         self.gate_up, self.down = gate_up, down
         for name, p in weights.items():
             self.register_parameter(name, p)
         self.num_experts = getattr(module, gate_up).shape[0]
-        self.linear_in, self.linear_out = linear_in, linear_out
+        self.linear_in, self.linear_out, self.rows_like = linear_in, linear_out, rows_like
         # The module's own gate (act(gate) * up, or a family's variant), run
         # on a parameterless copy of it (its attributes, not its weights).
         bare = copy.copy(module)
@@ -137,21 +137,15 @@ class DenseExperts(nn.Module):
         # in the order its own product gives them, for its gate.
         n, blocks = y.shape[0], y.shape[-1] // (experts * parts)
         a = self.apply_gate(y.reshape(n, blocks, experts, parts).transpose(1, 2).reshape(n, experts, blocks * parts))
-        if blocks > 1:
-            # A cube's output is in the flipped layout, other rows than the
-            # routing weights' (rows (i, l), not (i, j)): each expert's down
-            # product back in the input's rows, weighted there.
-            out = torch.zeros_like(rows)
-            for e in range(experts):
-                y = self.linear_out(a[:, e].contiguous(), down[e])
-                out = out + y * routing[:, e, None].to(y.dtype)
-        else:
-            # The routing weights applied before the down product (linear),
-            # then one product over every expert's down shard stacked along
-            # the input features, expert by expert as `a` is: it sums the
-            # experts inside the matmul.
-            a = (a * routing[:, :, None].to(a.dtype)).reshape(n, -1)
-            out = self.linear_out(a, down.transpose(0, 1).reshape(down.shape[1], -1)).to(rows.dtype)  # as the sum's
+        # The routing weights in the rows `a` holds (3d's cube returned it
+        # in other rows than its input's), in its dtype (what the product
+        # multiplies: a smaller gather under autocast), applied
+        # before the down product (linear), then one product over every
+        # expert's down shard stacked along the input features, expert by
+        # expert as `a` is: it sums the experts inside the matmul.
+        routing = self.rows_like(routing.to(a.dtype))
+        a = (a * routing[:, :, None]).reshape(n, -1)
+        out = self.linear_out(a, down.transpose(0, 1).reshape(down.shape[1], -1)).to(rows.dtype)  # as the sum's
         return out.reshape(*hidden_states.shape[:-1], out.shape[-1])
 
 

@@ -118,27 +118,23 @@ class CostHooks:
         None: no rank shares it. 2d, 2.5d: the ranks of a hidden block."""
         return getattr(self, "hidden_replica", None)
 
-    def cost_gathered_blocks(self) -> int:
-        """Weight shards a Linear's product gathers along its output
-        features: how many more ways a weight's output features are split
-        than an activation's hidden features (3d: q*q against q, gathered
-        over i); 1 (SUMMA): none. experts.DenseExperts reads the same from
-        its product's output width."""
-        return self.geo.hidden_split // self.geo.q
+    def cost_rows_like_output(self, add, role: str, tokens: int, width: int) -> None:
+        """A per-row tensor of `width` features brought from the rows a
+        `role` Linear is fed to those its output holds
+        (ParallelMode.rows_like_output): nothing where they are the same."""
 
     def cost_experts(self, add, tokens: int, hidden: int, e: ExpertsShape) -> int:
         """An experts module: its own forward between a gather of whole rows
         and a reduce-scatter of its partial output onto this rank's hidden
         block (convert_own_experts); else (experts.DenseExperts) one product
         of the mode's Linear over every expert's gate/up stacked along the
-        output features, then one over every expert's down stacked along
-        the input features; or, where the product gathers weight shards
-        along its output features (3d's cube, whose output holds other
-        rows than the routing weights'), a down product per expert."""
+        output features, the (rows, experts) routing weights brought to its
+        output's rows (3d's cube returns other rows than its input's), then
+        one product over every expert's down stacked along the input
+        features."""
         if e.own:
             self._cost_stream_gather(add, tokens, hidden, times=2)  # the entry's gather, the exit's reduce-scatter
             return self.cost_rows(tokens) * hidden
         act = self.cost_linear(add, "mlp_in", tokens, e.experts * e.gate_up, hidden)
-        if self.cost_gathered_blocks() == 1:
-            return act + self.cost_linear(add, "mlp_out", tokens, hidden, e.experts * e.inner)
-        return act + sum(self.cost_linear(add, "mlp_out", tokens, hidden, e.inner) for _ in range(e.experts))
+        self.cost_rows_like_output(add, "mlp_in", tokens, e.experts)
+        return act + self.cost_linear(add, "mlp_out", tokens, hidden, e.experts * e.inner)

@@ -286,7 +286,15 @@ class ParallelMode(CostHooks):
             plane = self.weight_spec(full[0], role, fused)  # one expert's (out, in) matrix, as a Linear's
             weights[name] = ctx.shard(full, dataclasses.replace(plane, full_shape=tuple(full.shape),
                                                                 index=(None,) + plane.index))
-        return DenseExperts(module, gate_up, down, weights, self.linear_fn("mlp_in"), self.linear_fn("mlp_out"))
+        return DenseExperts(module, gate_up, down, weights, self.linear_fn("mlp_in"), self.linear_fn("mlp_out"),
+                            functools.partial(self.rows_like_output, role="mlp_in"))
+
+    def rows_like_output(self, t: torch.Tensor, role: str) -> torch.Tensor:
+        """A per-row tensor (rows on dim 0, the rest whole) held in the rows
+        a `role` Linear is fed, in the rows its output holds: the experts'
+        routing weights, applied between their two products. A SUMMA
+        product's output holds its input's rows: itself."""
+        return t
 
     # ---- latent attention (roles.LATENT_ROLES) and elementwise modules ----
     def attention_rows(self, x: torch.Tensor, gathered: bool = False) -> torch.Tensor:

@@ -272,6 +272,11 @@ class ThreeD(ParallelMode):
         add("all_gather", layout.hidden, y)
         return x + w
 
+    def cost_rows_like_output(self, add, role: str, tokens: int, width: int) -> None:
+        rows = self.cost_rows(tokens) * self.q * width  # block i, gathered over the fed rows' axis
+        add("all_gather", ROLE_LAYOUT[role].rows, rows)
+        add("reduce_scatter", ROLE_LAYOUT[role].rows, rows)
+
     # ---- data: read rows block i; feed it whole (the embedding scatters
     # it to rows (i, j)); score rows (i, l), where the LM head's logits land.
     def read_block(self):
@@ -339,6 +344,17 @@ class ThreeD(ParallelMode):
         the attention's rows (i, l) (ParallelMode.attention_rows)."""
         x = comm.gather_along(comm.gather_along(x, self.stream_group(), -1), self.mesh.groups[LAYOUT_A.rows], 0)
         return x.chunk(self.q, 0)[self.c[LAYOUT_B.rows]]
+
+    def rows_like_output(self, t: torch.Tensor, role: str) -> torch.Tensor:
+        """Rows (i, r) of `role`'s fed layout (hidden h) gathered to block i
+        over r, cut to the rows (i, h) its flipped output holds
+        (ParallelMode.rows_like_output). Backward, the gradient of rows
+        (i, h) placed in block i and reduce-scattered over r: rank (i, r, h)
+        gets the whole gradient of rows (i, r) where r == h, else zero, and
+        the sum over h (the stream group, where the experts' router sums
+        its routing weights' gradient) is exact."""
+        fed = ROLE_LAYOUT[role]
+        return comm.gather_along(t, self.mesh.groups[fed.rows], 0).chunk(self.q, 0)[self.c[fed.hidden]]
 
     def attach_grads(self, model_parts: list[nn.Module], micro_batches: int) -> None:
         """Training starts: the weight prefetch learns the linears' order anew

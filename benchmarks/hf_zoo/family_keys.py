@@ -13,14 +13,19 @@ SEQ = 8  # the training pass's sequence length (hf_all_families reads it here)
 # A vision or audio tower at the size keys' sizes: width 32, 4 heads, 2 layers.
 TOWER = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4}
 
-# 2d runs every expert on every row through SUMMA's Linear layers, weighted
-# by a dense routing matrix (parallel/roles/experts.py: the ranks' collectives
-# in lockstep over rows that route differently): two SUMMA products per
-# expert, each a few collectives, so hundreds of experts are tens of
-# thousands of collectives a run (256 experts: 25,000 waits on a rank; the
-# 2d run alone of dots3_note_text 95 s at load 10 on 2 cores, of
-# kimi_linear 81 s at load 5, of mimo_v2_flash 346 s at load 6 to 12). 16 experts keep the mechanism (a router, its top-k of
-# them, shared experts) at a sixteenth of the collectives.
+# 2d runs every expert on every row a rank holds, dense (parallel/roles/
+# experts.py: the ranks' collectives in lockstep over rows that route
+# differently), at experts/top-k times the routed compute. Its collectives
+# no longer grow with the experts (all experts in one product each for
+# gate/up and down: a qwen3_next 2d-4 step issues 140 with 16 experts or
+# 256), but its compute does: that step takes 1.3 s with 16, 3.1 s with 256
+# (load 17 on 2 cores). At the families' own counts (2026-11-29, tpctl
+# 4e356e9, two families at a time, load 5 to 14) the three runs took 92 s
+# for dots3_note_text (256; its 2d run 53 s) and 93 s for qwen3_next (512;
+# 2d 65 s), and mimo_v2_flash (256) ran past the family's 120 s in 2d; with
+# 16 experts, 38 to 39 s each (2d 18 to 27 s). 16 experts keep the mechanism
+# (a router, its top-k of them, shared experts) at a sixteenth or less of
+# the experts' compute, inside the limit on a loaded machine.
 EXPERTS = 16
 
 FAMILY_KEYS: dict[str, dict] = {

@@ -91,6 +91,11 @@ FAMILIES = {
     "falcon_h1": ("FalconH1Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                          intermediate_size=64, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8,
                                          mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=4)),
+    # Mamba-2 layers (two groups of heads, biases on in_proj and out_proj) beside attention:
+    # split by heads in 1d (parallel/roles/mixers.py).
+    "bamba": ("BambaConfig", dict(attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2,
+                                  intermediate_size=64, mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
+                                  mamba_d_state=8, mamba_expand=2, mamba_chunk_size=4, mamba_proj_bias=True)),
     # Gated delta-rule linear attention (per-head short convolutions, beta and decay gates, a gated
     # output norm) beside gated softmax attention, experts with a gated shared expert.
     "qwen3_next": ("Qwen3NextConfig", dict(layer_types=["linear_attention", "full_attention"], num_attention_heads=4,

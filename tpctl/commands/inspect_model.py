@@ -102,6 +102,7 @@ def inspect_model(cfg):
     import math
 
     from tpctl.models import build_checked
+    from tpctl.parallel.roles.mixers import MixerSplit, heads_split
     from tpctl.training.build import build_parallelism
 
     model = build_checked(cfg.model, cfg.seed)
@@ -122,6 +123,7 @@ def inspect_model(cfg):
     rewritten = {r.name: r for r in done.modules}
     rows, seen, whole, local = [], set(), 0, 0
     run_whole = [n for n, role in plan.roles.items() if role == "whole"]  # (parallel/roles/whole.py)
+    split_mixers = {n for n in run_whole if heads_split(par.mode, plan.layouts.get(n))}  # (roles/mixers.py)
     for name, module in originals.items():
         own = list(module.named_parameters(recurse=False))
         record = rewritten.get(name)
@@ -141,11 +143,19 @@ def inspect_model(cfg):
         stage = stage_of(name)
         local += nbytes if stage in (None, 0) else 0
         inside = next((r for r in run_whole if name.startswith(r + ".")), None)
-        if record is not None and record.role == "whole" and not note:
+        role = record.role if record else ""
+        if record is not None and record.role == "whole" and not note and name in split_mixers:
+            role, note = "mixer (heads split)", plan.layouts[name].describe()
+        elif record is not None and record.role == "whole" and not note:
             why = plan.whole.get(name)
             note = "run whole on every rank, on whole rows: no split fits it" + (f" ({why})" if why else "")
+            layout = plan.layouts.get(name)
+            if isinstance(layout, MixerSplit):  # a split by heads, which this layout does not use
+                note += "; not split by heads: " + (layout.heads_problem(par.mode.geo.size)
+                                                    if getattr(par.mode, "splits_mixers", False) else
+                                                    f"mode {par.mode.name} runs mixers whole (only 1d splits them)")
         elif inside is not None and not note:
-            note = f"run whole, inside {inside}"
+            note = f"split by heads, inside {inside}" if inside in split_mixers else f"run whole, inside {inside}"
         if record is None and own and not note:
             note = "kept whole (replicated)" if par.mode.replicated_activations else "no role"
         if name in plan.layouts and not note:  # a fused projection's parts, or a projection's heads (maybe shared)
@@ -156,7 +166,7 @@ def inspect_model(cfg):
             note = f"{kind}: {layout.describe()}"
             if layout.shares(par.mode.geo.head_split):
                 note += f", key/value heads shared by {par.mode.geo.head_split // min(layout.units)} ranks"
-        rows.append((name, type(module).__name__, record.role if record else "",
+        rows.append((name, type(module).__name__, role,
                      type(new).__name__ if new is not module else "(unchanged)", ", ".join(shapes), nbytes, note,
                      "" if par.pipeline is None else ("all" if stage is None else str(stage))))
     summary = {"roles from": {"inferred": "traced forward", "tp_plan": "the model's tp_plan", "plan": "model.plan"}[plan.source],
@@ -203,7 +213,7 @@ def _print(cfg, rows, verdicts: dict, summary) -> None:
     for name, kind, role, becomes, shapes, nbytes, note, stage in rows:
         note = escape(note)  # a fused layout's "[q|k|v]" is not markup
         cells = [name, kind, role, becomes, shapes, mib(nbytes) if nbytes else "",
-                 f"[red]{note}[/red]" if note and note != "kept whole (replicated)" and not note.startswith(("fused:", "heads:"))
+                 f"[red]{note}[/red]" if note and note != "kept whole (replicated)" and not note.startswith(("fused:", "heads:", "mixer (heads split)", "split by heads"))
                  else note]
         if layout.pp > 1:
             cells.insert(1, stage)

@@ -2,7 +2,8 @@
 norms over the stream (a LayerNorm's two moments or an RMSNorm's one), a
 latent attention's down-projections (their entry makes whole rows of the
 attention's rows), mixture-of-experts routers and modules run whole (fed
-whole rows) and experts
+whole rows; a Mamba-2 mixer split by heads in 1d: its input's gradient
+and its partial output summed) and experts
 modules (in 3-d Linear weights, or run by a model's own forward), each by
 its mode's `cost_*` hook (parallel/tensor/cost_hooks.py). Read once from the model
 on the meta device and its role plan, never by running it.
@@ -22,6 +23,7 @@ from typing import Callable
 import torch.nn as nn
 
 from tpctl.parallel.roles.experts import OwnSplit, experts_layout
+from tpctl.parallel.roles.mixers import MixerSplit, heads_split
 from tpctl.parallel.roles.probes import is_rms_norm, norm_width
 from tpctl.parallel.shard import spec_of
 from tpctl.parallel.tensor.cost_hooks import ExpertsShape
@@ -36,6 +38,7 @@ class LayerShapes:
     latents: list[str] = field(default_factory=list)
     routers: list[str] = field(default_factory=list)
     wholes: list[str] = field(default_factory=list)  # modules run whole (role `whole`)
+    mixers: dict = field(default_factory=dict)  # those of them with a split by heads (roles/mixers.py)
     experts: dict[str, ExpertsShape] = field(default_factory=dict)
 
 
@@ -57,6 +60,8 @@ def layer_shapes(model: nn.Module, plan, model_cfg) -> LayerShapes:
             out.routers.append(name)
         elif role == "whole":
             out.wholes.append(name)
+            if isinstance(plan.layouts.get(name), MixerSplit):
+                out.mixers[name] = plan.layouts[name]
         elif role == "experts":
             routed = plan.routed.get(name, 0)
             if isinstance(plan.layouts.get(name), OwnSplit):
@@ -81,7 +86,10 @@ def count_layers(layers: LayerShapes, mode, add, tokens: int, holds: Callable[[s
     for name in filter(holds, layers.routers):
         mode.cost_router(add, tokens, hidden)
     for name in filter(holds, layers.wholes):
-        mode.cost_whole(add, tokens, hidden)
+        if heads_split(mode, layers.mixers.get(name)):  # a Mamba-2 mixer split by heads (1d: OneD.cost_mixer)
+            mode.cost_mixer(add, tokens, hidden)
+        else:
+            mode.cost_whole(add, tokens, hidden)
     for name, e in layers.experts.items():
         if holds(name):
             act += mode.cost_experts(add, tokens, hidden, e)

@@ -15,10 +15,13 @@ gathered or cut: every rank computes the same gradient.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
+import torch
 import torch.nn as nn
 
 from tpctl.parallel import comm
+from tpctl.parallel.roles.mixers import heads_split
 from tpctl.parallel.roles.tracing import hidden_arg
 
 
@@ -36,6 +39,8 @@ def run_whole(mode, module: nn.Module, ctx) -> nn.Module:
     (mode.whole_split)."""
     if not mode.rewrites:
         return module
+    if heads_split(mode, mode.layouts.get(ctx.name)):  # a Mamba-2 mixer, split by heads (1d)
+        return mode.convert_mixer(module, ctx)
     split = mode.whole_split(ctx)
     for name, full in list(module.named_parameters()):
         owner, _, leaf = name.rpartition(".")
@@ -56,4 +61,75 @@ def run_whole(mode, module: nn.Module, ctx) -> nn.Module:
 
     module.register_forward_pre_hook(functools.partial(gather_hidden, group=group, dim=dim), with_kwargs=True)
     module.register_forward_hook(exit, with_kwargs=True)
+    return module
+
+
+def shard_own_forward(mode, module: nn.Module, ctx, split, shards: int, s: int) -> tuple[str, ...]:
+    """`module`, run by its own forward, made to hold shard s of `shards` of
+    `split` (a mixers.MixerSplit: per tensor its dimension and ranges, or
+    held whole; integer attributes (owner, attribute, full) set to
+    full / shards). A parameter held whole is a replica over the
+    tensor-parallel group with a partial gradient: the forward reads it as
+    1/shards of itself (hold_whole_scaled), so the shards' summed outputs
+    add it once and each rank's gradient is 1/shards of it. A buffer
+    (FalconH1's mup_vector) keeps this rank's entries. The names held whole."""
+    whole = split.whole()
+    for name, _, _ in split.dims:
+        owner, _, leaf = name.rpartition(".")
+        held = module.get_submodule(owner)
+        full = getattr(held, leaf)
+        if name in whole:
+            spec = mode.split_spec(full, replicas="tp", partial=True)
+        else:
+            dim, ranges = split.ranges(name, shards, s)
+            if leaf not in held._parameters:
+                held._buffers[leaf] = torch.cat([full.narrow(dim, a, b - a) for a, b in ranges], dim)
+                continue
+            spec = mode.split_spec(full, dim, ranges)
+        setattr(held, leaf, ctx.shard(full, spec))
+    for owner, attr, full in split.attrs:
+        setattr(module.get_submodule(owner), attr, full // shards)
+    return whole
+
+
+def hold_whole_scaled(module: nn.Module, whole: tuple[str, ...], shards: Optional[int]) -> None:
+    """For one call, each parameter of `whole` read by the module's forward
+    as 1/shards of itself (an instance attribute shadows the registered
+    parameter); shards None: the shadows removed."""
+    for name in whole:
+        owner, _, leaf = name.rpartition(".")
+        held = module.get_submodule(owner)
+        if shards is None:
+            held.__dict__.pop(leaf, None)
+        else:
+            held.__dict__[leaf] = held._parameters[leaf] / shards
+
+
+def split_mixer(mode, module: nn.Module, ctx, group, shards: int, s: int, seq_dim: Optional[int]) -> nn.Module:
+    """A Mamba-2 mixer split by heads (roles/mixers.py) over `group`, this
+    rank shard s of `shards`, its own forward run on this rank's heads: the
+    input whole rows of every rank (replicated: its gradient, each rank's
+    heads' part, summed over the group by copy_to_group; or sequence shards
+    gathered along `seq_dim`, whose backward reduce-scatters), out_proj's
+    partial outputs summed (all-reduce; or reduce-scattered onto this
+    rank's sequence shard)."""
+    whole = shard_own_forward(mode, module, ctx, mode.layouts[ctx.name], shards, s)
+    if ctx.shapes_only:  # (a dry run's mesh has no groups to communicate over)
+        return module
+
+    def entry(mod, args, kwargs):
+        hold_whole_scaled(mod, whole, shards)
+        x = hidden_arg(args, kwargs)
+        x = comm.copy_to_group(x, group) if seq_dim is None else comm.gather_along(x, group, seq_dim)
+        return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+
+    def exit(mod, args, out):
+        hold_whole_scaled(mod, whole, None)
+        first = out[0] if isinstance(out, tuple) else out
+        first = comm.reduce_to_replicated(first, group) if seq_dim is None else \
+            comm.reduce_scatter_along(first, group, seq_dim)
+        return (first, *out[1:]) if isinstance(out, tuple) else first
+
+    module.register_forward_pre_hook(entry, with_kwargs=True)
+    module.register_forward_hook(exit)
     return module

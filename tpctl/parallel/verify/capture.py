@@ -125,8 +125,11 @@ def capture_originals(model: nn.Module, plan: RolePlan, mode, holds: Optional[Ca
     # Per-head norms kept in a list, or holding one weight row per head, run
     # as written on a rank's own heads: their block checks them.
     lists = tuple(f"{name}." for name in getattr(plan, "head_lists", {}))
+    # A mixer split by heads (roles/mixers.py) recurs over the sequence: a
+    # module check's equal rows say nothing of it; its block checks it.
+    mixers = {n for n, layout in getattr(plan, "layouts", {}).items() if type(layout).__name__ == "MixerSplit"}
     names = [n for n, role in plan.roles.items() if role not in SKIPPED_ROLES + BLOCK_ONLY_ROLES
-             and not (lists and n.startswith(lists)) and n not in getattr(plan, "head_rows", {})]
+             and not (lists and n.startswith(lists)) and n not in getattr(plan, "head_rows", {}) and n not in mixers]
     blocks = _block_names(model)
     targets = {n: model.get_submodule(n) for n in dict.fromkeys(names + blocks)}
     calls = capture_calls(targets, lambda: _trace_forward(model, mode))

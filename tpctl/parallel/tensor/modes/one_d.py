@@ -24,6 +24,7 @@ from tpctl.parallel.roles.probes import embedding_semantics
 from tpctl.parallel.shard import ShardSpec, block
 from tpctl.parallel.tensor.layers import linear_grads, to_compute, vocab_block_lookup
 from tpctl.parallel.tensor.mode import ParallelMode, RewriteContext
+from tpctl.parallel.tensor.whole import split_mixer
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
 
@@ -210,6 +211,17 @@ class OneD(ParallelMode):
             add("all_gather", "tp", tokens * hidden)
             add("reduce_scatter", "tp", tokens * hidden)
 
+    def cost_mixer(self, add, tokens: int, hidden: int) -> None:
+        # A mixer split by heads (convert_mixer): the input's gradient summed
+        # (backward) and the partial output summed -- with sequence
+        # parallelism the sequence gathered (backward: reduce-scatter) and
+        # the output reduce-scattered (backward: gather)
+        if self.seq_parallel:
+            self.cost_whole(add, tokens, hidden)
+            self._cost_reduce_out(add, tokens * hidden)
+        else:
+            add("all_reduce", "tp", tokens * hidden, times=2)
+
     def cost_experts(self, add, tokens: int, hidden: int, e) -> int:
         # (own module or not) the partial output summed; backward: the
         # input's and the routing weights' partial gradients
@@ -393,6 +405,14 @@ class OneD(ParallelMode):
             box = args if isinstance(where, int) else kwargs
             box[where] = comm.copy_to_group(box[where], self.group)
         return tuple(args), kwargs
+
+    # A Mamba-2 mixer (role `whole`) with a measured split by heads
+    # (roles/mixers.py) runs on this rank's heads (tensor/whole.py).
+    splits_mixers = True
+
+    def convert_mixer(self, module: nn.Module, ctx):
+        seq = SEQ_DIM if self._shards_sequence(ctx) else None
+        return split_mixer(self, module, ctx, self.group, self.world, self.p, seq)
 
     def convert_dropout(self, module: nn.Dropout, ctx):
         # Replicated activations need one mask on every rank; sequence shards

@@ -1,0 +1,107 @@
+"""Mamba-2 mixers split by heads in 1d (parallel/roles/mixers.py, issue 46):
+a rank holds whole heads and groups of in_proj's rows, the convolution's
+channels, the per-head parameters and the gated norm, out_proj's columns;
+the partial outputs summed over the group. Two families (NemotronH: beside
+experts; Bamba: beside attention, biases on in_proj and out_proj) train
+like mode=none in 1d, with pipeline stages and data parallelism, their
+shapes and collectives as planned; a wrong layout fails the measurement;
+a mixer whose groups do not split runs whole and says why.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_families_anymodel import trains_like_mode_none
+
+pytest.importorskip("transformers")
+
+CASES = [("nemotron_h", "1d-2-dp2"), ("bamba", "1d-2-dp2"), ("bamba", "1d-2-pp2-dp2")]
+
+
+@pytest.fixture(scope="module")
+def reference(pool):
+    return {}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family,key", CASES)
+def test_a_mixer_split_by_heads_trains_like_mode_none(pool, reference, family, key):
+    trains_like_mode_none(pool, reference, family, key)
+
+
+def _mixer(family: str):
+    import hf_families
+
+    from tpctl.parallel.roles.mixers import is_mamba2_mixer
+
+    model = hf_families.build(family)
+    return next(m for m in model.modules() if is_mamba2_mixer(m))
+
+
+def _call():
+    import torch
+
+    return (torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0)),), {}
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "bamba"])
+def test_the_declared_layout_is_measured_and_a_wrong_one_fails(family):
+    """The declared split reproduces the mixer's output; in_proj's segments
+    in another order ([x|B|C] before z), or a split that cuts a head, do not."""
+    from tpctl.parallel.roles.fused import ProbeError
+    from tpctl.parallel.roles.mixers import MixerSplit, declared_split, measure, mixer_split
+
+    mixer, (args, kwargs) = _mixer(family), _call()
+    split = mixer_split(mixer, args, kwargs)
+    assert split.heads == mixer.num_heads and split.groups == mixer.n_groups
+    with pytest.raises(ProbeError, match="no layout of its heads reproduces its output"):
+        mixer_split(mixer, args, kwargs, orders=[("xBC", "z", "dt")])
+    # The per-head parameters cut at half a head's width: a head split across ranks.
+    right = declared_split(mixer)
+    dims = tuple((n, d, (s * 2,) if n in ("A_log", "D", "dt_bias") else s) for n, d, s in right.dims)
+    wrong = MixerSplit(right.heads, right.groups, dims, right.attrs)
+    assert measure(mixer, right, args, kwargs) is None
+    assert measure(mixer, wrong, args, kwargs) is not None
+
+
+def _inspect(key: str, family: str):
+    from test_families import _cfg
+
+    from tpctl.commands.inspect_model import inspect_model
+
+    rows, summary, problems = inspect_model(_cfg(key, family))
+    assert not problems, problems
+    return {row[0]: row for row in rows}
+
+
+def test_each_rank_holds_its_share_of_a_mixer():
+    """1d-2: every tensor of the mixer but out_proj's bias is halved on a
+    rank (in_proj's rows, conv channels, per-head parameters, the norm,
+    out_proj's columns); inspect names the role."""
+    import math
+
+    rows = _inspect("1d-2", "bamba")
+    mixer = _mixer("bamba")
+    name = next(n for n in rows if n.endswith("layers.0.mamba"))
+    assert rows[name][2] == "mixer (heads split)" and "8 heads in 2 groups" in rows[name][6], rows[name]
+    full = {n: math.prod(p.shape) * p.element_size() for n, p in mixer.named_parameters()}
+    own = sum(v for n, v in full.items() if "." not in n)  # A_log, D, dt_bias
+    assert rows[name][5] == own // 2
+    for sub, whole_bytes in (("in_proj", full["in_proj.weight"] + full["in_proj.bias"]),
+                             ("conv1d", full["conv1d.weight"] + full["conv1d.bias"]),
+                             ("norm", full["norm.weight"])):
+        assert rows[f"{name}.{sub}"][5] == whole_bytes // 2, rows[f"{name}.{sub}"]
+        assert rows[f"{name}.{sub}"][6].startswith("split by heads, inside"), rows[f"{name}.{sub}"]
+    # out_proj: its weight's columns halved, its bias whole (read as 1/2 on each rank)
+    assert rows[f"{name}.out_proj"][5] == full["out_proj.weight"] // 2 + full["out_proj.bias"]
+
+
+@pytest.mark.parametrize("family,key,why", [
+    ("bamba", "1d-4", "2 group(s) of heads do not split 4 ways"),
+    ("bamba", "2d-4", "mode 2d runs mixers whole"),
+    ("falcon_h1", "1d-2", "one group of heads (n_groups=1)")])
+def test_a_mixer_that_does_not_split_runs_whole_and_says_why(family, key, why):
+    rows = _inspect(key, family)
+    mixers = [row for row in rows.values() if row[2] == "whole" and "Mixer" in row[1]]
+    assert mixers and all(row[6].startswith("run whole on every rank") and "not split by heads: " in row[6]
+                          and why in row[6] for row in mixers), mixers

@@ -1,0 +1,228 @@
+"""Mamba-2 mixers split by heads (as Megatron-Core splits Mamba in tensor
+parallelism), in 1d: a rank holds whole heads, and whole groups of heads,
+of everything the mixer holds per head or per group.
+
+transformers' Mamba-2-style mixers (Mamba2Mixer, NemotronH's, FalconH1's,
+Bamba's, Zamba2's, GraniteMoeHybrid's mamba layer) declare the same
+attributes: `num_heads` heads of `head_dim` features (`intermediate_size`
+in all), `n_groups` groups of heads sharing a B and a C of `ssm_state_size`
+each, `conv_dim` = intermediate + 2 x groups x state channels, an
+`in_proj` Linear to [z | x | B | C | dt], a depthwise `conv1d` over
+[x | B | C], per-head `A_log`, `D`, `dt_bias`, a gated `norm` over the
+inner width (per group of heads: each group's own moments) and an
+`out_proj` back to the stream. Each fused dimension is a list of segments
+(z, x, B, C, dt), and a rank holds block s of S of every segment: its heads
+of z, x and dt, its groups of B and C. The scan then runs on this rank's
+heads alone, with its own groups' B and C; out_proj's input columns are
+split the same way, so its output is a partial sum (one all-reduce after
+the mixer, like 1d's row-parallel Linear), and the input's gradient is
+summed over the group (tensor/whole.py's split_mixer).
+
+The layout is derived from the declared attributes and then MEASURED, as
+experts.own_split measures an experts module's: the S shards' outputs of
+the module's own forward (its integer attributes set to a shard's: heads,
+groups, widths; the norm's group size kept), on random weights and input,
+must sum to the whole module's. A layout the forward does not follow (a
+norm over the whole inner width, a different order of in_proj's segments)
+fails that and the mixer keeps running whole, which stays exact; so does a
+split that does not divide (`n_groups` not a multiple of the tensor-parallel
+size: one group's B and C would be needed on two ranks, and a norm over a
+group on two ranks would need its moments summed across them).
+
+Only 1d splits a mixer (its stream is whole rows, or sequence shards
+gathered for the mixer); 2d, 2.5d and 3d keep running it whole: their
+hidden features are split, and the mixer would need whole rows gathered
+and a second split of its own inside the mode's grid (not built).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from tpctl.parallel.roles.fused import ProbeError, real_copy
+
+# What a Mamba-2 mixer declares (transformers' families all do).
+DECLARED = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size", "conv_dim",
+            "in_proj", "conv1d", "out_proj")
+# Integer attributes a shard's forward reads, set to the shard's value
+# (any module inside the mixer: FalconH1's gated norm keeps its own
+# n_groups); a group's size (a norm's `group_size`) stays.
+SHARD_ATTRS = ("num_heads", "n_groups", "intermediate_size", "conv_dim")
+CONV_ATTRS = ("in_channels", "out_channels", "groups")
+WHOLE = -1  # a parameter every shard holds whole, read as 1/shards of itself: out_proj's bias
+
+
+@dataclass(frozen=True)
+class MixerSplit:
+    """A Mamba-2 mixer's split by heads: per parameter or buffer (name
+    inside the mixer), the dimension split and its segments' sizes (a
+    rank holds block s of S of each; WHOLE: held whole), and the integer
+    attributes (module path, attribute, full value) set to full / S."""
+
+    heads: int
+    groups: int
+    dims: tuple[tuple[str, int, tuple[int, ...]], ...]
+    attrs: tuple[tuple[str, str, int], ...]
+
+    def whole(self) -> tuple[str, ...]:
+        return tuple(name for name, dim, _ in self.dims if dim == WHOLE)
+
+    def ranges(self, name: str, shards: int, s: int):
+        """(dim, ((start, stop), ...)): block s of `shards` of every segment."""
+        _, dim, sizes = next(d for d in self.dims if d[0] == name)
+        out, offset = [], 0
+        for size in sizes:
+            step = size // shards
+            out.append((offset + s * step, offset + (s + 1) * step))
+            offset += size
+        return dim, tuple(out)
+
+    def heads_problem(self, shards: int) -> Optional[str]:
+        """Why the mixer cannot be split `shards` ways (it then runs whole)."""
+        if self.groups % shards:
+            return (f"{self.groups} group(s) of heads do not split {shards} ways (a group's B, C and gated-norm "
+                    "moments would span ranks)")
+        return None
+
+    # (the plan's layout interface: rewrite.check_plan, share_slices) A
+    # mixer that does not split runs whole: never a reason to refuse.
+    def split_problem(self, ways: int, blocks: Optional[int] = None) -> Optional[str]:
+        return None
+
+    def shares(self, ways: int) -> bool:
+        return False
+
+    def describe(self) -> str:
+        return (f"mixer (heads split): {self.heads} heads in {self.groups} groups, a rank's whole heads and groups "
+                "of " + ", ".join(f"{n} whole (1/shards each)" if d == WHOLE else f"{n} dim {d} {list(sizes)}"
+                                  for n, d, sizes in self.dims))
+
+
+def is_mamba2_mixer(module: nn.Module) -> bool:
+    return all(hasattr(module, a) for a in DECLARED) and isinstance(getattr(module, "in_proj"), nn.Linear) \
+        and isinstance(getattr(module, "out_proj"), nn.Linear)
+
+
+def declared_split(module: nn.Module, order: Optional[tuple[str, ...]] = None) -> MixerSplit:
+    """The split read from a mixer's declared attributes; `order`: in_proj's
+    segments (default z, x, B, C, dt, as every family's torch_forward
+    splits it). ProbeError for a parameter of no known width."""
+    heads, groups, state = module.num_heads, module.n_groups, module.ssm_state_size
+    inner, conv = module.intermediate_size, module.conv_dim
+    if inner != heads * module.head_dim or conv != inner + 2 * groups * state or heads % groups:
+        raise ProbeError(f"{type(module).__name__} declares {heads} heads of {module.head_dim}, {groups} groups, "
+                         f"intermediate {inner}, conv_dim {conv}: not a Mamba-2 layout")
+    seg = {"z": inner, "x": inner, "B": groups * state, "C": groups * state, "dt": heads}
+    proj = tuple(seg[k] for k in (order or ("z", "x", "B", "C", "dt")))
+    if sum(proj) != module.in_proj.out_features:  # (Mamba2Mixer's d_mlp extra segments: not handled)
+        raise ProbeError(f"in_proj's {module.in_proj.out_features} outputs are not [z | x | B | C | dt] ({sum(proj)})")
+    known = {conv: (inner, groups * state, groups * state), heads: (heads,), inner: (inner,)}
+    dims, tensors = [], [*module.named_parameters(), *module.named_buffers()]
+    for name, t in tensors:
+        owner, _, leaf = name.rpartition(".")
+        if owner == "out_proj":
+            dims.append((name, 1, (inner,)) if leaf == "weight" else (name, WHOLE, ()))
+        elif owner == "in_proj":
+            dims.append((name, 0, proj))
+        elif t.dim() and t.shape[0] in known:
+            dims.append((name, 0, known[t.shape[0]]))
+        elif t.dim() and t.shape[0] == module.in_proj.out_features:  # (FalconH1's mup_vector: per in_proj output)
+            dims.append((name, 0, proj))
+        else:
+            raise ProbeError(f"{type(module).__name__}.{name} {tuple(t.shape)} is held per no head, group or channel")
+    attrs = [(path, a, v) for path, m in module.named_modules() for a, v in vars(m).items()
+             if isinstance(v, int) and not isinstance(v, bool) and v > 0
+             and (a in SHARD_ATTRS or isinstance(m, nn.Conv1d) and a in CONV_ATTRS)]
+    attrs += [("in_proj", "out_features", module.in_proj.out_features), ("out_proj", "in_features", inner)]
+    return MixerSplit(heads, groups, tuple(dims), tuple(attrs))
+
+
+def shard_of(module: nn.Module, split: MixerSplit, shards: int, s: int) -> nn.Module:
+    """A copy of (real) `module` holding shard s of `shards`, its attributes
+    the shard's (for measuring: parameters not requiring gradients)."""
+    shard = copy.deepcopy(module)
+    for name, _, _ in split.dims:
+        owner, _, leaf = name.rpartition(".")
+        held = shard.get_submodule(owner)
+        t = getattr(held, leaf)
+        if name in split.whole():
+            piece = t / shards
+        else:
+            dim, ranges = split.ranges(name, shards, s)
+            piece = torch.cat([t.narrow(dim, a, b - a) for a, b in ranges], dim)
+        if leaf in held._parameters:
+            held._parameters[leaf] = nn.Parameter(piece, requires_grad=False)
+        else:
+            held._buffers[leaf] = piece
+    for owner, attr, full in split.attrs:
+        setattr(shard.get_submodule(owner), attr, full // shards)
+    return shard
+
+
+def measure(module: nn.Module, split: MixerSplit, args, kwargs) -> Optional[str]:
+    """None where the shards' outputs of the module's own forward sum to
+    its whole output (random weights and input, the smallest split the
+    groups allow), else what differs."""
+    shards = next(d for d in range(2, split.groups + 1) if split.groups % d == 0)  # (groups > 1: mixer_split)
+    clone = real_copy(module, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    if args:
+        args = [torch.randn(a.shape, generator=gen).to(a.dtype) if i == 0 else a for i, a in enumerate(args)]
+    else:  # (hidden states passed by name: FalconH1's)
+        x = kwargs["hidden_states"]
+        kwargs = {**kwargs, "hidden_states": torch.randn(x.shape, generator=gen).to(x.dtype)}
+    with torch.no_grad():
+        whole = _first(clone(*args, **kwargs))
+        try:
+            parts = [_first(shard_of(clone, split, shards, s)(*args, **kwargs)) for s in range(shards)]
+        except Exception as e:  # the forward does not run on the shard: not its layout
+            return f"its forward does not run on a shard of heads: {type(e).__name__}: {e}"
+    total = sum(parts[1:], parts[0])
+    off = (total - whole).abs().max().item() / max(whole.abs().max().item(), 1e-30)
+    # Round-off is ~1e-7 of the output's scale; a wrong layout moves it by O(1).
+    return None if off <= 1e-5 else f"{shards} shards' outputs sum to the whole output only within {off:.2g} of its scale"
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+ORDERS = tuple(itertools.permutations(("z", "xBC", "dt")))
+
+
+def mixer_split(module: nn.Module, args, kwargs, orders=None) -> MixerSplit:
+    """The measured head split of a Mamba-2 mixer (module.forward on
+    `args`, `kwargs`: its traced call): the declared layout, in_proj's
+    segments in the first order of `orders` (z, xBC, dt first) whose shards
+    reproduce the whole output. ProbeError with the reason if none does."""
+    if not is_mamba2_mixer(module):
+        raise ProbeError(f"{type(module).__name__} declares no Mamba-2 layout ({', '.join(DECLARED)})")
+    if not isinstance(args[0] if args else kwargs.get("hidden_states"), torch.Tensor):
+        raise ProbeError("its traced call has no hidden states")
+    if module.n_groups == 1:  # (checked first: no order of in_proj's segments helps)
+        raise ProbeError("one group of heads (n_groups=1): its B, C and gated-norm moments span every head, so a "
+                         "split would need them on every rank and the norm's moments summed across ranks")
+    why = None
+    for order in orders or ORDERS:
+        flat = tuple(p for part in order for p in (("x", "B", "C") if part == "xBC" else (part,)))
+        split = declared_split(module, flat)
+        why = measure(module, split, args, kwargs)
+        if why is None:
+            return split
+    raise ProbeError(f"no layout of its heads reproduces its output: {why}")
+
+
+def heads_split(mode, split) -> bool:
+    """Whether `mode` (a tensor.mode.ParallelMode) splits a mixer of plan
+    layout `split` by heads: a MixerSplit, a mode that splits mixers (1d:
+    `splits_mixers`), over a tensor-parallel size its groups divide by.
+    The rewrite (tensor/whole.py) and the planner (cost/layer_comm.py) ask
+    the same."""
+    return isinstance(split, MixerSplit) and mode.rewrites and getattr(mode, "splits_mixers", False) \
+        and split.heads_problem(mode.geo.size) is None

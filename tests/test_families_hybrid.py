@@ -2,7 +2,10 @@
 alone and beside attention and experts, Mamba-2 beside experts, Mamba-2 in
 parallel with attention), gated delta-rule and lightning linear attention,
 a real-gated linear recurrence. No split fits them: each runs whole on
-every rank, on whole rows of the rows it holds (parallel/roles/whole.py).
+every rank, on whole rows of the rows it holds (parallel/roles/whole.py);
+but a Mamba-2 mixer with groups of heads, which 1d splits by heads
+(parallel/roles/mixers.py, tests/test_mixers.py: NemotronH's here in
+1d-2-pp2-dp2 too).
 Each family (tests/hf_families.py: tiny, random init) trains like mode=none
 in 1d, 2d, 3d and 1d with two pipeline stages, its shapes and collectives
 as planned, on the shared pool, in process.

@@ -170,13 +170,12 @@ def measure(module: nn.Module, split: MixerSplit, args, kwargs) -> Optional[str]
     its whole output (random weights and input, the smallest split the
     groups allow), else what differs."""
     shards = next(d for d in range(2, split.groups + 1) if split.groups % d == 0)  # (groups > 1: mixer_split)
-    clone = real_copy(module, seed=5)
+    clone = real_copy(module, seed=5).float()  # (in fp32 whatever the model's dtype: 1e-5 is fp32's round-off)
     gen = torch.Generator().manual_seed(6)
     if args:
-        args = [torch.randn(a.shape, generator=gen).to(a.dtype) if i == 0 else a for i, a in enumerate(args)]
+        args = [torch.randn(a.shape, generator=gen) if i == 0 else a for i, a in enumerate(args)]
     else:  # (hidden states passed by name: FalconH1's)
-        x = kwargs["hidden_states"]
-        kwargs = {**kwargs, "hidden_states": torch.randn(x.shape, generator=gen).to(x.dtype)}
+        kwargs = {**kwargs, "hidden_states": torch.randn(kwargs["hidden_states"].shape, generator=gen)}
     with torch.no_grad():
         whole = _first(clone(*args, **kwargs))
         try:

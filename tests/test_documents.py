@@ -154,12 +154,17 @@ def corpus(tmp_path_factory) -> str:
 def _curve(name: str, path: str, impl: str = "ring", documents: bool = True, dropout: float = 0.0) -> list[tuple]:
     """Every step's loss and grad norm (and the last val loss) of a short run
     on `path` in layout `name`, as this rank logs them."""
+    layout = Layout.parse(name)
+    return curve_of(layout.write_to(tiny_config(3, **{"model.n_layer": 2, "data.path": path, "data.documents": documents,
+                                                      "context.impl": impl, "train.eval_every": 3,
+                                                      "train.eval_batches": 1, "model.dropout": dropout})), layout)
+
+
+def curve_of(cfg, layout: Layout) -> list[tuple]:
+    """Every step's (loss, grad norm, last val loss) of `cfg` trained in
+    `layout` (stages: 1F1B over 2 micro-batches), as this rank logs them."""
     from tpctl.config import check_layout
 
-    layout = Layout.parse(name)
-    cfg = layout.write_to(tiny_config(3, **{"model.n_layer": 2, "data.path": path, "data.documents": documents,
-                                            "context.impl": impl, "train.eval_every": 3, "train.eval_batches": 1,
-                                            "model.dropout": dropout}))
     if layout.pp > 1:
         cfg.pipeline.schedule, cfg.pipeline.microbatches = "1f1b", 2
     check_layout(cfg, layout)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from cli_support import tpctl  # noqa: F401  (fixture)
 from conftest import tiny_config
-from test_documents import EOS, RUN, _deviation, _ids, corpus  # noqa: F401  (corpus: fixture)
+from test_documents import EOS, RUN, _deviation, _ids, corpus, curve_of  # noqa: F401  (corpus: fixture)
 
 from tpctl.parallel.layout import Layout
 
@@ -169,18 +169,10 @@ def test_every_layout_masks_hf_documents_as_one_process(pool, name, impl, arch):
 def _curve(name: str, path: str, arch: str = "llama", impl: str = "ring", documents: bool = True) -> list[tuple]:
     """Every step's loss and grad norm (and the last val loss) of a 3-step
     run of `arch` on `path` in layout `name`, as this rank logs them."""
-    from conftest import build_trainer
-
-    from tpctl.config import check_layout
-
     layout = Layout.parse(name)
-    cfg = layout.write_to(_config(arch, 3, **{"data.path": path, "data.documents": documents, "context.impl": impl,
-                                              "train.eval_every": 3, "train.eval_batches": 1}))
-    if layout.pp > 1:
-        cfg.pipeline.schedule, cfg.pipeline.microbatches = "1f1b", 2
-    check_layout(cfg, layout)
-    records = build_trainer(cfg, layout, verify=True).fit()
-    return [(r.get("loss"), r.get("grad_norm"), r.get("val_loss")) for r in records]
+    return curve_of(layout.write_to(_config(arch, 3, **{"data.path": path, "data.documents": documents,
+                                                        "context.impl": impl, "train.eval_every": 3,
+                                                        "train.eval_batches": 1})), layout)
 
 
 _reference: dict = {}

@@ -45,6 +45,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from tpctl.parallel.roles.experts import WHOLE
 from tpctl.parallel.roles.fused import ProbeError, real_copy
 
 # What a Mamba-2 mixer declares (transformers' families all do).
@@ -55,7 +56,7 @@ DECLARED = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate
 # n_groups); a group's size (a norm's `group_size`) stays.
 SHARD_ATTRS = ("num_heads", "n_groups", "intermediate_size", "conv_dim")
 CONV_ATTRS = ("in_channels", "out_channels", "groups")
-WHOLE = -1  # a parameter every shard holds whole, read as 1/shards of itself: out_proj's bias
+# (WHOLE: a parameter every shard holds whole, read as 1/shards of itself: out_proj's bias, as an experts module's bias)
 
 
 @dataclass(frozen=True)

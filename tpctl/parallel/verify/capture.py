@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
+from tpctl.parallel.roles.mixers import MixerSplit
 from tpctl.parallel.roles.plan import RolePlan, logits_of, named_stack
 from tpctl.parallel.roles.probes import CacheOff
 from tpctl.parallel.roles.tracing import trace
@@ -127,7 +128,7 @@ def capture_originals(model: nn.Module, plan: RolePlan, mode, holds: Optional[Ca
     lists = tuple(f"{name}." for name in getattr(plan, "head_lists", {}))
     # A mixer split by heads (roles/mixers.py) recurs over the sequence: a
     # module check's equal rows say nothing of it; its block checks it.
-    mixers = {n for n, layout in getattr(plan, "layouts", {}).items() if type(layout).__name__ == "MixerSplit"}
+    mixers = {n for n, layout in getattr(plan, "layouts", {}).items() if isinstance(layout, MixerSplit)}
     names = [n for n, role in plan.roles.items() if role not in SKIPPED_ROLES + BLOCK_ONLY_ROLES
              and not (lists and n.startswith(lists)) and n not in getattr(plan, "head_rows", {}) and n not in mixers]
     blocks = _block_names(model)

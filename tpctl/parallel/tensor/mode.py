@@ -32,7 +32,7 @@ from tpctl.parallel.tensor.layers import SplitNorm
 from tpctl.parallel.tensor.linear import LINEAR_ROLES, default_converter
 from tpctl.parallel.tensor.loss import vocab_parallel_cross_entropy
 from tpctl.parallel.tensor.replicas import sync_replicas
-from tpctl.parallel.tensor.whole import gather_hidden, run_whole
+from tpctl.parallel.tensor.whole import gather_hidden, hold_whole_scaled, run_whole
 
 
 class RewriteContext:
@@ -396,10 +396,7 @@ class ParallelMode(CostHooks):
             # A parameter held whole is read by the forward as 1/shards of
             # itself (an instance attribute shadows the registered one for
             # this call): the shards' partial outputs then add it once.
-            for name in whole:
-                owner, _, leaf = name.rpartition(".")
-                held = mod.get_submodule(owner)
-                held.__dict__[leaf] = held._parameters[leaf] / shards
+            hold_whole_scaled(mod, whole, shards)
             args, kwargs = list(args), dict(kwargs)
             if not whole_rows:
                 return (comm.gather_along(args[0], group, -1), *args[1:]), kwargs
@@ -412,9 +409,7 @@ class ParallelMode(CostHooks):
             return tuple(args), kwargs
 
         def exit(mod, args, out):
-            for name in whole:
-                owner, _, leaf = name.rpartition(".")
-                mod.get_submodule(owner).__dict__.pop(leaf, None)
+            hold_whole_scaled(mod, whole, None)
             return comm.reduce_to_replicated(out, group) if whole_rows else comm.reduce_scatter_along(out, group, -1)
 
         module.register_forward_pre_hook(entry, with_kwargs=True)

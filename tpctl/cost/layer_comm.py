@@ -2,7 +2,7 @@
 norms over the stream (a LayerNorm's two moments or an RMSNorm's one), a
 latent attention's down-projections (their entry makes whole rows of the
 attention's rows), mixture-of-experts routers and modules run whole (fed
-whole rows; a Mamba-2 mixer split by heads in 1d: its input's gradient
+whole rows; a mixer split by heads in 1d: its input's gradient
 and its partial output summed) and experts
 modules (in 3-d Linear weights, or run by a model's own forward), each by
 its mode's `cost_*` hook (parallel/tensor/cost_hooks.py). Read once from the model
@@ -86,7 +86,7 @@ def count_layers(layers: LayerShapes, mode, add, tokens: int, holds: Callable[[s
     for name in filter(holds, layers.routers):
         mode.cost_router(add, tokens, hidden)
     for name in filter(holds, layers.wholes):
-        if heads_split(mode, layers.mixers.get(name)):  # a Mamba-2 mixer split by heads (1d: OneD.cost_mixer)
+        if heads_split(mode, layers.mixers.get(name)):  # a mixer split by heads (1d: OneD.cost_mixer)
             mode.cost_mixer(add, tokens, hidden)
         else:
             mode.cost_whole(add, tokens, hidden)

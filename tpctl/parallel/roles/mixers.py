@@ -1,6 +1,9 @@
-"""Mamba-2 mixers split by heads (as Megatron-Core splits Mamba in tensor
-parallelism), in 1d: a rank holds whole heads, and whole groups of heads,
-of everything the mixer holds per head or per group.
+"""Mixers split by heads (as Megatron-Core splits Mamba and gated
+delta-rule attention in tensor parallelism), in 1d: a rank holds whole
+heads, and whole groups of heads, of everything the mixer holds per head
+or per group. A mixer is recognised by one of the attribute sets of
+LAYOUTS (Mamba-2's, the gated delta rule's), each with the segments of
+its fused dimensions; both are measured alike.
 
 transformers' Mamba-2-style mixers (Mamba2Mixer, NemotronH's, FalconH1's,
 Bamba's, Zamba2's, GraniteMoeHybrid's mamba layer) declare the same
@@ -18,6 +21,19 @@ split the same way, so its output is a partial sum (one all-reduce after
 the mixer, like 1d's row-parallel Linear), and the input's gradient is
 summed over the group (tensor/whole.py's split_mixer).
 
+Gated delta-rule linear attention (Qwen3-Next's Qwen3NextGatedDeltaNet)
+declares `num_k_heads` key heads of `head_k_dim`, `num_v_heads` value
+heads of `head_v_dim` (each key head serves num_v / num_k consecutive
+value heads), `key_dim`, `value_dim`, `conv_dim` = 2 key_dim + value_dim,
+`in_proj_qkvz` and `in_proj_ba` grouped per key head (its [q|k|v|z] and
+[b|a] rows together: fix_query_key_value_ordering reshapes them to
+(num_k_heads, ...), so a block of key heads is a block of rows), a
+depthwise `conv1d` over [q | k | v], per-value-head `A_log` and
+`dt_bias`, a gated RMSNorm over one head's `head_v_dim` (the same weight
+for every head: every rank holds it whole, REPLICA, its gradient each
+rank's heads' part) and `out_proj`. A rank holds block s of S of the key
+heads and of their value heads; it splits when num_k_heads divides by S.
+
 The layout is derived from the declared attributes and then MEASURED, as
 experts.own_split measures an experts module's: the S shards' outputs of
 the module's own forward (its integer attributes set to a shard's: heads,
@@ -25,9 +41,10 @@ groups, widths; the norm's group size kept), on random weights and input,
 must sum to the whole module's. A layout the forward does not follow (a
 norm over the whole inner width, a different order of in_proj's segments)
 fails that and the mixer keeps running whole, which stays exact; so does a
-split that does not divide (`n_groups` not a multiple of the tensor-parallel
-size: one group's B and C would be needed on two ranks, and a norm over a
-group on two ranks would need its moments summed across them).
+split that does not divide (`n_groups`, or `num_k_heads`, not a multiple of
+the tensor-parallel size: one group's B and C, or one key head's q and k,
+would be needed on two ranks, and a norm over a group on two ranks would
+need its moments summed across them).
 
 Only 1d splits a mixer (its stream is whole rows, or sequence shards
 gathered for the mixer); 2d, 2.5d and 3d keep running it whole: their
@@ -51,25 +68,34 @@ from tpctl.parallel.roles.fused import ProbeError, real_copy
 # What a Mamba-2 mixer declares (transformers' families all do).
 DECLARED = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size", "conv_dim",
             "in_proj", "conv1d", "out_proj")
+# What a gated delta-rule linear attention declares (Qwen3-Next's).
+DELTA_DECLARED = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "conv_dim",
+                  "in_proj_qkvz", "in_proj_ba", "conv1d", "out_proj", "norm")
 # Integer attributes a shard's forward reads, set to the shard's value
 # (any module inside the mixer: FalconH1's gated norm keeps its own
-# n_groups); a group's size (a norm's `group_size`) stays.
+# n_groups); a group's size (a norm's `group_size`) and a head's width stay.
 SHARD_ATTRS = ("num_heads", "n_groups", "intermediate_size", "conv_dim")
+DELTA_SHARD_ATTRS = ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")
 CONV_ATTRS = ("in_channels", "out_channels", "groups")
 # (WHOLE: a parameter every shard holds whole, read as 1/shards of itself: out_proj's bias, as an experts module's bias)
+# REPLICA: held whole and read as itself by every shard (a norm weight
+# shared by every head): its gradient each rank's heads' part, summed.
+REPLICA = -2
 
 
 @dataclass(frozen=True)
 class MixerSplit:
-    """A Mamba-2 mixer's split by heads: per parameter or buffer (name
-    inside the mixer), the dimension split and its segments' sizes (a
-    rank holds block s of S of each; WHOLE: held whole), and the integer
+    """A mixer's split by heads: per parameter or buffer (name inside the
+    mixer), the dimension split and its segments' sizes (a rank holds
+    block s of S of each; WHOLE: held whole, read as 1/S; REPLICA: held
+    whole, read as itself), and the integer
     attributes (module path, attribute, full value) set to full / S."""
 
     heads: int
     groups: int
     dims: tuple[tuple[str, int, tuple[int, ...]], ...]
     attrs: tuple[tuple[str, str, int], ...]
+    kind: str = "mamba2"  # (a key of LAYOUTS)
 
     def whole(self) -> tuple[str, ...]:
         return tuple(name for name, dim, _ in self.dims if dim == WHOLE)
@@ -86,10 +112,13 @@ class MixerSplit:
 
     def heads_problem(self, shards: int) -> Optional[str]:
         """Why the mixer cannot be split `shards` ways (it then runs whole)."""
-        if self.groups % shards:
-            return (f"{self.groups} group(s) of heads do not split {shards} ways (a group's B, C and gated-norm "
-                    "moments would span ranks)")
-        return None
+        if self.groups % shards == 0:
+            return None
+        if self.kind == "delta":
+            return (f"{self.groups} key head(s) do not split {shards} ways (a key head's query, key and value "
+                    "heads would span ranks)")
+        return (f"{self.groups} group(s) of heads do not split {shards} ways (a group's B, C and gated-norm "
+                "moments would span ranks)")
 
     # (the plan's layout interface: rewrite.check_plan, share_slices) A
     # mixer that does not split runs whole: never a reason to refuse.
@@ -100,20 +129,50 @@ class MixerSplit:
         return False
 
     def describe(self) -> str:
-        return (f"mixer (heads split): {self.heads} heads in {self.groups} groups, a rank's whole heads and groups "
-                "of " + ", ".join(f"{n} whole (1/shards each)" if d == WHOLE else f"{n} dim {d} {list(sizes)}"
-                                  for n, d, sizes in self.dims))
+        parts = ", ".join(f"{n} whole (1/shards each)" if d == WHOLE else f"{n} whole on every rank" if d == REPLICA
+                          else f"{n} dim {d} {list(sizes)}" for n, d, sizes in self.dims)
+        if self.kind == "delta":
+            return (f"mixer (heads split): {self.heads} value heads of {self.groups} key heads, a rank's whole key "
+                    f"heads and their value heads of {parts}")
+        return f"mixer (heads split): {self.heads} heads in {self.groups} groups, a rank's whole heads and groups of {parts}"
+
+
+def mixer_kind(module: nn.Module) -> Optional[str]:
+    """The key of LAYOUTS whose attributes `module` declares, or None."""
+    return next((kind for kind, (declared, linears, *_) in LAYOUTS.items()
+                 if all(hasattr(module, a) for a in declared)
+                 and all(isinstance(getattr(module, a), nn.Linear) for a in linears)), None)
+
+
+def is_mixer(module: nn.Module) -> bool:
+    return mixer_kind(module) is not None
 
 
 def is_mamba2_mixer(module: nn.Module) -> bool:
-    return all(hasattr(module, a) for a in DECLARED) and isinstance(getattr(module, "in_proj"), nn.Linear) \
-        and isinstance(getattr(module, "out_proj"), nn.Linear)
+    return mixer_kind(module) == "mamba2"
 
 
 def declared_split(module: nn.Module, order: Optional[tuple[str, ...]] = None) -> MixerSplit:
-    """The split read from a mixer's declared attributes; `order`: in_proj's
-    segments (default z, x, B, C, dt, as every family's torch_forward
-    splits it). ProbeError for a parameter of no known width."""
+    """The split read from a mixer's declared attributes (its kind's
+    builder in LAYOUTS); `order`: its fused projections' segments (default
+    the kind's first). ProbeError for a parameter of no known width."""
+    kind = mixer_kind(module)
+    if kind is None:
+        raise ProbeError(f"{type(module).__name__} declares no mixer layout")
+    declared, linears, shard_attrs, build, orders = LAYOUTS[kind]
+    dims, heads, groups, width = build(module, order or _flat(orders[0]))
+    attrs = [(path, a, v) for path, m in module.named_modules() for a, v in vars(m).items()
+             if isinstance(v, int) and not isinstance(v, bool) and v > 0
+             and (a in shard_attrs or isinstance(m, nn.Conv1d) and a in CONV_ATTRS)]
+    attrs += [(lin, "out_features", getattr(module, lin).out_features) for lin in linears if lin != "out_proj"]
+    attrs += [("out_proj", "in_features", width)]
+    return MixerSplit(heads, groups, tuple(dims), tuple(attrs), kind)
+
+
+def _mamba2_dims(module: nn.Module, order: tuple[str, ...]):
+    """A Mamba-2 mixer's dims (in_proj's segments in `order`, default z, x,
+    B, C, dt as every family's torch_forward splits it), heads, groups and
+    inner width."""
     heads, groups, state = module.num_heads, module.n_groups, module.ssm_state_size
     inner, conv = module.intermediate_size, module.conv_dim
     if inner != heads * module.head_dim or conv != inner + 2 * groups * state or heads % groups:
@@ -137,11 +196,36 @@ def declared_split(module: nn.Module, order: Optional[tuple[str, ...]] = None) -
             dims.append((name, 0, proj))
         else:
             raise ProbeError(f"{type(module).__name__}.{name} {tuple(t.shape)} is held per no head, group or channel")
-    attrs = [(path, a, v) for path, m in module.named_modules() for a, v in vars(m).items()
-             if isinstance(v, int) and not isinstance(v, bool) and v > 0
-             and (a in SHARD_ATTRS or isinstance(m, nn.Conv1d) and a in CONV_ATTRS)]
-    attrs += [("in_proj", "out_features", module.in_proj.out_features), ("out_proj", "in_features", inner)]
-    return MixerSplit(heads, groups, tuple(dims), tuple(attrs))
+    return dims, heads, groups, inner
+
+
+def _delta_dims(module: nn.Module, order: tuple[str, ...]):
+    """A gated delta-rule attention's dims (order ("grouped",): in_proj_qkvz
+    and in_proj_ba grouped per key head, as Qwen3-Next's
+    fix_query_key_value_ordering reads them; ("concat",): [q|k|v|z] and
+    [b|a] each concatenated), value heads, key heads and value width."""
+    kh, vh, key, value = module.num_k_heads, module.num_v_heads, module.key_dim, module.value_dim
+    if key != kh * module.head_k_dim or value != vh * module.head_v_dim or module.conv_dim != 2 * key + value \
+            or vh % kh:
+        raise ProbeError(f"{type(module).__name__} declares {kh} key heads of {module.head_k_dim}, {vh} value heads "
+                         f"of {module.head_v_dim}, conv_dim {module.conv_dim}: not a gated delta-rule layout")
+    grouped = order == ("grouped",)
+    rules = {"in_proj_qkvz": (0, (2 * key + 2 * value,) if grouped else (key, key, value, value)),
+             "in_proj_ba": (0, (2 * vh,) if grouped else (vh, vh)),
+             "conv1d": (0, (key, key, value)), "out_proj.weight": (1, (value,)), "out_proj.bias": (WHOLE, ()),
+             "norm": (REPLICA, ())}
+    for lin in ("in_proj_qkvz", "in_proj_ba"):
+        if sum(rules[lin][1]) != getattr(module, lin).out_features:
+            raise ProbeError(f"{lin}'s {getattr(module, lin).out_features} outputs are not {order} {rules[lin][1]}")
+    dims = []
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        owner = name.rpartition(".")[0]
+        rule = rules.get(name) or rules.get(owner) or ((0, (vh,)) if not owner and t.dim() and t.shape[0] == vh
+                                                         else None)  # (A_log, dt_bias: per value head)
+        if rule is None:
+            raise ProbeError(f"{type(module).__name__}.{name} {tuple(t.shape)} is held per no head or channel")
+        dims.append((name, *rule))
+    return dims, vh, kh, value
 
 
 def shard_of(module: nn.Module, split: MixerSplit, shards: int, s: int) -> nn.Module:
@@ -154,6 +238,8 @@ def shard_of(module: nn.Module, split: MixerSplit, shards: int, s: int) -> nn.Mo
         t = getattr(held, leaf)
         if name in split.whole():
             piece = t / shards
+        elif split.ranges(name, shards, s)[0] == REPLICA:
+            piece = t
         else:
             dim, ranges = split.ranges(name, shards, s)
             piece = torch.cat([t.narrow(dim, a, b - a) for a, b in ranges], dim)
@@ -194,24 +280,44 @@ def _first(out):
 
 
 ORDERS = tuple(itertools.permutations(("z", "xBC", "dt")))
+DELTA_ORDERS = (("grouped",), ("concat",))
+
+# Per kind of mixer: what it declares, its Linear attributes (out_proj
+# last), the integer attributes a shard's forward reads, the builder of
+# its dims and the orders of its fused segments tried by the measurement.
+LAYOUTS = {
+    "mamba2": (DECLARED, ("in_proj", "out_proj"), SHARD_ATTRS, _mamba2_dims, ORDERS),
+    "delta": (DELTA_DECLARED, ("in_proj_qkvz", "in_proj_ba", "out_proj"), DELTA_SHARD_ATTRS, _delta_dims,
+              DELTA_ORDERS),
+}
+# (checked first: no order of the segments helps) a split's smallest unit is one group, or one key head
+ONE_GROUP = {
+    "mamba2": ("n_groups", "one group of heads (n_groups=1): its B, C and gated-norm moments span every head, so a "
+                           "split would need them on every rank and the norm's moments summed across ranks"),
+    "delta": ("num_k_heads", "one key head (num_k_heads=1): its query and key serve every value head"),
+}
+
+
+def _flat(order: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(p for part in order for p in (("x", "B", "C") if part == "xBC" else (part,)))
 
 
 def mixer_split(module: nn.Module, args, kwargs, orders=None) -> MixerSplit:
-    """The measured head split of a Mamba-2 mixer (module.forward on
-    `args`, `kwargs`: its traced call): the declared layout, in_proj's
-    segments in the first order of `orders` (z, xBC, dt first) whose shards
-    reproduce the whole output. ProbeError with the reason if none does."""
-    if not is_mamba2_mixer(module):
-        raise ProbeError(f"{type(module).__name__} declares no Mamba-2 layout ({', '.join(DECLARED)})")
+    """The measured head split of a mixer of LAYOUTS (module.forward on
+    `args`, `kwargs`: its traced call): the declared layout, its fused
+    segments in the first order of `orders` (default its kind's) whose
+    shards reproduce the whole output. ProbeError with the reason if none does."""
+    kind = mixer_kind(module)
+    if kind is None:
+        raise ProbeError(f"{type(module).__name__} declares no mixer layout ({', '.join(DECLARED)}; or "
+                         f"{', '.join(DELTA_DECLARED)})")
     if not isinstance(args[0] if args else kwargs.get("hidden_states"), torch.Tensor):
         raise ProbeError("its traced call has no hidden states")
-    if module.n_groups == 1:  # (checked first: no order of in_proj's segments helps)
-        raise ProbeError("one group of heads (n_groups=1): its B, C and gated-norm moments span every head, so a "
-                         "split would need them on every rank and the norm's moments summed across ranks")
-    why = None
-    for order in orders or ORDERS:
-        flat = tuple(p for part in order for p in (("x", "B", "C") if part == "xBC" else (part,)))
-        split = declared_split(module, flat)
+    attr, why = ONE_GROUP[kind]
+    if getattr(module, attr) == 1:
+        raise ProbeError(why)
+    for order in orders or LAYOUTS[kind][4]:
+        split = declared_split(module, _flat(order))
         why = measure(module, split, args, kwargs)
         if why is None:
             return split

@@ -13,15 +13,17 @@ every rank that ran it, and each rank's parameter gradient is the part of
 its rows and its output block, summed over the tensor-parallel group. What
 it costs: the module's parameters and compute are not divided.
 
-Except for Mamba-2 mixers in 1d: one declaring transformers' Mamba-2
-layout (heads, groups of heads, in_proj to [z | x | B | C | dt], ...) gets,
-beside its role `whole`, a measured split by heads as its layout
-(roles/mixers.py, as Megatron-Core splits Mamba): 1d holds whole heads and
-groups on each rank and sums out_proj's partial outputs; 2d, 2.5d and 3d
-still run it whole. A mixer whose split does not reproduce its output, or
-does not divide (one group of heads; groups not a multiple of the
-tensor-parallel size), runs whole in every mode, its reason kept with why
-it runs whole (`tpctl inspect` shows both).
+Except for mixers in 1d: one declaring transformers' Mamba-2 layout
+(heads, groups of heads, in_proj to [z | x | B | C | dt], ...) or the gated
+delta rule's (key heads, value heads, in_proj_qkvz / in_proj_ba grouped
+per key head, ...) gets, beside its role `whole`, a measured split by
+heads as its layout (roles/mixers.py, as Megatron-Core splits them): 1d
+holds whole heads and groups on each rank and sums out_proj's partial
+outputs; 2d, 2.5d and 3d still run it whole. A mixer whose split does not
+reproduce its output, or does not divide (one group of heads or key head;
+groups or key heads not a multiple of the tensor-parallel size), runs
+whole in every mode, its reason kept with why it runs whole (`tpctl
+inspect` shows both).
 
 Found after the other roles (inference.infer_plan): for every module with a
 problem, the innermost module holding it (itself included) that sits on the
@@ -35,7 +37,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from tpctl.parallel.roles.fused import ProbeError
-from tpctl.parallel.roles.mixers import is_mamba2_mixer, mixer_split
+from tpctl.parallel.roles.mixers import is_mixer, mixer_split
 from tpctl.parallel.roles.plan import named_stack
 
 
@@ -111,13 +113,15 @@ def run_whole(found, roots: dict[str, str]) -> None:
 
 
 def _split_heads(found, root: str, roots: dict[str, str]) -> None:
-    """A Mamba-2 mixer's measured split by heads (roles/mixers.py) as its
-    layout; where it has none, why not, after why it runs whole."""
+    """A mixer's measured split by heads (roles/mixers.py: Mamba-2's or the
+    gated delta rule's) as its layout; where it has none, why not, after
+    why it runs whole."""
     module = found.modules[root]
-    if not is_mamba2_mixer(module):
+    if not is_mixer(module):
         return
     args, kwargs = found.first_inputs.get(root, ((), {}))
-    split = found.probe((type(module), "mixer", tuple(module.in_proj.weight.shape)),
+    shapes = tuple(tuple(p.shape) for p in module.parameters())
+    split = found.probe((type(module), "mixer", shapes),
                         lambda: mixer_split(module, args, kwargs))
     if isinstance(split, ProbeError):
         roots[root] = f"{roots[root]}; not split by heads: {split}"

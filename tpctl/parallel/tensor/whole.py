@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from tpctl.parallel import comm
-from tpctl.parallel.roles.mixers import heads_split
+from tpctl.parallel.roles.mixers import REPLICA, heads_split
 from tpctl.parallel.roles.tracing import hidden_arg
 
 
@@ -39,7 +39,7 @@ def run_whole(mode, module: nn.Module, ctx) -> nn.Module:
     (mode.whole_split)."""
     if not mode.rewrites:
         return module
-    if heads_split(mode, mode.layouts.get(ctx.name)):  # a Mamba-2 mixer, split by heads (1d)
+    if heads_split(mode, mode.layouts.get(ctx.name)):  # a mixer (Mamba-2, gated delta rule), split by heads (1d)
         return mode.convert_mixer(module, ctx)
     split = mode.whole_split(ctx)
     for name, full in list(module.named_parameters()):
@@ -71,17 +71,19 @@ def shard_own_forward(mode, module: nn.Module, ctx, split, shards: int, s: int) 
     full / shards). A parameter held whole is a replica over the
     tensor-parallel group with a partial gradient: the forward reads it as
     1/shards of itself (hold_whole_scaled), so the shards' summed outputs
-    add it once and each rank's gradient is 1/shards of it. A buffer
+    add it once and each rank's gradient is 1/shards of it; one of dim
+    REPLICA (a norm weight every head multiplies by) is read as itself,
+    each rank's gradient its heads' part, summed the same way. A buffer
     (FalconH1's mup_vector) keeps this rank's entries. The names held whole."""
     whole = split.whole()
     for name, _, _ in split.dims:
         owner, _, leaf = name.rpartition(".")
         held = module.get_submodule(owner)
         full = getattr(held, leaf)
-        if name in whole:
+        dim, ranges = split.ranges(name, shards, s)
+        if name in whole or dim == REPLICA:  # (REPLICA: read as itself, each rank's heads' gradient summed)
             spec = mode.split_spec(full, replicas="tp", partial=True)
         else:
-            dim, ranges = split.ranges(name, shards, s)
             if leaf not in held._parameters:
                 held._buffers[leaf] = torch.cat([full.narrow(dim, a, b - a) for a, b in ranges], dim)
                 continue
@@ -106,7 +108,7 @@ def hold_whole_scaled(module: nn.Module, whole: tuple[str, ...], shards: Optiona
 
 
 def split_mixer(mode, module: nn.Module, ctx, group, shards: int, s: int, seq_dim: Optional[int]) -> nn.Module:
-    """A Mamba-2 mixer split by heads (roles/mixers.py) over `group`, this
+    """A mixer split by heads (roles/mixers.py) over `group`, this
     rank shard s of `shards`, its own forward run on this rank's heads: the
     input whole rows of every rank (replicated: its gradient, each rank's
     heads' part, summed over the group by copy_to_group; or sequence shards

@@ -406,7 +406,7 @@ class OneD(ParallelMode):
             box[where] = comm.copy_to_group(box[where], self.group)
         return tuple(args), kwargs
 
-    # A Mamba-2 mixer (role `whole`) with a measured split by heads
+    # A mixer (role `whole`: Mamba-2, gated delta rule) with a measured split by heads
     # (roles/mixers.py) runs on this rank's heads (tensor/whole.py).
     splits_mixers = True
 

@@ -104,6 +104,11 @@ FAMILIES = {
                                            linear_num_value_heads=4, moe_intermediate_size=16,
                                            shared_expert_intermediate_size=16, num_experts=4,
                                            num_experts_per_tok=2)),
+    # Qwen3.5: Qwen3-Next's gated delta rule with [q|k|v], z, b and a each its own Linear, a dense MLP.
+    "qwen3_5": ("Qwen3_5TextConfig", dict(layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                                          linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                                          linear_num_value_heads=4)),
     # Lightning attention (linear, per-head decay) beside softmax attention, experts.
     "minimax": ("MiniMaxConfig", dict(layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
                                       num_key_value_heads=2, head_dim=8, intermediate_size=16, num_local_experts=4,

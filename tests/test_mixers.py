@@ -7,7 +7,8 @@ convolution's channels, A_log and dt_bias, out_proj's columns; the gated
 norm's one head-wide weight on every rank); the partial outputs summed
 over the group. Three families (NemotronH: beside experts; Bamba: beside
 attention, biases on in_proj and out_proj; Qwen3-Next: beside gated
-attention and experts) train like mode=none in 1d, with pipeline stages,
+attention and experts; Qwen3.5: its projections unfused) train like
+mode=none in 1d, with pipeline stages,
 sequence parallelism and data parallelism, their shapes and collectives
 as planned; a wrong layout fails the measurement; a mixer whose groups
 (key heads) do not split runs whole and says why.
@@ -23,7 +24,7 @@ pytest.importorskip("transformers")
 # (bamba with sequence parallelism too: the sequence gathered for the mixer, its output reduce-scattered;
 # NemotronH's experts refuse it)
 CASES = [("nemotron_h", "1d-2-dp2"), ("bamba", "1d-2-dp2"), ("bamba", "1d-2-pp2-dp2"), ("bamba", "1d-2-sp-dp2"),
-         ("qwen3_next", "1d-2-dp2"), ("qwen3_next", "1d-2-pp2-dp2")]
+         ("qwen3_next", "1d-2-dp2"), ("qwen3_next", "1d-2-pp2-dp2"), ("qwen3_5", "1d-2-dp2")]
 
 
 @pytest.fixture(scope="module")
@@ -72,20 +73,21 @@ def test_the_declared_layout_is_measured_and_a_wrong_one_fails(family):
     assert measure(mixer, wrong, args, kwargs) is not None
 
 
-def test_the_gated_delta_rule_layout_is_measured_and_a_wrong_one_fails():
-    """Qwen3-Next's in_proj_qkvz / in_proj_ba grouped per key head reproduce
-    its output; read as [q|k|v|z] and [b|a] concatenated, or its gated
-    norm's weight read as 1/shards (held like out_proj's bias), they do not."""
+@pytest.mark.parametrize("family,kind,wrong", [("qwen3_next", "delta", "concat"), ("qwen3_5", "delta_split", "grouped")])
+def test_the_gated_delta_rule_layout_is_measured_and_a_wrong_one_fails(family, kind, wrong):
+    """Qwen3-Next's in_proj_qkvz / in_proj_ba grouped per key head, and
+    Qwen3.5's in_proj_qkv as [q|k|v], reproduce its output; read the other
+    way (Qwen3-Next's concatenated, Qwen3.5's grouped per key head), or the
+    gated norm's weight read as 1/shards (held like out_proj's bias), not."""
     from tpctl.parallel.roles.experts import WHOLE
     from tpctl.parallel.roles.fused import ProbeError
     from tpctl.parallel.roles.mixers import MixerSplit, measure, mixer_split
 
-    mixer, (args, kwargs) = _mixer("qwen3_next"), _call()
+    mixer, (args, kwargs) = _mixer(family), _call()
     split = mixer_split(mixer, args, kwargs)
-    assert split.kind == "delta" and (split.heads, split.groups) == (mixer.num_v_heads, mixer.num_k_heads)
-    assert dict((n, (d, s)) for n, d, s in split.dims)["in_proj_qkvz.weight"] == (0, (mixer.in_proj_qkvz.out_features,))
+    assert split.kind == kind and (split.heads, split.groups) == (mixer.num_v_heads, mixer.num_k_heads)
     with pytest.raises(ProbeError, match="no layout of its heads reproduces its output"):
-        mixer_split(mixer, args, kwargs, orders=[("concat",)])
+        mixer_split(mixer, args, kwargs, orders=[(wrong,)])
     dims = tuple((n, WHOLE, ()) if n == "norm.weight" else (n, d, s) for n, d, s in split.dims)
     assert measure(mixer, MixerSplit(split.heads, split.groups, dims, split.attrs, split.kind), args, kwargs) is not None
 
@@ -122,18 +124,19 @@ def test_each_rank_holds_its_share_of_a_mixer():
     assert rows[f"{name}.out_proj"][5] == full["out_proj.weight"] // 2 + full["out_proj.bias"]
 
 
-def test_each_rank_holds_its_share_of_a_gated_delta_rule_attention():
-    """1d-2: every tensor of Qwen3-Next's linear attention but the gated
-    norm's head-wide weight (whole on every rank) is halved on a rank."""
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_each_rank_holds_its_share_of_a_gated_delta_rule_attention(family):
+    """1d-2: every tensor of a gated delta-rule linear attention but the
+    gated norm's head-wide weight (whole on every rank) is halved on a rank."""
     import math
 
-    rows = _inspect("1d-2", "qwen3_next")
-    mixer = _mixer("qwen3_next")
+    rows = _inspect("1d-2", family)
+    mixer = _mixer(family)
     name = next(n for n in rows if n.endswith("layers.0.linear_attn"))
     assert rows[name][2] == "mixer (heads split)" and "4 value heads of 2 key heads" in rows[name][6], rows[name]
     full = {n: math.prod(p.shape) * p.element_size() for n, p in mixer.named_parameters()}
     assert rows[name][5] == sum(v for n, v in full.items() if "." not in n) // 2  # A_log, dt_bias
-    for sub in ("in_proj_qkvz", "in_proj_ba", "conv1d", "out_proj"):
+    for sub in (n for n, _ in mixer.named_children() if n != "norm"):
         assert rows[f"{name}.{sub}"][5] == full[f"{sub}.weight"] // 2, rows[f"{name}.{sub}"]
         assert rows[f"{name}.{sub}"][6].startswith("split by heads, inside"), rows[f"{name}.{sub}"]
     assert rows[f"{name}.norm"][5] == full["norm.weight"]
@@ -144,6 +147,7 @@ def test_each_rank_holds_its_share_of_a_gated_delta_rule_attention():
 @pytest.mark.parametrize("family,key,why", [
     ("bamba", "1d-4", "2 group(s) of heads do not split 4 ways"),
     ("qwen3_next", "1d-4", "2 key head(s) do not split 4 ways"),
+    ("qwen3_5", "1d-4", "2 key head(s) do not split 4 ways"),
     ("bamba", "2d-4", "mode 2d runs mixers whole"),
     ("falcon_h1", "1d-2", "one group of heads (n_groups=1)")])
 def test_a_mixer_that_does_not_split_runs_whole_and_says_why(family, key, why):

@@ -33,6 +33,9 @@ depthwise `conv1d` over [q | k | v], per-value-head `A_log` and
 for every head: every rank holds it whole, REPLICA, its gradient each
 rank's heads' part) and `out_proj`. A rank holds block s of S of the key
 heads and of their value heads; it splits when num_k_heads divides by S.
+Qwen3.5's Qwen3_5GatedDeltaNet declares the same with its projections
+unfused: in_proj_qkv as [q | k | v] concatenated, in_proj_z, in_proj_b,
+in_proj_a (LAYOUTS' "delta_split").
 
 The layout is derived from the declared attributes and then MEASURED, as
 experts.own_split measures an experts module's: the S shards' outputs of
@@ -75,6 +78,9 @@ DELTA_DECLARED = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key
 # (any module inside the mixer: FalconH1's gated norm keeps its own
 # n_groups); a group's size (a norm's `group_size`) and a head's width stay.
 SHARD_ATTRS = ("num_heads", "n_groups", "intermediate_size", "conv_dim")
+# Qwen3.5's: the same with [q|k|v], z, b and a each its own Linear.
+DELTA_SPLIT_DECLARED = DELTA_DECLARED[:7] + ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "out_proj",
+                                             "norm")
 DELTA_SHARD_ATTRS = ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")
 CONV_ATTRS = ("in_channels", "out_channels", "groups")
 # (WHOLE: a parameter every shard holds whole, read as 1/shards of itself: out_proj's bias, as an experts module's bias)
@@ -114,7 +120,7 @@ class MixerSplit:
         """Why the mixer cannot be split `shards` ways (it then runs whole)."""
         if self.groups % shards == 0:
             return None
-        if self.kind == "delta":
+        if self.kind.startswith("delta"):
             return (f"{self.groups} key head(s) do not split {shards} ways (a key head's query, key and value "
                     "heads would span ranks)")
         return (f"{self.groups} group(s) of heads do not split {shards} ways (a group's B, C and gated-norm "
@@ -131,7 +137,7 @@ class MixerSplit:
     def describe(self) -> str:
         parts = ", ".join(f"{n} whole (1/shards each)" if d == WHOLE else f"{n} whole on every rank" if d == REPLICA
                           else f"{n} dim {d} {list(sizes)}" for n, d, sizes in self.dims)
-        if self.kind == "delta":
+        if self.kind.startswith("delta"):
             return (f"mixer (heads split): {self.heads} value heads of {self.groups} key heads, a rank's whole key "
                     f"heads and their value heads of {parts}")
         return f"mixer (heads split): {self.heads} heads in {self.groups} groups, a rank's whole heads and groups of {parts}"
@@ -210,11 +216,16 @@ def _delta_dims(module: nn.Module, order: tuple[str, ...]):
         raise ProbeError(f"{type(module).__name__} declares {kh} key heads of {module.head_k_dim}, {vh} value heads "
                          f"of {module.head_v_dim}, conv_dim {module.conv_dim}: not a gated delta-rule layout")
     grouped = order == ("grouped",)
-    rules = {"in_proj_qkvz": (0, (2 * key + 2 * value,) if grouped else (key, key, value, value)),
-             "in_proj_ba": (0, (2 * vh,) if grouped else (vh, vh)),
-             "conv1d": (0, (key, key, value)), "out_proj.weight": (1, (value,)), "out_proj.bias": (WHOLE, ()),
-             "norm": (REPLICA, ())}
-    for lin in ("in_proj_qkvz", "in_proj_ba"):
+    if hasattr(module, "in_proj_qkvz"):  # (Qwen3-Next's fused [q|k|v|z] and [b|a])
+        rules = {"in_proj_qkvz": (0, (2 * key + 2 * value,) if grouped else (key, key, value, value)),
+                 "in_proj_ba": (0, (2 * vh,) if grouped else (vh, vh))}
+    else:  # (Qwen3.5's [q|k|v], z, b, a)
+        rules = {"in_proj_qkv": (0, (2 * key + value,) if grouped else (key, key, value)),
+                 "in_proj_z": (0, (value,)), "in_proj_b": (0, (vh,)), "in_proj_a": (0, (vh,))}
+    fused = tuple(rules)
+    rules.update({"conv1d": (0, (key, key, value)), "out_proj.weight": (1, (value,)), "out_proj.bias": (WHOLE, ()),
+                  "norm": (REPLICA, ())})
+    for lin in fused:
         if sum(rules[lin][1]) != getattr(module, lin).out_features:
             raise ProbeError(f"{lin}'s {getattr(module, lin).out_features} outputs are not {order} {rules[lin][1]}")
     dims = []
@@ -289,12 +300,15 @@ LAYOUTS = {
     "mamba2": (DECLARED, ("in_proj", "out_proj"), SHARD_ATTRS, _mamba2_dims, ORDERS),
     "delta": (DELTA_DECLARED, ("in_proj_qkvz", "in_proj_ba", "out_proj"), DELTA_SHARD_ATTRS, _delta_dims,
               DELTA_ORDERS),
+    "delta_split": (DELTA_SPLIT_DECLARED, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
+                    DELTA_SHARD_ATTRS, _delta_dims, DELTA_ORDERS[::-1]),  # ([q|k|v] concatenated first)
 }
 # (checked first: no order of the segments helps) a split's smallest unit is one group, or one key head
 ONE_GROUP = {
     "mamba2": ("n_groups", "one group of heads (n_groups=1): its B, C and gated-norm moments span every head, so a "
                            "split would need them on every rank and the norm's moments summed across ranks"),
     "delta": ("num_k_heads", "one key head (num_k_heads=1): its query and key serve every value head"),
+    "delta_split": ("num_k_heads", "one key head (num_k_heads=1): its query and key serve every value head"),
 }
 
 

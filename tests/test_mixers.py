@@ -5,13 +5,14 @@ out_proj's columns) and the gated delta rule's (Qwen3-Next: whole key
 heads and their value heads of in_proj_qkvz's and in_proj_ba's rows, the
 convolution's channels, A_log and dt_bias, out_proj's columns; the gated
 norm's one head-wide weight on every rank); the partial outputs summed
-over the group. Three families (NemotronH: beside experts; Bamba: beside
-attention, biases on in_proj and out_proj; Qwen3-Next: beside gated
-attention and experts; Qwen3.5: its projections unfused) train like
-mode=none in 1d, with pipeline stages,
-sequence parallelism and data parallelism, their shapes and collectives
-as planned; a wrong layout fails the measurement; a mixer whose groups
-(key heads) do not split runs whole and says why.
+over the group. The families train like mode=none in 1d, with pipeline
+stages, sequence parallelism and data parallelism, their shapes and
+collectives as planned: Bamba (beside attention, biases on in_proj and
+out_proj) and Qwen3.5 (its projections unfused) here; NemotronH (beside
+experts) and Qwen3-Next (beside gated attention and experts) in
+test_families_hybrid's 1d layouts, which now split their mixers. A wrong
+layout fails the measurement; a mixer whose groups (key heads) do not
+split runs whole and says why.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from test_families_anymodel import trains_like_mode_none
 pytest.importorskip("transformers")
 
 # (bamba with sequence parallelism too: the sequence gathered for the mixer, its output reduce-scattered;
-# NemotronH's experts refuse it)
-CASES = [("nemotron_h", "1d-2-dp2"), ("bamba", "1d-2-dp2"), ("bamba", "1d-2-pp2-dp2"), ("bamba", "1d-2-sp-dp2"),
-         ("qwen3_next", "1d-2-dp2"), ("qwen3_next", "1d-2-pp2-dp2"), ("qwen3_5", "1d-2-dp2")]
+# NemotronH's experts refuse it. nemotron_h 1d-2-pp2-dp2 and qwen3_next 1d-2-dp2 / 1d-2-pp2-dp2 run in
+# test_families_hybrid, the same check.)
+CASES = [("bamba", "1d-2-pp2-dp2"), ("bamba", "1d-2-sp-dp2"), ("qwen3_5", "1d-2-dp2")]
 
 
 @pytest.fixture(scope="module")

@@ -91,32 +91,37 @@ def test_a_token_never_sees_another_document():
     assert (plain[0, 6:11] - out[0, 6:11]).abs().max() > 1e-3
 
 
-def _against_one_process(name: str, impl: str, dropless: bool = True) -> tuple[float, float]:
+def _against_one_process(name: str, impl: str) -> tuple[float, float]:
     """One forward and backward of a batch with documents in layout `name`
     (context.impl `impl`) against one process's: the loss's relative error
     and the worst gradient's (norm-relative)."""
-    import torch.nn.functional as F
     from conftest import build
+
+    cfg = tiny_config(1, **{"model.n_embd": 32, "model.n_head": 8, "context.impl": impl})
+    return errors_against(build(cfg, Layout.parse(name)), _model(cfg), cfg)
+
+
+def errors_against(run, ref, cfg) -> tuple[float, float]:
+    """One forward and backward of a batch with documents on `run` (built
+    for the layout) against `ref` (one process's model reading documents):
+    the loss's relative error and the worst gradient's (norm-relative)."""
+    import torch.nn.functional as F
 
     from tpctl.parallel.context import documents
     from tpctl.parallel.roles.plan import logits_of
 
-    cfg = tiny_config(1, **{"model.n_embd": 32, "model.n_head": 8, "context.impl": impl})
-    run = build(cfg, Layout.parse(name))
     par = run.par
     documents.install(run.model, par.mode, par.cp, EOS)
     batch, seq, vocab = cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size
     ids = _ids(batch, seq + 1)
     x, y = ids[:, :-1], ids[:, 1:]
-    ref = _model(cfg)
     ref_loss = F.cross_entropy(logits_of(ref(x)).reshape(-1, vocab), y.reshape(-1), reduction="sum") / y.numel()
     ref_loss.backward()
     loss_sum = run.step.forward_backward([(par.shard_batch(x), par.shard_targets(y))], 0)
     par.finish_grads([run.model])
     loss = par.global_mean(loss_sum, y.numel())
     documents.install(run.model, par.mode, par.cp, None)
-    worst = worst_grad_error(run.model, ref)
-    return abs(loss - ref_loss.item()) / abs(ref_loss.item()), worst
+    return abs(loss - ref_loss.item()) / abs(ref_loss.item()), worst_grad_error(run.model, ref)
 
 
 @pytest.mark.timeout(600)

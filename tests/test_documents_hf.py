@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from cli_support import tpctl  # noqa: F401  (fixture)
 from conftest import tiny_config
-from test_documents import EOS, RUN, _deviation, _ids, corpus, curve_of  # noqa: F401  (corpus: fixture)
+from test_documents import (EOS, RUN, _deviation, _ids, _model, corpus, curve_of,  # noqa: F401  (corpus: fixture)
+                            errors_against)
 
 from tpctl.parallel.layout import Layout
 
@@ -126,29 +127,10 @@ def _against_one_process(name: str, impl: str, arch: str) -> tuple[float, float]
     """One forward and backward of a batch with documents in layout `name`
     against one process's: the loss's relative error and the worst
     gradient's (norm-relative)."""
-    from conftest import build, worst_grad_error
-
-    from tpctl.models import build_model
-    from tpctl.parallel.context import documents
-    from tpctl.parallel.roles.plan import logits_of
+    from conftest import build
 
     cfg = _config(arch, **{"context.impl": impl})
-    layout = Layout.parse(name)
-    run = build(cfg, layout)
-    par = run.par
-    documents.install(run.model, par.mode, par.cp, EOS)
-    batch, seq, vocab = cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size
-    ids = _ids(batch, seq + 1)
-    x, y = ids[:, :-1], ids[:, 1:]
-    ref = build_model(cfg.model, cfg.seed)
-    documents.install(ref, None, None, EOS)
-    ref_loss = F.cross_entropy(logits_of(ref(x)).reshape(-1, vocab), y.reshape(-1), reduction="sum") / y.numel()
-    ref_loss.backward()
-    loss_sum = run.step.forward_backward([(par.shard_batch(x), par.shard_targets(y))], 0)
-    par.finish_grads([run.model])
-    loss = par.global_mean(loss_sum, y.numel())
-    documents.install(run.model, par.mode, par.cp, None)
-    return abs(loss - ref_loss.item()) / abs(ref_loss.item()), worst_grad_error(run.model, ref)
+    return errors_against(build(cfg, Layout.parse(name)), _model(cfg), cfg)
 
 
 @pytest.mark.timeout(600)

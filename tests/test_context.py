@@ -308,3 +308,48 @@ def test_bench_shows_the_step_peak_per_rank_falling_with_cp(pool, capsys):
     assert split["peak_bytes"] < 0.3 * one["peak_bytes"], (split["peak_bytes"], one["peak_bytes"])
     print_table(results, {}, cfg, 8, {"hardware": "cpu", "pp": 1, "rounds": 1, "steps": 1, "compile": False, "depth": None})
     assert "step peak MiB/rank" in capsys.readouterr().out
+
+
+def _ring_step_staged_and_not(name: str) -> dict:
+    """One ring forward and backward of a global batch in layout `name`,
+    its passes sent as they are and then through host buffers (what gloo
+    with device=cuda needs, comm.ring_pass; forced here, on a CPU): each
+    run's loss sum, gradients, bytes staged and ring bytes counted."""
+    from conftest import build
+
+    from tpctl.parallel import comm
+
+    cfg = tiny_config(1, **{"model.n_embd": 32, "model.n_head": 8, "context.impl": "ring"})
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1), generator=gen)
+    x, y = ids[:, :-1], ids[:, 1:]
+    runs = {}
+    for staged in (False, True):
+        run = build(cfg, Layout.parse(name))
+        comm.STATS.reset()
+        comm.RING_STAGING.force, comm.RING_STAGING.bytes = staged, 0
+        try:
+            loss_sum = run.step.forward_backward([(run.par.shard_batch(x), run.par.shard_targets(y))], 0)
+        finally:
+            comm.RING_STAGING.force = False
+        run.par.finish_grads([run.model])
+        runs[staged] = {"loss": loss_sum.detach().clone(), "staged": comm.RING_STAGING.bytes,
+                        "ring": comm.STATS.bytes["ring_pass"],
+                        "grads": [p.grad.clone() for p in run.model.parameters() if p.grad is not None]}
+    return runs
+
+
+@pytest.mark.parametrize("name", ["none-cp4", "1d-2-cp2"])
+def test_the_ring_through_host_buffers_equals_the_ring_bit_for_bit(pool, name):
+    """The host staging of the ring's passes (gloo with device=cuda: ranks
+    sharing one GPU) changes no bit of the loss or of a gradient, and every
+    pass crossed through host buffers: each byte sent once from a host copy
+    and received once into a host buffer (so a skipped staging fails)."""
+    for runs in pool.run(_ring_step_staged_and_not, name, ranks=Layout.parse(name).world):
+        plain, staged = runs[False], runs[True]
+        assert plain["staged"] == 0  # a CPU tensor over gloo is sent as it is
+        assert staged["ring"] == plain["ring"] > 0  # counted alike (the planner's counts)
+        assert staged["staged"] == 2 * staged["ring"], (staged["staged"], staged["ring"])
+        assert torch.equal(staged["loss"], plain["loss"])
+        assert len(staged["grads"]) == len(plain["grads"]) > 0
+        assert all(torch.equal(a, b) for a, b in zip(staged["grads"], plain["grads"]))

@@ -6,6 +6,8 @@ gloo (launcher.backend=gloo), so one GPU runs every mode:
     in the suite's bf16 band;
   * every pipeline schedule (the stage exchange through host buffers: gloo
     does not send CUDA tensors) and every ZeRO stage reproduce mode=none;
+  * ring context parallelism (its passes through host buffers, as the
+    stages') and Ulysses' in every mode reproduce mode=none;
   * the loss's CUDA policy (fused chunks, compiled) equals F.cross_entropy;
   * torch.compile (inductor) equals eager on CUDA;
   * a checkpoint saved and resumed through `tpctl train device=cuda`
@@ -17,7 +19,6 @@ gloo (launcher.backend=gloo), so one GPU runs every mode:
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -139,6 +140,35 @@ def test_every_pipeline_schedule_on_one_gpu_over_gloo(pool, key, schedule):
     want = pool.run(_train_cuda, "none-dp8", **DEEP)[0]
     for losses in pool.run(_train_cuda, key, **DEEP, **{"pipeline.schedule": schedule}):
         assert _rel(losses, want) <= TOL, (losses, want)
+
+
+# Context parallelism in every mode: 8 ranks, or 16 where the mode's
+# smallest grid is 8 (a pool of 16 ranks sharing the GPU).
+CP_MESHES = ("none-cp2-dp4", "none-cp4-dp2", "1d-2-cp2-dp2", "2d-4-cp2", "2.5d-8-d2-cp2", "3d-8-cp2")
+CP_TOL = 1e-6  # cp against none (issue 48; tests/test_context.py's band on CPU)
+
+
+def _train_cuda_cp(key: str, impl: str) -> list[float]:
+    """_train_cuda with context parallelism `impl` (context.impl): the
+    ring's passes crossed through host buffers (gloo does not send CUDA
+    tensors; comm.ring_pass), Ulysses' all-to-alls did not."""
+    from tpctl.parallel import comm
+
+    comm.RING_STAGING.bytes = 0
+    losses = _train_cuda(key, **{"context.impl": impl})
+    assert (comm.RING_STAGING.bytes > 0) == (impl == "ring"), (impl, comm.RING_STAGING.bytes)
+    return losses
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("impl", ["ring", "ulysses"])
+@pytest.mark.parametrize("key", CP_MESHES)
+def test_context_parallelism_on_one_gpu_over_gloo_matches_none(pool, reference, key, impl):
+    world = Layout.parse(key).world
+    results = pool.run(_train_cuda_cp, key, impl, ranks=world, timeout_s=300)
+    assert len(results) == world
+    for losses in results:
+        assert _rel(losses, reference["fp32"]) <= CP_TOL, (losses, reference["fp32"])
 
 
 @pytest.mark.parametrize("key", ["none-dp8-z1", "none-dp8-z2", "none-dp8-z3", "2d-4-dp2-z3"])

@@ -232,6 +232,62 @@ def recv(tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     return tensor
 
 
+# ---- host staging: gloo's point-to-point reads and writes a tensor's memory
+# from the host (a CUDA tensor's fails: `writev ... Bad address`), so with
+# device=cuda over gloo (ranks sharing one GPU) a send goes as a host copy
+# and a receive lands in a host buffer first. The pipeline's stage exchange
+# (pipeline/schedule.py) and the ring (`ring_pass`) use this one rule.
+
+# Backends whose point-to-point carries CUDA tensors themselves.
+DEVICE_BACKENDS = ("nccl",)
+
+
+def host_staging(device: torch.device, backend: Optional[str]) -> bool:
+    """Whether a point-to-point exchange on `device` over `backend` goes
+    through host buffers: a device tensor over a backend that cannot send it."""
+    return device.type != "cpu" and backend is not None and backend not in DEVICE_BACKENDS
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of `tensor` (always a copy, the CPU's too: a send must not
+    see later writes to what it sends)."""
+    return tensor.to("cpu", copy=True)
+
+
+class RingStaging:
+    """The ring's host staging on this rank: `force` (tests stage on a CPU,
+    where host_staging says no) and `bytes`, what crossed through host
+    buffers, sent and received (a test's proof that the staged path ran;
+    kept out of STATS, whose counts must equal the planner's)."""
+
+    def __init__(self) -> None:
+        self.force, self.bytes = False, 0
+
+
+RING_STAGING = RingStaging()
+
+
+class _Landing:
+    """A host-staged ring pass's handle: its wait waits for the exchange,
+    then copies the host buffer into the device tensor ring_pass returned
+    (so the caller's compute meanwhile still overlaps the exchange)."""
+
+    __slots__ = ("works", "sent", "host", "out")
+
+    def __init__(self, works, sent: torch.Tensor, host: torch.Tensor, out: torch.Tensor):
+        # `sent` is held until the send completes: gloo reads it until then.
+        self.works, self.sent, self.host, self.out = works, sent, host, out
+
+    def wait(self):
+        if self.host is not None:
+            for work in self.works:
+                work.wait()  # bounded by the group's timeout, as every collective
+            self.out.copy_(self.host)
+            RING_STAGING.bytes += self.sent.nbytes + self.host.nbytes
+            self.works, self.sent, self.host = (), None, None  # landed once; the host buffers freed
+        return True
+
+
 # ---- context parallelism (parallel/context/attention.py): the ring step
 # and the all-to-all between a sequence split and a head split.
 
@@ -239,13 +295,21 @@ def ring_pass(flat: torch.Tensor, group: Group, ranks: list[int]):
     """Send `flat` to the next rank of the ring `ranks` (global ranks, in
     group order) and receive the previous rank's into a fresh tensor;
     returns (received, work handles to wait on): the caller computes on
-    what it holds meanwhile."""
+    what it holds meanwhile. Through host buffers where RING_STAGING
+    applies (a CUDA tensor over gloo); counted alike either way."""
     me = ranks.index(dist.get_rank())
     nxt, prev = ranks[(me + 1) % len(ranks)], ranks[me - 1]
     out = torch.empty_like(flat)
     STATS.add("ring_pass", flat, len(ranks))
-    ops = [dist.P2POp(dist.isend, flat, nxt, group), dist.P2POp(dist.irecv, out, prev, group)]
-    return out, [_Timed(w, "ring_pass") for w in dist.batch_isend_irecv(ops)]
+    backend = dist.get_backend(group) if group is not None else None
+    if not (RING_STAGING.force or host_staging(flat.device, backend)):
+        ops = [dist.P2POp(dist.isend, flat, nxt, group), dist.P2POp(dist.irecv, out, prev, group)]
+        return out, [_Timed(w, "ring_pass") for w in dist.batch_isend_irecv(ops)]
+    # Through host buffers (see host_staging): the device copy of what
+    # arrives is made in the handle's wait, after the caller's compute.
+    sent, host = to_host(flat), torch.empty(flat.shape, dtype=flat.dtype, device="cpu")
+    ops = [dist.P2POp(dist.isend, sent, nxt, group), dist.P2POp(dist.irecv, host, prev, group)]
+    return out, [_Timed(_Landing(dist.batch_isend_irecv(ops), sent, host, out), "ring_pass")]
 
 
 def all_to_all(blocks: torch.Tensor, group: Group) -> torch.Tensor:

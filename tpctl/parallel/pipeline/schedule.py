@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from tpctl.parallel import comm
+from tpctl.parallel.comm import host_staging, to_host  # (comm holds the rule: the ring stages by it too)
 from tpctl.parallel.mesh import Mesh
 from tpctl.parallel.pipeline.cut import Chunk, PipelineRefused, StageCut, StageOutput, StageStack, StandIn, compute_weight
 from tpctl.parallel.pipeline.stage_map import StageMap
@@ -37,22 +38,6 @@ from tpctl.parallel.pipeline.stages import PipelineSpec
 from tpctl.parallel.roles.plan import logits_of
 
 __all__ = ["Pipeline", "PipelineRefused", "StageOutput", "StageStack", "StandIn", "Chunk", "StageMap"]
-
-# Backends whose point-to-point carries CUDA tensors themselves.
-DEVICE_BACKENDS = ("nccl",)
-
-
-def host_staging(device: torch.device, backend: Optional[str]) -> bool:
-    """Whether the stage exchange on `device` over `backend` goes through
-    host buffers: a device tensor over a backend that cannot send it."""
-    return device.type != "cpu" and backend is not None and backend not in DEVICE_BACKENDS
-
-
-def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A host copy of `tensor` (always a copy, the CPU's too: a send must not
-    see later writes to what it sends)."""
-    return tensor.to("cpu", copy=True)
-
 
 @dataclass
 class _Step:

@@ -250,7 +250,7 @@ def test_the_command_line_forms_of_a_mix_compose(tmp_path):
     assert mix_entries(OmegaConf.create({"mix": ["runs:v2/a.txt:2"]}))[0].path == "runs:v2/a.txt"
 
 
-def test_a_bad_mix_on_the_command_line_exits_2_in_one_line(tpctl):
+def test_a_bad_mix_on_the_command_line_exits_2_in_one_line(tpctl):  # noqa: F811
     (tpctl.cwd / "a.txt").write_text("x" * 1000)
     done = tpctl.run(["train", "model=gpt-tiny", "data.mix=[a.txt:0.7,a.txt:0]", f"hydra.run.dir={tpctl.cwd / 'run'}"])
     assert done.returncode == 2, done.stderr
@@ -274,7 +274,7 @@ def _metrics(run: Path) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_resume_in_other_layouts_reads_the_same_tokens_and_continues_the_loss(tpctl):
+def test_a_resume_in_other_layouts_reads_the_same_tokens_and_continues_the_loss(tpctl):  # noqa: F811
     first = tpctl.cwd / "first"
     done = tpctl.run(["train", *RUN, "mode=1d", "size=2", "checkpoint.every=3", f"hydra.run.dir={first}"], timeout=300)
     assert done.returncode == 0, done.stderr

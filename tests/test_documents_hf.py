@@ -19,8 +19,10 @@ LLAMA = {"model.arch": "llama", "model.bias": None, "model.n_embd": 32, "model.n
          "model.n_layer": 2}
 
 
-def _config(arch: str = "llama", steps: int = 1, **overrides):
-    return tiny_config(steps, **{**LLAMA, "model.arch": arch, **overrides})
+def _config(arch: str = "llama", steps: int = 1, window=None, **overrides):
+    """A tiny `arch` (with `window`: Mistral's sliding window of that many positions)."""
+    sliding = {} if window is None else {"model.config": {"sliding_window": window}}
+    return tiny_config(steps, **{**LLAMA, "model.arch": arch, **sliding, **overrides})
 
 
 def _logits(model, ids):
@@ -29,17 +31,25 @@ def _logits(model, ids):
     return logits_of(model(ids))
 
 
-def _window_against_alone(arch: str) -> tuple[float, float]:
+DOCS = [torch.tensor([[5, 6, 7, 8, EOS]]), torch.tensor([[9, 10, 11, EOS]]), torch.tensor([[12, 13, 14, 15, 16]])]
+# A sliding window shorter than every document of DOCS (and than
+# train.seq_len): it cuts inside each document.
+WINDOW = min(d.shape[1] for d in DOCS) - 1
+
+
+def _window_against_alone(arch: str, window=None) -> tuple[float, float]:
     """A window of three documents against each document run alone from
-    position 0 (the definition), both against the window's next tokens:
-    (|the window's loss - the sum of the documents'| relative, the largest
-    difference of a logit)."""
+    position 0 (the definition; with Mistral's sliding `window`, the
+    family's own sliding mask alone), both against the window's next
+    tokens: (|the window's loss - the sum of the documents'| relative, the
+    largest difference of a logit)."""
     from tpctl.models import build_model
     from tpctl.parallel.context import documents
 
-    cfg = _config(arch)
+    cfg = _config(arch, window=window)
     model = build_model(cfg.model, cfg.seed)
-    docs = [torch.tensor([[5, 6, 7, 8, EOS]]), torch.tensor([[9, 10, 11, EOS]]), torch.tensor([[12, 13, 14, 15, 16]])]
+    assert window is None or model.config.sliding_window == window
+    docs = DOCS
     window = torch.cat(docs, 1)
     x, y = window[:, :-1], window[:, 1:]
     documents.install(model, None, None, EOS)
@@ -53,10 +63,22 @@ def _window_against_alone(arch: str) -> tuple[float, float]:
     return abs(losses[0] - losses[1]) / abs(losses[1]), (together - alone).abs().max().item()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
-def test_a_window_s_loss_is_the_sum_of_its_documents_run_alone(arch):
-    loss_err, logit_err = _window_against_alone(arch)
+@pytest.mark.parametrize("arch,window", [("llama", None), ("qwen2", None), ("mistral", None), ("qwen3", None),
+                                         ("mistral", WINDOW)])
+def test_a_window_s_loss_is_the_sum_of_its_documents_run_alone(arch, window):
+    loss_err, logit_err = _window_against_alone(arch, window)
     assert loss_err < 1e-6 and logit_err < 1e-5, (loss_err, logit_err)
+
+
+def test_the_definition_fails_without_the_sliding_window(monkeypatch):
+    """The documents' mask not cut to Mistral's window (each document alone
+    is): the check above fails."""
+    from tpctl.parallel.context import documents
+
+    whole = documents.Documents.mask
+    monkeypatch.setattr(documents.Documents, "mask", lambda self, window=None: whole(self))
+    loss_err, logit_err = _window_against_alone("mistral", WINDOW)
+    assert loss_err > 1e-5 and logit_err > 1e-2, (loss_err, logit_err)
 
 
 def test_the_definition_fails_without_the_mask(monkeypatch):
@@ -64,7 +86,7 @@ def test_the_definition_fails_without_the_mask(monkeypatch):
     mask fail it."""
     from tpctl.parallel.context import documents
 
-    def causal(self):
+    def causal(self, window=None):
         n = self.held.numel()
         self._mask = torch.ones(n, n, dtype=torch.bool).tril()
         return self._mask
@@ -116,9 +138,13 @@ def test_a_mask_of_its_own_or_attention_without_sdpa_is_refused_naming_the_modul
     model(ids, attention_mask=padding)  # a call of its own masks is the family's, unchanged
     docs = documents.Documents(torch.zeros(2, 8, dtype=torch.long), torch.arange(8), torch.zeros(2, 8), None)
     docs.replaces_causal = True
-    window = torch.ones(8, 8, dtype=torch.bool).tril().triu(-2)
+    window = torch.ones(8, 8, dtype=torch.bool).tril().triu(1 - WINDOW)
+    # A sliding window is recognised (and cut into the documents' mask) by
+    # _Masks only: cp's handler, which asks `takes`, has no window.
+    assert docs.window(window) == WINDOW and docs.window(window.float().log()) == WINDOW
     with pytest.raises(RuntimeError, match="attn.x calls attention with a mask of its own"):
         docs.takes("attn.x", window, False)
+    assert docs.window(window.triu(1)) is None and docs.window(padding[:, None, None, :].expand(2, 1, 8, 8)) is None
     assert docs.takes("attn.x", torch.ones(8, 8, dtype=torch.bool).tril(), False)
     assert docs.takes("attn.x", None, True)
 
@@ -148,22 +174,26 @@ def test_every_layout_masks_hf_documents_as_one_process(pool, name, impl, arch):
 # ---- whole runs on a prepared corpus ----------------------------------------
 
 
-def _curve(name: str, path: str, arch: str = "llama", impl: str = "ring", documents: bool = True) -> list[tuple]:
+def _curve(name: str, path: str, arch: str = "llama", impl: str = "ring", documents: bool = True, window=None,
+           pretrained=None) -> list[tuple]:
     """Every step's loss and grad norm (and the last val loss) of a 3-step
-    run of `arch` on `path` in layout `name`, as this rank logs them."""
+    run of `arch` (with Mistral's sliding `window`; or the save_pretrained
+    directory `pretrained`) on `path` in layout `name`, as this rank logs them."""
     layout = Layout.parse(name)
-    return curve_of(layout.write_to(_config(arch, 3, **{"data.path": path, "data.documents": documents,
-                                                        "context.impl": impl, "train.eval_every": 3,
-                                                        "train.eval_batches": 1})), layout)
+    cfg = _config(arch, 3, window, **{"data.path": path, "data.documents": documents, "context.impl": impl,
+                                      "train.eval_every": 3, "train.eval_batches": 1, "model.pretrained": pretrained})
+    return curve_of(layout.write_to(cfg), layout)
 
 
 _reference: dict = {}
 
 
-def _one_process(pool, corpus: str, arch: str, documents: bool = True) -> list[tuple]:  # noqa: F811
-    if (arch, documents) not in _reference:
-        _reference[arch, documents] = pool.run(_curve, "none", corpus, arch, "ring", documents, ranks=1)[0]
-    return _reference[arch, documents]
+def _one_process(pool, corpus: str, arch: str, documents: bool = True, window=None,  # noqa: F811
+                 pretrained=None) -> list[tuple]:
+    key = (arch, documents, window, pretrained)
+    if key not in _reference:
+        _reference[key] = pool.run(_curve, "none", corpus, arch, "ring", documents, window, pretrained, ranks=1)[0]
+    return _reference[key]
 
 
 @pytest.mark.timeout(900)
@@ -180,6 +210,40 @@ def test_a_run_of_a_hf_model_with_documents_trains_as_one_process(pool, corpus, 
     assert _deviation(_one_process(pool, corpus, arch, documents=False), want) > 1e-3  # the documents change the run
     for curve in pool.run(_curve, name, corpus, arch, impl, ranks=Layout.parse(name).world):
         assert _deviation(curve, want) < 1e-6, (name, impl, curve, want)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["1d-2", "2d-4"])
+def test_a_mistral_with_a_sliding_window_and_documents_trains_as_one_process(pool, corpus, name):  # noqa: F811
+    """Mistral's window shorter than the sequence and than the corpus's
+    longer documents: the documents' mask cut to it trains as mode=none's,
+    and the window changes the run (it is not dropped)."""
+    want = _one_process(pool, corpus, "mistral", window=WINDOW)
+    assert _deviation(_one_process(pool, corpus, "mistral"), want) > 1e-3
+    for curve in pool.run(_curve, name, corpus, "mistral", "ring", True, WINDOW, ranks=Layout.parse(name).world):
+        assert _deviation(curve, want) < 1e-6, (name, curve, want)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> str:
+    """A tiny Llama save_pretrained directory, as tests/test_hf_io.py makes them."""
+    from test_hf_io import save_family
+
+    directory = tmp_path_factory.mktemp("pretrained") / "llama"
+    save_family("llama", directory)
+    return str(directory)
+
+
+@pytest.mark.timeout(900)
+def test_a_pretrained_model_with_documents_trains_in_1d_as_one_process(pool, corpus, pretrained):  # noqa: F811
+    """model.pretrained: the family read from the directory (not
+    model.arch) is the one the documents reach, its weights train as
+    mode=none's in 1d-2, and the documents change the run."""
+    want = _one_process(pool, corpus, "llama", pretrained=pretrained)
+    assert _deviation(_one_process(pool, corpus, "llama", documents=False, pretrained=pretrained), want) > 1e-3
+    for curve in pool.run(_curve, "1d-2", corpus, "llama", "ring", True, None, pretrained,
+                          ranks=Layout.parse("1d-2").world):
+        assert _deviation(curve, want) < 1e-6, (curve, want)
 
 
 # ---- the command line ---------------------------------------------------------
@@ -205,8 +269,8 @@ def test_tpctl_train_a_llama_with_documents_in_cp_ring_equals_mode_none(tpctl, c
 @pytest.mark.parametrize("overrides,says", [
     (["model.arch=gpt2", "model.bias=null"], "model.arch=gpt2 is not a model whose attention and positions"),
     (["model.arch=bloom", "model.n_kv_head=null"], "model.arch=bloom is not a model whose attention and positions"),
-    (["model.arch=mistral", "+model.config.sliding_window=8"],
-     "attends through a sliding window of 8 positions, shorter than train.seq_len=16"),
+    (["model.arch=mistral", "+model.config.sliding_window=8", "mode=1d", "size=2", "cp=2"],
+     "attends through a sliding window of 8 positions, shorter than train.seq_len=16, and cp=2 masks"),
     (["model=custom", "model._target_=tests.custom_model.build", "+model.width=16", "+model.max_len=16",
       "+model.vocab_size=256", "train.seq_len=16"], "model.arch=custom is not a model"),
 ])

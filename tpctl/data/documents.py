@@ -80,8 +80,10 @@ ARCHS = ("gpt", *HF_ARCHS)
 
 def _check_model(cfg: Any) -> None:
     """A model that keeps documents apart: tpctl's GPT, or a family of
-    HF_ARCHS without a sliding window shorter than the sequence (a window
-    and the documents' mask together is not built)."""
+    HF_ARCHS; one with a sliding window shorter than the sequence only
+    without context parallelism (the documents' mask is cut to the window
+    in parallel/context/documents.py; cp's chunk masks, context/attention.py,
+    have no window)."""
     m = cfg.model
     arch = m.get("arch", "gpt")
     if arch == "gpt":
@@ -102,11 +104,12 @@ def _check_model(cfg: Any) -> None:
 
         config = family_config(m)
     window = getattr(config, "sliding_window", None)
-    seq = cfg.train.seq_len
-    if window is not None and window < seq:
+    seq, cp = cfg.train.seq_len, cfg.get("cp", 1) or 1
+    if window is not None and window < seq and cp > 1:
         raise ConfigError(KEY, True, f"model.arch={arch} attends through a sliding window of {window} positions, "
-                          f"shorter than train.seq_len={seq}; the window within the documents' mask is not built: "
-                          f"expected a window of at least {seq} (+model.config.sliding_window) or none")
+                          f"shorter than train.seq_len={seq}, and cp={cp} masks each pair of sequence chunks by "
+                          f"documents without a window: expected cp=1, or a window of at least {seq} "
+                          "(+model.config.sliding_window) or none")
 
 
 def check_documents(cfg: Any) -> None:

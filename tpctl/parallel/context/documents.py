@@ -82,12 +82,17 @@ def document_positions(doc: torch.Tensor) -> torch.Tensor:
     return t - torch.where(first, t, torch.zeros_like(t)).cummax(-1).values
 
 
-def same_document(doc_q: torch.Tensor, doc_k: torch.Tensor, pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
+def same_document(doc_q: torch.Tensor, doc_k: torch.Tensor, pos_q: torch.Tensor, pos_k: torch.Tensor,
+                  window: Optional[int] = None) -> torch.Tensor:
     """[rows, 1, queries, keys] bool: key visible to query (same document,
-    not later), from the queries' and keys' document ids [rows, n] and
-    global positions [n]."""
-    causal = pos_q[:, None] >= pos_k[None, :]
-    return ((doc_q[:, :, None] == doc_k[:, None, :]) & causal)[:, None]
+    not later, and with a sliding `window` fewer than `window` positions
+    back), from the queries' and keys' document ids [rows, n] and global
+    positions [n]."""
+    gap = pos_q[:, None] - pos_k[None, :]
+    # transformers' sliding_window_overlay: kv_idx > q_idx - window, i.e. a
+    # query sees itself and the window - 1 keys before it.
+    seen = gap >= 0 if window is None else (gap >= 0) & (gap < window)
+    return ((doc_q[:, :, None] == doc_k[:, None, :]) & seen)[:, None]
 
 
 class Documents:
@@ -106,6 +111,7 @@ class Documents:
         # cos/sin multiply the attention's q and k, row for row).
         self.attention_positions = positions if attention_positions is None else attention_positions
         self._mask: Optional[torch.Tensor] = None
+        self._windowed: dict = {}  # window -> its mask (a family's sliding layers: mask(window))
         # A Hugging Face model's forward (install_hf): its causal attention
         # calls are these documents' (`takes`), counted for the guards.
         self.replaces_causal = False
@@ -119,11 +125,17 @@ class Documents:
     def __exit__(self, *exc) -> None:
         _ACTIVE.remove(self)
 
-    def mask(self) -> torch.Tensor:
+    def mask(self, window: Optional[int] = None) -> torch.Tensor:
         """[rows, 1, L, L] bool of this rank's held positions against each
         other: what torch's attention takes as attn_mask (computed once per
-        forward, every layer's). Across cp ranks context parallelism
-        recognises it (`is_mask`) and masks each pair of chunks itself."""
+        forward, every layer's; with a sliding `window`, once per window).
+        Across cp ranks context parallelism recognises it (`is_mask`) and
+        masks each pair of chunks itself (without a window: see _window)."""
+        if window is not None:
+            if window not in self._windowed:
+                mine = self.doc[:, self.held]
+                self._windowed[window] = same_document(mine, mine, self.held, self.held, window)
+            return self._windowed[window]
         if self._mask is None:
             mine = self.doc[:, self.held]
             self._mask = same_document(mine, mine, self.held, self.held)
@@ -153,6 +165,20 @@ class Documents:
                                "documents replace plain causal attention only")
         self.attended += 1
         return True
+
+    def window(self, attn_mask) -> Optional[int]:
+        """The sliding window of a Hugging Face attention call's own mask
+        (None: not a sliding causal mask that cuts; `takes` judges it). Its
+        window, not the config's, is what the family computes: the
+        documents' mask cut to it is that attention within each document.
+        Only outside cp: cp's handler answers first and passes a band to
+        `takes`, which refuses it (data/documents.py refuses the config)."""
+        if not self.replaces_causal or attn_mask is None:
+            return None
+        window = _window(attn_mask)
+        if window is not None:
+            self.attended += 1
+        return window
 
     def check(self, q: torch.Tensor, name: str = "attention") -> None:
         """The attention's queries [rows, heads, L, head_dim] are the rows
@@ -259,16 +285,38 @@ def _uninstall_hf(model: nn.Module) -> None:
         delattr(model, _HF)
 
 
-def _plain_causal(mask: torch.Tensor) -> bool:
-    """A [..., L, L] mask of plain causal attention: bool (True: seen) or
-    additive (0 seen, -inf or the dtype's lowest not)."""
+def _seen(mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """A [..., L, L] mask as bool (True: seen): bool, or additive (0 seen,
+    -inf or the dtype's lowest not); None if it is neither or not square."""
     if mask.dim() < 2 or mask.shape[-1] != mask.shape[-2]:
-        return False
-    tril = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
+        return None
     if mask.dtype == torch.bool:
-        return bool((mask == tril).all())
+        return mask
     seen, hidden = mask == 0, mask <= torch.finfo(mask.dtype).min / 2
-    return bool((seen == tril).all() and (seen | hidden).all())
+    return seen if bool((seen | hidden).all()) else None
+
+
+def _plain_causal(mask: torch.Tensor) -> bool:
+    """A [..., L, L] mask of plain causal attention."""
+    seen = _seen(mask)
+    return seen is not None and bool((seen == torch.ones(mask.shape[-2:], dtype=torch.bool,
+                                                          device=mask.device).tril()).all())
+
+
+def _window(mask: torch.Tensor) -> Optional[int]:
+    """The window W of a [..., L, L] sliding causal mask that cuts (W < L:
+    query i sees key j iff 0 <= i - j < W, as transformers' sliding masks
+    count it), the same for every row and head; None for any other mask."""
+    seen = _seen(mask)
+    if seen is None:
+        return None
+    window = int(seen.reshape(-1, *seen.shape[-2:])[0, -1].sum())  # what the last query sees
+    n = seen.shape[-1]
+    if not 0 < window < n:
+        return None
+    i = torch.arange(n, device=mask.device)
+    gap = i[:, None] - i[None, :]
+    return window if bool((seen == ((gap >= 0) & (gap < window))).all()) else None
 
 
 # ---- Hugging Face causal LMs ---------------------------------------------------
@@ -355,9 +403,13 @@ class _Masks(TorchFunctionMode):
             q, k, v, *rest = args
             names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
             call = {**dict(zip(names, rest)), **kwargs}
-            if self.documents.takes(self.name, call.get("attn_mask"), call.get("is_causal", False)):
+            # A sliding window (Mistral's): the family's own band, recognised
+            # and cut into the documents' mask; else plain causal or refused.
+            window = self.documents.window(call.get("attn_mask"))
+            if window is not None or self.documents.takes(self.name, call.get("attn_mask"),
+                                                          call.get("is_causal", False)):
                 self.documents.check(q, self.name)
-                call.update(attn_mask=self.documents.mask(), is_causal=False)
+                call.update(attn_mask=self.documents.mask(window), is_causal=False)
                 if call.get("enable_gqa") and k.shape[1] != q.shape[1]:  # a mask with gqa: not every kernel has it
                     k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
                     call["enable_gqa"] = False

@@ -40,7 +40,11 @@ import sys
 
 # Imported once, before any command forks: what every `tpctl` command
 # imports before it reads its arguments (tpctl.cli, the train command and
-# torch), and Hydra's parser.
+# torch), and Hydra's parser. `serve` adds what a launch's fork server
+# imports for its workers (launch.warm.PRELOAD: dynamo, the training
+# modules, DCP): that server is a fork of the command (warm._fork_server),
+# so it then has them already instead of importing them for every `tpctl
+# train` of the suite (~2 CPU-s a launch).
 PRELOAD = ("torch", "omegaconf", "hydra", "tpctl.cli", "tpctl.commands.train", "tpctl.config")
 
 
@@ -113,7 +117,10 @@ def serve() -> None:
         os._exit(1)  # the owner died before the line above
     import importlib
 
-    for name in PRELOAD:
+    from tpctl.launch.warm import PRELOAD as WARM
+
+    # (not warm_server: its set-up is the fork server's own, run as its first import)
+    for name in PRELOAD + tuple(name for name in WARM if name != "tpctl.launch.warm_server"):
         importlib.import_module(name)
     requests = os.fdopen(os.dup(0), "r")
     replies = os.fdopen(os.dup(1), "w")

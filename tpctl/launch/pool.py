@@ -27,9 +27,11 @@ from .local import free_port
 # How often an idle rank looks whether the process that started it is alive.
 PARENT_POLL_S = 2.0
 # Imported once by a pool's zygote, before its ranks fork from it: what
-# every rank imports, and (where the pool's owner has them loaded, as a test
-# process has) the heavy modules the calls' functions import.
-PRELOAD = ("torch", "torch.distributed", "tpctl.launch.worker")
+# every rank imports (torch._dynamo too: torch's optimizers import it the
+# first time one is built, ~2 CPU-s a rank otherwise), and (where the pool's
+# owner has them loaded, as a test process has) the heavy modules the calls'
+# functions import.
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "tpctl.launch.worker")
 PRELOAD_IF_LOADED = ("transformers", "tpctl.training.build", "tpctl.training.loop", "tpctl.models",
                      "tpctl.parallel.parallelism", "tpctl.checkpoint")
 

@@ -40,9 +40,10 @@ from tpctl.errors import LAUNCHER_PID_ENV
 
 # Imported once, in the server, before any worker forks from it.
 # Not the worker modules themselves: runpy runs those as __main__, and warns
-# when one is imported already.
+# when one is imported already. DCP: every rank imports it when the run
+# saves its checkpoint (at the end, by default).
 PRELOAD = ["tpctl.launch.warm_server", "torch", "torch._dynamo", "torch.distributed", "tpctl.launch.warm",
-           "tpctl.training.build", "tpctl.training.loop", "tpctl.data.corpora"]
+           "tpctl.training.build", "tpctl.training.loop", "tpctl.data.corpora", "torch.distributed.checkpoint"]
 # Set in the server when it imports this module (PRELOAD): every worker's
 # parent.
 SERVER_PID = os.getpid()

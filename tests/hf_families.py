@@ -194,3 +194,16 @@ def oss_experts(vocab_size: int, width: int, depth: int, max_len: int):
 
 # Families composed of transformers' classes (a mechanism beside a family it does not come with).
 COMPOSED = {"oss_experts": oss_experts}
+
+# Gated delta-rule linear attention with separate projections (issue 46): Kimi Linear's (q, k and v
+# each its own Linear and short convolution, per-channel decay from a low-rank forget gate, a low-rank
+# output gate; 4 heads of 8) beside its latent attention, and OLMo Hybrid's (q, k, v, a, b, g Linears;
+# 4 value heads of 2 key heads) beside attention with q/k norms; dense MLPs.
+FAMILIES["kimi_linear"] = ("KimiLinearConfig", dict(
+    layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "dense"], num_attention_heads=4,
+    num_key_value_heads=4, intermediate_size=64, linear_num_heads=4, linear_head_dim=8, kv_lora_rank=16,
+    q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8))
+FAMILIES["olmo_hybrid"] = ("OlmoHybridConfig", dict(
+    layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2,
+    intermediate_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=8))

@@ -4,11 +4,13 @@ convolution's channels, the per-head parameters and the gated norm,
 out_proj's columns) and the gated delta rule's (Qwen3-Next: whole key
 heads and their value heads of in_proj_qkvz's and in_proj_ba's rows, the
 convolution's channels, A_log and dt_bias, out_proj's columns; the gated
-norm's one head-wide weight on every rank); the partial outputs summed
-over the group. The families train like mode=none in 1d, with pipeline
-stages, sequence parallelism and data parallelism, their shapes and
-collectives as planned: Bamba (beside attention, biases on in_proj and
-out_proj) and Qwen3.5 (its projections unfused) here; NemotronH (beside
+norm's one head-wide weight on every rank; OLMo Hybrid's and Kimi
+Linear's separate projections alike, Kimi's low-rank gates' latent on
+every rank); the partial outputs summed over the group. The families
+train like mode=none in 1d, with pipeline stages, sequence parallelism and
+data parallelism, their shapes and collectives as planned: Bamba (beside
+attention, biases on in_proj and out_proj), Qwen3.5 (its projections
+unfused), OLMo Hybrid and Kimi Linear here; NemotronH (beside
 experts) and Qwen3-Next (beside gated attention and experts) in
 test_families_hybrid's 1d layouts, which now split their mixers. A wrong
 layout fails the measurement; a mixer whose groups (key heads) do not
@@ -26,6 +28,13 @@ pytest.importorskip("transformers")
 # NemotronH's experts refuse it. nemotron_h 1d-2-pp2-dp2 and qwen3_next 1d-2-dp2 / 1d-2-pp2-dp2 run in
 # test_families_hybrid, the same check.)
 CASES = [("bamba", "1d-2-pp2-dp2"), ("bamba", "1d-2-sp-dp2"), ("qwen3_5", "1d-2-dp2")]
+# The gated delta rule with separate projections: Kimi Linear's (low-rank gates whose latent every rank
+# holds whole; its 1d-2-pp2-dp2 run, 65 s, is not repeated here) and OLMo Hybrid's (key and value heads)
+# with sequence parallelism: in plain 1d its attention's q/k norms over all heads issue 4 all-reduces the
+# planner does not count (cost/layer_comm.py's stated gap), so its counted collectives differ from the
+# plan whether its mixer is split or not (1d-2-dp2: 24 vs 20 split, 21 vs 17 whole: the split's own 3
+# as planned); a sequence-parallel run compares none, and its pp2 run fails in that attention's q_norm.
+CASES += [("olmo_hybrid", "1d-2-sp-dp2"), ("kimi_linear", "1d-2-dp2")]
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +102,51 @@ def test_the_gated_delta_rule_layout_is_measured_and_a_wrong_one_fails(family, k
     assert measure(mixer, MixerSplit(split.heads, split.groups, dims, split.attrs, split.kind), args, kwargs) is not None
 
 
+# Value heads of OLMo Hybrid's tensors; Kimi Linear's low-rank gates' projections to their shared latent.
+VALUE_HEADS = ("A_log", "dt_bias", "v_proj.weight", "a_proj.weight", "b_proj.weight", "g_proj.weight", "o_proj.weight")
+LATENT = ("forget_gate.f_a_proj.weight", "g_a_proj.weight")
+
+
+def _wrong(split, how: str):
+    """`split`'s dims made wrong: "strided", the value heads dealt round the
+    ranks (value head j to rank j mod 2, not with its key head); "latent",
+    the gates' latent projections read as 1/shards, a partial sum like
+    out_proj's bias (the gates' softplus and sigmoid follow, so each rank
+    needs the whole latent; splitting its rows does not even run: f_b_proj
+    reads all of them); "norm", the gated norm's weight read as 1/shards."""
+    from tpctl.parallel.roles.experts import WHOLE
+
+    if how == "strided":
+        return tuple((n, d, (s[0] // 2, s[0] // 2) if n in VALUE_HEADS else s) for n, d, s in split.dims)
+    names = LATENT if how == "latent" else [n for n, _, _ in split.dims if n.endswith("norm.weight")]
+    return tuple((n, WHOLE, ()) if n in names else (n, d, s) for n, d, s in split.dims)
+
+
+# family -> (kind, its head and group counts, the wrong layouts tried)
+SEPARATE = {"olmo_hybrid": ("delta_qkv", "num_v_heads", "num_k_heads", ("strided", "norm")),
+            "kimi_linear": ("kda", "num_heads", "num_heads", ("latent", "norm"))}
+
+
+@pytest.mark.parametrize("family", SEPARATE)
+def test_separate_projections_are_measured_and_a_wrong_grouping_fails(family):
+    """OLMo Hybrid's q/k/v/a/b/g and Kimi Linear's q/k/v/b and low-rank
+    gates split by heads reproduce the output; the conv's channels read per
+    head instead of [q|k|v], or a layout _wrong makes, do not."""
+    from tpctl.parallel.roles.fused import ProbeError
+    from tpctl.parallel.roles.mixers import MixerSplit, measure, mixer_split
+
+    kind, heads, groups, wrongs = SEPARATE[family]
+    mixer, (args, kwargs) = _mixer(family), _call()
+    split = mixer_split(mixer, args, kwargs)
+    assert split.kind == kind and (split.heads, split.groups) == (getattr(mixer, heads), getattr(mixer, groups))
+    with pytest.raises(ProbeError, match="no layout of its heads reproduces its output"):
+        mixer_split(mixer, args, kwargs, orders=[("grouped",)])
+    for how in wrongs:
+        dims = _wrong(split, how)
+        assert dims != split.dims, how
+        assert measure(mixer, MixerSplit(split.heads, split.groups, dims, split.attrs, kind), args, kwargs), how
+
+
 def _inspect(key: str, family: str):
     from test_families import _cfg
 
@@ -125,34 +179,46 @@ def test_each_rank_holds_its_share_of_a_mixer():
     assert rows[f"{name}.out_proj"][5] == full["out_proj.weight"] // 2 + full["out_proj.bias"]
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
-def test_each_rank_holds_its_share_of_a_gated_delta_rule_attention(family):
-    """1d-2: every tensor of a gated delta-rule linear attention but the
-    gated norm's head-wide weight (whole on every rank) is halved on a rank."""
+@pytest.mark.parametrize("family,attn,text,held", [
+    ("qwen3_next", "linear_attn", "4 value heads of 2 key heads", ("norm.weight",)),
+    ("qwen3_5", "linear_attn", "4 value heads of 2 key heads", ("norm.weight",)),
+    ("olmo_hybrid", "linear_attn", "4 value heads of 2 key heads", ("o_norm.weight",)),
+    ("kimi_linear", "self_attn", "4 heads, a rank's whole heads", ("o_norm.weight", "g_a_proj.weight",
+                                                                    "forget_gate.f_a_proj.weight"))])
+def test_each_rank_holds_its_share_of_a_gated_delta_rule_attention(family, attn, text, held):
+    """1d-2: every tensor of a gated delta-rule linear attention but those
+    `held` whole on every rank (the gated norm's head-wide weight; Kimi's
+    projections to its gates' latent, which every head reads) is halved on
+    a rank."""
     import math
 
     rows = _inspect("1d-2", family)
     mixer = _mixer(family)
-    name = next(n for n in rows if n.endswith("layers.0.linear_attn"))
-    assert rows[name][2] == "mixer (heads split)" and "4 value heads of 2 key heads" in rows[name][6], rows[name]
+    name = next(n for n in rows if n.endswith(f"layers.0.{attn}"))
+    assert rows[name][2] == "mixer (heads split)" and text in rows[name][6], rows[name]
     full = {n: math.prod(p.shape) * p.element_size() for n, p in mixer.named_parameters()}
-    assert rows[name][5] == sum(v for n, v in full.items() if "." not in n) // 2  # A_log, dt_bias
-    for sub in (n for n, _ in mixer.named_children() if n != "norm"):
-        assert rows[f"{name}.{sub}"][5] == full[f"{sub}.weight"] // 2, rows[f"{name}.{sub}"]
-        assert rows[f"{name}.{sub}"][6].startswith("split by heads, inside"), rows[f"{name}.{sub}"]
-    assert rows[f"{name}.norm"][5] == full["norm.weight"]
+    want = {}  # each module's own parameters' bytes on a rank
+    for n, nbytes in full.items():
+        owner = n.rpartition(".")[0]
+        want[owner] = want.get(owner, 0) + (nbytes if n in held else nbytes // 2)
+    for owner, nbytes in want.items():
+        row = rows[f"{name}.{owner}" if owner else name]
+        assert row[5] == nbytes and (not owner or row[6].startswith("split by heads, inside")), row
+    kept = sum(full[n] for n in held)
     before, after = sum(full.values()), sum(rows[n][5] for n in rows if n == name or n.startswith(name + "."))
-    assert after == (before - full["norm.weight"]) // 2 + full["norm.weight"], (before, after)
+    assert after == (before - kept) // 2 + kept, (before, after)
 
 
 @pytest.mark.parametrize("family,key,why", [
     ("bamba", "1d-4", "2 group(s) of heads do not split 4 ways"),
     ("qwen3_next", "1d-4", "2 key head(s) do not split 4 ways"),
     ("qwen3_5", "1d-4", "2 key head(s) do not split 4 ways"),
+    ("olmo_hybrid", "1d-4", "2 key head(s) do not split 4 ways"),
+    ("kimi_linear", "2d-4", "mode 2d runs mixers whole"),
     ("bamba", "2d-4", "mode 2d runs mixers whole"),
     ("falcon_h1", "1d-2", "one group of heads (n_groups=1)")])
 def test_a_mixer_that_does_not_split_runs_whole_and_says_why(family, key, why):
     rows = _inspect(key, family)
-    mixers = [row for row in rows.values() if row[2] == "whole" and ("Mixer" in row[1] or "DeltaNet" in row[1])]
+    mixers = [row for row in rows.values() if row[2] == "whole" and ("Mixer" in row[1] or "Delta" in row[1])]
     assert mixers and all(row[6].startswith("run whole on every rank") and "not split by heads: " in row[6]
                           and why in row[6] for row in mixers), mixers

@@ -2,8 +2,8 @@
 delta-rule attention in tensor parallelism), in 1d: a rank holds whole
 heads, and whole groups of heads, of everything the mixer holds per head
 or per group. A mixer is recognised by one of the attribute sets of
-LAYOUTS (Mamba-2's, the gated delta rule's), each with the segments of
-its fused dimensions; both are measured alike.
+LAYOUTS (Mamba-2's, the gated delta rule's in four families' spellings),
+each with the segments of its fused dimensions; all are measured alike.
 
 transformers' Mamba-2-style mixers (Mamba2Mixer, NemotronH's, FalconH1's,
 Bamba's, Zamba2's, GraniteMoeHybrid's mamba layer) declare the same
@@ -35,7 +35,19 @@ rank's heads' part) and `out_proj`. A rank holds block s of S of the key
 heads and of their value heads; it splits when num_k_heads divides by S.
 Qwen3.5's Qwen3_5GatedDeltaNet declares the same with its projections
 unfused: in_proj_qkv as [q | k | v] concatenated, in_proj_z, in_proj_b,
-in_proj_a (LAYOUTS' "delta_split").
+in_proj_a (LAYOUTS' "delta_split"). OLMo Hybrid's OlmoHybridGatedDeltaNet
+declares the same counts with q_proj, k_proj, v_proj, a_proj, b_proj, the
+output gate's g_proj, o_norm and o_proj, each Linear's rows per key or
+value head, only the conv's channels fused ("delta_qkv"). Kimi Linear's
+KimiDeltaAttention ("kda") has `num_heads` heads of `head_dim` for q, k
+and v alike (`qkv_dim` each, no key-head grouping): q_proj, k_proj,
+v_proj and a depthwise conv over [q | k | v], beta's b_proj, a decay per
+channel (forget_gate: f_a_proj, f_b_proj, dt_bias per channel, A_log per
+head), an output gate (g_a_proj, g_b_proj), a gated RMSNorm over one
+head's width (o_norm: REPLICA) and o_proj. Its gates are low-rank: the
+a-projections' latent is read by every head, so it is held whole on every
+rank (REPLICA) and only the b-projections' rows are split (_kda_dims says
+why).
 
 The layout is derived from the declared attributes and then MEASURED, as
 experts.own_split measures an experts module's: the S shards' outputs of
@@ -47,7 +59,7 @@ fails that and the mixer keeps running whole, which stays exact; so does a
 split that does not divide (`n_groups`, or `num_k_heads`, not a multiple of
 the tensor-parallel size: one group's B and C, or one key head's q and k,
 would be needed on two ranks, and a norm over a group on two ranks would
-need its moments summed across them).
+need its moments summed across them; Kimi's heads: a head's channels).
 
 Only 1d splits a mixer (its stream is whole rows, or sequence shards
 gathered for the mixer); 2d, 2.5d and 3d keep running it whole: their
@@ -82,6 +94,13 @@ SHARD_ATTRS = ("num_heads", "n_groups", "intermediate_size", "conv_dim")
 DELTA_SPLIT_DECLARED = DELTA_DECLARED[:7] + ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "out_proj",
                                              "norm")
 DELTA_SHARD_ATTRS = ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")
+# OLMo Hybrid's: q, k, v, a, b and the output gate g each its own Linear, o_norm and o_proj.
+DELTA_QKV_DECLARED = DELTA_DECLARED[:7] + ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "conv1d",
+                                          "o_norm", "o_proj")
+# Kimi Linear's KimiDeltaAttention: one head count for q, k and v.
+KDA_DECLARED = ("num_heads", "head_dim", "qkv_dim", "conv_dim", "q_proj", "k_proj", "v_proj", "conv1d",
+                "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "o_proj")
+KDA_SHARD_ATTRS = ("num_heads", "qkv_dim", "conv_dim")
 CONV_ATTRS = ("in_channels", "out_channels", "groups")
 # (WHOLE: a parameter every shard holds whole, read as 1/shards of itself: out_proj's bias, as an experts module's bias)
 # REPLICA: held whole and read as itself by every shard (a norm weight
@@ -120,6 +139,9 @@ class MixerSplit:
         """Why the mixer cannot be split `shards` ways (it then runs whole)."""
         if self.groups % shards == 0:
             return None
+        if self.kind == "kda":
+            return (f"{self.groups} head(s) do not split {shards} ways (a head's query, key, value, gate and decay "
+                    "channels would span ranks)")
         if self.kind.startswith("delta"):
             return (f"{self.groups} key head(s) do not split {shards} ways (a key head's query, key and value "
                     "heads would span ranks)")
@@ -137,6 +159,8 @@ class MixerSplit:
     def describe(self) -> str:
         parts = ", ".join(f"{n} whole (1/shards each)" if d == WHOLE else f"{n} whole on every rank" if d == REPLICA
                           else f"{n} dim {d} {list(sizes)}" for n, d, sizes in self.dims)
+        if self.kind == "kda":
+            return f"mixer (heads split): {self.heads} heads, a rank's whole heads of {parts}"
         if self.kind.startswith("delta"):
             return (f"mixer (heads split): {self.heads} value heads of {self.groups} key heads, a rank's whole key "
                     f"heads and their value heads of {parts}")
@@ -147,7 +171,14 @@ def mixer_kind(module: nn.Module) -> Optional[str]:
     """The key of LAYOUTS whose attributes `module` declares, or None."""
     return next((kind for kind, (declared, linears, *_) in LAYOUTS.items()
                  if all(hasattr(module, a) for a in declared)
-                 and all(isinstance(getattr(module, a), nn.Linear) for a in linears)), None)
+                 and all(isinstance(_submodule(module, a), nn.Linear) for a in linears)), None)
+
+
+def _submodule(module: nn.Module, path: str) -> Optional[nn.Module]:
+    try:  # (a Linear of a child: Kimi's forget_gate.f_b_proj)
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def is_mixer(module: nn.Module) -> bool:
@@ -170,8 +201,10 @@ def declared_split(module: nn.Module, order: Optional[tuple[str, ...]] = None) -
     attrs = [(path, a, v) for path, m in module.named_modules() for a, v in vars(m).items()
              if isinstance(v, int) and not isinstance(v, bool) and v > 0
              and (a in shard_attrs or isinstance(m, nn.Conv1d) and a in CONV_ATTRS)]
-    attrs += [(lin, "out_features", getattr(module, lin).out_features) for lin in linears if lin != "out_proj"]
-    attrs += [("out_proj", "in_features", width)]
+    # (linears: the Linears split by heads, the output projection last; a low-rank projection read
+    # whole by every head, Kimi's f_a_proj / g_a_proj, is none of them and keeps its width)
+    attrs += [(lin, "out_features", module.get_submodule(lin).out_features) for lin in linears[:-1]]
+    attrs += [(linears[-1], "in_features", width)]
     return MixerSplit(heads, groups, tuple(dims), tuple(attrs), kind)
 
 
@@ -216,27 +249,74 @@ def _delta_dims(module: nn.Module, order: tuple[str, ...]):
         raise ProbeError(f"{type(module).__name__} declares {kh} key heads of {module.head_k_dim}, {vh} value heads "
                          f"of {module.head_v_dim}, conv_dim {module.conv_dim}: not a gated delta-rule layout")
     grouped = order == ("grouped",)
+    conv = (key, key, value)
     if hasattr(module, "in_proj_qkvz"):  # (Qwen3-Next's fused [q|k|v|z] and [b|a])
         rules = {"in_proj_qkvz": (0, (2 * key + 2 * value,) if grouped else (key, key, value, value)),
                  "in_proj_ba": (0, (2 * vh,) if grouped else (vh, vh))}
-    else:  # (Qwen3.5's [q|k|v], z, b, a)
+    elif hasattr(module, "in_proj_qkv"):  # (Qwen3.5's [q|k|v], z, b, a)
         rules = {"in_proj_qkv": (0, (2 * key + value,) if grouped else (key, key, value)),
                  "in_proj_z": (0, (value,)), "in_proj_b": (0, (vh,)), "in_proj_a": (0, (vh,))}
-    fused = tuple(rules)
-    rules.update({"conv1d": (0, (key, key, value)), "out_proj.weight": (1, (value,)), "out_proj.bias": (WHOLE, ()),
-                  "norm": (REPLICA, ())})
-    for lin in fused:
-        if sum(rules[lin][1]) != getattr(module, lin).out_features:
-            raise ProbeError(f"{lin}'s {getattr(module, lin).out_features} outputs are not {order} {rules[lin][1]}")
+    else:  # (OLMo Hybrid's q, k, v, a, b, g: only the conv's channels are fused, [q | k | v] as the forward
+        # concatenates them; "grouped": read per key head, the wrong order the measurement must reject)
+        rules = {"q_proj": (0, (key,)), "k_proj": (0, (key,)), "v_proj": (0, (value,)), "a_proj": (0, (vh,)),
+                 "b_proj": (0, (vh,)), "g_proj": (0, (value,))}
+        conv = (2 * key + value,) if grouped else conv
+    out, norm = ("out_proj", "norm") if hasattr(module, "out_proj") else ("o_proj", "o_norm")
+    rules.update({"conv1d": (0, conv), f"{out}.weight": (1, (value,)), f"{out}.bias": (WHOLE, ()),
+                  norm: (REPLICA, ())})
+    # (A_log, dt_bias: per value head; a key head's value heads are consecutive -- repeat_interleave -- so a
+    # block of key heads owns a block of value heads)
+    return _rule_dims(module, rules, vh), vh, kh, value
+
+
+def _kda_dims(module: nn.Module, order: tuple[str, ...]):
+    """Kimi Linear's KimiDeltaAttention's dims (order ("concat",): the
+    conv's channels [q | k | v] as its forward concatenates them;
+    ("grouped",): per head, a wrong order), heads (its own groups) and
+    q/k/v width. Every head has its q, k, v rows and conv channels, its
+    beta (b_proj's row), its decay (f_b_proj's rows, dt_bias's channels,
+    A_log's entry), its output gate (g_b_proj's rows) and o_proj's columns.
+
+    The forget gate and the output gate are low-rank: f_a_proj and g_a_proj
+    map the stream to ONE latent of head_dim features that every head
+    reads (head h's gate is B_h (A x), B_h its rows of f_b_proj / g_b_proj).
+    The rank dimension is not per head, so A is held whole on every rank
+    (REPLICA: read as itself; its gradient on a rank, sum over its heads of
+    B_h^T dL/d(B_h A x) x^T, summed over the group is the whole gradient),
+    and only B's rows are split. Splitting the rank instead would give each
+    rank a partial sum of B_h A x, which the softplus / sigmoid that follow
+    do not add up (an all-reduce inside the mixer, not built); holding A
+    costs 2 x hidden x head_dim weights per rank, small beside q, k, v."""
+    heads, width = module.num_heads, module.qkv_dim
+    if width != heads * module.head_dim or module.conv_dim != 3 * width:
+        raise ProbeError(f"{type(module).__name__} declares {heads} heads of {module.head_dim}, qkv_dim {width}, "
+                         f"conv_dim {module.conv_dim}: not Kimi's delta attention layout")
+    per_head = (0, (width,))
+    rules = {"q_proj": per_head, "k_proj": per_head, "v_proj": per_head, "b_proj": (0, (heads,)),
+             "g_b_proj": per_head, "forget_gate.f_b_proj": per_head, "forget_gate.dt_bias": per_head,
+             "forget_gate.A_log": (2, (heads,)),  # (1, 1, heads, 1)
+             "conv1d": (0, (3 * width,) if order == ("grouped",) else (width,) * 3),
+             "o_proj.weight": (1, (width,)), "o_proj.bias": (WHOLE, ()),
+             "g_a_proj": (REPLICA, ()), "forget_gate.f_a_proj": (REPLICA, ()), "o_norm": (REPLICA, ())}
+    return _rule_dims(module, rules), heads, heads, width
+
+
+def _rule_dims(module: nn.Module, rules: dict, per_head: Optional[int] = None):
+    """Each parameter's and buffer's (name, dim, segments) from `rules`
+    (keyed by its name or its owner's); a tensor of the module's own whose
+    first dimension is `per_head` long: per head. ProbeError for any other,
+    or a split dimension of another length than its segments'."""
     dims = []
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         owner = name.rpartition(".")[0]
-        rule = rules.get(name) or rules.get(owner) or ((0, (vh,)) if not owner and t.dim() and t.shape[0] == vh
-                                                         else None)  # (A_log, dt_bias: per value head)
+        rule = rules.get(name) or rules.get(owner) or ((0, (per_head,)) if not owner and t.dim()
+                                                         and t.shape[0] == per_head else None)
         if rule is None:
             raise ProbeError(f"{type(module).__name__}.{name} {tuple(t.shape)} is held per no head or channel")
+        if rule[0] >= 0 and (t.dim() <= rule[0] or t.shape[rule[0]] != sum(rule[1])):
+            raise ProbeError(f"{type(module).__name__}.{name} {tuple(t.shape)} is not {rule[1]} along dim {rule[0]}")
         dims.append((name, *rule))
-    return dims, vh, kh, value
+    return dims
 
 
 def shard_of(module: nn.Module, split: MixerSplit, shards: int, s: int) -> nn.Module:
@@ -302,6 +382,11 @@ LAYOUTS = {
               DELTA_ORDERS),
     "delta_split": (DELTA_SPLIT_DECLARED, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
                     DELTA_SHARD_ATTRS, _delta_dims, DELTA_ORDERS[::-1]),  # ([q|k|v] concatenated first)
+    "delta_qkv": (DELTA_QKV_DECLARED, ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_proj"),
+                  DELTA_SHARD_ATTRS, _delta_dims, DELTA_ORDERS[::-1]),
+    # (f_a_proj and g_a_proj, the low-rank gates' shared latent, are not split: _kda_dims)
+    "kda": (KDA_DECLARED, ("q_proj", "k_proj", "v_proj", "b_proj", "forget_gate.f_b_proj", "g_b_proj", "o_proj"),
+            KDA_SHARD_ATTRS, _kda_dims, DELTA_ORDERS[::-1]),
 }
 # (checked first: no order of the segments helps) a split's smallest unit is one group, or one key head
 ONE_GROUP = {
@@ -309,6 +394,8 @@ ONE_GROUP = {
                            "split would need them on every rank and the norm's moments summed across ranks"),
     "delta": ("num_k_heads", "one key head (num_k_heads=1): its query and key serve every value head"),
     "delta_split": ("num_k_heads", "one key head (num_k_heads=1): its query and key serve every value head"),
+    "delta_qkv": ("num_k_heads", "one key head (num_k_heads=1): its query and key serve every value head"),
+    "kda": ("num_heads", "one head (num_heads=1): nothing to split"),
 }
 
 

@@ -270,7 +270,8 @@ class StageCut:
                                                   (plan.roles, plan.heads, plan.problems, plan.units, plan.layouts))
         whole = {k: v for k, v in plan.whole.items() if k in present}
         return RolePlan(roles, plan.source, heads, problems, plan.blocks, units, layouts, whole=whole,
-                        norm_widths={k: v for k, v in plan.norm_widths.items() if k in present})
+                        norm_widths={k: v for k, v in plan.norm_widths.items() if k in present},
+                        stream_tensors={k: v for k, v in plan.stream_tensors.items() if k in present})
 
     # ---- after the rewrite: wire the stage ----------------------------------------
     def install(self, model: nn.Module) -> None:

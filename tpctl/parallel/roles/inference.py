@@ -127,6 +127,7 @@ class _Inference(LayerSteps):
         self.head_rows: dict[str, str] = {}
         self.head_lists: dict[str, str] = {}
         self.latent_nodes: set[int] = set()  # the calls of latent attentions' down-projections
+        self.stream_tensors: dict[str, tuple] = {}  # RolePlan.stream_tensors
 
     def assign(self, name: str, role: str) -> None:
         if self.roles.get(name, role) != role:
@@ -434,4 +435,4 @@ class _Inference(LayerSteps):
                         self.layouts, self.sources, self.head_lists, self.head_rows,
                         random_draws(self.model, vocab_size), self.widths, self.routed, self.whole,
                         {n: m.tpctl_traced_width for n, m in self.modules.items() if n in ordered
-                         and getattr(m, "tpctl_traced_width", None) is not None})
+                         and getattr(m, "tpctl_traced_width", None) is not None}, self.stream_tensors)

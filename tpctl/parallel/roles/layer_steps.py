@@ -2,7 +2,9 @@
 that are not Linears: norms (on the stream, over each head, over one
 projection's output, lists of per-head norms), dropouts, tables of
 constants, elementwise modules, an attention module's own per-head
-parameters; any other layer with parameters is a problem (a module on the
+parameters, tensors as wide as the stream a module holds itself and adds to
+(or multiplies into) it outside any Linear; any other layer with parameters
+is a problem (a module on the
 stream holding one may then run whole: roles/whole.py). A mixin of
 inference._Inference: each step reads and writes its state.
 """
@@ -13,6 +15,7 @@ import dataclasses
 
 import torch.nn as nn
 
+from tpctl.parallel.roles.plan import blocks_of
 from tpctl.parallel.roles.probes import norm_width
 
 
@@ -41,28 +44,83 @@ class LayerSteps:
                 self.assign(n.name, "pos_table")
             elif n.kind == "elementwise" and n.name not in roles:
                 self.elementwise(n)
-            elif n.kind == "layer" and n.name in self.heads and self.per_head_params(n.name):
-                continue  # (an attention module holding learned sinks: split with its heads)
+            elif n.kind == "layer" and n.name not in roles and self.own_params(n):
+                continue  # (learned sinks split with their heads, a bias added to the stream with the stream)
             elif n.kind in ("layer", "experts") and n.name not in roles:
                 self.problems.setdefault(n.name, f"an unsupported layer type ({type(modules[n.name]).__name__}) "
                                                  "with parameters")
+        self.stream_buffers()
 
-    def per_head_params(self, owner: str) -> bool:
-        """Whether every parameter an attention module holds itself has one
-        entry per query head along its first dimension (GPT-OSS's sinks);
-        if so they are recorded on its Heads."""
-        heads = self.heads[owner]
+    def own_params(self, n) -> bool:
+        """Whether every parameter a module holds itself (outside its
+        children) is placed: one entry per query head along its first
+        dimension, held by an attention module (GPT-OSS's sinks: recorded
+        on its Heads), or one per feature of the stream (recorded in
+        `stream_tensors`, held as the stream's features are) where the
+        module is the stream's: an attention module returning it for its
+        block to add (GPT-NeoX-Japanese's dense_bias), a block of the stack
+        or a module holding the stack (a learned per-feature residual rate:
+        Doge, Dory), a module holding no other module (Zaya's residual
+        scales). Inside another module (a mixer's per-head A_log as long as
+        the stream is wide) it is no feature of the stream: a problem."""
+        owner = n.name
+        heads = self.heads.get(owner)
         own = dict(self.modules[owner].named_parameters(recurse=False))
-        if not own or any(p.dim() < 1 or p.shape[0] != heads.heads for p in own.values()):
+        per_head = tuple(a for a, p in own.items() if heads is not None and p.dim() >= 1 and p.shape[0] == heads.heads)
+        wide = tuple(a for a, p in own.items() if a not in per_head and self.stream_wide(p, buffer=False)
+                     and (a in n.returns if heads is not None else self.streams(owner)))
+        if not own or len(per_head) + len(wide) != len(own):
             return False
-        self.heads[owner] = dataclasses.replace(heads, params=tuple(own))
+        if per_head:
+            self.heads[owner] = dataclasses.replace(heads, params=per_head)
+        if wide:
+            self.stream_tensors[owner] = wide
         return True
+
+    def streams(self, name: str) -> bool:
+        """Whether a module is the stream's own: a block of the stack, a
+        module holding the stack, or one holding no other module."""
+        stack = blocks_of(self.model, self.roles)
+        if stack is not None and (name.rpartition(".")[0] == stack or stack == name or stack.startswith(f"{name}.")
+                                  or not name):
+            return True
+        return not any(True for _ in self.modules[name].children())
+
+    def stream_wide(self, t, buffer: bool) -> bool:
+        """A parameter of one entry per feature of the stream, or a table of
+        constants whose last dimension is the stream's features (a
+        sinusoidal position table [positions, hidden]; not a vector: a
+        rotary embedding's inv_freq may be as long as the stream is wide)."""
+        hidden = self.hidden
+        if hidden is None or not t.is_floating_point():
+            return False
+        return t.dim() >= 2 and t.shape[-1] == hidden if buffer else tuple(t.shape) == (hidden,)
+
+    def stream_buffers(self) -> None:
+        """Buffers of constants as wide as the stream that a module with no
+        role holds itself and reads in its own forward (CTRL's model adds
+        `pos_encoding[position_ids]` to the embeddings): each rank reads its
+        features of them, as its piece of the stream holds. What a role's
+        module holds is its layer's (a position table's own forward: its
+        output cut), what lies inside one its owner's."""
+        placed = tuple(f"{name}." for name, role in self.roles.items() if name)
+        for name, module in self.modules.items():
+            if name in self.roles or (placed and name.startswith(placed)):
+                continue
+            wide = tuple(a for a, b in module._buffers.items() if b is not None and self.stream_wide(b, buffer=True))
+            if wide:
+                self.stream_tensors[name] = self.stream_tensors.get(name, ()) + wide
 
     def elementwise(self, n) -> None:
         """A module measured to act on each element alone (tracing.py): its
-        parameters are replicated, so each must be one scalar."""
+        parameters are replicated, so each must be one scalar, or, on the
+        stream, one per feature of it (held as the stream's features are)."""
         module = self.modules[n.name]
-        wide = [f"{a} {tuple(p.shape)}" for a, p in module.named_parameters() if p.numel() != 1]
+        per_feature = tuple(a for a, p in module.named_parameters() if p.numel() != 1 and self.stream_wide(p, False))
+        if per_feature and not n.inputs & self.inner:  # one per feature of the stream: held as its features are
+            self.stream_tensors[n.name] = per_feature
+        wide = [f"{a} {tuple(p.shape)}" for a, p in module.named_parameters()
+                if p.numel() != 1 and a not in self.stream_tensors.get(n.name, ())]
         if wide:
             self.problems[n.name] = (f"an elementwise module ({type(module).__name__}) with parameters of more than "
                                      f"one element ({', '.join(wide)}): tpctl replicates only scalar ones")

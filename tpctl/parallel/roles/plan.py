@@ -131,6 +131,13 @@ class RolePlan:
     # by the rewrite, which may meet another instance than the traced one
     # (the planner's dry run).
     norm_widths: dict[str, int] = field(default_factory=dict)
+    # Modules -> their own tensors as wide as the stream, added to (or
+    # multiplied into) it outside any Linear: a parameter of one entry per
+    # feature (GPT-NeoX-Japanese's dense_bias, a per-feature scale), a
+    # buffer of constants whose last dimension is the features (CTRL's
+    # sinusoidal table). Each rank holds its features of them, as it holds
+    # the stream's (mode.hold_stream_tensors).
+    stream_tensors: dict[str, tuple] = field(default_factory=dict)
 
     @property
     def lm_head(self) -> Optional[str]:

@@ -39,6 +39,9 @@ class _Node:
     inputs: frozenset  # ids of the nodes this one reads (through any ops in between)
     operands: list = field(default_factory=list)  # attention: provenance of each operand
     shape: tuple = ()  # attention: shape of the first operand (the queries)
+    # A parameter holder: its own parameters its forward returns as they are
+    # (GPT-NeoX-Japanese's attention returns its dense_bias for its block to add).
+    returns: tuple = ()
 
 
 class _Trace(TorchFunctionMode):
@@ -246,7 +249,8 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
                     found = "elementwise" if is_elementwise(mod, args, kwargs, out) else kind
                 finally:
                     tracer.paused = False
-            node = tracer.add(_Node(found, name, mod._tpctl_in, shape=shape))
+            returned = tuple(a for a, p in mod._parameters.items() if p is not None and any(t is p for t in _tensors(out)))
+            node = tracer.add(_Node(found, name, mod._tpctl_in, shape=shape, returns=returned))
             calls.setdefault(name, []).append(node)
             # Dropout, tables of constants and elementwise modules pass their
             # input's provenance on: they change no layout.

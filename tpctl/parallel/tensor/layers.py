@@ -104,3 +104,53 @@ def vocab_block_lookup(ids: torch.Tensor, table: torch.Tensor, vocab_start: int,
     out = torch.nn.functional.embedding(local.masked_fill(outside, 0), table, padding_idx=pad)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
+
+
+def hold_stream_tensors(model: nn.Module, plan, mode, ctx) -> None:
+    """Tensors as wide as the stream that a module holds itself and adds to
+    (or multiplies into) it outside any Linear (RolePlan.stream_tensors),
+    held as this rank's piece of the stream holds its features
+    (mode.stream_spec). A parameter is sharded so: a rank's gradient is its
+    rows' part, summed over the ranks holding the same features (where the
+    stream's features are whole, it is replicated, its gradient partial
+    where the stream is split by sequence). A buffer of constants stays
+    whole (a lazy model computes it, export and checkpoints read it whole)
+    and is cut for the module's own forward only (`StreamTables`)."""
+    for owner, attrs in getattr(plan, "stream_tensors", {}).items():
+        module = model.get_submodule(owner)
+        ctx.name = owner
+        params = [a for a in attrs if a in module._parameters]
+        for attr in params if mode.rewrites else ():
+            full = module._parameters[attr]
+            spec = mode.stream_spec(full)
+            if spec is None:
+                mode.replicated(full, "tp", partial=mode.splits_stream(ctx))
+            else:
+                setattr(module, attr, ctx.shard(full, spec))
+        tables = tuple(a for a in attrs if a not in params)
+        if tables and mode.stream_spec(torch.empty(0, device="meta")) is not None:
+            hooks = StreamTables(tables, mode)
+            module.register_forward_pre_hook(hooks.cut)
+            module.register_forward_hook(hooks.restore, always_call=True)
+
+
+class StreamTables:
+    """Forward hooks of a module reading buffers of constants as wide as
+    the stream (CTRL's `pos_encoding[position_ids]`, added to the
+    embeddings): for the call each is this rank's features of it, after
+    it the whole one again. (The forward may replace the buffer by its own
+    cast: CTRL's `.to(device, dtype)`; the next call cuts the whole one again.)"""
+
+    def __init__(self, attrs: tuple, mode):
+        self.attrs, self.mode = attrs, mode
+        self.whole: dict = {}
+
+    def cut(self, module: nn.Module, args) -> None:
+        for attr in self.attrs:
+            full = self.whole[attr] = module._buffers[attr]
+            module._buffers[attr] = self.mode.stream_spec(full).slice(full)
+
+    def restore(self, module: nn.Module, args, out) -> None:
+        for attr, full in self.whole.items():
+            module._buffers[attr] = full
+        self.whole.clear()

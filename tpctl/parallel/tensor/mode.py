@@ -260,6 +260,14 @@ class ParallelMode(CostHooks):
         of the residual stream (None: a rank holds whole rows)."""
         return None
 
+    def stream_spec(self, full: torch.Tensor) -> Optional[ShardSpec]:
+        """Where a tensor whose last dimension is the stream's features lives
+        (a bias added to the stream outside any Linear, a sinusoidal table):
+        this rank's features of it, as its piece of the stream holds them,
+        the ranks with other rows holding replicas; None where every rank
+        holds the stream's features whole (tensor/layers.hold_stream_tensors)."""
+        return None
+
     def convert_router(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
         """A mixture-of-experts router (or a per-row gate beside it) scores
         a row from its whole hidden vector, and every rank holding the row

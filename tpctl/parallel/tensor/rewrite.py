@@ -22,6 +22,8 @@ from tpctl.parallel.roles.inference import resolve_plan
 from tpctl.parallel.roles.plan import GROUP_ATTRS, KV_ATTRS, RolePlan, repeated_blocks
 from tpctl.parallel.roles.probes import embedding_semantics, norm_offset, norm_width, traced_width
 from tpctl.parallel.shard import spec_of
+from tpctl.parallel.tensor.layers import hold_stream_tensors
+from tpctl.parallel.tensor.linear import LINEAR_ROLES
 from tpctl.parallel.tensor.mode import ParallelMode, RewriteContext
 from tpctl.parallel.tensor.replicas import share_slices
 
@@ -144,6 +146,7 @@ def rewrite_layers(model: nn.Module, mode: ParallelMode, plan=None, dry_run: boo
             setattr(model.get_submodule(block), attr, full // mode.geo.q)
     split = mode.geo.head_split
     _hold_heads(model, plan, mode, ctx)
+    hold_stream_tensors(model, plan, mode, ctx)  # (after the roles: an elementwise module's are replicated there)
     if init is not None:
         init.materialize(model)  # what no layer sharded: norms, replicated tables, ...
     for name, param in model.named_parameters():
@@ -306,7 +309,11 @@ def check_plan(plan, model: nn.Module, geo, training: bool = True) -> dict[str, 
     split = geo.hidden_split
     for name, role in plan.roles.items():
         module = model.get_submodule(name)
-        if role in ("qkv", "attn_in", "mlp_in", "attn_out", "mlp_out"):
+        extra = sorted(set(module._parameters) - {"weight", "bias"}) if role in LINEAR_ROLES else []
+        if extra:  # (a mode's Linear holds a weight and a bias: another parameter would be dropped, not learnt)
+            problems.setdefault(name, f"a Linear ({type(module).__name__}) holding parameters beside its weight and "
+                                      f"bias ({', '.join(extra)}), which tpctl's Linear layers do not carry")
+        elif role in ("qkv", "attn_in", "mlp_in", "attn_out", "mlp_out"):
             dims = {"out": module.out_features, "in": module.in_features}
             if mode.replicated_activations:  # only the split dimension
                 dims = {"out": module.out_features} if role not in ("attn_out", "mlp_out") else {"in": module.in_features}

@@ -295,6 +295,10 @@ class ThreeD(ParallelMode):
     def splits_stream(self, ctx) -> bool:
         return True
 
+    def stream_spec(self, full: torch.Tensor) -> ShardSpec:
+        """The stream's (layout A's) hidden block of the last dimension, as a norm's weight."""
+        return self._hidden_spec(full, LAYOUT_A, full.dim() - 1)
+
     @property
     def loss_replicas(self) -> int:
         return self.q

@@ -244,6 +244,10 @@ class TwoD(ParallelMode):
     def splits_stream(self, ctx) -> bool:
         return True
 
+    def stream_spec(self, full: torch.Tensor) -> ShardSpec:
+        """Hidden block j of the last dimension, as a norm's weight (2.5d: the same on every depth layer)."""
+        return self._hidden_spec(full, block(full.shape[-1], self.grid.q, self.grid.j), full.dim() - 1)
+
     @property
     def loss_replicas(self) -> int:
         return self.grid.q

@@ -24,8 +24,11 @@ What differs from a fresh interpreter, and why it does not matter here:
   are fresh interpreters and carry the marker, and the command itself is
   waited for (or killed with its session) before Tpctl.run returns.
 
+It runs benchmark scripts the same way (cli_support.run_script:
+`python SCRIPT ARGS` as runpy runs it, `__main__` being the script).
+
 Protocol, one JSON line each way on stdin/stdout: a request {argv, cwd,
-env, umask, out, err}; the replies {"pid": P} once forked, then {"status": S}.
+env, umask, out, err, and script for a script}; the replies {"pid": P} once forked, then {"status": S}.
 One command at a time (a test process runs its tests in turn). The server
 dies with the process that started it (PDEATHSIG), and a command with the
 server.
@@ -75,14 +78,24 @@ def _command(request: dict, reply_fds: tuple[int, int]) -> None:
     sys.path[0] = request["cwd"]  # as `python -m` puts its working directory first
     os.environ.clear()
     os.environ.update(request["env"])
-    cli = importlib.import_module("tpctl.cli")
-    # As under `python -m tpctl.cli`: the launcher's spawned processes
-    # (multiprocessing) import the main module by this name.
-    sys.modules["__main__"] = cli
-    sys.argv = [cli.__file__, *request["argv"]]
+    script = request.get("script")
+    if script is None:
+        cli = importlib.import_module("tpctl.cli")
+        # As under `python -m tpctl.cli`: the launcher's spawned processes
+        # (multiprocessing) import the main module by this name.
+        sys.modules["__main__"] = cli
+        sys.argv = [cli.__file__, *request["argv"]]
+    else:  # `python SCRIPT ARGS`: the script's folder first on the path, run as __main__
+        import runpy
+
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        sys.argv = [script, *request["argv"]]
     status = 1
     try:
-        cli.main(request["argv"])
+        if script is None:
+            cli.main(request["argv"])
+        else:
+            runpy.run_path(script, run_name="__main__")
         status = 0
     except SystemExit as e:
         if e.code is None:

@@ -162,6 +162,26 @@ class Tpctl:
 FORK_VAR = "TPCTL_TEST_FORK_CLI"
 
 
+def run_script(script: Path, args: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` to its end (`timeout`: seconds, not scaled here),
+    forked from the fork server where `env` allows it (its PYTHONPATH the
+    server's): a fresh interpreter would import torch first (~2 CPU-s a
+    script). Else, or with FORK_VAR=0, a fresh interpreter leading its own
+    session; on a timeout the session is killed (with the ranks it
+    started) and subprocess.TimeoutExpired raised, as the fork's is."""
+    if os.environ.get(FORK_VAR, "1") != "0" and env.get("PYTHONPATH") == _server_pythonpath():
+        return _fork_server().run(args, cwd, env, timeout, script=str(script))
+    proc = subprocess.Popen([sys.executable, str(script), *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(proc.args, timeout, out, err) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def _server_pythonpath() -> str:
     return os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
 
@@ -201,7 +221,9 @@ class ForkServer:
         line, self._pending = self._pending.split(b"\n", 1)
         return json.loads(line)
 
-    def run(self, args: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    def run(self, args: list[str], cwd: Path, env: dict, timeout: float,
+            script: str | None = None) -> subprocess.CompletedProcess:
+        """`tpctl ARGS`, or `python SCRIPT ARGS` with `script`, forked."""
         import json
         import tempfile
 
@@ -210,6 +232,8 @@ class ForkServer:
             umask = os.umask(0)
             os.umask(umask)
             request = {"argv": list(args), "cwd": str(cwd), "env": env, "umask": umask, "out": str(out), "err": str(err)}
+            if script is not None:
+                request["script"] = script
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()
             deadline = time.monotonic() + timeout
@@ -222,7 +246,7 @@ class ForkServer:
                 self._reply(time.monotonic() + scaled(60))
                 raise subprocess.TimeoutExpired(args, timeout, out.read_text(errors="replace"),
                                                 err.read_text(errors="replace")) from None
-            return subprocess.CompletedProcess(["tpctl", *args], status, out.read_text(errors="replace"),
+            return subprocess.CompletedProcess([script or "tpctl", *args], status, out.read_text(errors="replace"),
                                                err.read_text(errors="replace"))
 
 

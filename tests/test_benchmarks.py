@@ -1,21 +1,21 @@
 """Every script under benchmarks/ starts and finishes on tiny shapes, so
 none goes stale unnoticed when the code it drives changes (one did: it
 called TrainStep with a signature gone for months). Each runs as its user
-runs it, `python benchmarks/<script>.py <arguments>`, in its own process.
+runs it, `python benchmarks/<script>.py <arguments>`, in its own process
+(a fork of the suite's CLI server, which has imported torch: runpy runs
+the script as __main__; cli_support.run_script).
 The ones that train through `tpctl train` (a launcher and its workers per
 run, several runs each) are marked slow; the rest take seconds."""
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from cli_support import scaled
+from cli_support import run_script, scaled
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
@@ -77,16 +77,13 @@ def test_script_runs_on_tiny_shapes(script, tmp_path):
     args, expected, _ = SCRIPTS[script]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    # Its own session: a script that runs over is ended with the ranks it
-    # spawned, none left behind.
-    proc = subprocess.Popen([sys.executable, str(BENCHMARKS / script.split()[0]), *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # Its own session (forked from the suite's CLI server where it can:
+    # cli_support.run_script): a script that runs over is ended with the
+    # ranks it spawned, none left behind.
     try:
-        out, err = proc.communicate(timeout=scaled(840))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{script} ran over 840 s:\n{(out + err)[-3000:]}")
-    output = out + err
-    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{output[-3000:]}"
+        done = run_script(BENCHMARKS / script.split()[0], args, tmp_path, env, scaled(840))
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{script} ran over 840 s:\n{((e.stdout or '') + (e.stderr or ''))[-3000:]}")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"{script} exited {done.returncode}:\n{output[-3000:]}"
     assert expected in output, f"{script}: no {expected!r} in its output:\n{output[-3000:]}"

@@ -266,12 +266,12 @@ class StageCut:
             _set(model, b.name, stand_in)
         # What is still in the cut model, and not a stand-in (every path, as get_submodule finds them).
         present = {n for n, m in model.named_modules(remove_duplicate=False) if not isinstance(m, StandIn)}
-        roles, heads, problems, units, layouts = ({k: v for k, v in d.items() if k in present} for d in
-                                                  (plan.roles, plan.heads, plan.problems, plan.units, plan.layouts))
-        whole = {k: v for k, v in plan.whole.items() if k in present}
-        return RolePlan(roles, plan.source, heads, problems, plan.blocks, units, layouts, whole=whole,
-                        norm_widths={k: v for k, v in plan.norm_widths.items() if k in present},
-                        stream_tensors={k: v for k, v in plan.stream_tensors.items() if k in present})
+        # Every record of the plan keyed by module name, this stage's entries
+        # of it: one the cut forgot (a proj_norm's source projection, a per-head
+        # norm's rows) would leave the stage's modules of that kind unplaced.
+        return dataclasses.replace(plan, **{f.name: {k: v for k, v in getattr(plan, f.name).items() if k in present}
+                                            for f in dataclasses.fields(plan)
+                                            if isinstance(getattr(plan, f.name), dict)})
 
     # ---- after the rewrite: wire the stage ----------------------------------------
     def install(self, model: nn.Module) -> None:

@@ -8,9 +8,10 @@ modules (in 3-d Linear weights, or run by a model's own forward), each by
 its mode's `cost_*` hook (parallel/tensor/cost_hooks.py). Read once from the model
 on the meta device and its role plan, never by running it.
 
-Not counted: a norm over all heads of q or k (`proj_norm`, OLMo-2's), and
-with 1d sequence parallelism the gather an attention or MLP module's entry
-makes for all its Linears (Hugging Face families).
+Norms over all heads of q or k (`proj_norm`, OLMo-2's) are counted by the
+role of the projection they normalise (`cost_proj_norm`). Not counted: with
+1d sequence parallelism the gather an attention or MLP module's entry makes
+for all its Linears (Hugging Face families).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class LayerShapes:
     hidden: int  # the residual stream's width
     heads: int  # query heads of the first attention (0: none found)
     norms: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (width, moments)
+    # norms over all heads of q or k -> (their projection's role, moments)
+    proj_norms: dict[str, tuple[str, int]] = field(default_factory=dict)
     latents: list[str] = field(default_factory=list)
     routers: list[str] = field(default_factory=list)
     wholes: list[str] = field(default_factory=list)  # modules run whole (role `whole`)
@@ -54,6 +57,8 @@ def layer_shapes(model: nn.Module, plan, model_cfg) -> LayerShapes:
         module = model.get_submodule(name)
         if role == "norm":
             out.norms[name] = (norm_width(module), 1 if is_rms_norm(module) else 2)
+        elif role == "proj_norm":
+            out.proj_norms[name] = (roles[plan.sources[name]], 1 if is_rms_norm(module) else 2)
         elif role == "latent":
             out.latents.append(name)
         elif role == "router":
@@ -81,6 +86,9 @@ def count_layers(layers: LayerShapes, mode, add, tokens: int, holds: Callable[[s
     for name, (width, moments) in layers.norms.items():
         if holds(name):
             act += mode.cost_norm(add, tokens, width, moments=moments)
+    for name, (role, moments) in layers.proj_norms.items():
+        if holds(name):
+            mode.cost_proj_norm(add, tokens, role, moments)
     for name in filter(holds, layers.latents):
         mode.cost_latent(add, tokens, hidden)
     for name in filter(holds, layers.routers):

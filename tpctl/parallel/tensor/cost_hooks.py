@@ -69,6 +69,14 @@ class CostHooks:
         """A norm over the stream (`moments`: 2 a LayerNorm's, 1 an RMSNorm's)."""
         return 2 * self.cost_rows(tokens) * self.cost_hidden(hidden)
 
+    def cost_proj_norm(self, add, tokens: int, role: str, moments: int) -> None:
+        """A norm over all heads of q or k (`proj_norm`: OLMo-2's), over the
+        output features of a Linear of `role` (`moments`: 2 a LayerNorm's, 1
+        an RMSNorm's): the moments of its rows summed over the ranks
+        splitting those features (mode.output_group), forward and backward
+        (layers.SplitNorm), one call each however many ranks hold a shared
+        key/value head. Nothing where the features are whole (mode=none)."""
+
     def cost_linear(self, add, role: str, tokens: int, n: int, k: int) -> int:
         """A Linear of role `role`, k -> n features, on `tokens` rows."""
         return tokens * k

@@ -197,6 +197,12 @@ class OneD(ParallelMode):
     def cost_norm(self, add, tokens: int, hidden: int, moments: int = 2) -> int:
         return 2 * (tokens // self.world if self.seq_parallel else tokens) * hidden
 
+    def cost_proj_norm(self, add, tokens: int, role: str, moments: int) -> None:
+        # An attention's Linears hold whole rows of the whole sequence (with
+        # sequence parallelism its entry gathered it), their features split
+        # over the group.
+        add("all_reduce", "tp", moments * tokens, times=2)
+
     def cost_latent(self, add, tokens: int, hidden: int) -> None:
         # copy_to_group: the heads' partial input gradients summed. (With
         # sequence parallelism the attention module's entry gathers the

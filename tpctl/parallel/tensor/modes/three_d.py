@@ -252,6 +252,11 @@ class ThreeD(ParallelMode):
         add("all_reduce", LAYOUT_A.hidden, moments * self.cost_rows(tokens), times=2)
         return super().cost_norm(add, tokens, hidden)
 
+    def cost_proj_norm(self, add, tokens: int, role: str, moments: int) -> None:
+        # the output features land in the flipped layout of the Linear's
+        # input (output_spec): split over its hidden axis, rows as many
+        add("all_reduce", ROLE_LAYOUT[role].flip().hidden, moments * self.cost_rows(tokens), times=2)
+
     def cost_sliced_replicas(self, role: str) -> str:
         # heads in layout B's hidden block; own experts by layout A's
         return (LAYOUT_B if role == "latent_up" else LAYOUT_A).replica_plane

@@ -211,6 +211,11 @@ class TwoD(ParallelMode):
         add("all_reduce", "row", moments * self.cost_rows(tokens), times=2)  # the moments forward, their gradient backward
         return super().cost_norm(add, tokens, hidden)
 
+    def cost_proj_norm(self, add, tokens: int, role: str, moments: int) -> None:
+        # a SUMMA product's output holds its input's rows, its features split
+        # over the row group (output_group), as the stream's are
+        add("all_reduce", "row", moments * self.cost_rows(tokens), times=2)
+
     def cost_linear(self, add, role: str, tokens: int, n: int, k: int) -> int:
         q, rows = self.grid.q, self.cost_rows(tokens)
         w, y = (n // q) * (k // q), rows * (n // q)

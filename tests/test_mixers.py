@@ -20,6 +20,7 @@ split runs whole and says why.
 from __future__ import annotations
 
 import pytest
+from cli_support import tpctl  # noqa: F401  (fixture)
 from test_families_anymodel import trains_like_mode_none
 
 pytest.importorskip("transformers")
@@ -222,3 +223,86 @@ def test_a_mixer_that_does_not_split_runs_whole_and_says_why(family, key, why):
     mixers = [row for row in rows.values() if row[2] == "whole" and ("Mixer" in row[1] or "Delta" in row[1])]
     assert mixers and all(row[6].startswith("run whole on every rank") and "not split by heads: " in row[6]
                           and why in row[6] for row in mixers), mixers
+
+
+# ---- a lazily built model=hf (as workers and inspect build it) -------------------------------
+
+# model=hf at the size keys' tiny sizes, and the family's own settings for its mixers (hf_families.py's).
+HF_SIZES = dict(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, block_size=64,
+                tie_embeddings=False)
+DELTA = dict(layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8, linear_value_head_dim=8,
+             linear_num_key_heads=2, linear_num_value_heads=4)
+LAZY = {
+    # (A_log from num_v_heads, the conv's weight of its module's shape: a shard's once split)
+    "qwen3_5_text": DELTA,
+    # (A_log and dt_bias from one generator: dt_bias drawn after as many numbers as A_log has)
+    "olmo_hybrid": DELTA,
+    # (Mamba-2 beside experts: its init of the mixer rescales out_proj.weight in place, a rank's real
+    # shard once the rewrite made it)
+    "nemotron_h": dict(layers_block_type=["mamba", "moe"], mamba_num_heads=8, mamba_head_dim=8, n_groups=2,
+                       ssm_state_size=8, expand=2, chunk_size=4, n_routed_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
+                       experts_implementation="eager"),
+}
+
+
+def _hf_cfg(family: str, key: str):
+    from omegaconf import OmegaConf
+
+    from tpctl.config import default_config, typed_model
+    from tpctl.parallel.layout import Layout
+
+    cfg = Layout.parse(key).write_to(default_config())
+    cfg.model = typed_model(OmegaConf.create({"arch": family, **HF_SIZES, "config": LAZY[family]}))
+    return cfg
+
+
+def _lazy_shards(key: str, family: str) -> tuple[int, float]:
+    """On each rank: the model built lazily and rewritten as a worker
+    builds it (its start-up proof run) against the whole model built
+    eagerly: (how many parameters of its mixers are split, the largest
+    difference of any parameter to the whole one's slice)."""
+    from conftest import build
+
+    from tpctl.models import build_model
+    from tpctl.parallel.layout import Layout
+    from tpctl.parallel.shard import spec_of
+
+    cfg = _hf_cfg(family, key)
+    whole = dict(build_model(cfg.model, cfg.seed).named_parameters())
+    run = build(cfg, Layout.parse(key), lazy=True, verify=True, step=False)
+    worst, split = 0.0, 0
+    for name, p in run.model.named_parameters():
+        want = spec_of(p).slice(whole[name].detach())
+        assert p.shape == want.shape, (name, tuple(p.shape), tuple(want.shape))
+        worst = max(worst, (p.detach() - want).abs().max().item())
+        split += p.shape != whole[name].shape and any(k in name for k in ("linear_attn", "mixer"))
+    return split, worst
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", list(LAZY))
+def test_a_lazily_built_model_holds_the_whole_models_slices(pool, family):
+    """model=hf built lazily (each parameter made whole from its own seed
+    and sliced, as workers build it), its mixers split by heads in 1d: it
+    passes the start-up proof, and every parameter of every rank equals
+    the eagerly built whole model's slice, the mixers' own (A_log,
+    dt_bias, the conv's channels, out_proj) included: the family's init
+    reads the model as built, not as the rewrite left it (models/init.py's
+    as_built)."""
+    results = pool.run(_lazy_shards, "1d-2-dp2", family)
+    assert all(split > 0 for split, _ in results), results
+    assert max(worst for _, worst in results) == 0.0, results
+
+
+@pytest.mark.timeout(120)
+def test_inspect_starts_a_lazily_built_mixer_split_by_heads(tpctl):  # noqa: F811
+    """As a user: `tpctl inspect model=hf` (built lazily, its rewrite
+    proven) of Qwen3.5 in 1d-2 names its linear attention split by heads."""
+    config = [f"+model.config.{k}={v}" for k, v in DELTA.items() if k != "layer_types"]
+    args = ["inspect", "model=hf", "model.arch=qwen3_5_text", "mode=1d", "size=2",
+            *[f"model.{k}={str(v).lower()}" for k, v in HF_SIZES.items()],
+            "+model.config.layer_types=[linear_attention,full_attention]", *config]
+    done = tpctl.run(args, timeout=120)
+    assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-1500:]
+    assert "mixer (heads split)" in done.stdout and "refusing" not in done.stdout + done.stderr, done.stdout[-1500:]

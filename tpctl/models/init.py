@@ -17,6 +17,7 @@ its whole value. Two sources exist:
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from typing import Callable, Optional
 
@@ -33,13 +34,14 @@ class ParamSource:
     names, the first one canonical) and hands out values by parameter."""
 
     def __init__(self, model: nn.Module):
-        # id(param) -> (names, owning module, the param itself: kept alive
-        # so that its id stays unique).
+        # id(param) -> (names, owning module as built, the param itself:
+        # kept alive so that its id stays unique).
         self._params: dict[int, tuple[list[str], nn.Module, torch.Tensor]] = {}
+        built = as_built(model)
         for module_name, module in model.named_modules(remove_duplicate=False):
             for attr, param in module.named_parameters(recurse=False):
                 name = f"{module_name}.{attr}" if module_name else attr
-                entry = self._params.setdefault(id(param), ([], module, param))
+                entry = self._params.setdefault(id(param), ([], built[id(module)], param))
                 if name not in entry[0]:
                     entry[0].append(name)
 
@@ -68,6 +70,42 @@ class ParamSource:
                         new.tpctl_spec = param.tpctl_spec
                     made[id(param)] = new
                 setattr(module, attr, made[id(param)])
+
+
+def as_built(model: nn.Module) -> dict[int, nn.Module]:
+    """id(module) -> a copy of each module of `model` as it is now, for
+    computing its parameters' whole values later: shallow copies, each
+    with its own tables (parameters, buffers, hooks) and attributes, whose
+    submodules are each other's copies.
+
+    Why: the rewrite asks for a parameter's value after it has begun to
+    change the model in place -- a mixer split by heads, or experts run by
+    their own forward, hold this rank's shards and the shard's counts
+    (num_v_heads, a conv's groups) -- and the start-up proof makes a whole
+    module after the rewrite is done. An initialiser reading the live
+    module (a family's `_init_weights`: A_log from num_heads, dt_bias drawn
+    after A_log from one generator, stacked experts' down_proj drawn after
+    gate_up_proj, a conv weight of the module's shape) would then give the
+    shard's init, not the whole one's slice
+    (docs/DESIGN.md, section 2: "Initial weights are those of the whole
+    model, sliced"); and one that writes into its submodules' parameters
+    (NemotronH's mixer rescales out_proj.weight in place) would overwrite
+    a rank's real shard. Copies taken before any rewrite see the whole
+    model on the meta device, as the eager build's initialiser sees it
+    (a submodule not yet made is meta there too); their parameters are the
+    meta ones, so they cost no memory. (What the rewrite changes on a
+    module are entries of these tables and integer attributes, each
+    replaced, not mutated: copies of the containers suffice.)"""
+    built = {}
+    for module in model.modules():
+        snapshot = copy.copy(module)
+        for key, value in vars(module).items():
+            if isinstance(value, (dict, set, list)):
+                vars(snapshot)[key] = copy.copy(value)
+        built[id(module)] = snapshot
+    for snapshot in built.values():
+        vars(snapshot)["_modules"] = {k: None if m is None else built[id(m)] for k, m in snapshot._modules.items()}
+    return built
 
 
 class ParamInit(ParamSource):

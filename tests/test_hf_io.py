@@ -437,6 +437,45 @@ def test_an_unknown_family_exits_2_naming_the_valid_ones(tpctl):  # noqa: F811
     assert not (tpctl.cwd / "outputs").exists()
 
 
+@pytest.mark.parametrize("a_shape, b_shape, offs", [((12, 8), (3, 8, 16), [4, 8, 12]), ((3, 4, 8), (3, 8, 16), None)])
+def test_grouped_mm_traced_has_the_kernels_shape(a_shape, b_shape, offs):
+    """transformers' stacked experts call torch._grouped_mm by default; on a
+    stand-in weight or the meta device the trace answers with zeros
+    (roles/tracing._skip_grouped_mm) whose shape must be the CPU kernel's."""
+    from tpctl.parallel.roles.tracing import _skip_grouped_mm
+
+    a, b = torch.randn(a_shape), torch.randn(b_shape)
+    kwargs = {} if offs is None else {"offs": torch.tensor(offs, dtype=torch.int32)}
+    real = torch._grouped_mm(a, b, **kwargs)
+    traced = _skip_grouped_mm(torch._grouped_mm, (a.to("meta"), b.to("meta")), kwargs, set())
+    assert traced.shape == real.shape and traced.dtype == real.dtype and traced.is_meta
+    assert _skip_grouped_mm(torch._grouped_mm, (a, b), kwargs, set()) is None  # real operands: computed
+
+
+@pytest.mark.timeout(180)
+def test_experts_on_grouped_mm_inspect_and_train_like_mode_none(tpctl):  # noqa: F811
+    """GPT-OSS with transformers' default experts implementation (grouped
+    matmuls) through the command line: inspect describes it (its trace on
+    the meta device failed in grouped_mm's meta kernel, a traceback) and a
+    1d run trains as mode=none."""
+    keys = ["model=hf", "model.arch=gpt_oss", "model.vocab_size=256", "model.n_layer=1", "model.n_head=4",
+            "model.n_embd=32", "model.block_size=32", "+model.config.num_local_experts=4", "train.seq_len=16",
+            "train.batch_size=4"]
+    shown = tpctl.run(["inspect", *keys, "mode=1d", "size=2"], timeout=120)
+    assert shown.returncode == 0 and "GptOssExperts" in shown.stdout, shown.stderr[-2000:]
+    run = ["train", *keys, "train.steps=2", "data=synthetic", "train.progress=false", "optim.eps=1e-5",
+           "train.log_every=1", "train.eval_every=0", "checkpoint.at_end=false"]
+    losses = {}
+    for layout in (["mode=none"], ["mode=1d", "size=2"]):
+        out = tpctl.cwd / layout[0].split("=")[1]
+        done = tpctl.run([*run, *layout, f"hydra.run.dir={out}"], timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        losses[layout[0]] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+                             if "loss" in json.loads(line)]
+    assert len(losses["mode=none"]) == 2
+    assert losses["mode=1d"] == pytest.approx(losses["mode=none"], rel=1e-6)
+
+
 def _tokenizer(directory) -> None:
     """A byte-level BPE tokenizer of 200 ids, trained here (no download)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers

@@ -75,7 +75,8 @@ class _Trace(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.paused:
-            return func(*args, **kwargs)
+            out = _skip_grouped_mm(func, args, kwargs, self.stand_ins)  # (an experts module's own forward)
+            return func(*args, **kwargs) if out is None else out
         out = _skip_stand_in(func, args, kwargs, self.stand_ins)
         if out is None:
             out = func(*args, **kwargs)
@@ -129,7 +130,32 @@ def _skip_stand_in(func, args, kwargs, stand_ins: set[int]):
         ids, weight = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
         if id(weight) in stand_ins:
             return weight.new_zeros(*ids.shape, weight.shape[1])
-    return None
+    return _skip_grouped_mm(func, args, kwargs, stand_ins)
+
+
+def _skip_grouped_mm(func, args, kwargs, stand_ins: set[int]):
+    """torch._grouped_mm's output (zeros of its shape) where an operand is a
+    stand-in or on the meta device: transformers' stacked experts call it
+    by default (`experts_implementation="grouped_mm"`), and its kernels
+    refuse a stand-in's zero strides ("Invalid strides/sizes") and, on
+    meta, anything but bf16. A 2-D input (every expert's rows, `offs`
+    ending each expert's) times one [K, N] matrix per expert gives the
+    rows' [M, N]; 3-D times 3-D, one product per expert. None (computed as
+    it is) for any other call."""
+    if func is not getattr(torch, "_grouped_mm", None):
+        return None
+    a = args[0] if args else kwargs["mat_a"]
+    b = args[1] if len(args) > 1 else kwargs["mat_b"]
+    if not (a.is_meta or b.is_meta or id(a) in stand_ins or id(b) in stand_ins):
+        return None
+    dtype = kwargs.get("out_dtype") or a.dtype
+    if a.dim() == 2 and b.dim() == 3:
+        shape = (a.shape[0], b.shape[-1])
+    elif a.dim() == 3 and b.dim() == 3:
+        shape = (a.shape[0], a.shape[1], b.shape[-1])
+    else:
+        return None  # (the weight-gradient forms: never in a forward's trace)
+    return a.new_zeros(shape, dtype=dtype)
 
 
 def _tensors(value):

@@ -31,10 +31,8 @@ pytest.importorskip("transformers")
 CASES = [("bamba", "1d-2-pp2-dp2"), ("bamba", "1d-2-sp-dp2"), ("qwen3_5", "1d-2-dp2")]
 # The gated delta rule with separate projections: Kimi Linear's (low-rank gates whose latent every rank
 # holds whole; its 1d-2-pp2-dp2 run, 65 s, is not repeated here) and OLMo Hybrid's (key and value heads)
-# with sequence parallelism: in plain 1d its attention's q/k norms over all heads issue 4 all-reduces the
-# planner does not count (cost/layer_comm.py's stated gap), so its counted collectives differ from the
-# plan whether its mixer is split or not (1d-2-dp2: 24 vs 20 split, 21 vs 17 whole: the split's own 3
-# as planned); a sequence-parallel run compares none, and its pp2 run fails in that attention's q_norm.
+# with sequence parallelism (its 1d-2-dp2 and 1d-2-pp2-dp2 runs, collectives compared, are
+# test_proj_norm's: its attention's q/k norms over all heads).
 CASES += [("olmo_hybrid", "1d-2-sp-dp2"), ("kimi_linear", "1d-2-dp2")]
 
 

@@ -292,11 +292,13 @@ def _recompute_s(plan: SplitPlan, hw: Hardware) -> tuple[float, float]:
     again (by kind, the mode's share of the grid's: CostHooks.
     recompute_comm_share), each at its kind's measured time: the
     recomputed forward waits for every one (Hardware.kind_factor)."""
+    from tpctl.parallel.tensor.cost_hooks import kv_replicas_size
+
     from .planner import sent_s
 
     grid = 0.0
     for (kind, group), c in plan.comm.items():
-        if group in STEP_GROUPS:
+        if group in STEP_GROUPS or kv_replicas_size(group):  # (shared key/value heads: summed after the backward)
             continue
         sent = sent_s(plan.layout, kind, group, c.group_size, c.calls, c.wire_bytes, hw)
         grid += plan.recompute_shares.get(kind, 0.0) * hw.kind_factor(kind) * sent

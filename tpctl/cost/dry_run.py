@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 from tpctl.parallel.layout import Layout
 from tpctl.parallel.pipeline.stages import PipelineSpec
 
-from .layer_comm import sliced_sums
+from .layer_comm import kv_replica_sums, sliced_sums
 
 def stage_rewrite(shape: Any, layout: Layout, rank: int, pipeline: Optional[PipelineSpec], cache: Optional[dict]):
     """(the Parallelism of `rank`, its pipeline read with `pipeline`'s
@@ -163,7 +163,8 @@ def stage_held(shape: Any, layout: Layout, rank: int, mode, model, holds, bucket
                 early.append((group, numel))
             else:
                 buckets[group] += dp_plan.grad_numel(i) if dp_plan else numel
-    sums = [*buckets.items(), *sliced_sums(shape.plan, mode, named, dp_plan)]
+    sums = [*buckets.items(), *sliced_sums(shape.plan, mode, named, dp_plan),
+            *kv_replica_sums(shape.plan, mode, named, dp_plan)]
     numel = dp_plan.held_numel() if dp_plan else {"param": param_numel, "grad": param_numel, "moment": param_numel}
     layers = shape.layers
     names = [*shape.embeddings, *layers.norms, *layers.proj_norms, *layers.latents, *layers.routers, *layers.wholes,

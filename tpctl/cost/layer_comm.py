@@ -9,7 +9,9 @@ its mode's `cost_*` hook (parallel/tensor/cost_hooks.py). Read once from the mod
 on the meta device and its role plan, never by running it.
 
 Norms over all heads of q or k (`proj_norm`, OLMo-2's) are counted by the
-role of the projection they normalise (`cost_proj_norm`). Not counted: with
+role of the projection they normalise (`cost_proj_norm`). Key/value heads
+shared by several ranks are summed over those (`kv_replica_sums`, where the
+mode counts them: `cost_kv_replicas`). Not counted: with
 1d sequence parallelism the gather an attention or MLP module's entry makes
 for all its Linears (Hugging Face families).
 """
@@ -24,6 +26,7 @@ from typing import Callable
 import torch.nn as nn
 
 from tpctl.parallel.roles.experts import OwnSplit, experts_layout
+from tpctl.parallel.roles.fused import SHARED_PARTS, FusedLayout
 from tpctl.parallel.roles.mixers import MixerSplit, heads_split
 from tpctl.parallel.roles.probes import is_rms_norm, norm_width
 from tpctl.parallel.shard import spec_of
@@ -131,3 +134,32 @@ def sliced_sums(plan, mode, named: list, dp_plan=None) -> list[tuple[str, int]]:
         elif owner is not None and owners[owner] is not None:
             out[owners[owner]] += numel
     return [*out.items(), *([("tp", everywhere)] if everywhere else [])]
+
+
+def kv_replica_sums(plan, mode, named: list, dp_plan=None) -> list[tuple[str, int]]:
+    """[(group, gradient elements)], a call each: the rows of key/value heads
+    several ranks hold alike (fewer heads than the split), and of the norms
+    over all heads of such a projection (`proj_norm`), summed over the ranks
+    holding them (replicas.share_slices learns them by communicating, so a
+    dry run's ShardSpecs do not say so); the mode names the group
+    (`cost_kv_replicas`). `named`, `dp_plan`: as sliced_sums'."""
+    split = mode.geo.head_split
+    owners: dict[str, list[tuple[str, int]]] = {}  # module -> [(group, its rows of one held head)]
+    for name, layout in getattr(plan, "layouts", {}).items():
+        if not isinstance(layout, FusedLayout) or not layout.shares(split):
+            continue
+        for p, (part, count) in enumerate(zip(layout.names, layout.units)):
+            if part in SHARED_PARTS and count < split and (group := mode.cost_kv_replicas(count)):
+                owners.setdefault(name, []).append((group, layout.width(p) // count))
+    # (a norm over a projection's output features holds the same rows of it)
+    owners.update({norm: owners[src] for norm, src in getattr(plan, "sources", {}).items() if src in owners})
+    out: dict[str, int] = defaultdict(int)
+    for i, (name, p) in enumerate(named):
+        owner = name.rpartition(".")[0]
+        if owner not in owners:
+            continue
+        shape = spec_of(p).local_shape()
+        numel = dp_plan.grad_numel(i) if dp_plan else math.prod(shape)
+        for group, rows in owners[owner]:  # (a fused projection's own query rows are summed nowhere)
+            out[group] += numel * rows // shape[0]
+    return list(out.items())

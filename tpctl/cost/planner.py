@@ -31,6 +31,7 @@ from tpctl.parallel.layout import ZERO_STAGES, Layout, layouts_of
 from tpctl.parallel.pipeline.cut import LOSS_FLOPS_PER_LOGIT
 from tpctl.parallel.pipeline.stages import PipelineSpec
 from tpctl.parallel.registry import check_costed
+from tpctl.parallel.tensor.cost_hooks import kv_replicas_size
 
 from .dry_run import members, stage_held, stage_rewrite
 from .hardware import Hardware, load_hardware  # noqa: F401  (re-exported: callers name the planner)
@@ -227,7 +228,7 @@ class _Counter:
 
     def size(self, group: str) -> int:
         if group not in self.sizes:
-            self.sizes[group] = len(members(self.layout, group, self.rank))
+            self.sizes[group] = kv_replicas_size(group) or len(members(self.layout, group, self.rank))
         return self.sizes[group]
 
     def add(self, kind: str, group: str, numel: int, times: int = 1, elem: int = F32, hidden: bool = False) -> None:
@@ -441,7 +442,11 @@ def sent_s(layout: Layout, kind: str, group: str, group_size: int, calls: float,
 def _spans_nodes(layout: Layout, group: str, ranks_per_node: int) -> bool:
     """Whether any group `group` of `layout` spans nodes (cached: the
     search of layout=auto asks for every split's groups at every schedule)."""
-    return any(len({r // ranks_per_node for r in members}) > 1 for members in layout.group_members(group))
+    size = kv_replicas_size(group)
+    groups = layout.group_members(group if size is None else "tp")
+    if size is not None:  # ranks sharing a key/value head: consecutive positions of a grid (fused.held_units)
+        groups = [g[i:i + size] for g in groups for i in range(0, len(g), size)]
+    return any(len({r // ranks_per_node for r in members}) > 1 for members in groups)
 
 
 def mark_fits_by_zero(plans: list[SplitPlan]) -> None:

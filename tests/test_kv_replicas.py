@@ -1,0 +1,50 @@
+"""Shared key/value heads (issue 46): with fewer key/value heads than blocks
+of query heads, each is held by the ranks whose queries read it, and their
+partial gradients are summed over exactly those ranks, in a process group
+of their own (replicas.share_slices / sync_replicas) that no mesh group
+names. The planner counts those sums (layer_comm.kv_replica_sums, a group
+named by mode.cost_kv_replicas), so counted == planned (before: Qwen2 with
+one key/value head in 1d-2-dp2, 22 all-reduces counted, 21 planned, 4224
+bytes more; Qwen3 and Phi-3 with two in 1d-4, 22 vs 21 and 15 vs 14).
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_families_anymodel import trains_like_mode_none
+
+pytest.importorskip("transformers")
+
+# One key/value head shared by both ranks (and, with two stages, on each
+# stage); two shared by pairs of four ranks, as separate projections beside
+# per-head norms (qwen3), in a fused [q | k | v] projection whose query rows
+# are no one else's (phi3), and under a norm over all heads of k (olmo2).
+CASES = [("qwen2_kv1", "1d-2-dp2"), ("qwen2_kv1", "1d-2-pp2-dp2"), ("qwen3", "1d-4"), ("phi3", "1d-4"),
+         ("olmo2", "1d-4")]
+
+
+@pytest.fixture(scope="module")
+def reference(pool):
+    return {}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family,key", CASES)
+def test_shared_key_value_heads_train_like_mode_none_and_send_what_is_planned(pool, reference, family, key):
+    trains_like_mode_none(pool, reference, family, key)
+
+
+def test_a_key_value_replica_set_is_sized_and_placed_as_a_block_of_the_grid():
+    """The planner's group of a replica set is of its own size (the wire
+    bytes' factor) and spans nodes as a block of consecutive grid positions
+    does (planner.sent_s), not as the whole grid."""
+    from tpctl.cost.planner import _Counter, _spans_nodes
+    from tpctl.parallel.layout import Layout
+
+    layout = Layout.parse("1d-4")
+    counter = _Counter(layout)
+    counter.add("all_reduce", "kv_replicas/2", 100)
+    c = counter.comm[("all_reduce", "kv_replicas/2")]
+    assert (c.calls, c.bytes, c.wire_bytes, c.group_size) == (1, 400, 400.0, 2)
+    assert not _spans_nodes(layout, "kv_replicas/2", 2) and _spans_nodes(layout, "kv_replicas/4", 2)
+    assert _spans_nodes(layout, "tp", 2)

@@ -17,6 +17,7 @@ the none runs give the same logits.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -165,7 +166,7 @@ def _in_and_out(key: str, family: str, directory: str, decode: bool, run_dir: st
 
     # The step after the reading checks (the Trainer makes it, step=False).
     run = build(_cfg(key, family, directory), MESHES[key], verify=True, step=False)
-    cfg, model, par = run.cfg, run.model, run.par
+    model, par = run.model, run.par
     out = {"loaded": _logits_gap(model, par, directory)}
     if decode:
         out["tokens"] = _greedy(model, par)
@@ -452,28 +453,55 @@ def test_grouped_mm_traced_has_the_kernels_shape(a_shape, b_shape, offs):
     assert _skip_grouped_mm(torch._grouped_mm, (a, b), kwargs, set()) is None  # real operands: computed
 
 
-@pytest.mark.timeout(180)
+def _split_ratio(stdout: str) -> float:
+    """The whole model's parameter bytes over rank 0's, from inspect's caption."""
+    found = re.search(r"parameters: .* whole, .* on rank 0[^(]*\(([\d.]+)x less\)", stdout)
+    assert found, stdout[-2000:]
+    return float(found.group(1))
+
+
+def _moe_keys(arch: str, experts: str) -> list[str]:
+    return ["model=hf", f"model.arch={arch}", "model.vocab_size=256", "model.n_layer=1", "model.n_head=4",
+            "model.n_embd=32", "model.block_size=32", f"+model.config.{experts}=4", "+model.config.num_experts_per_tok=2",
+            "train.seq_len=16", "train.batch_size=4"]
+
+
+@pytest.mark.timeout(420)
 def test_experts_on_grouped_mm_inspect_and_train_like_mode_none(tpctl):  # noqa: F811
     """GPT-OSS with transformers' default experts implementation (grouped
     matmuls) through the command line: inspect describes it (its trace on
-    the meta device failed in grouped_mm's meta kernel, a traceback) and a
-    1d run trains as mode=none."""
-    keys = ["model=hf", "model.arch=gpt_oss", "model.vocab_size=256", "model.n_layer=1", "model.n_head=4",
-            "model.n_embd=32", "model.block_size=32", "+model.config.num_local_experts=4", "train.seq_len=16",
-            "train.batch_size=4"]
-    shown = tpctl.run(["inspect", *keys, "mode=1d", "size=2"], timeout=120)
-    assert shown.returncode == 0 and "GptOssExperts" in shown.stdout, shown.stderr[-2000:]
+    the meta device failed in grouped_mm's meta kernel, a traceback) with
+    its experts split (they are ~80% of its parameters: whole, rank 0 would
+    hold ~1.1x less; inspect counted the experts' shards, rewritten in
+    place, as the whole model's), and 1d-2 and 2d-4 train as mode=none."""
+    keys = _moe_keys("gpt_oss", "num_local_experts")
+    for layout, least in ((["mode=1d", "size=2"], 1.9), (["mode=2d", "size=4"], 2.1)):
+        shown = tpctl.run(["inspect", *keys, *layout], timeout=180)
+        assert shown.returncode == 0 and "GptOssExperts" in shown.stdout, shown.stderr[-2000:]
+        assert "(sharded in place)" in shown.stdout and _split_ratio(shown.stdout) >= least, shown.stdout[-3000:]
     run = ["train", *keys, "train.steps=2", "data=synthetic", "train.progress=false", "optim.eps=1e-5",
            "train.log_every=1", "train.eval_every=0", "checkpoint.at_end=false"]
     losses = {}
-    for layout in (["mode=none"], ["mode=1d", "size=2"]):
+    for layout in (["mode=none"], ["mode=1d", "size=2"], ["mode=2d", "size=4"]):
         out = tpctl.cwd / layout[0].split("=")[1]
-        done = tpctl.run([*run, *layout, f"hydra.run.dir={out}"], timeout=120)
+        done = tpctl.run([*run, *layout, f"hydra.run.dir={out}"], timeout=180)
         assert done.returncode == 0, done.stderr[-2000:]
         losses[layout[0]] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
                              if "loss" in json.loads(line)]
     assert len(losses["mode=none"]) == 2
     assert losses["mode=1d"] == pytest.approx(losses["mode=none"], rel=1e-6)
+    assert losses["mode=2d"] == pytest.approx(losses["mode=none"], rel=1e-6)
+
+
+@pytest.mark.timeout(180)
+def test_transposed_experts_on_grouped_mm_inspect_split(tpctl):  # noqa: F811
+    """Mixtral's experts (not transposed: (E, 2I, H)) hand grouped_mm a
+    transposed view of their weight, not the trace's stand-in itself
+    (roles/tracing._stand_in): with the default implementation inspect
+    ended in "Invalid strides/sizes"; now the experts are split."""
+    shown = tpctl.run(["inspect", *_moe_keys("mixtral", "num_local_experts"), "mode=1d", "size=2"], timeout=150)
+    assert shown.returncode == 0 and "MixtralExperts" in shown.stdout, shown.stderr[-2000:]
+    assert _split_ratio(shown.stdout) >= 1.9, shown.stdout[-3000:]
 
 
 def _tokenizer(directory) -> None:

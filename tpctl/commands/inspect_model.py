@@ -118,6 +118,10 @@ def inspect_model(cfg):
         except PipelineRefused as e:
             raise ConfigError(e.key, layout.pp if e.key == "pp" else type(model).__name__, str(e)) from None
         stage_of = par.pipeline.stage_of
+    # Each module's own parameters as built: a rewrite in place (experts
+    # run by their own forward, roles/experts.OwnSplit) leaves the module
+    # holding its shards, which would count as the whole model's too.
+    built = {name: list(m.named_parameters(recurse=False)) for name, m in originals.items()}
     done = par.rewrite(model, cfg.model.get("plan"), dry_run=True)
     model, plan, problems = done.model, done.plan, done.problems
     rewritten = {r.name: r for r in done.modules}
@@ -125,7 +129,7 @@ def inspect_model(cfg):
     run_whole = [n for n, role in plan.roles.items() if role == "whole"]  # (parallel/roles/whole.py)
     split_mixers = {n for n in run_whole if heads_split(par.mode, plan.layouts.get(n))}  # (roles/mixers.py)
     for name, module in originals.items():
-        own = list(module.named_parameters(recurse=False))
+        own = built[name]
         record = rewritten.get(name)
         if not name or (record is None and not own and name not in problems):
             continue
@@ -140,6 +144,7 @@ def inspect_model(cfg):
             if first:
                 nbytes += p.numel() * p.element_size()
                 whole += math.prod(original.shape) * original.element_size()
+        resized = any(p.shape != original.shape for (_, original), (_, p) in zip(own, new.named_parameters(recurse=False)))
         stage = stage_of(name)
         local += nbytes if stage in (None, 0) else 0
         inside = next((r for r in run_whole if name.startswith(r + ".")), None)
@@ -167,7 +172,8 @@ def inspect_model(cfg):
             if layout.shares(par.mode.geo.head_split):
                 note += f", key/value heads shared by {par.mode.geo.head_split // min(layout.units)} ranks"
         rows.append((name, type(module).__name__, role,
-                     type(new).__name__ if new is not module else "(unchanged)", ", ".join(shapes), nbytes, note,
+                     type(new).__name__ if new is not module else "(sharded in place)" if resized else "(unchanged)",
+                     ", ".join(shapes), nbytes, note,
                      "" if par.pipeline is None else ("all" if stage is None else str(stage))))
     summary = {"roles from": {"inferred": "traced forward", "tp_plan": "the model's tp_plan", "plan": "model.plan"}[plan.source],
                "whole model": whole, "per rank": local, "heads": {k: (h.heads, h.kv_heads, h.head_dim) for k, h in plan.heads.items()}}

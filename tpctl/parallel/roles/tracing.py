@@ -146,7 +146,7 @@ def _skip_grouped_mm(func, args, kwargs, stand_ins: set[int]):
         return None
     a = args[0] if args else kwargs["mat_a"]
     b = args[1] if len(args) > 1 else kwargs["mat_b"]
-    if not (a.is_meta or b.is_meta or id(a) in stand_ins or id(b) in stand_ins):
+    if not (a.is_meta or b.is_meta or _stand_in(a, stand_ins) or _stand_in(b, stand_ins)):
         return None
     dtype = kwargs.get("out_dtype") or a.dtype
     if a.dim() == 2 and b.dim() == 3:
@@ -156,6 +156,16 @@ def _skip_grouped_mm(func, args, kwargs, stand_ins: set[int]):
     else:
         return None  # (the weight-gradient forms: never in a forward's trace)
     return a.new_zeros(shape, dtype=dtype)
+
+
+def _stand_in(t: torch.Tensor, stand_ins: set[int]) -> bool:
+    """A stand-in, or a view of one: Mixtral's, Qwen3-MoE's, OLMoE's experts
+    (not transposed) hand grouped_mm `weight.transpose(-2, -1)`, a new
+    tensor, not the stand-in itself. A stand-in's every stride is 0 (one
+    element expanded) and so is any view's; grouped_mm refuses such an
+    operand anyway ("Invalid strides/sizes"), so nothing computable is
+    skipped."""
+    return id(t) in stand_ins or t.numel() > 1 and not any(t.stride())
 
 
 def _tensors(value):

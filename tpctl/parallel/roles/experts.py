@@ -168,6 +168,37 @@ def routed_per_row(args, kwargs: dict, hidden: Optional[int]) -> int:
     return weights.numel() * hidden // x.numel()
 
 
+# ---- transformers' experts implementations -----------------------------------
+
+def run_eager(module: nn.Module) -> nn.Module:
+    """`module`, an experts module dispatching on transformers'
+    `config._experts_implementation` (use_experts_implementation; default
+    "grouped_mm"), run by its eager forward from now on: a config of its own
+    says so, the model's other modules keep theirs. A no-op for any other."""
+    config = getattr(module, "config", None)
+    if getattr(config, "_experts_implementation", None) in (None, "eager"):
+        return module
+    config = copy.copy(config)
+    if "_experts_implementation_internal" in vars(config):  # (not the setter: it would set shared sub-configs)
+        vars(config)["_experts_implementation_internal"] = "eager"
+    else:
+        config._experts_implementation = "eager"
+    module.config = config
+    return module
+
+
+def eager_where_misaligned(module: nn.Module) -> nn.Module:
+    """A rank's experts module (its shards), run by its eager forward where
+    grouped_mm's kernels would refuse them: they read every operand with
+    strides of a multiple of 16 bytes, which the whole experts' widths may
+    give and a shard's (inner / shards: fp32 widths not a multiple of 4) not
+    ("strides should be multiple of 16 bytes"). Eager computes the same
+    function (a loop over the experts hit), so training stays mode=none's up
+    to round-off, where refusing would leave the layout to the user."""
+    misaligned = any(p.dim() == 3 and any(w * p.element_size() % 16 for w in p.shape[1:]) for p in module.parameters())
+    return run_eager(module) if misaligned else module
+
+
 # ---- experts in a model's own module, run by its own forward ------------------
 
 def holds_experts(module: nn.Module) -> bool:
@@ -276,7 +307,10 @@ def own_split(module: nn.Module, args, kwargs, hidden: int) -> OwnSplit:
     # once per expert's output) held whole and scaled by 1/shards.
     options = [[(name, *c) for c in _candidates(tuple(p.shape), hidden, counts)] + [(name, WHOLE, 1, 1, None)]
                for name, p in params.items()]
-    clone = real_copy(module)
+    # Measured by the module's eager forward whatever the implementation
+    # configured: the split is the function's, and grouped_mm's kernels
+    # refuse a shard whose width gives strides of no multiple of 16 bytes.
+    clone = run_eager(real_copy(module))
     gen = torch.Generator().manual_seed(4)
     args = [torch.randn(a.shape, generator=gen, dtype=torch.float32).to(a.dtype) if i == 0 else a
             for i, a in enumerate(args)]

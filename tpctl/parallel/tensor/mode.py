@@ -23,7 +23,8 @@ import torch.nn as nn
 from tpctl.parallel import comm
 from tpctl.parallel.geometry import Geometry, padded_vocab
 from tpctl.parallel.mesh import Mesh
-from tpctl.parallel.roles.experts import DenseExperts, OwnSplit, experts_layout, routing_weights_arg
+from tpctl.parallel.roles.experts import (DenseExperts, OwnSplit, eager_where_misaligned, experts_layout,
+                                         routing_weights_arg)
 from tpctl.parallel.roles.fused import FusedLayout, held_units
 from tpctl.parallel.roles.probes import norm_width
 from tpctl.parallel.shard import ShardSpec, make_param
@@ -190,11 +191,13 @@ class ParallelMode(CostHooks):
     # ---- layers -------------------------------------------------------
     def convert(self, role: str, module: nn.Module, ctx: RewriteContext) -> nn.Module:
         if role == "experts" and isinstance(self.layouts.get(ctx.name), OwnSplit):
-            return self.convert_own_experts(module, ctx) if self.rewrites else module
+            return eager_where_misaligned(self.convert_own_experts(module, ctx)) if self.rewrites else module
         converter: Optional[Callable] = getattr(self, f"convert_{role}", None)
         if converter is None:
             raise ValueError(f"mode {self.name} has no layer for role {role!r}")
-        return converter(module, ctx)
+        new = converter(module, ctx)
+        # (1d runs the experts' own forward on its shards: grouped_mm may refuse their widths)
+        return eager_where_misaligned(new) if role == "experts" else new
 
     def head_block(self) -> int:
         """Index of this rank's block of attention heads (of geo.head_split)."""

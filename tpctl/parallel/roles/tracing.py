@@ -240,6 +240,22 @@ def random_draws(model: nn.Module, vocab_size: int = 2) -> list[str]:
     return sorted(set(draws.found))
 
 
+def _put_stand_ins(model: nn.Module) -> tuple[dict, dict]:
+    """Every meta parameter of `model` replaced by a zero-stride stand-in
+    (one element expanded: the trace never needs values, and a large model
+    is never materialised); returns ((module, attr) -> the original, id of
+    an original -> its stand-in), a shared parameter one stand-in."""
+    originals, stand_ins = {}, {}
+    for module in model.modules():
+        for attr, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                if id(p) not in stand_ins:
+                    stand_ins[id(p)] = nn.Parameter(torch.full((), 0.02, dtype=p.dtype).expand(p.shape), requires_grad=False)
+                originals[(module, attr)] = p
+                module._parameters[attr] = stand_ins[id(p)]
+    return originals, stand_ins
+
+
 def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: Optional[dict] = None,
           ids: Optional[torch.Tensor] = None, draws: Optional[_Draws] = None, flows: Optional[dict] = None,
           opaque: frozenset = frozenset()):
@@ -252,14 +268,7 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
     node each, of kind "whole", what runs inside them not followed. With
     `draws`, the forward runs in training mode and `draws` records its
     random numbers."""
-    originals, stand_ins = {}, {}
-    for module in model.modules():  # meta parameters: zero-stride stand-ins
-        for attr, p in list(module._parameters.items()):
-            if p is not None and p.is_meta:
-                if id(p) not in stand_ins:
-                    stand_ins[id(p)] = nn.Parameter(torch.full((), 0.02, dtype=p.dtype).expand(p.shape), requires_grad=False)
-                originals[(module, attr)] = p
-                module._parameters[attr] = stand_ins[id(p)]
+    originals, stand_ins = _put_stand_ins(model)
     params = {id(p) for p in model.parameters()}
     tracer = _Trace(params, {id(p) for p in stand_ins.values()})
     calls: dict[str, list[int]] = {}

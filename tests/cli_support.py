@@ -131,7 +131,7 @@ class Tpctl:
         Forked from the fork server where the command's environment allows
         (cli_server: PYTHONPATH as the server's), else a fresh interpreter."""
         env = self.env()
-        if self.forked and os.environ.get(FORK_VAR, "1") != "0" and env.get("PYTHONPATH") == _server_pythonpath():
+        if self.forked and _may_fork(env):
             return _fork_server().run(args, self.cwd, env, scaled(timeout))
         return subprocess.run(self.command(args), cwd=self.cwd, env=env, capture_output=True, text=True,
                               timeout=scaled(timeout))
@@ -162,6 +162,33 @@ class Tpctl:
 FORK_VAR = "TPCTL_TEST_FORK_CLI"
 
 
+# Environment variables the server's preloaded modules read when imported
+# (torch._inductor's config reads CXX, for one): a command that sets them
+# otherwise than the server's environment runs as a fresh interpreter.
+READ_AT_IMPORT = ("CXX", "CC", "TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE", "TORCH_LOGS", "OMP_NUM_THREADS")
+
+
+def _may_fork(env: dict) -> bool:
+    """Whether a command with environment `env` may fork from the fork
+    server: allowed (FORK_VAR), its PYTHONPATH the server's, and what the
+    server's modules read at import the same as the server read it."""
+    if os.environ.get(FORK_VAR, "1") == "0" or env.get("PYTHONPATH") != _server_pythonpath():
+        return False
+    server = _server_env()
+    return all(env.get(k) == server.get(k) for k in {*env, *server} if k.startswith(READ_AT_IMPORT))
+
+
+def _server_env(_cache: list = []) -> dict:  # noqa: B006 (the cache: one environment per test process)
+    """The environment the fork server starts (and any restart of it)
+    with: this test process's when first asked, so that a variable a test
+    sets later in os.environ is told apart from what the server read."""
+    if not _cache:
+        env = dict(os.environ, PYTHONPATH=_server_pythonpath())
+        env.setdefault("OMP_NUM_THREADS", "1")
+        _cache.append(env)
+    return dict(_cache[0])
+
+
 def run_script(script: Path, args: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
     """`python SCRIPT ARGS` to its end (`timeout`: seconds, not scaled here),
     forked from the fork server where `env` allows it (its PYTHONPATH the
@@ -169,7 +196,7 @@ def run_script(script: Path, args: list[str], cwd: Path, env: dict, timeout: flo
     script). Else, or with FORK_VAR=0, a fresh interpreter leading its own
     session; on a timeout the session is killed (with the ranks it
     started) and subprocess.TimeoutExpired raised, as the fork's is."""
-    if os.environ.get(FORK_VAR, "1") != "0" and env.get("PYTHONPATH") == _server_pythonpath():
+    if _may_fork(env):
         return _fork_server().run(args, cwd, env, timeout, script=str(script))
     proc = subprocess.Popen([sys.executable, str(script), *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -192,8 +219,7 @@ class ForkServer:
     dies with this process."""
 
     def __init__(self):
-        env = dict(os.environ, PYTHONPATH=_server_pythonpath())
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env = _server_env()
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.cli_server", str(os.getpid())], cwd=REPO, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._pending = b""

@@ -45,7 +45,7 @@ import sys
 # imports before it reads its arguments (tpctl.cli, the train command and
 # torch), and Hydra's parser. `serve` adds what a launch's fork server
 # imports for its workers (launch.warm.PRELOAD: dynamo, the training
-# modules, DCP): that server is a fork of the command (warm._fork_server),
+# modules): that server is a fork of the command (warm._fork_server),
 # so it then has them already instead of importing them for every `tpctl
 # train` of the suite (~2 CPU-s a launch).
 PRELOAD = ("torch", "omegaconf", "hydra", "tpctl.cli", "tpctl.commands.train", "tpctl.config")

@@ -130,15 +130,16 @@ def test_the_ranks_torch_does_not_report_are_read_from_what_each_left(tmp_path):
     """Warm starts: torch's function context reports only the first rank
     that failed (here local rank 1 of a node whose ranks start at 4). Each
     other rank's folder says the rest: an exit status it recorded, an error
-    file alone (exit 1), its work marked complete (no failure), or nothing
-    (stopped by the agent)."""
+    file alone (stopped before it recorded its status: exit 2 for a refusal,
+    which every rank raises at once, else 1), its work marked complete (no
+    failure), or nothing (stopped by the agent)."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     from tpctl.launch.local import all_failures
     from tpctl.launch.worker import DONE_MARKER, EXIT_RECORD
 
     attempt = tmp_path / "run" / "attempt_0"
-    for local in range(6):
+    for local in range(7):
         (attempt / str(local)).mkdir(parents=True)
     error = {"message": {"message": "RewriteRefused: differs", "extraInfo": {"timestamp": "0"}}}
     (attempt / "1" / "error.json").write_text(json.dumps(error))
@@ -148,10 +149,13 @@ def test_the_ranks_torch_does_not_report_are_read_from_what_each_left(tmp_path):
     (attempt / "3" / DONE_MARKER).write_text("103")           # finished
     (attempt / "4" / EXIT_RECORD).write_text("8 104 0")       # left with 0
     # local 5: nothing -- the agent stopped it
+    crashed = {"message": {"message": "RuntimeError: boom", "extraInfo": {"timestamp": "0"}}}
+    (attempt / "6" / "error.json").write_text(json.dumps(crashed))
     failures = all_failures({5: first})
-    assert sorted(failures) == [4, 5, 6, 9]
+    assert sorted(failures) == [4, 5, 6, 9, 10]
     assert (failures[4].exitcode, failures[4].pid) == (2, 100)
     assert failures[5] is first
-    assert failures[6].exitcode == 1 and "differs" in str(failures[6].message)
+    assert failures[6].exitcode == 2 and "differs" in str(failures[6].message)
+    assert failures[10].exitcode == 1 and "boom" in str(failures[10].message)
     assert failures[9].exitcode == -signal.SIGTERM
     assert all_failures({}) == {}

@@ -387,10 +387,13 @@ def leave(status: int) -> NoReturn:
 
     from tpctl.launch import warm
 
+    # Recorded first: the agent may SIGTERM this rank during the atexit
+    # handlers (another rank has already left), and what the launcher
+    # reports must be the status this rank chose, not "stopped".
+    record_exit(status)
     try:
         atexit._run_exitfuncs()
     finally:
-        record_exit(status)
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()

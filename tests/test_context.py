@@ -81,6 +81,49 @@ def test_cp_trains_as_one_process_and_sends_what_is_planned(pool, name, impl, ma
         assert counted[kind] == plan.comm[(kind, "cp")].bytes > 0
 
 
+MISTRAL = {**LLAMA, "model.arch": "mistral"}
+
+
+def _windowed(name: str, impl: str, window: int, matmul: bool) -> tuple[float, float, set]:
+    """_cp_against_one_process of a Mistral whose sliding `window` cuts a
+    16-position sequence, with the windows cp surveyed on this rank."""
+    from conftest import build
+
+    settings = {**MISTRAL, "model.n_embd": 32, "model.n_head": 8, "context.impl": impl,
+                "model.config": {"sliding_window": window}}
+    surveyed = set(build(tiny_config(1, **settings), Layout.parse(name)).par.cp.windows.values())
+    return (*_cp_against_one_process(name, impl, matmul, **settings)[:2], surveyed)
+
+
+@pytest.mark.parametrize("name,impl,window,matmul", [
+    # 12: longer than a rank's 8 (or 4) positions, so the family draws no
+    # mask there at all (it was computed as plain causal attention before);
+    # 5 and 3: bands cutting inside the chunks, pairs of chunks skipped whole.
+    ("none-cp2", "ring", 12, False), ("none-cp4", "ring", 5, False), ("none-cp4", "ring", 3, True),
+    ("1d-2-cp2", "ulysses", 5, False), ("2d-4-cp2", "ring", 12, False),
+])
+def test_a_sliding_window_trains_as_one_process_across_cp_ranks(pool, name, impl, window, matmul):
+    """The family's window, read from the masks it draws on whole sequences
+    (ContextParallel.prove's survey), masks the ring's pairs of chunks and
+    Ulysses' sequences in global positions: loss and every gradient as one
+    process's (whose window differs from no window: a dropped window fails)."""
+    for loss_err, grad_err, surveyed in pool.run(_windowed, name, impl, window, matmul,
+                                                 ranks=Layout.parse(name).world, timeout_s=600):
+        assert surveyed == {window}
+        assert loss_err < 1e-6 and grad_err < 1e-6, (loss_err, grad_err)
+
+
+def test_a_window_pipeline_stages_cannot_survey_is_refused():
+    from tpctl.config import check_layout
+    from tpctl.errors import ConfigError
+
+    cfg = tiny_config(1, cp=2, pp=2, **{**MISTRAL, "model.config": {"sliding_window": 8}})
+    with pytest.raises(ConfigError, match=r"^invalid config: cp=2: with pp=2: model.arch=mistral attends through a "
+                                          r"sliding window of 8 positions, shorter than train.seq_len=16"):
+        check_layout(cfg)
+    check_layout(tiny_config(1, cp=2, pp=2, **{**MISTRAL, "model.config": {"sliding_window": 16}}))
+
+
 # The cases of 16 ranks: 3d's smallest cube (8) times cp=2, and 2d's and
 # 2.5d's smallest grids (4) times cp=4, each with ring and Ulysses.
 SIXTEEN = ("3d-8-cp2", "2d-4-cp4", "2.5d-4-cp4")

@@ -213,14 +213,16 @@ def test_a_run_of_a_hf_model_with_documents_trains_as_one_process(pool, corpus, 
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["1d-2", "2d-4"])
-def test_a_mistral_with_a_sliding_window_and_documents_trains_as_one_process(pool, corpus, name):  # noqa: F811
+@pytest.mark.parametrize("name,impl", [("1d-2", "ring"), ("2d-4", "ring"), ("1d-2-cp2", "ring"),
+                                       ("none-cp2-dp2", "ulysses")])
+def test_a_mistral_with_a_sliding_window_and_documents_trains_as_one_process(pool, corpus, name, impl):  # noqa: F811
     """Mistral's window shorter than the sequence and than the corpus's
-    longer documents: the documents' mask cut to it trains as mode=none's,
+    longer documents: the documents' mask cut to it (across cp ranks: each
+    pair of chunks masked by documents and window) trains as mode=none's,
     and the window changes the run (it is not dropped)."""
     want = _one_process(pool, corpus, "mistral", window=WINDOW)
     assert _deviation(_one_process(pool, corpus, "mistral"), want) > 1e-3
-    for curve in pool.run(_curve, name, corpus, "mistral", "ring", True, WINDOW, ranks=Layout.parse(name).world):
+    for curve in pool.run(_curve, name, corpus, "mistral", impl, True, WINDOW, ranks=Layout.parse(name).world):
         assert _deviation(curve, want) < 1e-6, (name, curve, want)
 
 
@@ -269,8 +271,6 @@ def test_tpctl_train_a_llama_with_documents_in_cp_ring_equals_mode_none(tpctl, c
 @pytest.mark.parametrize("overrides,says", [
     (["model.arch=gpt2", "model.bias=null"], "model.arch=gpt2 is not a model whose attention and positions"),
     (["model.arch=bloom", "model.n_kv_head=null"], "model.arch=bloom is not a model whose attention and positions"),
-    (["model.arch=mistral", "+model.config.sliding_window=8", "mode=1d", "size=2", "cp=2"],
-     "attends through a sliding window of 8 positions, shorter than train.seq_len=16, and cp=2 masks"),
     (["model=custom", "model._target_=tests.custom_model.build", "+model.width=16", "+model.max_len=16",
       "+model.vocab_size=256", "train.seq_len=16"], "model.arch=custom is not a model"),
 ])

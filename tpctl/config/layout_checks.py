@@ -111,10 +111,30 @@ def check_context(cfg: Any, layout: Layout, geo: Geometry) -> None:
     if t.seq_len % pieces:
         raise ConfigError("train.seq_len", t.seq_len, f"cp={cp} context.impl={impl} cuts each sequence into {pieces} "
                           f"equal chunks: expected a multiple of {pieces}")
+    if layout.pp > 1 and m.get("arch", "gpt") != "gpt":
+        window = declared_window(m)
+        if window is not None and window < t.seq_len:
+            raise ConfigError("cp", cp, f"with pp={layout.pp}: model.arch={m.arch} attends through a sliding window of "
+                              f"{window} positions, shorter than train.seq_len={t.seq_len}, which cp reads from the "
+                              "family's masks on whole sequences, a forward pipeline stages do not run: expected "
+                              "cp=1 or pp=1")
     if impl == "ulysses" and m.n_head % (geo.head_split * cp):
         raise ConfigError("model.n_head", m.n_head, f"context.impl=ulysses gives each of cp={cp} ranks whole heads of "
                           f"the {m.n_head // geo.head_split} its tensor group holds: expected a multiple of "
                           f"{geo.head_split * cp} (or context.impl=ring)")
+
+
+def declared_window(m: Any):
+    """The sliding window a Hugging Face family's config declares for some
+    layer (None: none; its layer_types, where it has them, say which)."""
+    from tpctl.models.hf import family_config
+
+    config = family_config(m)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not isinstance(window, int) or (types is not None and "sliding_attention" not in types):
+        return None
+    return window
 
 
 def name_unreplaceable_attention(cfg: Any) -> None:

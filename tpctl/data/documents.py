@@ -80,36 +80,22 @@ ARCHS = ("gpt", *HF_ARCHS)
 
 def _check_model(cfg: Any) -> None:
     """A model that keeps documents apart: tpctl's GPT, or a family of
-    HF_ARCHS; one with a sliding window shorter than the sequence only
-    without context parallelism (the documents' mask is cut to the window
-    in parallel/context/documents.py; cp's chunk masks, context/attention.py,
-    have no window)."""
+    HF_ARCHS (a sliding window is cut into the documents' mask,
+    parallel/context/documents.py, and into cp's chunk masks,
+    context/attention.py)."""
     m = cfg.model
     arch = m.get("arch", "gpt")
     if arch == "gpt":
         return
-    config = None
     if m.get("pretrained"):
         from tpctl.models.hf import family_config
 
-        config = family_config(m)
-        arch = config.model_type
+        arch = family_config(m).model_type
     if arch not in HF_ARCHS:
         raise ConfigError(KEY, True, f"model.arch={arch} is not a model whose attention and positions the documents "
                           "are proven to reach (causal scaled_dot_product_attention, positions from tpctl's GPT's "
                           "table or a rotary module; not a learned table of Hugging Face's, ALiBi, a recurrence): "
                           f"expected model.arch in {', '.join(ARCHS)}")
-    if config is None:
-        from tpctl.models.hf import family_config
-
-        config = family_config(m)
-    window = getattr(config, "sliding_window", None)
-    seq, cp = cfg.train.seq_len, cfg.get("cp", 1) or 1
-    if window is not None and window < seq and cp > 1:
-        raise ConfigError(KEY, True, f"model.arch={arch} attends through a sliding window of {window} positions, "
-                          f"shorter than train.seq_len={seq}, and cp={cp} masks each pair of sequence chunks by "
-                          f"documents without a window: expected cp=1, or a window of at least {seq} "
-                          "(+model.config.sliding_window) or none")
 
 
 def check_documents(cfg: Any) -> None:

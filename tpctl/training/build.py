@@ -102,7 +102,7 @@ def build_run(cfg, par: Optional[Parallelism] = None, *, layout: Optional[Layout
     par.cp.impl = cfg.get("context", {}).get("impl", "ring")
     par.cp.install(model, rewrite.plan.roles)
     _install_documents(cfg, par, model)
-    cp_error = prove_context(cfg, par, model) if verify else None
+    cp_error = prove_context(cfg, par, model, verify)
     run = Run(cfg, par, rewrite, None, verified, cp_error)
     run.step = build_step(cfg, par, model, schedule, run.vocab_size) if step else None
     return run
@@ -122,11 +122,13 @@ def _install_documents(cfg, par: Parallelism, model: torch.nn.Module) -> None:
 CP_TOLERANCE = 1e-4
 
 
-def prove_context(cfg, par: Parallelism, model: torch.nn.Module) -> Optional[float]:
-    """With cp > 1 (and no pipeline stages, whose forward is the schedule's):
-    ContextParallel.prove on every rank, the worst difference agreed over
-    all ranks; RewriteRefused (exit 2 from the workers) above CP_TOLERANCE.
-    Returns it (None: nothing to prove)."""
+def prove_context(cfg, par: Parallelism, model: torch.nn.Module, verify: bool = True) -> Optional[float]:
+    """With cp > 1 (and no pipeline stages, whose forward is the schedule's:
+    config/layout_checks.py refuses a window there): ContextParallel.prove
+    on every rank, which also surveys the family's windows (without
+    `verify`, the survey alone), the worst difference agreed over all
+    ranks; RewriteRefused (exit 2 from the workers) above CP_TOLERANCE.
+    Returns it (None: nothing proven)."""
     from tpctl.parallel import comm
     from tpctl.parallel.verify.proof import RewriteRefused
 
@@ -134,7 +136,9 @@ def prove_context(cfg, par: Parallelism, model: torch.nn.Module) -> Optional[flo
         return None
     t = cfg.train
     worst = torch.tensor([par.cp.prove(model, par.mode, par.rows(t.batch_size, t.grad_accum), t.batch_size,
-                                       cfg.model.vocab_size)])
+                                       cfg.model.vocab_size, t.seq_len, check=verify)])
+    if not verify:
+        return None
     comm.all_reduce(worst, torch.distributed.group.WORLD, op=torch.distributed.ReduceOp.MAX)
     if not worst.item() <= CP_TOLERANCE:
         raise RewriteRefused(f"cp={par.cp.size} context.impl={par.cp.impl}: the logits on each rank's positions differ "

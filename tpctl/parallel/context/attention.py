@@ -82,16 +82,27 @@ def _block_grads(do, q, k, v, out, lse, delta, scale: float, diagonal: bool):
     return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ do
 
 
-# data.documents: a pair of chunks is masked by its queries' and keys'
-# documents as well (docs/DESIGN.md, "Documents"). A query may see no key of
-# a block; its block log-sum-exp is then -inf and its block output 0, and
-# the merge must not form -inf - (-inf): `_safe` reads an infinite
-# log-sum-exp as 0 where it is subtracted. Every query sees itself, so its
-# merged log-sum-exp is finite and the backward's probabilities are exact.
+# A pair of chunks may be masked beyond causality: by its queries' and keys'
+# documents (data.documents, docs/DESIGN.md "Documents") and by the family's
+# sliding window (a query sees the `window` positions up to itself, counted
+# in global positions: the window transformers masks on the whole sequence).
+# A query may see no key of a block; its block log-sum-exp is then -inf and
+# its block output 0, and the merge must not form -inf - (-inf): `_safe`
+# reads an infinite log-sum-exp as 0 where it is subtracted. Every query
+# sees itself, so its merged log-sum-exp is finite and the backward's
+# probabilities are exact.
 
 
 def _safe(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _band(a: int, b: int, chunk: int, window: int, device) -> torch.Tensor:
+    """[chunk, chunk] bool: which keys of chunk b each query of chunk a sees
+    through a sliding `window` (0 <= query - key < window)."""
+    at = torch.arange(chunk, device=device)
+    gap = (a - b) * chunk + at[:, None] - at[None, :]
+    return (gap >= 0) & (gap < window)
 
 
 def _pair_mask(doc: torch.Tensor, a: int, b: int, chunk: int, diagonal: bool) -> torch.Tensor:
@@ -113,22 +124,47 @@ def _chunks_seen(doc: torch.Tensor, chunk: int) -> list[list[bool]]:
     return (first[:, :, None] == last[:, None, :]).any(0).tolist()
 
 
-def _doc_pairs(doc, seen, mine, theirs, chunk: int):
-    """_visible's pairs with their masks, less the pairs no query of which
-    sees any key (`seen`: _chunks_seen; a chunk of other documents is
-    skipped, as causality's are; a diagonal pair sees itself)."""
-    for i, j, diagonal in _visible(mine, theirs):
-        if diagonal or seen[mine[i]][theirs[j]]:
-            yield i, j, _pair_mask(doc, mine[i], theirs[j], chunk, diagonal)
+class Masks:
+    """What masks a ring's pairs of chunks beyond causality: `doc`, the
+    whole rows' document ids [rows, T] (data.documents), and a sliding
+    `window`; either may be None."""
+
+    def __init__(self, doc: torch.Tensor | None, window: int | None, chunk: int):
+        self.doc, self.window, self.chunk = doc, window, chunk
+        self.seen = _chunks_seen(doc, chunk) if doc is not None else None
+
+    def pairs(self, mine: tuple[int, ...], theirs: tuple[int, ...], device):
+        """_visible's pairs as (i, j, diagonal, mask): less the pairs no
+        query of which sees any key (a chunk of other documents, or wholly
+        beyond the window, is skipped as causality's are); `mask` None where
+        only causality masks the pair (torch's kernel computes it), else
+        [rows or 1, 1, chunk, chunk] bool."""
+        chunk, window = self.chunk, self.window
+        for i, j, diagonal in _visible(mine, theirs):
+            a, b = mine[i], theirs[j]
+            if self.doc is not None and not diagonal and not self.seen[a][b]:
+                continue
+            band = None
+            if window is not None:
+                nearest = 0 if diagonal else (a - b - 1) * chunk + 1  # the pair's closest query and key
+                if nearest >= window:
+                    continue
+                if (a - b + 1) * chunk - 1 >= window:  # its farthest pair of positions is beyond the window
+                    band = _band(a, b, chunk, window, device)[None, None]
+            if self.doc is not None:
+                mask = _pair_mask(self.doc, a, b, chunk, diagonal)
+                yield i, j, diagonal, mask if band is None else mask & band
+            else:
+                yield i, j, diagonal, band
 
 
-def _doc_block(q, k, v, scale: float, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _masked_block(q, k, v, scale: float, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = ((q @ k.transpose(-2, -1)) * scale).masked_fill(~mask, float("-inf"))
     lse = s.logsumexp(-1)
     return torch.exp(s - _safe(lse)[..., None]) @ v, lse
 
 
-def _doc_block_grads(do, q, k, v, lse, delta, scale: float, mask: torch.Tensor):
+def _masked_block_grads(do, q, k, v, lse, delta, scale: float, mask: torch.Tensor):
     s = ((q @ k.transpose(-2, -1)) * scale).masked_fill(~mask, float("-inf"))
     p = torch.exp(s - lse[..., None])
     ds = p * (do @ v.transpose(-2, -1) - delta[..., None])
@@ -138,10 +174,11 @@ def _doc_block_grads(do, q, k, v, lse, delta, scale: float, mask: torch.Tensor):
 class RingAttention(torch.autograd.Function):
     """q, k, v: [batch, heads, 2 chunks, head_dim] of this rank's zigzag
     chunks; `ranks`: the cp group's global ranks in ring order; `doc`: the
-    whole rows' document ids [batch, 2·cp chunks] (data.documents), or None."""
+    whole rows' document ids [batch, 2·cp chunks] (data.documents), or None;
+    `window`: the family's sliding window in positions, or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, ranks, index, scale, doc=None):
+    def forward(ctx, q, k, v, group, ranks, index, scale, doc=None, window=None):
         cp = len(ranks)
         qs = q.chunk(2, dim=2)
         # Merged in fp32 whatever the inputs (bf16 under autocast): the
@@ -149,23 +186,20 @@ class RingAttention(torch.autograd.Function):
         out = [torch.zeros(c.shape, dtype=torch.float32, device=c.device) for c in qs]
         lse = [torch.full(c.shape[:-1], float("-inf"), dtype=torch.float32, device=c.device) for c in qs]
         kv = torch.stack([k, v])
-        seen = _chunks_seen(doc, qs[0].shape[2]) if doc is not None else None
+        masks = Masks(doc, window, qs[0].shape[2])
         for step in range(cp):
             if step < cp - 1:  # the next block travels while this one is computed
                 nxt, works = comm.ring_pass(kv, group, ranks)
             ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             mine, theirs = zigzag_chunks(index, cp), zigzag_chunks((index - step) % cp, cp)
-            if doc is not None:
-                for i, j, mask in _doc_pairs(doc, seen, mine, theirs, qs[0].shape[2]):
-                    block_out, block_lse = _doc_block(qs[i], ks[j], vs[j], scale, mask)
-                    merged = torch.logaddexp(lse[i], block_lse)
-                    at = _safe(merged)
-                    out[i] = out[i] * torch.exp(lse[i] - at)[..., None] + block_out * torch.exp(block_lse - at)[..., None]
-                    lse[i] = merged
-            for i, j, diagonal in () if doc is not None else _visible(mine, theirs):
-                block_out, block_lse = _block(qs[i], ks[j], vs[j], scale, diagonal)
+            for i, j, diagonal, mask in masks.pairs(mine, theirs, q.device):
+                if mask is None:
+                    block_out, block_lse = _block(qs[i], ks[j], vs[j], scale, diagonal)
+                else:
+                    block_out, block_lse = _masked_block(qs[i], ks[j], vs[j], scale, mask)
                 merged = torch.logaddexp(lse[i], block_lse)
-                out[i] = out[i] * torch.exp(lse[i] - merged)[..., None] + block_out * torch.exp(block_lse - merged)[..., None]
+                at = merged if mask is None else _safe(merged)
+                out[i] = out[i] * torch.exp(lse[i] - at)[..., None] + block_out * torch.exp(block_lse - at)[..., None]
                 lse[i] = merged
             if step < cp - 1:
                 for w in works:
@@ -173,7 +207,7 @@ class RingAttention(torch.autograd.Function):
                 kv = nxt
         out, lse = _positions_major(out, q.dtype), torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.ranks, ctx.index, ctx.scale, ctx.doc, ctx.seen = group, ranks, index, scale, doc, seen
+        ctx.group, ctx.ranks, ctx.index, ctx.scale, ctx.masks = group, ranks, index, scale, masks
         return out
 
     @staticmethod
@@ -195,13 +229,12 @@ class RingAttention(torch.autograd.Function):
             ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             dks, dvs = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
             mine, theirs = zigzag_chunks(index, cp), zigzag_chunks((index - step) % cp, cp)
-            for i, j, mask in _doc_pairs(ctx.doc, ctx.seen, mine, theirs, qs[0].shape[2]) if ctx.doc is not None else ():
-                dq_, dk_, dv_ = _doc_block_grads(dos[i], qs[i], ks[j], vs[j], lses[i], deltas[i], scale, mask)
-                dqs[i].add_(dq_)
-                dks[j].add_(dk_)
-                dvs[j].add_(dv_)
-            for i, j, diagonal in () if ctx.doc is not None else _visible(mine, theirs):
-                dq_, dk_, dv_ = _block_grads(dos[i], qs[i], ks[j], vs[j], outs[i], lses[i], deltas[i], scale, diagonal)
+            for i, j, diagonal, mask in ctx.masks.pairs(mine, theirs, q.device):
+                if mask is None:
+                    dq_, dk_, dv_ = _block_grads(dos[i], qs[i], ks[j], vs[j], outs[i], lses[i], deltas[i], scale,
+                                                 diagonal)
+                else:
+                    dq_, dk_, dv_ = _masked_block_grads(dos[i], qs[i], ks[j], vs[j], lses[i], deltas[i], scale, mask)
                 dqs[i].add_(dq_)
                 dks[j].add_(dk_)
                 dvs[j].add_(dv_)
@@ -213,7 +246,7 @@ class RingAttention(torch.autograd.Function):
             dkv = got
             if step < cp - 1:
                 kv = nxt
-        return dq, dkv[0], dkv[1], None, None, None, None, None
+        return dq, dkv[0], dkv[1], None, None, None, None, None, None
 
 
 def _positions_major(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -228,9 +261,9 @@ def _positions_major(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Ten
 
 
 def ring_attention(q, k, v, group, ranks: list[int], index: int, scale: float | None = None,
-                   doc: torch.Tensor | None = None) -> torch.Tensor:
+                   doc: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return RingAttention.apply(q, k, v, group, ranks, index, scale, doc)
+    return RingAttention.apply(q, k, v, group, ranks, index, scale, doc, window)
 
 
 def _seq_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
@@ -273,16 +306,22 @@ class _HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads(grad.contiguous(), ctx.group, ctx.cp), None, None
 
 
-def ulysses_attention(q, k, v, group, cp: int, scale: float | None = None, doc: torch.Tensor | None = None) -> torch.Tensor:
+def ulysses_attention(q, k, v, group, cp: int, scale: float | None = None, doc: torch.Tensor | None = None,
+                      window: int | None = None) -> torch.Tensor:
     """q, k, v: [batch, heads, L, head_dim] of this rank's contiguous L
     positions; heads divisible by cp (checked before start). `doc`: the
-    whole rows' document ids (data.documents), or None."""
+    whole rows' document ids (data.documents), or None; `window`: the
+    family's sliding window, or None."""
     q, k, v = (_SeqToHeads.apply(t, group, cp) for t in (q, k, v))
-    if doc is None:
+    if doc is None and window is None:
         return _HeadsToSeq.apply(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale), group, cp)
     # Whole sequences in global order (rank r held the r-th run): one process's mask.
-    t = torch.arange(doc.shape[1], device=doc.device)
-    seen = ((doc[:, :, None] == doc[:, None, :]) & (t[:, None] >= t[None, :]))[:, None]
+    t = torch.arange(q.shape[2], device=q.device)
+    gap = t[:, None] - t[None, :]
+    seen = (gap >= 0) if window is None else (gap >= 0) & (gap < window)
+    if doc is not None:
+        seen = seen & (doc[:, :, None] == doc[:, None, :])
+    seen = seen[None, None] if seen.dim() == 2 else seen[:, None]
     return _HeadsToSeq.apply(F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=scale), group, cp)
 
 

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from tpctl.parallel import comm
+from tpctl.parallel.context.masks import band_window, plain_causal
 
 # The documents of the forward running now (a stack: a forward may run
 # inside another, e.g. cp's start-up proof).
@@ -130,7 +131,7 @@ class Documents:
         other: what torch's attention takes as attn_mask (computed once per
         forward, every layer's; with a sliding `window`, once per window).
         Across cp ranks context parallelism recognises it (`is_mask`) and
-        masks each pair of chunks itself (without a window: see _window)."""
+        masks each pair of chunks itself, the family's window with them."""
         if window is not None:
             if window not in self._windowed:
                 mine = self.doc[:, self.held]
@@ -159,7 +160,7 @@ class Documents:
         if attn_mask is None and not is_causal:
             raise RuntimeError(f"data.documents: {name} calls attention with is_causal=False and no mask "
                                "(bidirectional), which documents cannot mask as causal attention")
-        if attn_mask is not None and not _plain_causal(attn_mask):
+        if attn_mask is not None and not plain_causal(attn_mask):
             raise RuntimeError(f"data.documents: {name} calls attention with a mask of its own "
                                f"{tuple(attn_mask.shape)} that is not plain causal (padding, a sliding window): "
                                "documents replace plain causal attention only")
@@ -171,11 +172,11 @@ class Documents:
         (None: not a sliding causal mask that cuts; `takes` judges it). Its
         window, not the config's, is what the family computes: the
         documents' mask cut to it is that attention within each document.
-        Only outside cp: cp's handler answers first and passes a band to
-        `takes`, which refuses it (data/documents.py refuses the config)."""
+        Only outside cp: across cp ranks cp's handler answers first, with
+        the window it surveyed on the whole sequence (context/split.py)."""
         if not self.replaces_causal or attn_mask is None:
             return None
-        window = _window(attn_mask)
+        window = band_window(attn_mask)
         if window is not None:
             self.attended += 1
         return window
@@ -283,40 +284,6 @@ def _uninstall_hf(model: nn.Module) -> None:
     if remove is not None:
         remove()
         delattr(model, _HF)
-
-
-def _seen(mask: torch.Tensor) -> Optional[torch.Tensor]:
-    """A [..., L, L] mask as bool (True: seen): bool, or additive (0 seen,
-    -inf or the dtype's lowest not); None if it is neither or not square."""
-    if mask.dim() < 2 or mask.shape[-1] != mask.shape[-2]:
-        return None
-    if mask.dtype == torch.bool:
-        return mask
-    seen, hidden = mask == 0, mask <= torch.finfo(mask.dtype).min / 2
-    return seen if bool((seen | hidden).all()) else None
-
-
-def _plain_causal(mask: torch.Tensor) -> bool:
-    """A [..., L, L] mask of plain causal attention."""
-    seen = _seen(mask)
-    return seen is not None and bool((seen == torch.ones(mask.shape[-2:], dtype=torch.bool,
-                                                          device=mask.device).tril()).all())
-
-
-def _window(mask: torch.Tensor) -> Optional[int]:
-    """The window W of a [..., L, L] sliding causal mask that cuts (W < L:
-    query i sees key j iff 0 <= i - j < W, as transformers' sliding masks
-    count it), the same for every row and head; None for any other mask."""
-    seen = _seen(mask)
-    if seen is None:
-        return None
-    window = int(seen.reshape(-1, *seen.shape[-2:])[0, -1].sum())  # what the last query sees
-    n = seen.shape[-1]
-    if not 0 < window < n:
-        return None
-    i = torch.arange(n, device=mask.device)
-    gap = i[:, None] - i[None, :]
-    return window if bool((seen == ((gap >= 0) & (gap < window))).all()) else None
 
 
 # ---- Hugging Face causal LMs ---------------------------------------------------

@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from tpctl.errors import TpctlError
 from tpctl.parallel.context import documents as docs_
 from tpctl.parallel.context.attention import gathered_attention, ring_attention, ulysses_attention, zigzag_chunks
+from tpctl.parallel.context.masks import band_window, plain_causal
 from tpctl.parallel.dropout import ParallelDropout
 from tpctl.parallel.mesh import Mesh
 
@@ -54,6 +55,12 @@ class ContextParallel:
         self.group, self.ranks = mesh.groups["cp"], mesh.group_ranks["cp"]
         self.impl = impl
         self.active = True  # off: the installed model computes whole sequences as without cp (`prove`)
+        # Each attention module's sliding window (name -> positions), read
+        # from the masks the family draws on whole sequences (`survey`): a
+        # rank's forward sees only its own positions, and a window longer
+        # than those is drawn there as no mask at all.
+        self.windows: dict[str, int] = {}
+        self._surveying: Optional[dict[str, set]] = None
 
     # ---- data -------------------------------------------------------------
     def pieces(self) -> int:
@@ -103,32 +110,38 @@ class ContextParallel:
                 module.register_forward_pre_hook(self._global_rotary, with_kwargs=True)
         return model
 
-    def prove(self, model: nn.Module, mode, rows: range, batch_size: int, vocab_size: int) -> float:
-        """The start-up proof of cp's attention and positions (as
-        parallel/verify/proof.py proves the tensor rewrite): a short probe batch
-        (`rows` of a `batch_size` global batch of 2 x pieces() positions,
-        the same ids on every rank) through the installed model on this rank's
-        positions, against the same model run on the whole sequences with
-        cp off; the largest relative difference of the logits at the
-        positions both hold (the tensor mode may split the logits' sequence
-        too). Every rank must call it; in eval mode, without gradients."""
+    def prove(self, model: nn.Module, mode, rows: range, batch_size: int, vocab_size: int, seq_len: int,
+              check: bool = True) -> float:
+        """The start-up `survey` of the family's windows, and the proof of
+        cp's attention and positions (as parallel/verify/proof.py proves the
+        tensor rewrite): a probe batch (`rows` of a `batch_size` global
+        batch of `seq_len` positions, the training length, so that every
+        window that cuts is seen; the same ids on every rank) through the
+        installed model on this rank's positions, against the same model
+        run on the whole sequences with cp off; the largest relative
+        difference of the logits at the positions both hold (the tensor
+        mode may split the logits' sequence too). check=False: the survey
+        alone (0.0). Every rank must call it; in eval mode, without gradients."""
         from tpctl.parallel.roles.plan import logits_of
 
-        length = 2 * self.pieces()
-        ids = torch.randint(0, vocab_size, (batch_size, length), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
         ids = ids[rows.start:rows.stop]
-        pos = torch.arange(length).expand(ids.shape[0], length)
+        pos = torch.arange(seq_len).expand(ids.shape[0], seq_len)
         device = next(model.parameters()).device
         training = [m.training for m in model.modules()]
         model.eval()
         try:
             with torch.no_grad():
-                self.active = False
+                self.active, self._surveying = False, {}
                 whole = logits_of(model(mode.split_input(ids).to(device)))
-                self.active = True
+                self.windows = {name: next(iter(seen)) for name, seen in self._surveying.items()
+                                if len(seen) == 1 and None not in seen}
+                self.active, self._surveying = True, None
+                if not check:
+                    return 0.0
                 mine = logits_of(model(mode.split_input(self.split(ids)).to(device)))
         finally:
-            self.active = True
+            self.active, self._surveying = True, None
             for m, was in zip(model.modules(), training):
                 m.training = was
         at_whole, at_mine = mode.split_target(pos)[0].tolist(), mode.split_target(self.split(pos))[0].tolist()
@@ -138,6 +151,13 @@ class ContextParallel:
         want = whole[:, [w for w, _ in common]].float()
         got = mine[:, [i for _, i in common]].float()
         return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+    def survey(self, name: str, attn_mask) -> None:
+        """Record the window of a mask module `name` draws on a whole
+        sequence (None: plain causal, no mask, or another kind of mask,
+        which `attend` refuses)."""
+        window = None if attn_mask is None else band_window(attn_mask)
+        self._surveying.setdefault(name, set()).add(window)
 
     def _global_positions(self, module: nn.Module, args: tuple):
         """A lookup of local positions 0..L-1 made a lookup of the global
@@ -178,6 +198,13 @@ class ContextParallel:
         """torch's scaled_dot_product_attention of this rank's positions,
         computed across the cp ranks (data.documents: the mask of the
         forward's documents, each pair of chunks masked by their documents)."""
+        window = self.windows.get(name)
+        if window is not None and (attn_mask is None or plain_causal(attn_mask) or band_window(attn_mask) is not None):
+            # The family's window, drawn over this rank's positions as if
+            # they were the whole sequence: computed on global positions.
+            attn_mask, is_causal = None, True
+        else:
+            window = None
         documents = docs_.current()
         # (In a Hugging Face model's forward also its plain causal call: Documents.takes.)
         if documents is not None and documents.takes(name, attn_mask, is_causal):
@@ -193,8 +220,8 @@ class ContextParallel:
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         with docs_.answering(documents if doc is not None else None):  # its own attention calls are not the model's
             if self.impl == "ring":
-                return ring_attention(q, k, v, self.group, self.ranks, self.rank, scale, doc)
-            return ulysses_attention(q, k, v, self.group, self.size, scale, doc)
+                return ring_attention(q, k, v, self.group, self.ranks, self.rank, scale, doc, window)
+            return ulysses_attention(q, k, v, self.group, self.size, scale, doc, window)
 
 
 class ContextDropout(ParallelDropout):
@@ -233,6 +260,10 @@ class _Attend(TorchFunctionMode):
         self.cp, self.name = cp, name
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.cp.active:  # the survey of whole sequences: computed as without cp
+            if func is F.scaled_dot_product_attention:
+                self.cp.survey(self.name, (kwargs or {}).get("attn_mask", args[3] if len(args) > 3 else None))
+            return func(*args, **(kwargs or {}))
         if func is F.scaled_dot_product_attention:
             self.calls += 1
             return self.cp.attend(self.name, *args, **(kwargs or {}))
@@ -249,8 +280,11 @@ class _Attend(TorchFunctionMode):
 def _attending(forward, cp: ContextParallel, name: str):
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        if not cp.active:
+        if not cp.active and cp._surveying is None:
             return forward(*args, **kwargs)
+        if not cp.active:
+            with _Attend(cp, name):
+                return forward(*args, **kwargs)
         with _Attend(cp, name) as attend:
             out = forward(*args, **kwargs)
         if attend.calls == 0:  # it attended by other means, over this rank's positions alone: never silently

@@ -205,3 +205,10 @@ def worst_grad_error(model, ref) -> float:
         want = spec.slice(want) if spec is not None else want
         worst = max(worst, ((p.grad - want).norm() / want.norm().clamp_min(1e-30)).item())
     return worst
+
+
+@pytest.fixture(scope="module")
+def none_curves(pool) -> dict:
+    """A test module's mode=none curves by family, each made once by the
+    first test that needs it (test_families_anymodel.trains_like_mode_none)."""
+    return {}

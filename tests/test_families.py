@@ -71,11 +71,6 @@ def deviation(want, got) -> tuple[float, float]:
     return loss, norm
 
 
-@pytest.fixture(scope="module")
-def reference(pool):
-    return {}
-
-
 # Every family in one split layout, the layouts taking turns down the list
 # (so each layout meets fused, grouped, multi-query and expert attention);
 # the families with the most mechanisms at once in every layout. The
@@ -94,10 +89,10 @@ CASES += [("gpt_oss", "1d-2-pp2-dp2")]
 
 
 @pytest.mark.parametrize("family,key", CASES)
-def test_family_trains_like_mode_none_or_is_refused(pool, reference, family, key):
-    if family not in reference:
-        reference[family] = pool.run(_curve, "none-dp4", family)[0]
-    want = reference[family]
+def test_family_trains_like_mode_none_or_is_refused(pool, none_curves, family, key):
+    if family not in none_curves:
+        none_curves[family] = pool.run(_curve, "none-dp4", family)[0]
+    want = none_curves[family]
     assert want[-1][0] < want[0][0], f"{family}: the reference did not learn"
     got = pool.run(_curve, key, family, ranks=Layout.parse(key).world)[0]
     refusal = REFUSED.get((family, key), REFUSED.get((family, Layout.parse(key).mode)))

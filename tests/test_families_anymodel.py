@@ -76,32 +76,27 @@ def _planned_comm(key: str, family: str) -> list[dict]:
     return [{k: (v["calls"], v["bytes"], v["wire_bytes"]) for k, v in p.by_kind().items()} for p in plan.stages or [plan]]
 
 
-@pytest.fixture(scope="module")
-def reference(pool):
-    return {}
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family,key", CASES)
-def test_a_mechanism_trains_like_mode_none(pool, reference, family, key):
-    trains_like_mode_none(pool, reference, family, key)
+def test_a_mechanism_trains_like_mode_none(pool, none_curves, family, key):
+    trains_like_mode_none(pool, none_curves, family, key)
 
 
 @pytest.mark.timeout(300)
-def test_norms_without_a_width_train_like_mode_none(pool, reference):
+def test_norms_without_a_width_train_like_mode_none(pool, none_curves):
     """NanoChat's RMSNorms store no weight nor width: on 2d's split stream
     each sums its moments over the ranks holding the features, like a norm
     with a weight. (The curve alone: the planner counts a module's
     collectives once per module, and NanoChat calls its final norm twice.)"""
-    if "nanochat" not in reference:
-        reference["nanochat"] = pool.run(_curve, "none-dp4", "nanochat", STEPS)[0]
+    if "nanochat" not in none_curves:
+        none_curves["nanochat"] = pool.run(_curve, "none-dp4", "nanochat", STEPS)[0]
     got = pool.run(_curve, "2d-4", "nanochat", STEPS)[0]
     assert got[0] != "refused", got[1]
-    loss, norm = deviation(reference["nanochat"], got)
+    loss, norm = deviation(none_curves["nanochat"], got)
     assert len(got) == STEPS and loss < 1e-4 and norm < 1e-4, (loss, norm)
 
 
-def trains_like_mode_none(pool, reference: dict, family: str, key: str) -> None:
+def trains_like_mode_none(pool, none_curves: dict, family: str, key: str) -> None:
     """`family` in layout `key` trains like mode=none within 1e-4 (loss
     and gradient norm, every step), and counted == planned: every rank's
     parameter shapes equal the planner's dry run, and its collectives of
@@ -110,12 +105,12 @@ def trains_like_mode_none(pool, reference: dict, family: str, key: str) -> None:
     3-d weights or a module's own, replica sums). Not with sequence
     parallelism: a Hugging Face attention or MLP module's entry gathers the
     sequence for all its Linears, which the planner does not count
-    (cost/layer_comm.py). `reference`: family -> mode=none's curve."""
+    (cost/layer_comm.py). `none_curves`: family -> mode=none's curve."""
     from tpctl.parallel.layout import Layout
 
-    if family not in reference:
-        reference[family] = pool.run(_curve, "none-dp4", family, STEPS)[0]
-    want = reference[family]
+    if family not in none_curves:
+        none_curves[family] = pool.run(_curve, "none-dp4", family, STEPS)[0]
+    want = none_curves[family]
     layout = Layout.parse(key)
     stages = None if layout.seq_parallel else _planned_comm(key, family)
     ranks = pool.run(_planned_shapes_and_curve, key, family, STEPS)

@@ -31,15 +31,10 @@ CASES = [(family, key) for i, family in enumerate(FAMILIES)
 CASES += [("jamba", "1d-2-pp2-dp2")]
 
 
-@pytest.fixture(scope="module")
-def reference(pool):
-    return {}
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family,key", CASES)
-def test_a_mixer_trains_like_mode_none(pool, reference, family, key):
-    trains_like_mode_none(pool, reference, family, key)
+def test_a_mixer_trains_like_mode_none(pool, none_curves, family, key):
+    trains_like_mode_none(pool, none_curves, family, key)
 
 
 @pytest.mark.timeout(300)

@@ -20,18 +20,13 @@ pytest.importorskip("transformers")
 # per-head norms (qwen3), in a fused [q | k | v] projection whose query rows
 # are no one else's (phi3), and under a norm over all heads of k (olmo2).
 CASES = [("qwen2_kv1", "1d-2-dp2"), ("qwen2_kv1", "1d-2-pp2-dp2"), ("qwen3", "1d-4"), ("phi3", "1d-4"),
-         ("olmo2", "1d-4")]
-
-
-@pytest.fixture(scope="module")
-def reference(pool):
-    return {}
+         ("olmo2", "1d-4"), ("qwen2_kv1", "2d-4"), ("qwen2_kv1", "2.5d-8-d2"), ("qwen2_kv1", "3d-8")]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family,key", CASES)
-def test_shared_key_value_heads_train_like_mode_none_and_send_what_is_planned(pool, reference, family, key):
-    trains_like_mode_none(pool, reference, family, key)
+def test_shared_key_value_heads_train_like_mode_none_and_send_what_is_planned(pool, none_curves, family, key):
+    trains_like_mode_none(pool, none_curves, family, key)
 
 
 def test_a_key_value_replica_set_is_sized_and_placed_as_a_block_of_the_grid():

@@ -36,15 +36,10 @@ CASES = [("bamba", "1d-2-pp2-dp2"), ("bamba", "1d-2-sp-dp2"), ("qwen3_5", "1d-2-
 CASES += [("olmo_hybrid", "1d-2-sp-dp2"), ("kimi_linear", "1d-2-dp2")]
 
 
-@pytest.fixture(scope="module")
-def reference(pool):
-    return {}
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family,key", CASES)
-def test_a_mixer_split_by_heads_trains_like_mode_none(pool, reference, family, key):
-    trains_like_mode_none(pool, reference, family, key)
+def test_a_mixer_split_by_heads_trains_like_mode_none(pool, none_curves, family, key):
+    trains_like_mode_none(pool, none_curves, family, key)
 
 
 def _mixer(family: str):

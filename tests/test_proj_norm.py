@@ -50,12 +50,7 @@ CASES = [("olmo2", key) for key in ("1d-2-dp2", "2d-4", "2.5d-8-d2", "3d-8")]
 CASES += [("olmo_hybrid", "1d-2-dp2"), ("olmo_hybrid", "1d-2-pp2-dp2")]
 
 
-@pytest.fixture(scope="module")
-def reference(pool):
-    return {}
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family,key", CASES)
-def test_norms_over_all_heads_train_like_mode_none_and_send_what_is_planned(pool, reference, family, key):
-    trains_like_mode_none(pool, reference, family, key)
+def test_norms_over_all_heads_train_like_mode_none_and_send_what_is_planned(pool, none_curves, family, key):
+    trains_like_mode_none(pool, none_curves, family, key)

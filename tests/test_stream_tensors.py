@@ -78,15 +78,10 @@ def _plan(family: str):
     return resolve_plan(build_model(cfg.model, cfg.seed))
 
 
-@pytest.fixture(scope="module")
-def reference(pool):
-    return {}
-
-
-def _trains_like_mode_none(pool, reference, family: str) -> dict:
-    if family not in reference:
-        reference[family] = pool.run(_curve, "none-dp4", family)[0][0]
-    want = reference[family]
+def _trains_like_mode_none(pool, none_curves, family: str) -> dict:
+    if family not in none_curves:
+        none_curves[family] = pool.run(_curve, "none-dp4", family)[0][0]
+    want = none_curves[family]
     assert want[-1][0] < want[0][0], f"{family}: the reference did not learn"
     got, held = pool.run(_curve, KEY, family, ranks=4)[0]
     assert got[0] != "refused", got[1]
@@ -97,29 +92,29 @@ def _trains_like_mode_none(pool, reference, family: str) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_a_bias_added_to_the_stream_outside_a_linear_is_held_as_the_stream(pool, reference):
+def test_a_bias_added_to_the_stream_outside_a_linear_is_held_as_the_stream(pool, none_curves):
     plan = _plan("gpt_neox_japanese")
     owner = next(iter(plan.stream_tensors))
     assert plan.stream_tensors == {owner: ("dense_bias",)} and owner in plan.heads, plan.stream_tensors
     assert "whole" not in plan.roles.values(), "the attention holding the bias is split by heads, not run whole"
-    held = _trains_like_mode_none(pool, reference, "gpt_neox_japanese")
+    held = _trains_like_mode_none(pool, none_curves, "gpt_neox_japanese")
     from tpctl.parallel.layout import Layout
 
     assert held == {f"{owner}.dense_bias": (SIZES["n_embd"] // Layout.parse(KEY).geo.q,)}, held
 
 
 @pytest.mark.timeout(300)
-def test_a_table_of_constants_added_to_the_stream_is_cut_for_the_forward(pool, reference):
+def test_a_table_of_constants_added_to_the_stream_is_cut_for_the_forward(pool, none_curves):
     plan = _plan("ctrl")
     assert plan.stream_tensors == {"transformer": ("pos_encoding",)}, plan.stream_tensors
-    held = _trains_like_mode_none(pool, reference, "ctrl")
+    held = _trains_like_mode_none(pool, none_curves, "ctrl")
     # (whole outside the forward: a lazy model computes it, generation and export read it)
     assert held == {"transformer.pos_encoding": (SIZES["block_size"], SIZES["n_embd"])}, held
 
 
 @pytest.mark.timeout(300)
-def test_a_gradient_lost_to_its_own_round_off_is_not_called_wrong(pool, reference):
-    _trains_like_mode_none(pool, reference, "diffllama")
+def test_a_gradient_lost_to_its_own_round_off_is_not_called_wrong(pool, none_curves):
+    _trains_like_mode_none(pool, none_curves, "diffllama")
 
 
 def test_an_ill_conditioned_gradient_is_judged_by_the_reference_own_round_off():

@@ -61,6 +61,7 @@ class ContextParallel:
         # than those is drawn there as no mask at all.
         self.windows: dict[str, int] = {}
         self._surveying: Optional[dict[str, set]] = None
+        self._attention: set[str] = set()  # the attention modules `install` answers in
 
     # ---- data -------------------------------------------------------------
     def pieces(self) -> int:
@@ -95,7 +96,8 @@ class ContextParallel:
             raise ValueError(f"cp={self.size} splits each sequence across ranks, and {whole} "
                              f"({type(model.get_submodule(whole)).__name__}) runs on the whole sequence "
                              "(a recurrence or a convolution over it, no split fits it): use cp=1")
-        for name in attention_modules(roles):
+        self._attention = set(attention_modules(roles))
+        for name in self._attention:
             module = model.get_submodule(name)
             module.forward = _attending(module.forward, self, name)
         for name, module in list(model.named_modules()):
@@ -112,38 +114,40 @@ class ContextParallel:
 
     def prove(self, model: nn.Module, mode, rows: range, batch_size: int, vocab_size: int, seq_len: int,
               check: bool = True) -> float:
-        """The start-up `survey` of the family's windows, and the proof of
-        cp's attention and positions (as parallel/verify/proof.py proves the
-        tensor rewrite): a probe batch (`rows` of a `batch_size` global
-        batch of `seq_len` positions, the training length, so that every
-        window that cuts is seen; the same ids on every rank) through the
-        installed model on this rank's positions, against the same model
-        run on the whole sequences with cp off; the largest relative
-        difference of the logits at the positions both hold (the tensor
-        mode may split the logits' sequence too). check=False: the survey
-        alone (0.0). Every rank must call it; in eval mode, without gradients."""
+        """The start-up `survey` of the family's windows at `seq_len`, then
+        the proof of cp's attention and positions (as
+        parallel/verify/proof.py proves the tensor rewrite): a short probe
+        batch (`rows` of a `batch_size` global batch of 2 x pieces()
+        positions, the same ids on every rank) through the installed model
+        on this rank's positions, against the same model run on the whole
+        sequences with cp off; the largest relative difference of the
+        logits at the positions both hold (the tensor mode may split the
+        logits' sequence too). check=False: the survey alone (0.0). Every
+        rank must call it; in eval mode, without gradients."""
         from tpctl.parallel.roles.plan import logits_of
 
-        ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
-        ids = ids[rows.start:rows.stop]
-        pos = torch.arange(seq_len).expand(ids.shape[0], seq_len)
+        def probe(length: int) -> torch.Tensor:
+            ids = torch.randint(0, vocab_size, (batch_size, length), generator=torch.Generator().manual_seed(0))
+            return ids[rows.start:rows.stop]
+
         device = next(model.parameters()).device
         training = [m.training for m in model.modules()]
         model.eval()
         try:
             with torch.no_grad():
-                self.active, self._surveying = False, {}
-                whole = logits_of(model(mode.split_input(ids).to(device)))
-                self.windows = {name: next(iter(seen)) for name, seen in self._surveying.items()
-                                if len(seen) == 1 and None not in seen}
-                self.active, self._surveying = True, None
+                self.survey(model, mode.split_input(probe(seq_len)).to(device))
                 if not check:
                     return 0.0
+                ids = probe(2 * self.pieces())
+                self.active = False
+                whole = logits_of(model(mode.split_input(ids).to(device)))
+                self.active = True
                 mine = logits_of(model(mode.split_input(self.split(ids)).to(device)))
         finally:
-            self.active, self._surveying = True, None
+            self.active = True
             for m, was in zip(model.modules(), training):
                 m.training = was
+        pos = torch.arange(ids.shape[1]).expand(ids.shape[0], ids.shape[1])
         at_whole, at_mine = mode.split_target(pos)[0].tolist(), mode.split_target(self.split(pos))[0].tolist()
         common = [(at_whole.index(p), i) for i, p in enumerate(at_mine) if p in at_whole]
         if not common:
@@ -152,12 +156,31 @@ class ContextParallel:
         got = mine[:, [i for _, i in common]].float()
         return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
-    def survey(self, name: str, attn_mask) -> None:
+    def survey(self, model: nn.Module, inputs: torch.Tensor) -> None:
+        """Each attention module's window (`windows`), from the mask the
+        family hands torch's attention in a forward of whole sequences
+        `inputs` (the training length: a window that cuts is drawn as a
+        band). Only the masks are wanted: the attention answers zeros
+        (`_Attend`), and the forward stops once every attention module has
+        attended (no LM head, no logits of the whole length)."""
+        self.active, self._surveying = False, {}
+        try:
+            model(inputs)
+        except _Surveyed:
+            pass
+        finally:
+            seen, self.active, self._surveying = self._surveying, True, None
+        self.windows = {name: next(iter(w)) for name, w in seen.items() if len(w) == 1 and None not in w}
+
+    def surveyed(self, name: str, attn_mask) -> None:
         """Record the window of a mask module `name` draws on a whole
         sequence (None: plain causal, no mask, or another kind of mask,
-        which `attend` refuses)."""
+        which `attend` refuses); raises _Surveyed once every attention
+        module has been seen."""
         window = None if attn_mask is None else band_window(attn_mask)
         self._surveying.setdefault(name, set()).add(window)
+        if self._attention <= self._surveying.keys():
+            raise _Surveyed
 
     def _global_positions(self, module: nn.Module, args: tuple):
         """A lookup of local positions 0..L-1 made a lookup of the global
@@ -224,6 +247,11 @@ class ContextParallel:
             return ulysses_attention(q, k, v, self.group, self.size, scale, doc, window)
 
 
+class _Surveyed(Exception):
+    """Every attention module's mask has been read: the survey's forward
+    stops (ContextParallel.survey)."""
+
+
 class ContextDropout(ParallelDropout):
     """Dropout whose mask is drawn by global position: each cp rank draws
     the mask of the whole sequence (its generator in the state the other cp
@@ -260,9 +288,15 @@ class _Attend(TorchFunctionMode):
         self.cp, self.name = cp, name
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if not self.cp.active:  # the survey of whole sequences: computed as without cp
-            if func is F.scaled_dot_product_attention:
-                self.cp.survey(self.name, (kwargs or {}).get("attn_mask", args[3] if len(args) > 3 else None))
+        if not self.cp.active:  # the survey of whole sequences: the mask read, nothing computed
+            if func is F.scaled_dot_product_attention or getattr(func, DROPPED_ATTENTION, False):
+                q, v = args[0], args[2]
+                mask = (kwargs or {}).get("attn_mask", args[3] if len(args) > 3 else None)
+                documents = docs_.current()
+                if documents is not None:  # answered here, not by the documents' mask: their guard counts it
+                    documents.attended += 1
+                self.cp.surveyed(self.name, mask if func is F.scaled_dot_product_attention else None)
+                return q.new_zeros(*q.shape[:-1], v.shape[-1])
             return func(*args, **(kwargs or {}))
         if func is F.scaled_dot_product_attention:
             self.calls += 1
@@ -280,9 +314,9 @@ class _Attend(TorchFunctionMode):
 def _attending(forward, cp: ContextParallel, name: str):
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        if not cp.active and cp._surveying is None:
+        if not cp.active and cp._surveying is None:  # the proof's run of whole sequences
             return forward(*args, **kwargs)
-        if not cp.active:
+        if not cp.active:  # the survey
             with _Attend(cp, name):
                 return forward(*args, **kwargs)
         with _Attend(cp, name) as attend:

@@ -2,10 +2,18 @@
 of query heads, each is held by the ranks whose queries read it, and their
 partial gradients are summed over exactly those ranks, in a process group
 of their own (replicas.share_slices / sync_replicas) that no mesh group
-names. The planner counts those sums (layer_comm.kv_replica_sums, a group
-named by mode.cost_kv_replicas), so counted == planned (before: Qwen2 with
+names. The planner counts those sums (layer_comm.kv_replica_sums: the sets
+of holders replicas.holder_pieces cuts from what every rank of the tensor
+group holds, read from dry runs of those ranks, one call per set) and the
+larger blocks a Linear holding whole shared heads sends
+(layer_comm.held_out_features), so counted == planned (before: Qwen2 with
 one key/value head in 1d-2-dp2, 22 all-reduces counted, 21 planned, 4224
-bytes more; Qwen3 and Phi-3 with two in 1d-4, 22 vs 21 and 15 vs 14).
+bytes more; Qwen3 and Phi-3 with two in 1d-4, 22 vs 21 and 15 vs 14; in
+2d-4, 17 all-reduces counted (4432 bytes) vs 15 (2384), broadcasts 204800
+bytes vs 196608, reduces 151552 vs 145408; 2.5d-8-d2, 29 all-reduces vs 31,
+broadcasts 155648 bytes vs 149504, reduces 102400 vs 98304; 3d-8, 18
+all-reduces (2512 bytes) vs 16 (1488), all-gathers and reduce-scatters
+120832 bytes each vs 117760).
 """
 
 from __future__ import annotations
@@ -19,8 +27,12 @@ pytest.importorskip("transformers")
 # stage); two shared by pairs of four ranks, as separate projections beside
 # per-head norms (qwen3), in a fused [q | k | v] projection whose query rows
 # are no one else's (phi3), and under a norm over all heads of k (olmo2).
+# One key/value head in 2d, 2.5d and 3d: each Linear's blocks of the whole
+# head, its weight's rows and its bias summed over different sets of ranks;
+# in 2d also in a fused [q | k | v] projection (gpt_bigcode, multi-query).
 CASES = [("qwen2_kv1", "1d-2-dp2"), ("qwen2_kv1", "1d-2-pp2-dp2"), ("qwen3", "1d-4"), ("phi3", "1d-4"),
-         ("olmo2", "1d-4"), ("qwen2_kv1", "2d-4"), ("qwen2_kv1", "2.5d-8-d2"), ("qwen2_kv1", "3d-8")]
+         ("olmo2", "1d-4"), ("qwen2_kv1", "2d-4"), ("qwen2_kv1", "2.5d-8-d2"), ("qwen2_kv1", "3d-8"),
+         ("gpt_bigcode", "2d-4")]
 
 
 @pytest.mark.timeout(300)

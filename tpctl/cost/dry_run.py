@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 from tpctl.parallel.layout import Layout
 from tpctl.parallel.pipeline.stages import PipelineSpec
 
-from .layer_comm import kv_replica_sums, sliced_sums
+from .layer_comm import kv_keys, kv_replica_sums, kv_shared, sliced_sums
 
 def stage_rewrite(shape: Any, layout: Layout, rank: int, pipeline: Optional[PipelineSpec], cache: Optional[dict]):
     """(the Parallelism of `rank`, its pipeline read with `pipeline`'s
@@ -133,12 +133,17 @@ class Held:
     gathered: int  # ZeRO-3's largest gathered unit
 
 
-def stage_held(shape: Any, layout: Layout, rank: int, mode, model, holds, bucket_bytes: Optional[int]) -> Held:
+def stage_held(shape: Any, layout: Layout, rank: int, mode, model, holds, bucket_bytes: Optional[int],
+               pipeline: Optional[PipelineSpec] = None, cache: Optional[dict] = None) -> Held:
     """Parameters: this rank's shard of each (ShardSpec), those of its
     pipeline stage only (the stage a worker holds, cut by the dry run;
     tied ones once); with data parallelism the buckets and ZeRO chunks
     the training step makes of them (parallel/data_parallel/zero_plan.py, the same
-    plan); and the replica buckets sync_replicas all-reduces."""
+    plan); and the replica buckets sync_replicas all-reduces. Shared
+    key/value heads (their replicas are learnt from what every rank of the
+    tensor group holds, replicas.share_slices): from the dry runs of those
+    ranks (stage_rewrite with `pipeline` and `cache`), only where a model
+    shares some."""
     from tpctl.parallel.data_parallel import zero_plan
     from tpctl.parallel.shard import spec_of
 
@@ -149,13 +154,20 @@ def stage_held(shape: Any, layout: Layout, rank: int, mode, model, holds, bucket
     if layout.dp * layout.cp > 1:  # (cp ranks hold the same parameters: replicas of the reduction)
         units = zero_plan.units_of([model], [p for _, p in named]) if layout.zero == 3 else None
         dp_plan = zero_plan.plan(named, layout.dp * layout.cp, layout.zero, bucket_bytes or zero_plan.BUCKET_BYTES, units)
+    kv_sums, kv_held = [], {}
+    if shared := kv_shared(shape.plan, mode.geo.head_split):
+        tp = members(layout, "tp", rank)
+        everyone = [kv_keys(model if r == rank else stage_rewrite(shape, layout, r, pipeline, cache)[2], shared)
+                    for r in tp]
+        kv_held = everyone[tp.index(rank)]  # (their ShardSpecs are share_slices', not the dry run's)
+        kv_sums = kv_replica_sums(everyone, tp.index(rank), named, dp_plan)
     param_numel = 0
     buckets: dict[str, int] = defaultdict(int)
     early: list[tuple[str, int]] = []
     for i, (name, p) in enumerate(named):
         spec = spec_of(p)
         param_numel += (numel := math.prod(spec.local_shape()))
-        if spec.partial_grad and len(spec.replica_ranks) > 1:
+        if spec.partial_grad and len(spec.replica_ranks) > 1 and name not in kv_held:
             group = _replica_group(layout, spec, rank)
             if group is None:
                 raise ValueError(f"parameter {name!r}: its replicas {spec.replica_ranks} are no group of the mesh")
@@ -163,8 +175,7 @@ def stage_held(shape: Any, layout: Layout, rank: int, mode, model, holds, bucket
                 early.append((group, numel))
             else:
                 buckets[group] += dp_plan.grad_numel(i) if dp_plan else numel
-    sums = [*buckets.items(), *sliced_sums(shape.plan, mode, named, dp_plan),
-            *kv_replica_sums(shape.plan, mode, named, dp_plan)]
+    sums = [*buckets.items(), *sliced_sums(shape.plan, mode, named, dp_plan), *kv_sums]
     numel = dp_plan.held_numel() if dp_plan else {"param": param_numel, "grad": param_numel, "moment": param_numel}
     layers = shape.layers
     names = [*shape.embeddings, *layers.norms, *layers.proj_norms, *layers.latents, *layers.routers, *layers.wholes,

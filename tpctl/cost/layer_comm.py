@@ -10,8 +10,10 @@ on the meta device and its role plan, never by running it.
 
 Norms over all heads of q or k (`proj_norm`, OLMo-2's) are counted by the
 role of the projection they normalise (`cost_proj_norm`). Key/value heads
-shared by several ranks are summed over those (`kv_replica_sums`, where the
-mode counts them: `cost_kv_replicas`). Not counted: with
+shared by several ranks are summed over those (`kv_replica_sums`: the sets
+of holders cut from dry runs of every rank of the tensor group, as
+replicas.share_slices cuts them), and a Linear holding them sends blocks of
+its whole heads (`held_out_features`). Not counted: with
 1d sequence parallelism the gather an attention or MLP module's entry makes
 for all its Linears (Hugging Face families).
 """
@@ -26,11 +28,12 @@ from typing import Callable
 import torch.nn as nn
 
 from tpctl.parallel.roles.experts import OwnSplit, experts_layout
-from tpctl.parallel.roles.fused import SHARED_PARTS, FusedLayout
+from tpctl.parallel.roles.fused import FusedLayout
 from tpctl.parallel.roles.mixers import MixerSplit, heads_split
 from tpctl.parallel.roles.probes import is_rms_norm, norm_width
 from tpctl.parallel.shard import spec_of
-from tpctl.parallel.tensor.cost_hooks import ExpertsShape
+from tpctl.parallel.tensor.cost_hooks import KV_REPLICAS, ExpertsShape
+from tpctl.parallel.tensor.replicas import holder_pieces, shard_key
 from tpctl.parallel.tensor.rewrite import held_by_heads_or_slices, per_head_params
 
 
@@ -136,30 +139,53 @@ def sliced_sums(plan, mode, named: list, dp_plan=None) -> list[tuple[str, int]]:
     return [*out.items(), *([("tp", everywhere)] if everywhere else [])]
 
 
-def kv_replica_sums(plan, mode, named: list, dp_plan=None) -> list[tuple[str, int]]:
+def kv_shared(plan, split: int) -> list[str]:
+    """The modules holding key/value heads several of `split` blocks of
+    query heads share (fewer heads than the split), and the norms over such
+    a projection's output features (`proj_norm`): what the rewrite hands
+    replicas.share_slices for them (rewrite.py)."""
+    names = [name for name, layout in getattr(plan, "layouts", {}).items() if layout.shares(split)]
+    return names + [norm for norm, src in getattr(plan, "sources", {}).items() if src in names]
+
+
+def held_out_features(plan, name: str, split: int, n: int) -> int:
+    """The output features of Linear `name` (of `n`) its `split` blocks of
+    query heads hold in all: n, or with shared key/value heads each block's
+    whole heads, more (a mode's Linear sends blocks of those)."""
+    layout = getattr(plan, "layouts", {}).get(name)
+    if isinstance(layout, FusedLayout) and layout.shares(split):
+        return split * sum(b - a for a, b in layout.shard_features(split, 0))
+    return n
+
+
+def kv_keys(model: nn.Module, shared: list[str]) -> dict:
+    """{parameter name: replicas.shard_key} of the parameters of `model` (a
+    dry run's rewrite, of its pipeline stage) under the modules `shared`."""
+    owners = set(shared)
+    out = {}
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if any(".".join(parts[:k]) in owners for k in range(1, len(parts) + 1)):
+            out[name] = shard_key(spec_of(p))
+    return out
+
+
+def kv_replica_sums(everyone: list[dict], t: int, named: list, dp_plan=None) -> list[tuple[str, int]]:
     """[(group, gradient elements)], a call each: the rows of key/value heads
     several ranks hold alike (fewer heads than the split), and of the norms
-    over all heads of such a projection (`proj_norm`), summed over the ranks
-    holding them (replicas.share_slices learns them by communicating, so a
-    dry run's ShardSpecs do not say so); the mode names the group
-    (`cost_kv_replicas`). `named`, `dp_plan`: as sliced_sums'."""
-    split = mode.geo.head_split
-    owners: dict[str, list[tuple[str, int]]] = {}  # module -> [(group, its rows of one held head)]
-    for name, layout in getattr(plan, "layouts", {}).items():
-        if not isinstance(layout, FusedLayout) or not layout.shares(split):
-            continue
-        for p, (part, count) in enumerate(zip(layout.names, layout.units)):
-            if part in SHARED_PARTS and count < split and (group := mode.cost_kv_replicas(count)):
-                owners.setdefault(name, []).append((group, layout.width(p) // count))
-    # (a norm over a projection's output features holds the same rows of it)
-    owners.update({norm: owners[src] for norm, src in getattr(plan, "sources", {}).items() if src in owners})
-    out: dict[str, int] = defaultdict(int)
+    over such a projection's output features, summed over the ranks holding
+    them, one call per set of holders (replicas.sync_replicas: each set's
+    process group is share_slices', made from what every rank holds: the
+    sets are cut by replicas.holder_pieces, as there). `everyone`: each tp
+    rank's kv_keys; `t`: this rank's position in the group; `named`,
+    `dp_plan`: as sliced_sums'. A group is named KV_REPLICAS and its size."""
+    sums: dict[tuple[int, ...], int] = defaultdict(int)
     for i, (name, p) in enumerate(named):
-        owner = name.rpartition(".")[0]
-        if owner not in owners:
+        if name not in everyone[t]:
             continue
         shape = spec_of(p).local_shape()
         numel = dp_plan.grad_numel(i) if dp_plan else math.prod(shape)
-        for group, rows in owners[owner]:  # (a fused projection's own query rows are summed nowhere)
-            out[group] += numel * rows // shape[0]
-    return list(out.items())
+        for lo, hi, holders in holder_pieces(everyone, name, t):  # (a fused projection's own query rows: one holder)
+            if len(holders) > 1:
+                sums[holders] += numel * (hi - lo) // shape[0]
+    return [(f"{KV_REPLICAS}{len(holders)}", numel) for holders, numel in sorted(sums.items())]

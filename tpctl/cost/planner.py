@@ -35,7 +35,7 @@ from tpctl.parallel.tensor.cost_hooks import kv_replicas_size
 
 from .dry_run import members, stage_held, stage_rewrite
 from .hardware import Hardware, load_hardware  # noqa: F401  (re-exported: callers name the planner)
-from .layer_comm import count_layers, layer_shapes
+from .layer_comm import count_layers, held_out_features, layer_shapes
 
 F32 = 4  # bytes of an fp32 element: parameters, activations, gradients
 F64 = 8  # the gradient norm and the global loss mean are reduced in float64
@@ -276,7 +276,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     key = ("held", layout, bucket_bytes, id(model))  # (the cached model: one per rewrite)
     held = cache.get(key) if cache is not None else None
     if held is None:
-        held = stage_held(shape, layout, rank, mode, model, holds, bucket_bytes)
+        held = stage_held(shape, layout, rank, mode, model, holds, bucket_bytes, pipeline, cache)
         if cache is not None:
             cache[key] = held
     dp_plan, linears, holds = held.dp_plan, held.linears, held.holds
@@ -332,8 +332,8 @@ def _micro(shape: ModelShape, layout: Layout, rank: int, mode, linears: list, ho
     act += count_layers(shape.layers, mode, micro.add, tokens, holds)  # norms, latent attention, experts
     rows = mode.cost_rows(tokens)
     temporary = 0
-    for _, role, out_f, in_f, _ in linears:
-        n = vp if role == "lm_head" else out_f
+    for name, role, out_f, in_f, _ in linears:
+        n = vp if role == "lm_head" else held_out_features(shape.plan, name, layout.geo.head_split, out_f)
         flops += 2 * tokens * n * in_f / layout.size
         act += mode.cost_linear(micro.add, role, tokens, n, in_f)
         temporary = max(temporary, mode.cost_linear_temporary(role, tokens, n, in_f))

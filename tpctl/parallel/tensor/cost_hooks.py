@@ -18,12 +18,13 @@ from typing import Optional
 
 # A set of ranks sharing a key/value head names no mesh group (a block of the
 # tensor-parallel grid's positions, replicas.share_slices): the planner counts
-# its sums over a group named by this prefix and the set's size.
+# its sums over a group named by this prefix and the set's size
+# (cost/layer_comm.kv_replica_sums; two sets of one size: two calls).
 KV_REPLICAS = "kv_replicas/"
 
 
 def kv_replicas_size(group: str) -> Optional[int]:
-    """The ranks of a group `cost_kv_replicas` named; None for a mesh group."""
+    """The ranks of a group kv_replica_sums named; None for a mesh group."""
     return int(group[len(KV_REPLICAS):]) if group.startswith(KV_REPLICAS) else None
 
 
@@ -135,14 +136,6 @@ class CostHooks:
         run by its own forward (experts: by the stream's hidden blocks);
         None: no rank shares it. 2d, 2.5d: the ranks of a hidden block."""
         return getattr(self, "hidden_replica", None)
-
-    def cost_kv_replicas(self, kv_heads: int) -> Optional[str]:
-        """The group (KV_REPLICAS and its size) over which the ranks sharing
-        one of `kv_heads` key/value heads sum their rows' gradients, in a
-        call of its own (replicas.sync_replicas: its process group is made
-        by share_slices, not the mesh's); None: no rank shares one, or the
-        mode's are not counted (2d, 2.5d, 3d: see docs/DESIGN.md)."""
-        return None
 
     def cost_rows_like_output(self, add, role: str, tokens: int, width: int) -> None:
         """A per-row tensor of `width` features brought from the rows a

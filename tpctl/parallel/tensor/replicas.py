@@ -18,6 +18,41 @@ from tpctl.parallel.mesh import Mesh
 from tpctl.parallel.shard import RowReplicas, spec_of
 
 
+def shared_params(model: nn.Module, names: list[str]) -> dict[str, nn.Parameter]:
+    """{name: parameter} of the modules `names` (or parameters, by name) of `model`."""
+    mine, params = {}, dict(model.named_parameters())
+    for owner in names:  # a module's parameters, or one parameter by name
+        for attr, p in ([("", params[owner])] if owner in params else model.get_submodule(owner).named_parameters()):
+            mine[f"{owner}.{attr}" if attr else owner] = p
+    return mine
+
+
+def shard_key(spec) -> tuple:
+    """What a rank holds of a parameter, as the ranks compare it: (its
+    index in the other dimensions, its row ranges)."""
+    return spec.index[1:], spec.index[0] or ((0, spec.full_shape[0]),)
+
+
+def holder_pieces(everyone: list[dict], name: str, t: int) -> list[tuple[int, int, tuple[int, ...]]]:
+    """(start, stop, holders) of tensor-parallel rank t's rows of parameter
+    `name`, cut where the set of ranks holding them changes; `everyone`: each
+    tp rank's {name: shard_key}. Pure: share_slices and the planner
+    (cost/layer_comm.kv_replica_sums) read the same sets."""
+    rest, rows = everyone[t][name]
+    others = [(u, theirs[name][1]) for u, theirs in enumerate(everyone) if theirs.get(name, (None,))[0] == rest]
+    cuts = sorted({x for _, ranges in others for a, b in ranges for x in (a, b)})
+    out: list[tuple[int, int, tuple[int, ...]]] = []
+    for a, b in rows:
+        points = [a] + [c for c in cuts if a < c < b] + [b]
+        for lo, hi in zip(points, points[1:]):
+            holders = tuple(u for u, ranges in others if any(x <= lo and hi <= y for x, y in ranges))
+            if out and out[-1][1] == lo and out[-1][2] == holders:
+                out[-1] = (out[-1][0], hi, holders)
+            else:
+                out.append((lo, hi, holders))
+    return out
+
+
 def share_slices(model: nn.Module, names: list[str], mesh: Mesh) -> None:
     """The parameters of modules `names` hold key/value heads shared by
     several ranks (fewer heads than the split): every rank of the
@@ -28,38 +63,14 @@ def share_slices(model: nn.Module, names: list[str], mesh: Mesh) -> None:
     its own (its query heads): its rows then carry their replicas run by run
     (ShardSpec.row_replicas). Who holds what is learnt with one gather over
     the group; the replica groups are made once per mesh."""
-    mine, params = {}, dict(model.named_parameters())
-    for owner in names:  # a module's parameters, or one parameter by name
-        for attr, p in ([("", params[owner])] if owner in params else model.get_submodule(owner).named_parameters()):
-            mine[f"{owner}.{attr}" if attr else owner] = p
-    keys = {}
-    for name, p in mine.items():
-        spec = spec_of(p)
-        keys[name] = (spec.index[1:], spec.index[0] or ((0, spec.full_shape[0]),))
-    everyone = comm.all_gather_object(keys, mesh.tp_group)
-
-    def pieces(name: str, t: int) -> list[tuple[int, int, tuple[int, ...]]]:
-        """(start, stop, holders) of tp rank t's rows of `name`, cut where
-        the set of ranks holding them changes."""
-        rest, rows = everyone[t][name]
-        others = [(u, theirs[name][1]) for u, theirs in enumerate(everyone) if theirs.get(name, (None,))[0] == rest]
-        cuts = sorted({x for _, ranges in others for a, b in ranges for x in (a, b)})
-        out = []
-        for a, b in rows:
-            points = [a] + [c for c in cuts if a < c < b] + [b]
-            for lo, hi in zip(points, points[1:]):
-                holders = tuple(u for u, ranges in others if any(x <= lo and hi <= y for x, y in ranges))
-                if out and out[-1][1] == lo and out[-1][2] == holders:
-                    out[-1] = (out[-1][0], hi, holders)
-                else:
-                    out.append((lo, hi, holders))
-        return out
-
+    mine = shared_params(model, names)
+    everyone = comm.all_gather_object({name: shard_key(spec_of(p)) for name, p in mine.items()}, mesh.tp_group)
     # Every rank makes every set's group, in one order (process groups are collective).
-    sets = sorted({h for t, theirs in enumerate(everyone) for name in theirs for _, _, h in pieces(name, t)})
+    sets = sorted({h for t, theirs in enumerate(everyone) for name in theirs
+                   for _, _, h in holder_pieces(everyone, name, t)})
     groups = mesh.tp_subgroups(sets)
     for name, p in mine.items():
-        spec, mine_pieces = spec_of(p), pieces(name, mesh.tp_rank)
+        spec, mine_pieces = spec_of(p), holder_pieces(everyone, name, mesh.tp_rank)
         if len({h for _, _, h in mine_pieces}) == 1:  # one replica set for the whole shard
             group, ranks = groups[mine_pieces[0][2]]
             p.tpctl_spec = dataclasses.replace(spec, replica_ranks=tuple(ranks), partial_grad=len(ranks) > 1,
@@ -73,7 +84,6 @@ def share_slices(model: nn.Module, names: list[str], mesh: Mesh) -> None:
         index = (tuple((lo, hi) for lo, hi, _ in mine_pieces),) + spec.index[1:]
         p.tpctl_spec = dataclasses.replace(spec, index=index, replica_ranks=(), partial_grad=False,
                                            replica_group=None, row_replicas=tuple(runs))
-
 
 
 def sync_replicas(params) -> None:

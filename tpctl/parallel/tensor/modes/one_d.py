@@ -10,8 +10,6 @@ input is all-gathered, so norms and dropout run on a sequence shard.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -24,7 +22,6 @@ from tpctl.parallel.roles.experts import experts_layout, routing_weights_arg
 from tpctl.parallel.roles.plan import COLUMN_ROLES
 from tpctl.parallel.roles.probes import embedding_semantics
 from tpctl.parallel.shard import ShardSpec, block
-from tpctl.parallel.tensor.cost_hooks import KV_REPLICAS
 from tpctl.parallel.tensor.layers import linear_grads, to_compute, vocab_block_lookup
 from tpctl.parallel.tensor.mode import ParallelMode, RewriteContext
 from tpctl.parallel.tensor.whole import split_mixer
@@ -205,13 +202,6 @@ class OneD(ParallelMode):
         # sequence parallelism its entry gathered it), their features split
         # over the group.
         add("all_reduce", "tp", moments * tokens, times=2)
-
-    def cost_kv_replicas(self, kv_heads: int) -> Optional[str]:
-        # Fewer key/value heads than blocks of query heads: each is held by
-        # the head_split / kv_heads consecutive ranks whose queries read it
-        # (fused.held_units), every one of them with the gradient of its own.
-        ways = self.geo.head_split
-        return f"{KV_REPLICAS}{ways // kv_heads}" if kv_heads < ways else None
 
     def cost_latent(self, add, tokens: int, hidden: int) -> None:
         # copy_to_group: the heads' partial input gradients summed. (With

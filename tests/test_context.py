@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cli_support import scaled
+from cli_support import scaled, tpctl  # noqa: F401  (tpctl: fixture)
 from conftest import tiny_config, worst_grad_error
 
 from tpctl.parallel.layout import Layout
@@ -111,6 +111,28 @@ def test_a_sliding_window_trains_as_one_process_across_cp_ranks(pool, name, impl
                                                  ranks=Layout.parse(name).world, timeout_s=600):
         assert surveyed == {window}
         assert loss_err < 1e-6 and grad_err < 1e-6, (loss_err, grad_err)
+
+
+@pytest.mark.timeout(400)
+def test_tpctl_train_with_a_window_longer_than_a_rank_s_positions_equals_mode_none(tpctl):
+    """The case that trained plain causal attention before, through the
+    CLI (the survey, then cp's proof): Mistral's window of 12 positions at
+    train.seq_len=16 and cp=2, where each rank holds 8 and the family draws
+    no mask."""
+    import json
+
+    base = ["train", "model=hf", "model.arch=mistral", "model.n_layer=1", "model.n_head=4", "model.n_kv_head=2",
+            "model.n_embd=32", "model.block_size=16", "+model.config.sliding_window=12", "train.seq_len=16",
+            "train.steps=3", "train.log_every=1", "train.batch_size=4", "train.progress=false", "mode=none"]
+    losses = {}
+    for name, layout in (("none", []), ("cp", ["cp=2"]), ("causal", ["+model.config.sliding_window=null"])):
+        run = tpctl.cwd / name
+        args = [a for a in base if not (layout and a.startswith(layout[0].split("=")[0]))] + layout
+        done = tpctl.run([*args, f"hydra.run.dir={run}"], timeout=200)
+        assert done.returncode == 0, done.stderr
+        losses[name] = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses["none"]) == 3 and losses["cp"] == pytest.approx(losses["none"], rel=1e-6)
+    assert losses["causal"] != pytest.approx(losses["none"], rel=1e-5), "the window changes the run"
 
 
 def test_a_window_pipeline_stages_cannot_survey_is_refused():

@@ -126,12 +126,34 @@ def test_a_failed_job_of_a_multirun_does_not_stop_the_others(tpctl):
     assert tpctl.leftover_pids() == []
 
 
+def test_a_rank_records_the_status_of_what_it_raised_before_its_error_file(tmp_path, monkeypatch):
+    """The agent may stop a rank the moment another has left: a refusal
+    every rank raises must read as a refusal (exit 2) from whichever rank
+    the launcher looks at, so its status is on disk before @record writes
+    the error file (the launcher once read a stopped rank's error file
+    alone as exit 1, and a wrong rewrite came out as a failed run)."""
+    from tpctl.errors import ConfigError
+    from tpctl.launch.worker import EXIT_RECORD, status_first
+    from tpctl.parallel.context.split import ContextRefused
+    from tpctl.parallel.verify.proof import RewriteRefused
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    for error, status in ((RewriteRefused("differs"), 2), (ContextRefused("a mask"), 2),
+                          (ConfigError("k", 1, "2"), 2), (RuntimeError("boom"), 1)):
+        def run(argv, error=error):
+            raise error
+
+        with pytest.raises(type(error)):
+            status_first(run)([])
+        assert (tmp_path / EXIT_RECORD).read_text().split()[-1] == str(status), error
+
+
 def test_the_ranks_torch_does_not_report_are_read_from_what_each_left(tmp_path):
     """Warm starts: torch's function context reports only the first rank
     that failed (here local rank 1 of a node whose ranks start at 4). Each
     other rank's folder says the rest: an exit status it recorded, an error
-    file alone (stopped before it recorded its status: exit 2 for a refusal,
-    which every rank raises at once, else 1), its work marked complete (no
+    file alone (exit 1: a rank records the status of what it raised before
+    the error file, worker.status_first), its work marked complete (no
     failure), or nothing (stopped by the agent)."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
@@ -139,7 +161,7 @@ def test_the_ranks_torch_does_not_report_are_read_from_what_each_left(tmp_path):
     from tpctl.launch.worker import DONE_MARKER, EXIT_RECORD
 
     attempt = tmp_path / "run" / "attempt_0"
-    for local in range(7):
+    for local in range(6):
         (attempt / str(local)).mkdir(parents=True)
     error = {"message": {"message": "RewriteRefused: differs", "extraInfo": {"timestamp": "0"}}}
     (attempt / "1" / "error.json").write_text(json.dumps(error))
@@ -149,13 +171,10 @@ def test_the_ranks_torch_does_not_report_are_read_from_what_each_left(tmp_path):
     (attempt / "3" / DONE_MARKER).write_text("103")           # finished
     (attempt / "4" / EXIT_RECORD).write_text("8 104 0")       # left with 0
     # local 5: nothing -- the agent stopped it
-    crashed = {"message": {"message": "RuntimeError: boom", "extraInfo": {"timestamp": "0"}}}
-    (attempt / "6" / "error.json").write_text(json.dumps(crashed))
     failures = all_failures({5: first})
-    assert sorted(failures) == [4, 5, 6, 9, 10]
+    assert sorted(failures) == [4, 5, 6, 9]
     assert (failures[4].exitcode, failures[4].pid) == (2, 100)
     assert failures[5] is first
-    assert failures[6].exitcode == 2 and "differs" in str(failures[6].message)
-    assert failures[10].exitcode == 1 and "boom" in str(failures[10].message)
+    assert failures[6].exitcode == 1 and "differs" in str(failures[6].message)
     assert failures[9].exitcode == -signal.SIGTERM
     assert all_failures({}) == {}

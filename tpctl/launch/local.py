@@ -15,9 +15,9 @@ e.g. `tests.fake_worker`, so the launcher can be tested on its own.
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -316,30 +316,13 @@ def all_failures(failures: dict[int, Any]) -> dict[int, Any]:
             _, pid, status = (folder / EXIT_RECORD).read_text().split()
             pid, status = int(pid), int(status)
         except (OSError, ValueError):
-            pid, status = -1, _status_of_error(error_file)
+            pid, status = -1, (1 if os.path.exists(error_file) else None)
         if status is None and (folder / DONE_MARKER).exists():
             status = 0
         if status != 0:
             status = -signal.SIGTERM if status is None else status
             complete[offset + local] = ProcessFailure(local_rank=local, pid=pid, exitcode=status, error_file=error_file)
     return complete
-
-
-def _status_of_error(error_file: str) -> int | None:
-    """The exit status a rank that wrote `error_file` (its exception, by
-    @record) but was stopped before recording its status would have left
-    with: 2 for a refusal (worker.failed), else 1; None without the file."""
-    from tpctl.errors import EXIT_USAGE
-
-    try:
-        message = json.loads(Path(error_file).read_text())["message"]
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError):
-        return 1
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    return EXIT_USAGE if str(message).startswith("RewriteRefused:") else 1
 
 
 def finished_ranks(failures: dict[int, Any], agent_dir: str | os.PathLike) -> set[int]:
@@ -371,7 +354,12 @@ def refused(failures: dict[int, Any]) -> str | None:
     if EXIT_REFUSED not in codes or not codes <= {EXIT_REFUSED, -signal.SIGTERM}:
         return None
     rank = min(r for r, f in failures.items() if f.exitcode == EXIT_REFUSED)
-    return failure_reason(failures[rank]).removeprefix("RewriteRefused: ")
+    return REFUSAL_TYPE.sub("", failure_reason(failures[rank]), count=1)
+
+
+# The exception's type before a refusal's message (worker.exit_status): the
+# one line says what was refused, as a config refused by the launcher does.
+REFUSAL_TYPE = re.compile(r"^[A-Za-z_]\w*: ")
 
 
 def failure_reason(failure: Any) -> str:

@@ -17,6 +17,7 @@ if __name__ == "__main__":  # first of all (see `serve`)
 
     quiet_interrupts()
 
+import functools
 import json
 import logging
 import math
@@ -302,7 +303,7 @@ def serve(run: Callable[[list[str]], None], argv: list[str] | None = None) -> No
         import_torch()
         from torch.distributed.elastic.multiprocessing.errors import record
 
-        record(run)(argv)
+        record(status_first(run))(argv)
         mark_done()
         status = 0
     except KeyboardInterrupt:
@@ -316,11 +317,34 @@ def serve(run: Callable[[list[str]], None], argv: list[str] | None = None) -> No
     leave(status)
 
 
+def exit_status(error: BaseException) -> int:
+    """2 for a refusal (a rewrite that is not the model, attention cp
+    cannot split, a bad input found by the workers: a TpctlError whose
+    exit_code is EXIT_USAGE), else 1."""
+    from tpctl.errors import TpctlError
+
+    return EXIT_USAGE if isinstance(error, TpctlError) and error.exit_code == EXIT_USAGE else 1
+
+
+def status_first(run: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
+    """`run`, recording the exit status of an exception it raises before
+    @record writes the error file: once another rank has left, the agent
+    may stop this one at any moment, and the launcher must read the status
+    this rank chose (a refusal every rank raised is one line, exit 2),
+    never an error file without it."""
+    @functools.wraps(run)
+    def guarded(argv: list[str]) -> None:
+        try:
+            run(argv)
+        except Exception as e:
+            record_exit(exit_status(e))
+            raise
+    return guarded
+
+
 def failed(error: BaseException, argv: list[str]) -> int:
     """The exit status of a rank that raised `error`, once it is recorded."""
-    from tpctl.parallel.verify.proof import RewriteRefused
-
-    if isinstance(error, RewriteRefused):
+    if exit_status(error) == EXIT_USAGE:
         # Every rank refuses alike; the launcher prints the one line
         # (@record has kept it) and exits 2 as for a bad config.
         return EXIT_USAGE

@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from tpctl.errors import TpctlError
+from tpctl.errors import EXIT_USAGE, TpctlError
 from tpctl.parallel.context import documents as docs_
 from tpctl.parallel.context.attention import gathered_attention, ring_attention, ulysses_attention, zigzag_chunks
 from tpctl.parallel.context.masks import band_window, plain_causal
@@ -44,7 +44,10 @@ DROPPED_ATTENTION = "tpctl_dropped_attention"
 
 
 class ContextRefused(TpctlError, RuntimeError):
-    """An attention call context parallelism cannot make exact."""
+    """An attention call context parallelism cannot make exact: refused
+    (exit 2, one line, as a rewrite that is not the model)."""
+
+    exit_code = EXIT_USAGE
 
 
 class ContextParallel:

@@ -207,3 +207,10 @@ FAMILIES["olmo_hybrid"] = ("OlmoHybridConfig", dict(
     layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2,
     intermediate_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
     linear_value_head_dim=8))
+# A dynamic attention mask (issue 46): Doge's dt_proj makes one rate per value head from all value heads,
+# scaled by a per-head A (split by heads: tensor/head_reduce.py); per-feature residual rates on the blocks.
+FAMILIES["doge"] = ("DogeConfig", dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=64))
+# An LM head with a learned per-token logit scale (Dory's logit_scale: held as the vocabulary is,
+# tensor/output_params.py), nGPT-style attention with per-feature query and gate scales.
+FAMILIES["dory"] = ("DoryConfig", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+                                       intermediate_size=64))

@@ -172,11 +172,13 @@ def test_an_ill_conditioned_gradient_is_judged_by_the_reference_own_round_off():
             assert widened == plain
 
 
-def test_a_linear_holding_a_parameter_beside_weight_and_bias_is_refused_naming_it():
+def test_a_linear_holding_a_parameter_beside_weight_and_bias_is_carried_where_it_scales_each_output():
     """Dory's LM head (an nn.Linear) multiplies its logits by a learned
-    per-token `logit_scale`: a mode's Linear would drop it, and with its
-    blocks' per-feature rates now held as the stream's features, nothing
-    else refused the model (1d trained off mode=none's curve)."""
+    per-token `logit_scale`: a mode's Linear alone would drop it (1d trained
+    off mode=none's curve so, until refused); it is carried, held as the
+    vocabulary is (tensor/output_params.py; trained in
+    test_families_extra). One that mixes output features stays refused,
+    naming it."""
     from tpctl.models import build_model
     from tpctl.parallel.layout import Layout
     from tpctl.parallel.roles.inference import resolve_plan
@@ -186,5 +188,13 @@ def test_a_linear_holding_a_parameter_beside_weight_and_bias_is_refused_naming_i
     model = build_model(cfg.model, cfg.seed)
     plan = resolve_plan(model)
     assert "model.layers.0" in plan.stream_tensors, plan.stream_tensors
+    assert plan.lm_head not in check_plan(plan, model, Layout.parse(KEY).geo)
+    head = model.get_submodule(plan.lm_head)
+
+    class Mixing(type(head)):  # each logit the sum of those before it: (this instance's class only)
+        def forward(self, x):
+            return super().forward(x).cumsum(-1)
+
+    head.__class__ = Mixing
     problems = check_plan(plan, model, Layout.parse(KEY).geo)
-    assert "logit_scale" in problems.get(plan.lm_head, ""), problems
+    assert "logit_scale" in problems.get(plan.lm_head, "") and "each output feature alone" in problems[plan.lm_head]

@@ -197,7 +197,9 @@ class _Inference(LayerSteps):
             problems[out_proj] = "reads the attention's output mixed with other activations"
         first = nodes[ops[0]]
         owner = common_parent(feeders + [out_proj])
-        latent = self.latent_projections(owner, out_proj)
+        reducers = self.head_reductions(feeders, first)
+        feeders = [name for name in feeders if name not in reducers]
+        latent = self.latent_projections(owner, out_proj, skip=reducers)
         if latent:
             self.latent_attention(first, owner, feeders, latent, out_proj)
             return
@@ -238,19 +240,42 @@ class _Inference(LayerSteps):
                 if name != q_name and name not in layouts and modules[name].out_features == kv_width:
                     layouts[name] = FusedLayout.heads(kv_width, kv, "k" if name == k_name else "v")
         self.heads[owner] = Heads(h, kv, head_dim, attrs, per_head_args(self.first_inputs.get(owner), h))
-        self.units[owner] = feeders + [out_proj]
+        self.units[owner] = feeders + list(reducers) + [out_proj]
+        for name, source in reducers.items():
+            self.assign(name, "head_reduce")
+            self.sources[name] = source
+
+    def head_reductions(self, feeders: list[str], first) -> dict[str, str]:
+        """{Linear: the projection it reads}: of an attention's feeders,
+        those reading one other feeder's output (a projection the attention
+        reads itself) as its heads' features, one output per head of it
+        (Doge's dt_proj: a dynamic-mask rate per value head), read by no
+        Linear. A latent attention's up-projections read a latent no
+        attention reads, and make many features per head."""
+        head_dim = first.shape[-1] if len(first.shape) == 4 else None
+        out = {}
+        for name in feeders:
+            read = self.read_linears(name)
+            source = next(iter(read)) if len(read) == 1 else None
+            if source is None or source not in feeders or source == name or not head_dim:
+                continue
+            linear, src = self.modules[name], self.modules[source]
+            if linear.in_features == src.out_features and src.out_features == linear.out_features * head_dim \
+                    and not any(name in self.read_linears(other) for other in feeders):
+                out[name] = source
+        return out
 
     def read_linears(self, name: str) -> set[str]:
         """The Linears whose output a Linear's calls read (through norms)."""
         return {self.node_name[j] for i in self.calls[name] for j in self.linears(self.nodes[i].inputs)}
 
-    def latent_projections(self, owner: str, out_proj: str) -> list[str]:
+    def latent_projections(self, owner: str, out_proj: str, skip=()) -> list[str]:
         """The Linears inside attention module `owner` whose output another
         Linear inside it reads (through norms): the down-projections of a
         latent attention (DeepSeek's MLA), in call order. A plain
         attention's projections read the stream, which comes from outside."""
         inside = [n.name for n in self.nodes if n.kind == "linear" and owner and n.name.startswith(owner + ".")
-                  and n.name != out_proj]
+                  and n.name != out_proj and n.name not in skip]
         inside = list(dict.fromkeys(inside))
         read = set().union(*(self.read_linears(name) for name in inside)) if inside else set()
         return [name for name in inside if name in read]
@@ -341,7 +366,8 @@ class _Inference(LayerSteps):
         width follows from the token embedding."""
         nodes, roles, modules = self.nodes, self.roles, self.modules
         self.inner = {i for i, n in enumerate(nodes) if n.kind == "attention"
-                      or (n.kind == "linear" and roles.get(n.name) in ("qkv", "attn_in", "mlp_in", "latent", "latent_up"))}
+                      or (n.kind == "linear" and roles.get(n.name) in ("qkv", "attn_in", "mlp_in", "latent", "latent_up",
+                                                                "head_reduce"))}
         input_ids = self.input_ids = {i for i, n in enumerate(nodes) if n.kind == "input"}
         token = [n.name for n in nodes if n.kind == "embedding" and n.inputs & input_ids]
         if len(set(token)) > 1:  # positions derived from the ids: prefer the vocabulary-sized table

@@ -54,8 +54,8 @@ class LayerSteps:
     def own_params(self, n) -> bool:
         """Whether every parameter a module holds itself (outside its
         children) is placed: one entry per query head along its first
-        dimension, held by an attention module (GPT-OSS's sinks: recorded
-        on its Heads), or one per feature of the stream (recorded in
+        dimension (or per key/value head: Doge's A), held by an attention
+        module (GPT-OSS's sinks: recorded on its Heads), or one per feature of the stream (recorded in
         `stream_tensors`, held as the stream's features are) where the
         module is the stream's: an attention module returning it for its
         block to add (GPT-NeoX-Japanese's dense_bias), a block of the stack
@@ -66,7 +66,8 @@ class LayerSteps:
         owner = n.name
         heads = self.heads.get(owner)
         own = dict(self.modules[owner].named_parameters(recurse=False))
-        per_head = tuple(a for a, p in own.items() if heads is not None and p.dim() >= 1 and p.shape[0] == heads.heads)
+        per_head = tuple(a for a, p in own.items() if heads is not None and p.dim() >= 1
+                         and p.shape[0] in (heads.heads, heads.kv_heads))
         wide = tuple(a for a, p in own.items() if a not in per_head and self.stream_wide(p, buffer=False)
                      and (a in n.returns if heads is not None else self.streams(owner)))
         if not own or len(per_head) + len(wide) != len(own):

@@ -18,8 +18,11 @@ import torch.nn as nn
 ROLES = (
     "embedding", "pos_embedding", "qkv", "attn_in", "attn_out", "mlp_in", "mlp_out",
     "norm", "lm_head", "dropout", "attn_dropout", "head_norm", "proj_norm", "experts", "router", "pos_table",
-    "latent", "latent_norm", "latent_up", "elementwise", "split_elementwise", "whole",
+    "latent", "latent_norm", "latent_up", "elementwise", "split_elementwise", "whole", "head_reduce",
 )
+# `head_reduce`: a Linear inside attention reading all heads of one
+# projection's output and making one value per head (Doge's dt_proj: a
+# dynamic-mask rate per value head), split by heads (tensor/head_reduce.py).
 # Latent attention (DeepSeek's MLA): `latent` Linears project the stream down
 # (q_a_proj, kv_a_proj_with_mqa: a latent and a rotary part shared by all
 # heads), `latent_norm`s normalise a latent, `latent_up` Linears project a
@@ -68,8 +71,8 @@ class Heads:
     # rewrite passes each rank its heads' slices.
     per_head_args: list = field(default_factory=list)
     # Parameters of the attention module itself holding one entry per query
-    # head along their first dimension (learned attention sinks): a rank
-    # keeps its heads' entries.
+    # head (learned attention sinks) or per key/value head (Doge's dynamic
+    # mask's A) along their first dimension: a rank keeps its heads' entries.
     params: tuple = ()
 
     def kv_local(self, split: int) -> int:
@@ -105,7 +108,8 @@ class RolePlan:
     # Fused Linears -> the measured layout of their output features
     # (parallel/roles/fused.py); every other Linear splits its features in blocks.
     layouts: dict[str, Any] = field(default_factory=dict)
-    # Norms over all heads of q or k (`proj_norm`) -> the Linear whose output they normalise.
+    # Norms over all heads of q or k (`proj_norm`) -> the Linear whose output they normalise;
+    # per-head reductions (`head_reduce`) -> the projection whose heads they read.
     sources: dict[str, str] = field(default_factory=dict)
     # ModuleLists holding one per-head norm per head (StableLM's q/k
     # LayerNorms) -> their attention module; a rank keeps its heads' norms.

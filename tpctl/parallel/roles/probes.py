@@ -18,6 +18,8 @@ def is_norm(module: nn.Module) -> bool:
     if isinstance(module, (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))):
         return True
     name = type(module).__name__
+    if name.endswith("L2Norm"):  # (Dory's: x / |x|, a sum of squares; Llama 4's, a mean, stays a plain op)
+        return sums_squares(module)
     if not name.endswith(("RMSNorm", "LayerNorm")):
         return False
     weight = getattr(module, "weight", None)
@@ -42,7 +44,26 @@ def is_experts(module: nn.Module) -> bool:
 
 
 def is_rms_norm(module: nn.Module) -> bool:
-    return is_norm(module) and "RMSNorm" in type(module).__name__
+    """An RMSNorm, or an L2 norm (one moment: the squares)."""
+    return is_norm(module) and ("RMSNorm" in type(module).__name__ or sums_squares(module))
+
+
+def sums_squares(module: nn.Module) -> bool:
+    """Whether `module` is a norm without parameters that divides by the
+    root of the sum of squares (+ eps), not their mean: an L2 norm onto the
+    unit sphere (Dory's DoryL2Norm, nGPT's), measured."""
+    if not type(module).__name__.endswith("L2Norm") or any(True for _ in module.parameters()):
+        return False
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    eps = next((float(getattr(module, a)) for a in ("eps", "variance_epsilon", "epsilon")
+                if isinstance(getattr(module, a, None), (int, float))), 1e-6)
+    try:
+        with torch.no_grad():
+            got = type(module).forward(module, x).float()  # (not its hooks: a trace's would record the call)
+    except Exception:  # (a forward that is no norm of one tensor)
+        return False
+    return got.shape == x.shape and torch.allclose(got, x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps),
+                                                   rtol=1e-5, atol=1e-6)
 
 
 def norm_eps(module: nn.Module) -> float:

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from tpctl.parallel.roles.probes import is_rms_norm, norm_eps, norm_offset, norm_width
+from tpctl.parallel.roles.probes import is_rms_norm, norm_eps, norm_offset, norm_width, sums_squares
 
 
 def to_compute(t: torch.Tensor) -> torch.Tensor:
@@ -86,9 +86,10 @@ class SplitNorm(nn.Module):
         heads), so the summed moments count every feature that many times."""
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
         offset = norm_offset(module)
+        # (an L2 norm: the squares' sum, not their mean -- divided by the copies of each feature only)
+        hidden = copies if sums_squares(module) else norm_width(module) * copies
         return cls(None if weight is None else shard(weight, features), None if bias is None else shard(bias, features),
-                   norm_width(module) * copies, norm_eps(module), group, rms=is_rms_norm(module), offset=offset,
-                   features=features)
+                   hidden, norm_eps(module), group, rms=is_rms_norm(module), offset=offset, features=features)
 
 
 def vocab_block_lookup(ids: torch.Tensor, table: torch.Tensor, vocab_start: int,

@@ -25,6 +25,7 @@ from tpctl.parallel.shard import spec_of
 from tpctl.parallel.tensor.layers import hold_stream_tensors
 from tpctl.parallel.tensor.linear import LINEAR_ROLES
 from tpctl.parallel.tensor.mode import ParallelMode, RewriteContext
+from tpctl.parallel.tensor.output_params import bias_spec, carry_output_params, extra_params, output_params
 from tpctl.parallel.tensor.replicas import share_slices
 
 
@@ -78,7 +79,7 @@ def _hold_heads(model: nn.Module, plan: RolePlan, mode: ParallelMode, ctx: Rewri
         per_rank_counts(module, heads, split)
         ctx.name = owner
         for attr in heads.params if mode.rewrites else ():  # (learned sinks) this rank's heads' entries
-            held = held_units(heads.heads, split, mode.head_block())
+            held = held_units(getattr(module, attr).shape[0], split, mode.head_block())  # (query or kv heads)
             full = getattr(module, attr)
             setattr(module, attr, ctx.shard(full, mode.split_spec(full, 0, ((held.start, held.stop),))))
         if heads.per_head_args and split > 1:
@@ -137,6 +138,9 @@ def rewrite_layers(model: nn.Module, mode: ParallelMode, plan=None, dry_run: boo
             continue
         ctx.name = name
         new = mode.convert(role, module, ctx)
+        if role in LINEAR_ROLES and mode.rewrites and extra_params(module):  # (Dory's logit_scale)
+            new = carry_output_params(new, module, extra_params(module), bias_spec(mode, role, module, name),
+                                      lambda p, partial: mode.split_spec(p, replicas="tp", partial=partial), ctx)
         rewritten.append(Rewritten(name, role, module, new))
         if new is not module:
             parent_name, _, child = name.rpartition(".")
@@ -309,10 +313,9 @@ def check_plan(plan, model: nn.Module, geo, training: bool = True) -> dict[str, 
     split = geo.hidden_split
     for name, role in plan.roles.items():
         module = model.get_submodule(name)
-        extra = sorted(set(module._parameters) - {"weight", "bias"}) if role in LINEAR_ROLES else []
-        if extra:  # (a mode's Linear holds a weight and a bias: another parameter would be dropped, not learnt)
-            problems.setdefault(name, f"a Linear ({type(module).__name__}) holding parameters beside its weight and "
-                                      f"bias ({', '.join(extra)}), which tpctl's Linear layers do not carry")
+        if role in LINEAR_ROLES and extra_params(module) and (reason := _refused(output_params, module)):
+            # (carried where its forward applies them to its output entry by entry: output_params.py)
+            problems.setdefault(name, reason)
         elif role in ("qkv", "attn_in", "mlp_in", "attn_out", "mlp_out"):
             dims = {"out": module.out_features, "in": module.in_features}
             if mode.replicated_activations:  # only the split dimension
@@ -326,6 +329,8 @@ def check_plan(plan, model: nn.Module, geo, training: bool = True) -> dict[str, 
             problems.setdefault(name, f"{module.embedding_dim} embedding features do not split {geo.q} ways")
         elif role == "embedding" and (reason := _refused(embedding_semantics, module)):
             problems.setdefault(name, reason)
+        elif role == "head_reduce" and (reason := _reduce_problem(plan, name, module, ways)):
+            problems.setdefault(name, f"{reason} (mode {geo.mode}, size {geo.size})")
         elif role == "lm_head" and not mode.replicated_activations and module.in_features % split:
             problems.setdefault(name, f"{module.in_features} in features do not split {split} ways (mode {geo.mode}, size {geo.size})")
         elif role == "norm" and not mode.replicated_activations:
@@ -334,6 +339,16 @@ def check_plan(plan, model: nn.Module, geo, training: bool = True) -> dict[str, 
             elif reason := _refused(norm_offset, module):
                 problems.setdefault(name, reason)
     return problems
+
+
+def _reduce_problem(plan, name: str, module: nn.Module, ways: int) -> Optional[str]:
+    """Why a per-head reduction (`head_reduce`) cannot split `ways` ways, or None."""
+    from tpctl.parallel.tensor.head_reduce import reduce_problem
+
+    owner = next((o for o in plan.heads if name.startswith(f"{o}.")), None)
+    if owner is None:
+        return "a per-head reduction outside any attention tpctl found"
+    return reduce_problem(plan.heads[owner], module.out_features, ways)
 
 
 def _refused(measure, module: nn.Module) -> Optional[str]:

@@ -43,7 +43,9 @@ ELSEWHERE = "held by another pipeline stage"
 # A latent attention's pieces and elementwise modules compute on activations
 # a module check does not make (whole latent rows; a split activation):
 # their block checks them.
-BLOCK_ONLY_ROLES = ("experts", "router", "latent", "latent_norm", "latent_up", "elementwise", "split_elementwise")
+# A per-head reduction reads a projection's heads, which a module check does not make.
+BLOCK_ONLY_ROLES = ("experts", "router", "latent", "latent_norm", "latent_up", "elementwise", "split_elementwise",
+                    "head_reduce")
 # fp32 round-off: a reordered sum of k terms is off by about sqrt(k) * 6e-8
 # of its scale (k = the widths summed over, up to ~1e4 here: ~1e-5 at worst,
 # ~1e-6 typical), while every layout or semantics error seen so far moves a

@@ -46,7 +46,7 @@ def test_context_parallelism_refuses_a_mixer_that_runs_whole_in_one_line(pool, f
     assert "\n" not in got[1]
 
 
-@pytest.mark.parametrize("family,key", [("qwen3_next", "2d-4"), ("falcon_h1", "1d-2-pp2")])
+@pytest.mark.parametrize("family,key", [("mamba", "2d-4"), ("falcon_h1", "1d-2-pp2")])
 def test_inspect_names_the_modules_run_whole_and_why(family, key):
     """`tpctl inspect`'s table (a dry run on rank 0): a mixer's row says it
     runs whole and why no split fits it; the modules inside it say whose."""

@@ -34,6 +34,10 @@ CASES = [("bamba", "1d-2-pp2-dp2"), ("bamba", "1d-2-sp-dp2"), ("qwen3_5", "1d-2-
 # with sequence parallelism (its 1d-2-dp2 and 1d-2-pp2-dp2 runs, collectives compared, are
 # test_proj_norm's: its attention's q/k norms over all heads).
 CASES += [("olmo_hybrid", "1d-2-sp-dp2"), ("kimi_linear", "1d-2-dp2")]
+# In 2d and 3d a block of rows' q ranks gather whole rows and split the heads q ways; ranks with
+# other rows hold the same heads (qwen3_next and nemotron_h at 2d-4 and 3d-8 run in
+# test_families_hybrid, the same check).
+CASES += [("bamba", "2d-4"), ("kimi_linear", "3d-8"), ("olmo_hybrid", "2d-4-dp2")]
 
 
 @pytest.mark.timeout(300)
@@ -151,13 +155,15 @@ def _inspect(key: str, family: str):
     return {row[0]: row for row in rows}
 
 
-def test_each_rank_holds_its_share_of_a_mixer():
-    """1d-2: every tensor of the mixer but out_proj's bias is halved on a
+@pytest.mark.parametrize("key", ["1d-2", "2d-4"])
+def test_each_rank_holds_its_share_of_a_mixer(key):
+    """1d-2 (and 2d-4: the heads split among the q = 2 ranks of a block of
+    rows): every tensor of the mixer but out_proj's bias is halved on a
     rank (in_proj's rows, conv channels, per-head parameters, the norm,
     out_proj's columns); inspect names the role."""
     import math
 
-    rows = _inspect("1d-2", "bamba")
+    rows = _inspect(key, "bamba")
     mixer = _mixer("bamba")
     name = next(n for n in rows if n.endswith("layers.0.mamba"))
     assert rows[name][2] == "mixer (heads split)" and "8 heads in 2 groups" in rows[name][6], rows[name]
@@ -208,8 +214,7 @@ def test_each_rank_holds_its_share_of_a_gated_delta_rule_attention(family, attn,
     ("qwen3_next", "1d-4", "2 key head(s) do not split 4 ways"),
     ("qwen3_5", "1d-4", "2 key head(s) do not split 4 ways"),
     ("olmo_hybrid", "1d-4", "2 key head(s) do not split 4 ways"),
-    ("kimi_linear", "2d-4", "mode 2d runs mixers whole"),
-    ("bamba", "2d-4", "mode 2d runs mixers whole"),
+    ("bamba", "2d-16", "2 group(s) of heads do not split 4 ways"),
     ("falcon_h1", "1d-2", "one group of heads (n_groups=1)")])
 def test_a_mixer_that_does_not_split_runs_whole_and_says_why(family, key, why):
     rows = _inspect(key, family)

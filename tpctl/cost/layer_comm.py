@@ -100,7 +100,7 @@ def count_layers(layers: LayerShapes, mode, add, tokens: int, holds: Callable[[s
     for name in filter(holds, layers.routers):
         mode.cost_router(add, tokens, hidden)
     for name in filter(holds, layers.wholes):
-        if heads_split(mode, layers.mixers.get(name)):  # a mixer split by heads (1d: OneD.cost_mixer)
+        if heads_split(mode, layers.mixers.get(name)):  # a mixer split by heads (convert_mixer)
             mode.cost_mixer(add, tokens, hidden)
         else:
             mode.cost_whole(add, tokens, hidden)

@@ -61,10 +61,15 @@ the tensor-parallel size: one group's B and C, or one key head's q and k,
 would be needed on two ranks, and a norm over a group on two ranks would
 need its moments summed across them; Kimi's heads: a head's channels).
 
-Only 1d splits a mixer (its stream is whole rows, or sequence shards
-gathered for the mixer); 2d, 2.5d and 3d keep running it whole: their
-hidden features are split, and the mixer would need whole rows gathered
-and a second split of its own inside the mode's grid (not built).
+In 1d a mixer splits over the whole group (its stream is whole rows, or
+sequence shards gathered for the mixer). In 2d, 2.5d and 3d the q ranks
+holding one block of rows (the stream's group: each a block of its
+hidden features) gather whole rows and split the mixer's heads q ways
+among them, as experts run by their own forward are split
+(tensor/mode.py, convert_mixer): the scan runs on this rank's rows and
+heads, and the partial outputs are reduce-scattered back onto the
+stream's hidden blocks; ranks with other rows hold the same heads
+(replicas, their gradients summed).
 """
 
 from __future__ import annotations
@@ -427,9 +432,8 @@ def mixer_split(module: nn.Module, args, kwargs, orders=None) -> MixerSplit:
 
 def heads_split(mode, split) -> bool:
     """Whether `mode` (a tensor.mode.ParallelMode) splits a mixer of plan
-    layout `split` by heads: a MixerSplit, a mode that splits mixers (1d:
-    `splits_mixers`), over a tensor-parallel size its groups divide by.
-    The rewrite (tensor/whole.py) and the planner (cost/layer_comm.py) ask
-    the same."""
-    return isinstance(split, MixerSplit) and mode.rewrites and getattr(mode, "splits_mixers", False) \
-        and split.heads_problem(mode.geo.size) is None
+    layout `split` by heads: a MixerSplit, over the ranks that hold one
+    row's hidden features (`mixer_ways`: 1d's whole group, a 2d grid's row
+    of q), whose number its groups divide by. The rewrite
+    (tensor/whole.py) and the planner (cost/layer_comm.py) ask the same."""
+    return isinstance(split, MixerSplit) and mode.rewrites and split.heads_problem(mode.mixer_ways()) is None

@@ -130,6 +130,17 @@ class CostHooks:
         rows; its output's cut sends nothing."""
         self._cost_stream_gather(add, tokens, hidden)
 
+    def mixer_ways(self) -> int:
+        """The ranks a mixer's heads split over (roles/mixers.py): those
+        holding one row's hidden features (1d: all of them; 2d, 2.5d, 3d: q)."""
+        return self.geo.size if self.replicated_activations else self.geo.q
+
+    def cost_mixer(self, add, tokens: int, hidden: int) -> None:
+        """A mixer split by heads (ParallelMode.convert_mixer): whole rows
+        gathered on entry, the partial output reduce-scattered onto this
+        rank's hidden block (and their adjoints in the backward)."""
+        self._cost_stream_gather(add, tokens, hidden, times=2)
+
     def cost_sliced_replicas(self, role: str) -> Optional[str]:
         """The mesh group whose ranks hold the same slice of a latent
         up-projection (`role` latent_up: by heads) or of an experts module

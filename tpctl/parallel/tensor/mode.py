@@ -23,8 +23,7 @@ import torch.nn as nn
 from tpctl.parallel import comm
 from tpctl.parallel.geometry import Geometry, padded_vocab
 from tpctl.parallel.mesh import Mesh
-from tpctl.parallel.roles.experts import (DenseExperts, OwnSplit, eager_where_misaligned, experts_layout,
-                                         routing_weights_arg)
+from tpctl.parallel.roles.experts import DenseExperts, OwnSplit, eager_where_misaligned, experts_layout
 from tpctl.parallel.roles.fused import FusedLayout, held_units
 from tpctl.parallel.roles.probes import norm_width
 from tpctl.parallel.shard import ShardSpec, make_param
@@ -33,7 +32,7 @@ from tpctl.parallel.tensor.layers import SplitNorm
 from tpctl.parallel.tensor.linear import LINEAR_ROLES, default_converter
 from tpctl.parallel.tensor.loss import vocab_parallel_cross_entropy
 from tpctl.parallel.tensor.replicas import sync_replicas
-from tpctl.parallel.tensor.whole import gather_hidden, hold_whole_scaled, run_whole
+from tpctl.parallel.tensor.whole import gather_hidden, run_whole, split_mixer, split_own_experts
 
 
 class RewriteContext:
@@ -389,49 +388,17 @@ class ParallelMode(CostHooks):
 
     def convert_own_experts(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
         """Experts in a model's own module (experts.OwnSplit), run by its own
-        forward on whole rows: the ranks holding a row's hidden features
-        (all of 1d's, which hold whole rows) each hold a block of every
-        expert's inner features, and their partial outputs are summed (in
-        2d/3d onto each rank's hidden block). Ranks with other rows hold
-        replicas (rewrite.py shares them)."""
-        split, whole_rows = self.layouts[ctx.name], self.replicated_activations
-        group = self.mesh.tp_group if whole_rows else self.stream_group()
-        shards, s = self.geo.size if whole_rows else self.geo.q, comm.group_rank(group)  # (also in a dry run)
-        whole = split.whole()
-        for name, full in list(module.named_parameters()):
-            if name in whole:  # held whole, its gradient each rank's part (of 1/shards of its rows' terms):
-                owner, _, leaf = name.rpartition(".")  # every rank of the grid a replica (rewrite shares them)
-                setattr(module.get_submodule(owner), leaf, ctx.shard(full, self.split_spec(full)))
-                continue
-            dim, ranges = split.ranges(name, shards, s)
-            owner, _, leaf = name.rpartition(".")
-            setattr(module.get_submodule(owner), leaf, ctx.shard(full, self.split_spec(full, dim, ranges)))
-        for owner, attr in split.attrs:
-            setattr(module.get_submodule(owner), attr, split.inner // shards)
+        forward on whole rows (tensor/whole.py, split_own_experts)."""
+        return split_own_experts(self, module, ctx)
 
-        def entry(mod, args, kwargs):
-            # A parameter held whole is read by the forward as 1/shards of
-            # itself (an instance attribute shadows the registered one for
-            # this call): the shards' partial outputs then add it once.
-            hold_whole_scaled(mod, whole, shards)
-            args, kwargs = list(args), dict(kwargs)
-            if not whole_rows:
-                return (comm.gather_along(args[0], group, -1), *args[1:]), kwargs
-            # Whole replicated rows: the input's and the routing weights'
-            # gradients (each rank's a part) summed over the group.
-            at = routing_weights_arg(args, kwargs)
-            for where in (0, at):
-                box = args if isinstance(where, int) else kwargs
-                box[where] = comm.copy_to_group(box[where], group)
-            return tuple(args), kwargs
-
-        def exit(mod, args, out):
-            hold_whole_scaled(mod, whole, None)
-            return comm.reduce_to_replicated(out, group) if whole_rows else comm.reduce_scatter_along(out, group, -1)
-
-        module.register_forward_pre_hook(entry, with_kwargs=True)
-        module.register_forward_hook(exit)
-        return module
+    def convert_mixer(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """A mixer split by heads over the q ranks holding a block of rows
+        (roles/mixers.py; tensor/whole.py, split_mixer): whole rows
+        gathered, the partial output reduce-scattered onto this rank's
+        hidden block; ranks with other rows hold its heads alike."""
+        group = self.stream_group()
+        return split_mixer(self, module, ctx, group, self.geo.q, comm.group_rank(group), -1,
+                           self.cost_sliced_replicas("experts"))
 
     def weight_spec(self, weight: torch.Tensor, role: str, layout=None, n: Optional[int] = None) -> ShardSpec:
         """The ShardSpec of a Linear's (out, in) weight for `role`."""

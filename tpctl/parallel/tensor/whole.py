@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from tpctl.parallel import comm
+from tpctl.parallel.roles.experts import routing_weights_arg
 from tpctl.parallel.roles.mixers import REPLICA, heads_split
 from tpctl.parallel.roles.tracing import hidden_arg
 
@@ -39,7 +40,7 @@ def run_whole(mode, module: nn.Module, ctx) -> nn.Module:
     (mode.whole_split)."""
     if not mode.rewrites:
         return module
-    if heads_split(mode, mode.layouts.get(ctx.name)):  # a mixer (Mamba-2, gated delta rule), split by heads (1d)
+    if heads_split(mode, mode.layouts.get(ctx.name)):  # a mixer (Mamba-2, gated delta rule), split by heads
         return mode.convert_mixer(module, ctx)
     split = mode.whole_split(ctx)
     for name, full in list(module.named_parameters()):
@@ -64,11 +65,13 @@ def run_whole(mode, module: nn.Module, ctx) -> nn.Module:
     return module
 
 
-def shard_own_forward(mode, module: nn.Module, ctx, split, shards: int, s: int) -> tuple[str, ...]:
+def shard_own_forward(mode, module: nn.Module, ctx, split, shards: int, s: int,
+                      replicas: Optional[str] = None) -> tuple[str, ...]:
     """`module`, run by its own forward, made to hold shard s of `shards` of
     `split` (a mixers.MixerSplit: per tensor its dimension and ranges, or
     held whole; integer attributes (owner, attribute, full) set to
-    full / shards). A parameter held whole is a replica over the
+    full / shards), each shard held alike by the ranks of mesh group
+    `replicas` (ranks with other rows in 2d/3d: gradients summed over them). A parameter held whole is a replica over the
     tensor-parallel group with a partial gradient: the forward reads it as
     1/shards of itself (hold_whole_scaled), so the shards' summed outputs
     add it once and each rank's gradient is 1/shards of it; one of dim
@@ -87,7 +90,7 @@ def shard_own_forward(mode, module: nn.Module, ctx, split, shards: int, s: int) 
             if leaf not in held._parameters:
                 held._buffers[leaf] = torch.cat([full.narrow(dim, a, b - a) for a, b in ranges], dim)
                 continue
-            spec = mode.split_spec(full, dim, ranges)
+            spec = mode.split_spec(full, dim, ranges, replicas=replicas)
         setattr(held, leaf, ctx.shard(full, spec))
     for owner, attr, full in split.attrs:
         setattr(module.get_submodule(owner), attr, full // shards)
@@ -107,30 +110,79 @@ def hold_whole_scaled(module: nn.Module, whole: tuple[str, ...], shards: Optiona
             held.__dict__[leaf] = held._parameters[leaf] / shards
 
 
-def split_mixer(mode, module: nn.Module, ctx, group, shards: int, s: int, seq_dim: Optional[int]) -> nn.Module:
+def split_mixer(mode, module: nn.Module, ctx, group, shards: int, s: int, dim: Optional[int],
+                replicas: Optional[str] = None) -> nn.Module:
     """A mixer split by heads (roles/mixers.py) over `group`, this
     rank shard s of `shards`, its own forward run on this rank's heads: the
     input whole rows of every rank (replicated: its gradient, each rank's
-    heads' part, summed over the group by copy_to_group; or sequence shards
-    gathered along `seq_dim`, whose backward reduce-scatters), out_proj's
-    partial outputs summed (all-reduce; or reduce-scattered onto this
-    rank's sequence shard)."""
-    whole = shard_own_forward(mode, module, ctx, mode.layouts[ctx.name], shards, s)
+    heads' part, summed over the group by copy_to_group; or pieces of the
+    rows gathered along `dim`, 1d's sequence shards or 2d/3d's hidden
+    blocks, whose backward reduce-scatters), out_proj's partial outputs
+    summed (all-reduce; or reduce-scattered onto this rank's piece).
+    `replicas`: shard_own_forward's."""
+    whole = shard_own_forward(mode, module, ctx, mode.layouts[ctx.name], shards, s, replicas)
     if ctx.shapes_only:  # (a dry run's mesh has no groups to communicate over)
         return module
 
     def entry(mod, args, kwargs):
         hold_whole_scaled(mod, whole, shards)
         x = hidden_arg(args, kwargs)
-        x = comm.copy_to_group(x, group) if seq_dim is None else comm.gather_along(x, group, seq_dim)
+        x = comm.copy_to_group(x, group) if dim is None else comm.gather_along(x, group, dim)
         return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
 
     def exit(mod, args, out):
         hold_whole_scaled(mod, whole, None)
         first = out[0] if isinstance(out, tuple) else out
-        first = comm.reduce_to_replicated(first, group) if seq_dim is None else \
-            comm.reduce_scatter_along(first, group, seq_dim)
+        first = comm.reduce_to_replicated(first, group) if dim is None else \
+            comm.reduce_scatter_along(first, group, dim)
         return (first, *out[1:]) if isinstance(out, tuple) else first
+
+    module.register_forward_pre_hook(entry, with_kwargs=True)
+    module.register_forward_hook(exit)
+    return module
+
+
+def split_own_experts(mode, module: nn.Module, ctx) -> nn.Module:
+    """Experts in a model's own module (experts.OwnSplit), run by its own
+    forward on whole rows: the ranks holding a row's hidden features
+    (all of 1d's, which hold whole rows) each hold a block of every
+    expert's inner features, and their partial outputs are summed (in
+    2d/3d onto each rank's hidden block). Ranks with other rows hold
+    replicas (rewrite.py shares them)."""
+    split, whole_rows = mode.layouts[ctx.name], mode.replicated_activations
+    group = mode.mesh.tp_group if whole_rows else mode.stream_group()
+    shards, s = mode.geo.size if whole_rows else mode.geo.q, comm.group_rank(group)  # (also in a dry run)
+    whole = split.whole()
+    for name, full in list(module.named_parameters()):
+        if name in whole:  # held whole, its gradient each rank's part (of 1/shards of its rows' terms):
+            owner, _, leaf = name.rpartition(".")  # every rank of the grid a replica (rewrite shares them)
+            setattr(module.get_submodule(owner), leaf, ctx.shard(full, mode.split_spec(full)))
+            continue
+        dim, ranges = split.ranges(name, shards, s)
+        owner, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(owner), leaf, ctx.shard(full, mode.split_spec(full, dim, ranges)))
+    for owner, attr in split.attrs:
+        setattr(module.get_submodule(owner), attr, split.inner // shards)
+
+    def entry(mod, args, kwargs):
+        # A parameter held whole is read by the forward as 1/shards of
+        # itself (an instance attribute shadows the registered one for
+        # this call): the shards' partial outputs then add it once.
+        hold_whole_scaled(mod, whole, shards)
+        args, kwargs = list(args), dict(kwargs)
+        if not whole_rows:
+            return (comm.gather_along(args[0], group, -1), *args[1:]), kwargs
+        # Whole replicated rows: the input's and the routing weights'
+        # gradients (each rank's a part) summed over the group.
+        at = routing_weights_arg(args, kwargs)
+        for where in (0, at):
+            box = args if isinstance(where, int) else kwargs
+            box[where] = comm.copy_to_group(box[where], group)
+        return tuple(args), kwargs
+
+    def exit(mod, args, out):
+        hold_whole_scaled(mod, whole, None)
+        return comm.reduce_to_replicated(out, group) if whole_rows else comm.reduce_scatter_along(out, group, -1)
 
     module.register_forward_pre_hook(entry, with_kwargs=True)
     module.register_forward_hook(exit)

@@ -414,8 +414,6 @@ class OneD(ParallelMode):
 
     # A mixer (role `whole`: Mamba-2, gated delta rule) with a measured split by heads
     # (roles/mixers.py) runs on this rank's heads (tensor/whole.py).
-    splits_mixers = True
-
     def convert_mixer(self, module: nn.Module, ctx):
         seq = SEQ_DIM if self._shards_sequence(ctx) else None
         return split_mixer(self, module, ctx, self.group, self.world, self.p, seq)

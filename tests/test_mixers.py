@@ -37,7 +37,7 @@ CASES += [("olmo_hybrid", "1d-2-sp-dp2"), ("kimi_linear", "1d-2-dp2")]
 # In 2d and 3d a block of rows' q ranks gather whole rows and split the heads q ways; ranks with
 # other rows hold the same heads (qwen3_next and nemotron_h at 2d-4 and 3d-8 run in
 # test_families_hybrid, the same check).
-CASES += [("bamba", "2d-4"), ("kimi_linear", "3d-8"), ("olmo_hybrid", "2d-4-dp2")]
+CASES += [("bamba", "2d-4"), ("kimi_linear", "3d-8"), ("olmo_hybrid", "2d-4-dp2"), ("qwen3_5", "2.5d-8-d2")]
 
 
 @pytest.mark.timeout(300)

@@ -49,6 +49,8 @@ class LayerShapes:
     wholes: list[str] = field(default_factory=list)  # modules run whole (role `whole`)
     mixers: dict = field(default_factory=dict)  # those of them with a split by heads (roles/mixers.py)
     experts: dict[str, ExpertsShape] = field(default_factory=dict)
+    # per-head reductions (`head_reduce`) -> (their source projection's role, their outputs: one per head)
+    head_reduces: dict[str, tuple[str, int]] = field(default_factory=dict)
 
 
 def layer_shapes(model: nn.Module, plan, model_cfg) -> LayerShapes:
@@ -65,6 +67,8 @@ def layer_shapes(model: nn.Module, plan, model_cfg) -> LayerShapes:
             out.norms[name] = (norm_width(module), 1 if is_rms_norm(module) else 2)
         elif role == "proj_norm":
             out.proj_norms[name] = (roles[plan.sources[name]], 1 if is_rms_norm(module) else 2)
+        elif role == "head_reduce":
+            out.head_reduces[name] = (roles[plan.sources[name]], module.out_features)
         elif role == "latent":
             out.latents.append(name)
         elif role == "router":
@@ -95,6 +99,9 @@ def count_layers(layers: LayerShapes, mode, add, tokens: int, holds: Callable[[s
     for name, (role, moments) in layers.proj_norms.items():
         if holds(name):
             mode.cost_proj_norm(add, tokens, role, moments)
+    for name, (role, heads) in layers.head_reduces.items():
+        if holds(name):
+            mode.cost_head_reduce(add, tokens, role, heads)
     for name in filter(holds, layers.latents):
         mode.cost_latent(add, tokens, hidden)
     for name in filter(holds, layers.routers):

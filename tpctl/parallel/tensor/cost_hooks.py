@@ -88,6 +88,13 @@ class CostHooks:
         (layers.SplitNorm), one call each however many ranks hold a shared
         key/value head. Nothing where the features are whole (mode=none)."""
 
+    def cost_head_reduce(self, add, tokens: int, role: str, heads: int) -> None:
+        """A per-head reduction (`head_reduce`: one value per head from a
+        projection of `role`'s heads): its partial products of every head
+        reduce-scattered over the ranks splitting that projection's output
+        features (mode.output_group; backward: an all-gather), as
+        tensor/head_reduce.HeadReduce. Nothing where they are whole."""
+
     def cost_linear(self, add, role: str, tokens: int, n: int, k: int) -> int:
         """A Linear of role `role`, k -> n features, on `tokens` rows."""
         return tokens * k

@@ -203,6 +203,10 @@ class OneD(ParallelMode):
         # over the group.
         add("all_reduce", "tp", moments * tokens, times=2)
 
+    def cost_head_reduce(self, add, tokens: int, role: str, heads: int) -> None:
+        add("reduce_scatter", "tp", heads * tokens)
+        add("all_gather", "tp", heads * tokens)
+
     def cost_latent(self, add, tokens: int, hidden: int) -> None:
         # copy_to_group: the heads' partial input gradients summed. (With
         # sequence parallelism the attention module's entry gathers the

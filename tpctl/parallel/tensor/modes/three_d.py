@@ -257,6 +257,10 @@ class ThreeD(ParallelMode):
         # input (output_spec): split over its hidden axis, rows as many
         add("all_reduce", ROLE_LAYOUT[role].flip().hidden, moments * self.cost_rows(tokens), times=2)
 
+    def cost_head_reduce(self, add, tokens: int, role: str, heads: int) -> None:
+        add("reduce_scatter", ROLE_LAYOUT[role].flip().hidden, heads * self.cost_rows(tokens))
+        add("all_gather", ROLE_LAYOUT[role].flip().hidden, heads * self.cost_rows(tokens))
+
     def cost_sliced_replicas(self, role: str) -> str:
         # heads in layout B's hidden block; own experts by layout A's
         return (LAYOUT_B if role == "latent_up" else LAYOUT_A).replica_plane

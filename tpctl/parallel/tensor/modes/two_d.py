@@ -216,6 +216,10 @@ class TwoD(ParallelMode):
         # over the row group (output_group), as the stream's are
         add("all_reduce", "row", moments * self.cost_rows(tokens), times=2)
 
+    def cost_head_reduce(self, add, tokens: int, role: str, heads: int) -> None:
+        add("reduce_scatter", "row", heads * self.cost_rows(tokens))
+        add("all_gather", "row", heads * self.cost_rows(tokens))
+
     def cost_linear(self, add, role: str, tokens: int, n: int, k: int) -> int:
         q, rows = self.grid.q, self.cost_rows(tokens)
         w, y = (n // q) * (k // q), rows * (n // q)

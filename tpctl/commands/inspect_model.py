@@ -156,7 +156,7 @@ def inspect_model(cfg):
             note = "run whole on every rank, on whole rows: no split fits it" + (f" ({why})" if why else "")
             layout = plan.layouts.get(name)
             if isinstance(layout, MixerSplit):  # a split by heads, which this layout does not use
-                note += "; not split by heads: " + (layout.heads_problem(par.mode.mixer_ways()) or "")
+                note += "; not split by heads: " + (layout.heads_problem(par.mode.own_forward_ways()) or "")
         elif inside is not None and not note:
             note = f"split by heads, inside {inside}" if inside in split_mixers else f"run whole, inside {inside}"
         if record is None and own and not note:

@@ -33,7 +33,7 @@ from tpctl.parallel.roles.mixers import MixerSplit, heads_split
 from tpctl.parallel.roles.probes import is_rms_norm, norm_width
 from tpctl.parallel.shard import spec_of
 from tpctl.parallel.tensor.cost_hooks import KV_REPLICAS, ExpertsShape
-from tpctl.parallel.tensor.replicas import holder_pieces, shard_key
+from tpctl.parallel.tensor.replicas import holder_pieces, shard_key, shared_params
 from tpctl.parallel.tensor.rewrite import held_by_heads_or_slices, per_head_params
 
 
@@ -167,14 +167,10 @@ def held_out_features(plan, name: str, split: int, n: int) -> int:
 
 def kv_keys(model: nn.Module, shared: list[str]) -> dict:
     """{parameter name: replicas.shard_key} of the parameters of `model` (a
-    dry run's rewrite, of its pipeline stage) under the modules `shared`."""
-    owners = set(shared)
-    out = {}
-    for name, p in model.named_parameters():
-        parts = name.split(".")
-        if any(".".join(parts[:k]) in owners for k in range(1, len(parts) + 1)):
-            out[name] = shard_key(spec_of(p))
-    return out
+    dry run's rewrite, of its pipeline stage) under the modules `shared`
+    it holds, collected as the rewrite hands them to share_slices."""
+    held = dict(model.named_modules()).keys() | dict(model.named_parameters()).keys()
+    return {name: shard_key(spec_of(p)) for name, p in shared_params(model, [s for s in shared if s in held]).items()}
 
 
 def kv_replica_sums(everyone: list[dict], t: int, named: list, dp_plan=None) -> list[tuple[str, int]]:

@@ -317,10 +317,10 @@ class _Attend(TorchFunctionMode):
 def _attending(forward, cp: ContextParallel, name: str):
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        if not cp.active and cp._surveying is None:  # the proof's run of whole sequences
-            return forward(*args, **kwargs)
-        if not cp.active:  # the survey
-            with _Attend(cp, name):
+        if not cp.active:
+            if cp._surveying is None:  # the proof's run of whole sequences
+                return forward(*args, **kwargs)
+            with _Attend(cp, name):  # the survey: the masks read, nothing computed
                 return forward(*args, **kwargs)
         with _Attend(cp, name) as attend:
             out = forward(*args, **kwargs)

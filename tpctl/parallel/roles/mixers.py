@@ -433,7 +433,7 @@ def mixer_split(module: nn.Module, args, kwargs, orders=None) -> MixerSplit:
 def heads_split(mode, split) -> bool:
     """Whether `mode` (a tensor.mode.ParallelMode) splits a mixer of plan
     layout `split` by heads: a MixerSplit, over the ranks that hold one
-    row's hidden features (`mixer_ways`: 1d's whole group, a 2d grid's row
+    row's hidden features (`own_forward_ways`: 1d's whole group, a 2d grid's row
     of q), whose number its groups divide by. The rewrite
     (tensor/whole.py) and the planner (cost/layer_comm.py) ask the same."""
-    return isinstance(split, MixerSplit) and mode.rewrites and split.heads_problem(mode.mixer_ways()) is None
+    return isinstance(split, MixerSplit) and mode.rewrites and split.heads_problem(mode.own_forward_ways()) is None

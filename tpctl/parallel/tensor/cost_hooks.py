@@ -137,9 +137,11 @@ class CostHooks:
         rows; its output's cut sends nothing."""
         self._cost_stream_gather(add, tokens, hidden)
 
-    def mixer_ways(self) -> int:
-        """The ranks a mixer's heads split over (roles/mixers.py): those
-        holding one row's hidden features (1d: all of them; 2d, 2.5d, 3d: q)."""
+    def own_forward_ways(self) -> int:
+        """The ranks that split a module run by its own forward (a mixer by
+        heads, roles/mixers.py; experts by inner features, roles/experts.py):
+        those holding one row's hidden features (1d: all of them; 2d, 2.5d,
+        3d: q)."""
         return self.geo.size if self.replicated_activations else self.geo.q
 
     def cost_mixer(self, add, tokens: int, hidden: int) -> None:

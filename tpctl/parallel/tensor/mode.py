@@ -397,7 +397,7 @@ class ParallelMode(CostHooks):
         gathered, the partial output reduce-scattered onto this rank's
         hidden block; ranks with other rows hold its heads alike."""
         group = self.stream_group()
-        return split_mixer(self, module, ctx, group, self.geo.q, comm.group_rank(group), -1,
+        return split_mixer(self, module, ctx, group, self.own_forward_ways(), comm.group_rank(group), -1,
                            self.cost_sliced_replicas("experts"))
 
     def weight_spec(self, weight: torch.Tensor, role: str, layout=None, n: Optional[int] = None) -> ShardSpec:

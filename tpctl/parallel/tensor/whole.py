@@ -71,7 +71,8 @@ def shard_own_forward(mode, module: nn.Module, ctx, split, shards: int, s: int,
     `split` (a mixers.MixerSplit: per tensor its dimension and ranges, or
     held whole; integer attributes (owner, attribute, full) set to
     full / shards), each shard held alike by the ranks of mesh group
-    `replicas` (ranks with other rows in 2d/3d: gradients summed over them). A parameter held whole is a replica over the
+    `replicas` (ranks with other rows in 2d/3d: gradients summed over
+    them). A parameter held whole is a replica over the
     tensor-parallel group with a partial gradient: the forward reads it as
     1/shards of itself (hold_whole_scaled), so the shards' summed outputs
     add it once and each rank's gradient is 1/shards of it; one of dim
@@ -151,7 +152,7 @@ def split_own_experts(mode, module: nn.Module, ctx) -> nn.Module:
     replicas (rewrite.py shares them)."""
     split, whole_rows = mode.layouts[ctx.name], mode.replicated_activations
     group = mode.mesh.tp_group if whole_rows else mode.stream_group()
-    shards, s = mode.geo.size if whole_rows else mode.geo.q, comm.group_rank(group)  # (also in a dry run)
+    shards, s = mode.own_forward_ways(), comm.group_rank(group)  # (also in a dry run)
     whole = split.whole()
     for name, full in list(module.named_parameters()):
         if name in whole:  # held whole, its gradient each rank's part (of 1/shards of its rows' terms):

@@ -85,6 +85,8 @@ def _verify(key: str, name: str, plan=None, break_role: str = "", how: str = "")
                     p.tpctl_spec = dataclasses.replace(p.tpctl_spec, partial_grad=False)
             elif how == "drop its entry hook":  # 1d experts: input and routing weights' gradients not summed
                 new._forward_pre_hooks.clear()
+            elif how == "drop the bias":  # forgotten: its initial value (zeros) shows in no output
+                new.register_parameter("bias", None)
             return new
 
         setattr(mode, f"convert_{break_role}", broken)  # on this instance; removed below
@@ -140,6 +142,19 @@ def test_broken_replacement_is_refused_naming_the_module(pool, key, role, how, m
         assert r["refusal"] is not None, f"{how} in the {role} layer was not refused"
         assert f"module {module} (" in r["refusal"], r["refusal"]
         assert r["checks"][module][2] > 100 * r["tolerance"]
+
+
+# 1d keeps norms as they are, so there the block names what its norms lack.
+@pytest.mark.parametrize("key,where", [("1d-2-dp2", "block blocks.0 (Block): the rewrite holds ln_1.bias, ln_2.bias"),
+                                       ("2d-4", "module blocks.0.ln_1 (LayerNorm): the rewrite holds bias"),
+                                       ("3d-8", "module blocks.0.ln_1 (LayerNorm): the rewrite holds bias")])
+def test_a_parameter_the_rewrite_drops_is_refused(pool, key, where):
+    """Norms whose bias the rewrite forgets: its initial value (zeros)
+    leaves every output and every other gradient as the original's, so only
+    a count of the original's parameters sees that nothing would train it."""
+    for r in pool.run(_verify, key, "gpt", break_role="norm", how="drop the bias"):
+        assert r["refusal"] is not None, "a dropped bias was not refused"
+        assert where in r["refusal"] and "on no rank" in r["refusal"], r["refusal"]
 
 
 @pytest.mark.parametrize("key", ["1d-2-dp2", "2d-4", "2.5d-8-d2", "3d-8"])

@@ -66,6 +66,9 @@ class Check:
     diff: float = 0.0  # worst relative difference, over ranks
     what: str = ""  # which tensor it was in
     note: str = ""  # why it was not checked, or what failed
+    # The original's parameters this rank's rewritten instance holds no
+    # counterpart of (by name); a name missing on every rank is a failure.
+    missing: tuple[str, ...] = ()
 
     @property
     def failed(self) -> bool:

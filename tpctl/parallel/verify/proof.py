@@ -182,6 +182,7 @@ def verify_rewrite(model: nn.Module, mode, originals: Originals, pipeline=None) 
             if c.name not in calls:
                 c.diff, c.note = math.inf, "the rewritten model never calls it"
                 continue
+            c.missing = _missing(unit.original, rewritten)
             try:
                 reference, nbytes = materialise(unit, originals.source, mode.mesh.device)
                 peak = max(peak, nbytes)
@@ -210,23 +211,52 @@ def verify_rewrite(model: nn.Module, mode, originals: Originals, pipeline=None) 
     return Report(checks, time.perf_counter() - start, max(peak, originals.stage_bytes))
 
 
+def _missing(original: nn.Module, rewritten: nn.Module) -> tuple[str, ...]:
+    """The original's parameters the rewritten unit holds nothing of on this
+    rank, by name (a rewrite keeps its originals' names: HeldHeads keeps a
+    rank's per-head modules under their whole-model indices)."""
+    held = {name for name, _ in rewritten.named_parameters()}
+    return tuple(name for name, _ in original.named_parameters() if name not in held)
+
+
+def _dropped(missing_by_rank: list[tuple[str, ...]]) -> list[str]:
+    """The parameters no rank checking a unit holds: the rewrite dropped
+    them, and nothing would train them. A check of outputs cannot see this
+    while a dropped parameter's initial value is neutral (a scale of ones:
+    Dory's logit_scale before it was carried)."""
+    if not missing_by_rank:
+        return []
+    return sorted(set.intersection(*(set(m) for m in missing_by_rank)))
+
+
 def _agree(units: list, mode) -> None:
     """Every rank takes, for each unit, the worst difference over all ranks
     and the name of the tensor it was in on the first rank that saw it, so
     all ranks refuse or train alike and print one and the same line."""
     if not units or not dist.is_initialized():
+        for unit in units:
+            _refuse_dropped(unit.check, _dropped([unit.check.missing]))
         return
     diffs = torch.tensor([u.check.diff for u in units], dtype=torch.float64, device=mode.mesh.device)
     diffs = torch.nan_to_num(diffs, nan=math.inf, posinf=math.inf)
     by_rank = comm.all_gather(diffs.unsqueeze(0), dist.group.WORLD).cpu()  # (world, units)
     # Start-up only: the names are short strings, one object gather.
-    names = comm.all_gather_object([(u.check.what, u.check.note) for u in units], dist.group.WORLD)
+    names = comm.all_gather_object([(u.check.what, u.check.note, u.check.missing) for u in units], dist.group.WORLD)
     worst, owner = by_rank.max(dim=0)  # max picks the first rank among equals
     for i, unit in enumerate(units):
+        dropped = _dropped([names[r][i][2] for r in range(len(names)) if names[r][i][1] != ELSEWHERE])
         if unit.check.note == ELSEWHERE:  # another stage checked it: take that rank's verdict
             checked = [r for r in range(len(names)) if names[r][i][1] != ELSEWHERE] or [int(owner[i])]
             first = int(owner[i]) if int(owner[i]) in checked else checked[0]
-            unit.check.what, unit.check.note = names[first][i]
+            unit.check.what, unit.check.note = names[first][i][:2]
         elif not unit.check.note:
             unit.check.what = names[int(owner[i])][i][0]
         unit.check.diff = float(worst[i])
+        _refuse_dropped(unit.check, dropped)
+
+
+def _refuse_dropped(check: Check, dropped: list[str]) -> None:
+    if dropped:
+        check.diff = math.inf
+        check.note = (f"the rewrite holds {', '.join(dropped)} on no rank, so nothing would train "
+                      f"{'it' if len(dropped) == 1 else 'them'}")

@@ -158,6 +158,10 @@ def quiet_agent() -> None:
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    # Its process context warns as it SIGTERMs the ranks left once one has
+    # failed (before the one line naming that rank): timing decides whether
+    # any are left, so the line came and went between runs.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.CRITICAL)
 
 
 def _rendezvous_failure(e: Exception, lc, endpoint: str, timed_out: bool) -> str:

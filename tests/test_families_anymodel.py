@@ -86,14 +86,9 @@ def test_a_mechanism_trains_like_mode_none(pool, none_curves, family, key):
 def test_norms_without_a_width_train_like_mode_none(pool, none_curves):
     """NanoChat's RMSNorms store no weight nor width: on 2d's split stream
     each sums its moments over the ranks holding the features, like a norm
-    with a weight. (The curve alone: the planner counts a module's
-    collectives once per module, and NanoChat calls its final norm twice.)"""
-    if "nanochat" not in none_curves:
-        none_curves["nanochat"] = pool.run(_curve, "none-dp4", "nanochat", STEPS)[0]
-    got = pool.run(_curve, "2d-4", "nanochat", STEPS)[0]
-    assert got[0] != "refused", got[1]
-    loss, norm = deviation(none_curves["nanochat"], got)
-    assert len(got) == STEPS and loss < 1e-4 and norm < 1e-4, (loss, norm)
+    with a weight. Counted == planned: NanoChat calls its final norm twice,
+    and the planner counts it twice (RolePlan.calls)."""
+    trains_like_mode_none(pool, none_curves, "nanochat", "2d-4")
 
 
 def trains_like_mode_none(pool, none_curves: dict, family: str, key: str) -> None:

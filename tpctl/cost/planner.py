@@ -35,7 +35,7 @@ from tpctl.parallel.tensor.cost_hooks import kv_replicas_size
 
 from .dry_run import members, stage_held, stage_rewrite
 from .hardware import Hardware, load_hardware  # noqa: F401  (re-exported: callers name the planner)
-from .layer_comm import count_layers, held_out_features, layer_shapes
+from .layer_comm import count_layers, held_out_features, layer_shapes, repeated
 
 F32 = 4  # bytes of an fp32 element: parameters, activations, gradients
 F64 = 8  # the gradient norm and the global loss mean are reduced in float64
@@ -325,17 +325,18 @@ def _micro(shape: ModelShape, layout: Layout, rank: int, mode, linears: list, ho
     elements kept, the rows the mode's loss sees, and the elements of the
     largest temporary of a Linear (the mode's cost_linear_temporary)."""
     micro = _Counter(layout, rank)
-    flops, act = 0.0, 0
+    flops, act, calls = 0.0, 0, shape.layers.calls  # (a module called c times a forward: counted c times)
     for name, (_, dim) in shape.embeddings.items():
         if shape.roles[name] == "embedding" and holds(name):
-            mode.cost_embedding(micro.add, tokens, vp, dim)
+            mode.cost_embedding(repeated(micro.add, calls.get(name, 1)), tokens, vp, dim)
     act += count_layers(shape.layers, mode, micro.add, tokens, holds)  # norms, latent attention, experts
     rows = mode.cost_rows(tokens)
     temporary = 0
     for name, role, out_f, in_f, _ in linears:
         n = vp if role == "lm_head" else held_out_features(shape.plan, name, layout.geo.head_split, out_f)
-        flops += 2 * tokens * n * in_f / layout.size
-        act += mode.cost_linear(micro.add, role, tokens, n, in_f)
+        c = calls.get(name, 1)
+        flops += c * 2 * tokens * n * in_f / layout.size
+        act += c * mode.cost_linear(repeated(micro.add, c), role, tokens, n, in_f)
         temporary = max(temporary, mode.cost_linear_temporary(role, tokens, n, in_f))
         if role == "lm_head":
             act += 2 * rows * mode.cost_vocab(vp)  # logits and the loss's saved probabilities

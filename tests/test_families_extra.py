@@ -54,9 +54,9 @@ def _moved_curve(key: str, family: str, steps: int):
     return [(r["loss"], r["grad_norm"]) for r in trainer_of(run).fit()]
 
 
-def _trains_like_mode_none(pool, none_curves: dict, family: str, key: str, comm: bool = True) -> None:
-    """As test_families_anymodel.trains_like_mode_none (shapes and, with
-    `comm`, collectives counted == planned), with the curve judged against
+def _trains_like_mode_none(pool, none_curves: dict, family: str, key: str) -> None:
+    """As test_families_anymodel.trains_like_mode_none (shapes and
+    collectives counted == planned), with the curve judged against
     mode=none's own round-off where it is above 1e-6 (see above)."""
     if family not in none_curves:
         none_curves[family] = pool.run(_curve, "none-dp4", family, STEPS)[0]
@@ -65,13 +65,12 @@ def _trains_like_mode_none(pool, none_curves: dict, family: str, key: str, comm:
 
     from tpctl.parallel.layout import Layout
 
-    plan = _planned_comm(key, family)[0]
+    by_rank = _planned_comm(key, family)
     ranks = pool.run(_shapes_and_curve, key, family, STEPS)
     for rank, (planned, counted, kinds, _) in enumerate(ranks):
         assert {n: planned.get(n) for n in counted} == counted, f"rank {rank}"
         # counted == planned: calls and bytes of each kind (a per-head reduction's reduce-scatter too)
-        if comm:
-            assert {k: v[:2] for k, v in kinds.items()} == {k: v[:2] for k, v in plan.items()}, f"rank {rank}"
+        assert {k: v[:2] for k, v in kinds.items()} == {k: v[:2] for k, v in by_rank[rank].items()}, f"rank {rank}"
     assert Layout.parse(key).pp == 1
     got = ranks[0][3]
     assert got[0] != "refused", got[1]

@@ -90,14 +90,15 @@ def test_a_dynamic_mask_split_by_heads_trains_like_mode_none(pool, none_curves, 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("key", ["1d-2-dp2", "2d-4"])
+@pytest.mark.parametrize("key", ["1d-2-dp2", "2d-4", "2.5d-8-d2", "3d-8"])
 def test_a_logit_scale_held_as_the_vocabulary_trains_like_mode_none(pool, none_curves, key):
     """(and, in 2d, Dory's L2 norms on the split stream: a sum of squares over
     the ranks holding the features, probes.sums_squares). Counted == planned:
     Dory calls each block twice (its input and output sections hold the same
     layers at this depth) and its final norm four times, and the planner
     counts each module as often as the traced forward calls it
-    (RolePlan.calls; 2d-4: 46 all-reduces, 9 all-gathers and reduce-scatters)."""
+    (RolePlan.calls; 2d-4: 46 all-reduces, 9 all-gathers and reduce-scatters;
+    2.5d-8-d2: 48, 9; 3d-8: 47, 13)."""
     _trains_like_mode_none(pool, none_curves, "dory", key)
 
 

@@ -62,8 +62,10 @@ _SHAPES: dict = {}
 
 
 def _planned_comm(key: str, family: str) -> list[dict]:
-    """The planner's collectives per kind of one step, per pipeline stage:
-    from the model's shapes and roles (a dry run), not from running it."""
+    """The planner's collectives per kind of one step, per rank (its
+    stage's plan, SplitPlan.comm_of: ranks summing other sets of shared
+    key/value replicas have their own): from the model's shapes and roles
+    (a dry run), not from running it."""
     from test_families import _cfg
 
     from tpctl.cost.planner import model_shape, plan_split
@@ -73,7 +75,9 @@ def _planned_comm(key: str, family: str) -> list[dict]:
     if family not in _SHAPES:  # (the same model in every layout: traced once)
         _SHAPES[family] = model_shape(cfg.model, cfg.seed)
     plan = plan_split(_SHAPES[family], layout, cfg.train.batch_size, cfg.train.seq_len, layout.pp)
-    return [{k: (v["calls"], v["bytes"], v["wire_bytes"]) for k, v in p.by_kind().items()} for p in plan.stages or [plan]]
+    stages = plan.stages or [plan]
+    return [{k: (v["calls"], v["bytes"], v["wire_bytes"])
+             for k, v in stages[layout.coords(rank)["pp"]].by_kind(rank).items()} for rank in range(layout.world)]
 
 
 @pytest.mark.timeout(300)
@@ -86,14 +90,9 @@ def test_a_mechanism_trains_like_mode_none(pool, none_curves, family, key):
 def test_norms_without_a_width_train_like_mode_none(pool, none_curves):
     """NanoChat's RMSNorms store no weight nor width: on 2d's split stream
     each sums its moments over the ranks holding the features, like a norm
-    with a weight. (The curve alone: the planner counts a module's
-    collectives once per module, and NanoChat calls its final norm twice.)"""
-    if "nanochat" not in none_curves:
-        none_curves["nanochat"] = pool.run(_curve, "none-dp4", "nanochat", STEPS)[0]
-    got = pool.run(_curve, "2d-4", "nanochat", STEPS)[0]
-    assert got[0] != "refused", got[1]
-    loss, norm = deviation(none_curves["nanochat"], got)
-    assert len(got) == STEPS and loss < 1e-4 and norm < 1e-4, (loss, norm)
+    with a weight. Counted == planned: NanoChat calls its final norm twice,
+    and the planner counts it twice (RolePlan.calls)."""
+    trains_like_mode_none(pool, none_curves, "nanochat", "2d-4")
 
 
 def trains_like_mode_none(pool, none_curves: dict, family: str, key: str) -> None:
@@ -112,13 +111,13 @@ def trains_like_mode_none(pool, none_curves: dict, family: str, key: str) -> Non
         none_curves[family] = pool.run(_curve, "none-dp4", family, STEPS)[0]
     want = none_curves[family]
     layout = Layout.parse(key)
-    stages = None if layout.seq_parallel else _planned_comm(key, family)
+    by_rank = None if layout.seq_parallel else _planned_comm(key, family)
     ranks = pool.run(_planned_shapes_and_curve, key, family, STEPS)
     for rank, (planned, counted, kinds, _) in enumerate(ranks):  # (its stage's, pp > 1)
         assert {n: planned.get(n) for n in counted} == counted, f"rank {rank}"
-        if stages is None:
+        if by_rank is None:
             continue
-        plan = stages[layout.coords(rank)["pp"]]
+        plan = by_rank[rank]
         assert {k: v[:2] for k, v in kinds.items()} == {k: v[:2] for k, v in plan.items()}, f"rank {rank}"
         for k, v in kinds.items():  # wire bytes also check each group's size
             assert v[2] == pytest.approx(plan[k][2], rel=1e-9), f"rank {rank} {k}"

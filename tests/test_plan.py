@@ -73,13 +73,16 @@ def _train_step(key: str, tied: bool):
 
 
 def _planned(key: str, tied: bool) -> list:
-    """(kinds, memory figures) the plan gives each pipeline stage."""
+    """(kinds, memory figures) the plan gives each rank (its pipeline
+    stage's plan; SplitPlan.comm_of: the rank's own communication)."""
     from tpctl.cost.planner import model_shape, plan_split
 
     layout, accum, bucket_bytes = MESHES[key]
     plan = plan_split(model_shape(_model_cfg(tied)), layout, BATCH, SEQ, accum, bucket_bytes)
-    return [(p.by_kind(), {"param_bytes": p.param_bytes, "grad_bytes": p.grad_bytes, "optimizer_bytes": p.optim_bytes})
-            for p in plan.stages or [plan]]
+    stages = plan.stages or [plan]
+    return [(p.by_kind(rank), {"param_bytes": p.param_bytes, "grad_bytes": p.grad_bytes,
+                               "optimizer_bytes": p.optim_bytes})
+            for rank, p in enumerate(stages[layout.coords(r)["pp"]] for r in range(layout.world))]
 
 
 @pytest.mark.timeout(180)
@@ -88,7 +91,7 @@ def _planned(key: str, tied: bool) -> list:
 def test_counted_equals_planned(pool, key, tied):
     planned = _planned(key, tied)
     for rank, (kinds, memory) in enumerate(pool.run(_train_step, key, tied, ranks=MESHES[key][0].world)):
-        want_kinds, want_memory = planned[MESHES[key][0].coords(rank)["pp"]]
+        want_kinds, want_memory = planned[rank]
         assert memory == want_memory, f"rank {rank}"
         assert {k: (v["calls"], v["bytes"]) for k, v in kinds.items()} == \
             {k: (v["calls"], v["bytes"]) for k, v in want_kinds.items()}, f"rank {rank}"

@@ -157,7 +157,7 @@ def stage_held(shape: Any, layout: Layout, rank: int, mode, model, holds, bucket
     kv_sums, kv_held = [], {}
     if shared := kv_shared(shape.plan, mode.geo.head_split):
         tp = members(layout, "tp", rank)
-        everyone = [kv_keys(model if r == rank else stage_rewrite(shape, layout, r, pipeline, cache)[2], shared)
+        everyone = [_kv_keys(model if r == rank else stage_rewrite(shape, layout, r, pipeline, cache)[2], shared, cache)
                     for r in tp]
         kv_held = everyone[tp.index(rank)]  # (their ShardSpecs are share_slices', not the dry run's)
         kv_sums = kv_replica_sums(everyone, tp.index(rank), named, dp_plan)
@@ -182,6 +182,17 @@ def stage_held(shape: Any, layout: Layout, rank: int, mode, model, holds, bucket
              *layers.experts, *layers.head_reduces]
     return Held([lin for lin in shape.linears if holds(lin[0])], frozenset(filter(holds, names)).__contains__, dp_plan,
                 early, sums, numel, len(named), tied_numel, dp_plan.unit_numel() if dp_plan else 0)
+
+
+def _kv_keys(model, shared: list[str], cache: Optional[dict]) -> dict:
+    """layer_comm.kv_keys of a rank's dry run, once per cached rewrite (the
+    planner plans every rank of the tensor group, each reading them all)."""
+    if cache is None:
+        return kv_keys(model, shared)
+    key = ("kv_keys", id(model))  # (the cached model: one per rewrite)
+    if key not in cache:
+        cache[key] = kv_keys(model, shared)
+    return cache[key]
 
 
 def _replica_group(layout: Layout, spec, rank: int = 0) -> Optional[str]:

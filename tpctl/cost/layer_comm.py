@@ -6,7 +6,9 @@ whole rows; a mixer split by heads in 1d: its input's gradient
 and its partial output summed) and experts
 modules (in 3-d Linear weights, or run by a model's own forward), each by
 its mode's `cost_*` hook (parallel/tensor/cost_hooks.py). Read once from the model
-on the meta device and its role plan, never by running it.
+on the meta device and its role plan, never by running it; a module the
+traced forward calls several times (RolePlan.calls) counted that many
+times (`repeated`).
 
 Norms over all heads of q or k (`proj_norm`, OLMo-2's) are counted by the
 role of the projection they normalise (`cost_proj_norm`). Key/value heads
@@ -51,6 +53,7 @@ class LayerShapes:
     experts: dict[str, ExpertsShape] = field(default_factory=dict)
     # per-head reductions (`head_reduce`) -> (their source projection's role, their outputs: one per head)
     head_reduces: dict[str, tuple[str, int]] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)  # modules called more than once a forward (RolePlan.calls)
 
 
 def layer_shapes(model: nn.Module, plan, model_cfg) -> LayerShapes:
@@ -60,7 +63,8 @@ def layer_shapes(model: nn.Module, plan, model_cfg) -> LayerShapes:
     roles = plan.roles
     tables = [model.get_submodule(n).weight for n, r in roles.items() if r == "embedding"]
     heads = next(iter(plan.heads.values())).heads if plan.heads else getattr(model_cfg, "n_head", 0)
-    out = LayerShapes(tables[0].shape[1] if tables else getattr(model_cfg, "n_embd", 0), heads)
+    out = LayerShapes(tables[0].shape[1] if tables else getattr(model_cfg, "n_embd", 0), heads,
+                      calls=dict(getattr(plan, "calls", {})))
     for name, role in roles.items():
         module = model.get_submodule(name)
         if role == "norm":
@@ -88,32 +92,45 @@ def layer_shapes(model: nn.Module, plan, model_cfg) -> LayerShapes:
     return out
 
 
+def repeated(add, calls: int):
+    """`add` (planner._Counter.add) counting every collective `calls` times:
+    those of a module the forward calls `calls` times (RolePlan.calls), each
+    call sending what one does."""
+    if calls == 1:
+        return add
+    return lambda kind, group, numel, times=1, **k: add(kind, group, numel, times=times * calls, **k)
+
+
 def count_layers(layers: LayerShapes, mode, add, tokens: int, holds: Callable[[str], bool]) -> int:
     """Count one micro-batch of `tokens` rows through the layers of
     `layers` this rank (`holds`: its pipeline stage) holds, with `add`
-    (planner._Counter.add); the activation elements they keep."""
+    (planner._Counter.add), each as many times as the forward calls it
+    (`layers.calls`); the activation elements they keep."""
     act, hidden = 0, layers.hidden
     for name, (width, moments) in layers.norms.items():
         if holds(name):
-            act += mode.cost_norm(add, tokens, width, moments=moments)
+            n = layers.calls.get(name, 1)
+            act += n * mode.cost_norm(repeated(add, n), tokens, width, moments=moments)
     for name, (role, moments) in layers.proj_norms.items():
         if holds(name):
-            mode.cost_proj_norm(add, tokens, role, moments)
+            mode.cost_proj_norm(repeated(add, layers.calls.get(name, 1)), tokens, role, moments)
     for name, (role, heads) in layers.head_reduces.items():
         if holds(name):
-            mode.cost_head_reduce(add, tokens, role, heads)
+            mode.cost_head_reduce(repeated(add, layers.calls.get(name, 1)), tokens, role, heads)
     for name in filter(holds, layers.latents):
-        mode.cost_latent(add, tokens, hidden)
+        mode.cost_latent(repeated(add, layers.calls.get(name, 1)), tokens, hidden)
     for name in filter(holds, layers.routers):
-        mode.cost_router(add, tokens, hidden)
+        mode.cost_router(repeated(add, layers.calls.get(name, 1)), tokens, hidden)
     for name in filter(holds, layers.wholes):
+        each = repeated(add, layers.calls.get(name, 1))
         if heads_split(mode, layers.mixers.get(name)):  # a mixer split by heads (convert_mixer)
-            mode.cost_mixer(add, tokens, hidden)
+            mode.cost_mixer(each, tokens, hidden)
         else:
-            mode.cost_whole(add, tokens, hidden)
+            mode.cost_whole(each, tokens, hidden)
     for name, e in layers.experts.items():
         if holds(name):
-            act += mode.cost_experts(add, tokens, hidden, e)
+            n = layers.calls.get(name, 1)
+            act += n * mode.cost_experts(repeated(add, n), tokens, hidden, e)
     return act
 
 

@@ -17,7 +17,6 @@ time.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -35,13 +34,12 @@ from tpctl.parallel.tensor.cost_hooks import kv_replicas_size
 
 from .dry_run import members, stage_held, stage_rewrite
 from .hardware import Hardware, load_hardware  # noqa: F401  (re-exported: callers name the planner)
-from .layer_comm import count_layers, held_out_features, layer_shapes
+from .layer_comm import count_layers, held_out_features, kv_shared, layer_shapes, repeated
+from .timing import LATENCY_STEPS, _spans_nodes, mark_fits_by_zero, predict, sent_s  # noqa: F401  (re-exported)
 
 F32 = 4  # bytes of an fp32 element: parameters, activations, gradients
 F64 = 8  # the gradient norm and the global loss mean are reduced in float64
 
-# Latency steps of a ring (or pipelined chain) collective over p ranks.
-LATENCY_STEPS = {"all_reduce": lambda p: 2 * (p - 1), "send": lambda p: 1}
 KIND_ABBREV = {"all_reduce": "ar", "all_gather": "ag", "reduce_scatter": "rs", "broadcast": "bc", "reduce": "re",
                "send": "p2p", "ring_pass": "ring", "all_to_all": "a2a"}
 LINEAR_ROLES = ("qkv", "attn_in", "attn_out", "mlp_in", "mlp_out", "lm_head")
@@ -180,14 +178,26 @@ class SplitPlan:
     # by kind, the share of the grid's collectives a recomputed forward
     # issues again (the mode's CostHooks.recompute_comm_share)
     recompute_shares: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The ranks of the plan's stage do not all send `comm` (its first
+    # rank's) where they sum different sets of shared key/value replicas
+    # (replicas.holder_pieces cuts each rank's): position in the tensor
+    # group -> that rank's own, for each position whose count differs.
+    tp_comm: dict[int, dict[tuple[str, str], Comm]] = dataclasses.field(default_factory=dict)
 
     @property
     def label(self) -> str:
         return self.layout.label()
 
-    def by_kind(self) -> dict[str, dict[str, float]]:
+    def comm_of(self, rank: int) -> dict[tuple[str, str], Comm]:
+        """What `rank` (of the plan's stage) sends: its tensor-group position's (tp_comm), else `comm`."""
+        if not self.tp_comm:
+            return self.comm
+        return self.tp_comm.get(members(self.layout, "tp", rank).index(rank), self.comm)
+
+    def by_kind(self, rank: Optional[int] = None) -> dict[str, dict[str, float]]:
+        """Calls, bytes and wire bytes of each kind of collective, of the plan's rank (of `rank`: comm_of)."""
         out: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "bytes": 0, "wire_bytes": 0.0})
-        for (kind, _), c in self.comm.items():
+        for (kind, _), c in (self.comm if rank is None else self.comm_of(rank)).items():
             out[kind]["calls"] += c.calls
             out[kind]["bytes"] += c.bytes
             out[kind]["wire_bytes"] += c.wire_bytes
@@ -213,7 +223,9 @@ class SplitPlan:
                  wire_bytes=self.wire_bytes, step_time_s=self.step_time_s, compute_s=self.compute_s,
                  comm_s=self.comm_s, hidden_s=self.hidden_s, fits=self.fits, fits_by_zero=self.fits_by_zero, by_kind=self.by_kind(),
                  bubble=self.bubble,
-                 comm=[{"kind": k, "group": g, **dataclasses.asdict(c)} for (k, g), c in sorted(self.comm.items())])
+                 comm=[{"kind": k, "group": g, **dataclasses.asdict(c)} for (k, g), c in sorted(self.comm.items())],
+                 tp_comm={str(t): [{"kind": k, "group": g, **dataclasses.asdict(c)} for (k, g), c in sorted(comm.items())]
+                          for t, comm in self.tp_comm.items()})
         return d
 
 
@@ -256,7 +268,9 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
     """Memory, FLOPs and communication of one optimizer step on rank 0 of `layout` (`bucket_bytes`:
     the data-parallel buckets' size, zero_plan.BUCKET_BYTES unless given). With pp > 1 (schedule
     `pipeline`, default 1F1B over pp micro-batches): on the first rank of stage `stage`; None: every
-    stage's plan (`.stages`), the one holding the most memory returned. `cache`: see dry_run.py;
+    stage's plan (`.stages`), the one holding the most memory returned. Where the model shares
+    key/value heads, the other ranks of the tensor group are planned too: those that send
+    otherwise are the plan's `tp_comm` (`comm_of(rank)`: any rank's). `cache`: see dry_run.py;
     `context`: context.impl, with cp > 1."""
     if layout.pp > 1:  # the cut costs attention at this length
         pipeline = dataclasses.replace(pipeline or PipelineSpec.plain(layout.pp), seq_len=seq_len)
@@ -265,7 +279,24 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
                   for s in range(layout.pp)]
         worst = max(stages, key=lambda p: p.memory_bytes)  # its bubble: the stages' FLOPs, as the cut left them
         return dataclasses.replace(worst, stages=stages, bubble=pipeline.bubble_for([p.flops for p in stages]))
-    rank = layout.rank_of({"pp": stage or 0})
+    first = layout.rank_of({"pp": stage or 0})
+    shares = layout.size > 1 and bool(kv_shared(shape.plan, layout.geo.head_split))
+    if shares and cache is None:
+        cache = {}  # (every rank's plan reads every tensor rank's dry run: each once)
+    args = (shape, layout, batch_size, seq_len, grad_accum, bucket_bytes, pipeline, stage, cache, context)
+    plan = _plan_rank(first, *args)
+    for t, rank in enumerate(members(layout, "tp", first) if shares else ()):
+        # (sets of holders differ by rank: rank 4 of gpt_bigcode's 3d-8 sums one more than rank 0)
+        comm = plan.comm if rank == first else _plan_rank(rank, *args).comm
+        if comm != plan.comm:
+            plan.tp_comm[t] = comm
+    return plan
+
+
+def _plan_rank(rank: int, shape: ModelShape, layout: Layout, batch_size: int, seq_len: int, grad_accum: int,
+               bucket_bytes: Optional[int], pipeline: Optional[PipelineSpec], stage: Optional[int],
+               cache: Optional[dict], context: str) -> SplitPlan:
+    """plan_split's plan of one rank (of stage `stage`)."""
     par, pipe, model = stage_rewrite(shape, layout, rank, pipeline, cache)
     mode = par.mode
     holds: Any = lambda name: True  # noqa: E731
@@ -325,17 +356,18 @@ def _micro(shape: ModelShape, layout: Layout, rank: int, mode, linears: list, ho
     elements kept, the rows the mode's loss sees, and the elements of the
     largest temporary of a Linear (the mode's cost_linear_temporary)."""
     micro = _Counter(layout, rank)
-    flops, act = 0.0, 0
+    flops, act, calls = 0.0, 0, shape.layers.calls  # (a module called c times a forward: counted c times)
     for name, (_, dim) in shape.embeddings.items():
         if shape.roles[name] == "embedding" and holds(name):
-            mode.cost_embedding(micro.add, tokens, vp, dim)
+            mode.cost_embedding(repeated(micro.add, calls.get(name, 1)), tokens, vp, dim)
     act += count_layers(shape.layers, mode, micro.add, tokens, holds)  # norms, latent attention, experts
     rows = mode.cost_rows(tokens)
     temporary = 0
     for name, role, out_f, in_f, _ in linears:
         n = vp if role == "lm_head" else held_out_features(shape.plan, name, layout.geo.head_split, out_f)
-        flops += 2 * tokens * n * in_f / layout.size
-        act += mode.cost_linear(micro.add, role, tokens, n, in_f)
+        c = calls.get(name, 1)
+        flops += c * 2 * tokens * n * in_f / layout.size
+        act += c * mode.cost_linear(repeated(micro.add, c), role, tokens, n, in_f)
         temporary = max(temporary, mode.cost_linear_temporary(role, tokens, n, in_f))
         if role == "lm_head":
             act += 2 * rows * mode.cost_vocab(vp)  # logits and the loss's saved probabilities
@@ -387,74 +419,6 @@ def splits_of(world: int, cfg) -> list[tuple[Layout, Optional[str]]]:
         except ConfigError as e:
             out.append((layout, str(e).removeprefix("invalid config: ")))
     return out
-
-
-# What compute an asynchronous collective hides behind: a third of a step's (its weight-gradient products).
-BESIDE_SHARE = 1 / 3
-
-
-def predict(plan: SplitPlan, hw: Hardware, overlap: bool = True) -> SplitPlan:
-    """Fill in step_time_s: compute + every collective at the speed of the
-    slowest link its groups span, less (train.overlap) the asynchronous ones
-    up to BESIDE_SHARE of the compute (hidden_s; comm_s: the exposed rest).
-    A pipeline's step is its slowest stage's, whose compute is stretched by
-    the bubble (busy for 1 - bubble of the step, on average)."""
-    if plan.stages:
-        for stage in plan.stages:
-            predict(stage, hw, overlap)
-        slowest = max(plan.stages, key=lambda p: p.step_time_s)
-        plan.compute_s = sum(p.compute_s for p in plan.stages) / len(plan.stages) / (1 - plan.bubble)
-        plan.comm_s = slowest.comm_s
-        plan.step_time_s = plan.compute_s + plan.comm_s
-        plan.fits = all(p.fits for p in plan.stages)
-        return plan
-    compute = plan.flops / (hw.peak_flops * hw.efficiency)
-    if hw.cores and plan.layout.world > hw.cores:
-        compute *= plan.layout.world / hw.cores  # oversubscribed CPU: ranks take turns
-    comm_s = hideable = 0.0
-    for (kind, group), c in plan.comm.items():
-        # every collective of a kind takes the time that kind was measured to
-        # take (Hardware.kind_factor: gloo's reduce-scatter costs about an
-        # all-reduce, however it is issued); issued beside other work, it
-        # can hide behind that work, up to BESIDE_SHARE of the compute
-        factor = hw.kind_factor(kind)
-        comm_s += factor * sent_s(plan.layout, kind, group, c.group_size, c.calls, c.wire_bytes, hw)
-        hideable += factor * sent_s(plan.layout, kind, group, c.group_size, c.hidden_calls, c.hidden_wire_bytes, hw)
-    plan.hidden_s = min(hideable, BESIDE_SHARE * compute) if overlap else 0.0
-    plan.compute_s, plan.comm_s = compute, comm_s - plan.hidden_s
-    plan.step_time_s = compute + plan.comm_s
-    plan.fits = not hw.memory_bytes or plan.memory_bytes <= hw.memory_bytes
-    return plan
-
-
-def sent_s(layout: Layout, kind: str, group: str, group_size: int, calls: float, wire_bytes: float,
-           hw: Hardware) -> float:
-    """Seconds `calls` collectives of `kind` over one `group` of `layout`
-    (`group_size` ranks) take to send `wire_bytes` in all, as counted: the
-    latency of each ring step and the bytes at the bandwidth of the slowest
-    link any such group spans (before Hardware.kind_factor)."""
-    spans = _spans_nodes(layout, group, hw.ranks_per_node)
-    bw, lat = (hw.inter_bw, hw.inter_latency) if spans else (hw.intra_bw, hw.intra_latency)
-    return calls * LATENCY_STEPS.get(kind, lambda p: p - 1)(group_size) * lat + wire_bytes / bw
-
-
-@functools.lru_cache(maxsize=4096)
-def _spans_nodes(layout: Layout, group: str, ranks_per_node: int) -> bool:
-    """Whether any group `group` of `layout` spans nodes (cached: the
-    search of layout=auto asks for every split's groups at every schedule)."""
-    size = kv_replicas_size(group)
-    groups = layout.group_members(group if size is None else "tp")
-    if size is not None:  # ranks sharing a key/value head: consecutive positions of a grid (fused.held_units)
-        groups = [g[i:i + size] for g in groups for i in range(0, len(g), size)]
-    return any(len({r // ranks_per_node for r in members}) > 1 for members in groups)
-
-
-def mark_fits_by_zero(plans: list[SplitPlan]) -> None:
-    """Mark each ZeRO split that fits in memory where its layout with zero=0 does not."""
-    without = {p.layout: p for p in plans if p.layout.zero == 0}
-    for p in plans:
-        base = without.get(p.layout.replace(zero=0))
-        p.fits_by_zero = bool(p.layout.zero and p.fits and base is not None and base.fits is False)
 
 
 # --------------------------------------------------------------------------

@@ -461,4 +461,5 @@ class _Inference(LayerSteps):
                         self.layouts, self.sources, self.head_lists, self.head_rows,
                         random_draws(self.model, vocab_size), self.widths, self.routed, self.whole,
                         {n: m.tpctl_traced_width for n, m in self.modules.items() if n in ordered
-                         and getattr(m, "tpctl_traced_width", None) is not None}, self.stream_tensors)
+                         and getattr(m, "tpctl_traced_width", None) is not None}, self.stream_tensors,
+                        {n: len(c) for n, c in self.calls.items() if n in ordered and len(c) > 1})

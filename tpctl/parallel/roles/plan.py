@@ -142,6 +142,11 @@ class RolePlan:
     # sinusoidal table). Each rank holds its features of them, as it holds
     # the stream's (mode.hold_stream_tensors).
     stream_tensors: dict[str, tuple] = field(default_factory=dict)
+    # Modules the traced forward calls more than once -> how many times
+    # (Dory's blocks, run in its input and its output sections; its final
+    # norm, four times): each call sends what one does (the planner's
+    # count). A given plan traces nothing: each module once.
+    calls: dict[str, int] = field(default_factory=dict)
 
     @property
     def lm_head(self) -> Optional[str]:

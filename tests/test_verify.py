@@ -250,3 +250,28 @@ def test_cli_refuses_a_wrong_rewrite_with_one_line(tpctl, tmp_path):
     assert shown.returncode == 2, shown.stdout[-2000:] + shown.stderr[-2000:]
     assert "verified" in shown.stdout and "blocks.1 " in shown.stdout and "> tolerance" in shown.stdout
     assert shown.stderr.strip().splitlines() == [line]
+
+
+def test_a_forward_that_fails_after_the_rewrite_is_refused_naming_the_module_it_failed_in():
+    """The refusal of a rewritten model whose forward raises names the
+    innermost module whose forward was running (a DSA indexer reshaping a
+    split projection to its whole heads), not only the error."""
+    from tpctl.parallel.verify.proof import _raised_in
+
+    class Boom(torch.nn.Module):
+        def forward(self, x):
+            return x.view(3, -1)  # 2 x 4 does not reshape to 3 rows
+
+    class Block(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    model = torch.nn.Sequential(Block(torch.nn.Identity()), Block(Boom()))
+    with pytest.raises(RuntimeError) as caught:
+        model(torch.zeros(2, 4))
+    assert _raised_in(model, caught.value) == " in 1.inner (Boom)"
+    assert _raised_in(model, RuntimeError("raised outside")) == ""

@@ -167,8 +167,8 @@ def verify_rewrite(model: nn.Module, mode, originals: Originals, pipeline=None) 
                                lambda: eval_forward(model, local_ids, pipeline, stream))
     except (RuntimeError, ValueError, TypeError, IndexError) as e:  # alike on every rank: a shape error
         where = f"mode={mode.name} size={mode.geo.size}"
-        raise RewriteRefused(f"the rewrite for {where} cannot run the model: its forward fails with "
-                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        raise RewriteRefused(f"the rewrite for {where} cannot run the model: its forward fails{_raised_in(model, e)} "
+                             f"with {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     peak = 0
     was_training = model.training
     model.eval()
@@ -209,6 +209,21 @@ def verify_rewrite(model: nn.Module, mode, originals: Originals, pipeline=None) 
     checks = [s.check for s in originals.stages[:1]] + [u.check for u in units] + \
         [s.check for s in originals.stages[1:]] + originals.skipped
     return Report(checks, time.perf_counter() - start, max(peak, originals.stage_bytes))
+
+
+def _raised_in(model: nn.Module, error: BaseException) -> str:
+    """" in NAME (Class)": the innermost module of `model` whose forward
+    was running when `error` was raised (its frames' `self`), or "": the
+    module whose arithmetic no longer fits what the rewrite made of it
+    (a DSA indexer reshaping a split projection to its whole heads)."""
+    names = {id(m): n for n, m in model.named_modules() if n}
+    found, tb = None, error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if id(owner) in names:
+            found = owner
+        tb = tb.tb_next
+    return "" if found is None else f" in {names[id(found)]} ({type(found).__name__})"
 
 
 def _missing(original: nn.Module, rewritten: nn.Module) -> tuple[str, ...]:

@@ -1,9 +1,10 @@
 """Mixers split by heads (as Megatron-Core splits Mamba and gated
-delta-rule attention in tensor parallelism), in 1d: a rank holds whole
-heads, and whole groups of heads, of everything the mixer holds per head
-or per group. A mixer is recognised by one of the attribute sets of
-LAYOUTS (Mamba-2's, the gated delta rule's in four families' spellings),
-each with the segments of its fused dimensions; all are measured alike.
+delta-rule attention in tensor parallelism): a rank holds whole heads, and
+whole groups of heads, of everything the mixer holds per head or per group
+(Mamba-1's: a block of its inner channels). A mixer is recognised by one
+of the attribute sets of LAYOUTS (Mamba-2's, the gated delta rule's in
+four families' spellings, Mamba-1's), each with the segments of its fused
+dimensions (mixer_dims.py builds them); all are measured alike.
 
 transformers' Mamba-2-style mixers (Mamba2Mixer, NemotronH's, FalconH1's,
 Bamba's, Zamba2's, GraniteMoeHybrid's mamba layer) declare the same
@@ -49,13 +50,31 @@ a-projections' latent is read by every head, so it is held whole on every
 rank (REPLICA) and only the b-projections' rows are split (kda_dims says
 why).
 
+Mamba-1's mixers (MambaMixer, FalconMambaMixer, Jamba's JambaMambaMixer:
+LAYOUTS' "mamba1") have no heads: `intermediate_size` channels, each with
+its rows of in_proj's x and z segments (the forward chunks [x | z]), its
+depthwise conv channel, its rows of A_log (channel x state), D, dt_proj's
+weight and bias, and its columns of x_proj and out_proj. A rank holds block
+s of S of the channels of all of them. x_proj (channels -> dt rank + 2
+state) reads every channel: a rank's product is a PARTIAL sum of [dt | B |
+C], summed over the S ranks inside the mixer before dt_proj and the scan
+read it (REDUCED: tensor/whole.py's split_mixer all-reduces it; every
+rank then reads the sum for its own channels, so its gradient is summed
+too: an all-reduce both ways). Jamba's RMSNorms over dt, B and C act on the
+sum: held whole on every rank (REPLICA); FalconMamba's weightless ones are
+buffers. It splits when the channels divide by S. The split mixer is made
+to take its torch path (transformers' fused CUDA kernel reads x_proj's
+weight itself and would never sum it: tensor/whole.py's _torch_path).
+
 The layout is derived from the declared attributes and then MEASURED, as
 experts.own_split measures an experts module's: the S shards' outputs of
 the module's own forward (its integer attributes set to a shard's: heads,
 groups, widths; the norm's group size kept), on random weights and input,
-must sum to the whole module's. A layout the forward does not follow (a
-norm over the whole inner width, a different order of in_proj's segments)
-fails that and the mixer keeps running whole, which stays exact; so does a
+must sum to the whole module's; with an inner sum (Mamba-1's x_proj) the
+shards run side by side, each given the others' partial products as the
+rewrite's all-reduce gives them (_shard_outputs). A layout the forward
+does not follow (a norm over the whole inner width, a different order of
+in_proj's segments, x_proj's products left unsummed) fails that and the mixer keeps running whole, which stays exact; so does a
 split that does not divide (`n_groups`, or `num_k_heads`, not a multiple of
 the tensor-parallel size: one group's B and C, or one key head's q and k,
 would be needed on two ranks, and a norm over a group on two ranks would
@@ -69,7 +88,8 @@ among them, as experts run by their own forward are split
 (tensor/mode.py, convert_mixer): the scan runs on this rank's rows and
 heads, and the partial outputs are reduce-scattered back onto the
 stream's hidden blocks; ranks with other rows hold the same heads
-(replicas, their gradients summed).
+(replicas, their gradients summed). Mamba-1's x_proj sum runs over those
+q ranks too.
 """
 
 from __future__ import annotations

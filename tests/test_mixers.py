@@ -217,16 +217,18 @@ def test_each_rank_holds_its_share_of_a_gated_delta_rule_attention(family, attn,
 
 def assert_mamba1_split(ranks, ways: int) -> None:
     """Each rank's real shapes (trains_like_mode_none's ranks) of every
-    Mamba-1 mixer its stage holds (hf_families' tiny mamba and jamba: 64
+    Mamba-1 mixer its stage holds (some rank holds one) (hf_families' tiny mamba and jamba: 64
     inner channels, hidden 32, state 4, dt rank 4): 1/ways of the channels
     of in_proj's rows, x_proj's columns and A_log's rows; x_proj's outputs
     (dt rank + 2 x state) whole."""
     want = {"in_proj.weight": (128 // ways, 32), "x_proj.weight": (12, 64 // ways), "A_log": (64 // ways, 4)}
-    for rank, (_, counted, _, _) in enumerate(ranks):
+    seen = set()
+    for rank, (_, counted, _, _) in enumerate(ranks):  # (a pipeline stage may hold none)
         held = {n: (shape, k) for n, shape in counted.items() for k in want if n.endswith("." + k)}
-        assert len(held) >= len(want), f"rank {rank} holds no Mamba-1 mixer: {held}"
         for name, (shape, kind) in held.items():
             assert shape == want[kind], (rank, name, shape)
+            seen.add(kind)
+    assert seen == set(want), f"no rank holds a Mamba-1 mixer's {set(want) - seen}"
 
 
 @pytest.mark.timeout(300)

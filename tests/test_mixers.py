@@ -312,7 +312,13 @@ LAZY = {
     # (beside experts whose stacked down_proj its init draws after gate_up_proj from one generator)
     "qwen3_next": dict(DELTA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                        shared_expert_intermediate_size=16, experts_implementation="eager"),
+    # (Mamba-1: init_mamba_weights draws dt_proj's bias from intermediate_size, the whole model's once built)
+    "mamba": dict(state_size=4, expand=2, conv_kernel=4, time_step_rank=4),
 }
+
+
+# (size keys MambaConfig has no setting for: no heads; its inner width is expand x hidden)
+MAMBA_UNSET = ("n_head", "n_kv_head", "intermediate_size")
 
 
 def _hf_cfg(family: str, key: str):
@@ -322,7 +328,8 @@ def _hf_cfg(family: str, key: str):
     from tpctl.parallel.layout import Layout
 
     cfg = Layout.parse(key).write_to(default_config())
-    cfg.model = typed_model(OmegaConf.create({"arch": family, **HF_SIZES, "config": LAZY[family]}))
+    sizes = {k: v for k, v in HF_SIZES.items() if not (family == "mamba" and k in MAMBA_UNSET)}
+    cfg.model = typed_model(OmegaConf.create({"arch": family, **sizes, "config": LAZY[family]}))
     return cfg
 
 

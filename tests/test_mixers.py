@@ -232,12 +232,15 @@ def assert_mamba1_split(ranks, ways: int) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_mamba1_mixer_split_four_ways_trains_like_mode_none(pool, none_curves):
-    """Mamba's mixer in 1d-4: each rank a quarter of its channels, x_proj's
-    partial products summed over the four (test_families_hybrid runs it,
-    and Jamba's, split two ways in 1d, 2d, 3d and with pipeline stages)."""
-    ranks, _ = trains_like_mode_none(pool, none_curves, "mamba", "1d-4")
-    assert_mamba1_split(ranks, 4)
+@pytest.mark.parametrize("key,ways", [("1d-4", 4), ("2.5d-8-d2", 2), ("1d-2-sp-dp2", 2)])
+def test_a_mamba1_mixer_split_by_channels_trains_like_mode_none(pool, none_curves, key, ways):
+    """Mamba's mixer in 1d-4 (each rank a quarter of its channels, x_proj's
+    partial products summed over the four), 2.5d (among the q = 2 ranks of
+    a block of rows) and 1d with sequence parallelism (the sequence
+    gathered for the mixer). test_families_hybrid runs it, and Jamba's,
+    split two ways in 1d, 2d, 3d and with pipeline stages."""
+    ranks, _ = trains_like_mode_none(pool, none_curves, "mamba", key)
+    assert_mamba1_split(ranks, ways)
 
 
 def _falcon_mamba():

@@ -270,6 +270,8 @@ def test_the_mamba1_layout_is_measured_and_a_wrong_one_fails(family):
     split = mixer_split(mixer, args, kwargs)
     assert split.kind == "mamba1" and split.heads == split.groups == mixer.intermediate_size == 64
     assert split.reduced == (("x_proj", mixer.x_proj.out_features),)
+    # (channels that do not divide: the mixer runs whole, and says why)
+    assert split.heads_problem(4) is None and split.heads_problem(3) == "64 inner channels do not split 3 ways"
     with pytest.raises(ProbeError, match="no layout of its heads reproduces its output"):
         mixer_split(mixer, args, kwargs, orders=[("xz",)])
     assert measure(mixer, dataclasses.replace(split, reduced=()), args, kwargs)

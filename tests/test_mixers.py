@@ -232,23 +232,17 @@ def assert_mamba1_split(ranks, ways: int) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("key,ways", [("1d-4", 4), ("2.5d-8-d2", 2), ("1d-2-sp-dp2", 2)])
-def test_a_mamba1_mixer_split_by_channels_trains_like_mode_none(pool, none_curves, key, ways):
+@pytest.mark.parametrize("family,key,ways", [("mamba", "1d-4", 4), ("mamba", "2.5d-8-d2", 2),
+                                             ("mamba", "1d-2-sp-dp2", 2), ("falcon_mamba", "1d-2-dp2", 2)])
+def test_a_mamba1_mixer_split_by_channels_trains_like_mode_none(pool, none_curves, family, key, ways):
     """Mamba's mixer in 1d-4 (each rank a quarter of its channels, x_proj's
     partial products summed over the four), 2.5d (among the q = 2 ranks of
     a block of rows) and 1d with sequence parallelism (the sequence
-    gathered for the mixer). test_families_hybrid runs it, and Jamba's,
-    split two ways in 1d, 2d, 3d and with pipeline stages."""
-    ranks, _ = trains_like_mode_none(pool, none_curves, "mamba", key)
+    gathered for the mixer); FalconMamba's (weightless norms) in 1d.
+    test_families_hybrid runs Mamba's and Jamba's split two ways in 1d,
+    2d, 3d and with pipeline stages."""
+    ranks, _ = trains_like_mode_none(pool, none_curves, family, key)
     assert_mamba1_split(ranks, ways)
-
-
-def _falcon_mamba():
-    import transformers
-
-    config = transformers.FalconMambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, state_size=4,
-                                            expand=2, conv_kernel=4, time_step_rank=4, intermediate_size=64)
-    return transformers.FalconMambaForCausalLM(config).backbone.layers[0].mixer
 
 
 @pytest.mark.parametrize("family", ["mamba", "jamba", "falcon_mamba"])
@@ -265,8 +259,7 @@ def test_the_mamba1_layout_is_measured_and_a_wrong_one_fails(family):
     from tpctl.parallel.roles.fused import ProbeError
     from tpctl.parallel.roles.mixers import measure, mixer_split
 
-    mixer = _falcon_mamba() if family == "falcon_mamba" else _mixer(family)
-    args, kwargs = _call()
+    mixer, (args, kwargs) = _mixer(family), _call()
     split = mixer_split(mixer, args, kwargs)
     assert split.kind == "mamba1" and split.heads == split.groups == mixer.intermediate_size == 64
     assert split.reduced == (("x_proj", mixer.x_proj.out_features),)

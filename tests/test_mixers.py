@@ -14,7 +14,11 @@ unfused), OLMo Hybrid and Kimi Linear here; NemotronH (beside
 experts) and Qwen3-Next (beside gated attention and experts) in
 test_families_hybrid's 1d layouts, which now split their mixers. A wrong
 layout fails the measurement; a mixer whose groups (key heads) do not
-split runs whole and says why.
+split runs whole and says why. Mamba-1's (Mamba, Jamba, FalconMamba) by
+inner channels: a block of in_proj's x and z rows, the conv, A_log, D,
+dt_proj's rows, x_proj's and out_proj's columns, x_proj's partial
+products summed inside the mixer both ways; Jamba's dt/B/C norms on every
+rank.
 """
 
 from __future__ import annotations

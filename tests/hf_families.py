@@ -214,3 +214,6 @@ FAMILIES["doge"] = ("DogeConfig", dict(num_attention_heads=4, num_key_value_head
 # tensor/output_params.py), nGPT-style attention with per-feature query and gate scales.
 FAMILIES["dory"] = ("DoryConfig", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=8,
                                        intermediate_size=64))
+# Mamba-1 with weightless RMSNorms over dt, B and C (buffers): split by inner channels like Mamba's.
+FAMILIES["falcon_mamba"] = ("FalconMambaConfig", dict(state_size=4, expand=2, conv_kernel=4, time_step_rank=4,
+                                                       intermediate_size=64))

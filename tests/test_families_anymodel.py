@@ -104,7 +104,9 @@ def trains_like_mode_none(pool, none_curves: dict, family: str, key: str) -> Non
     3-d weights or a module's own, replica sums). Not with sequence
     parallelism: a Hugging Face attention or MLP module's entry gathers the
     sequence for all its Linears, which the planner does not count
-    (cost/layer_comm.py). `none_curves`: family -> mode=none's curve."""
+    (cost/layer_comm.py). `none_curves`: family -> mode=none's curve.
+    Returns each rank's (planned shapes, real shapes, collectives, curve)
+    and the largest (loss, gradient norm) differences."""
     from tpctl.parallel.layout import Layout
 
     if family not in none_curves:
@@ -125,6 +127,7 @@ def trains_like_mode_none(pool, none_curves: dict, family: str, key: str) -> Non
     assert got[0] != "refused", got[1]
     loss, norm = deviation(want, got)
     assert len(got) == STEPS and loss < 1e-4 and norm < 1e-4, (loss, norm)
+    return ranks, (loss, norm)
 
 
 # ---- the mechanisms on modules of no family, in one process ------------------

@@ -3,9 +3,10 @@ alone and beside attention and experts, Mamba-2 beside experts, Mamba-2 in
 parallel with attention), gated delta-rule and lightning linear attention,
 a real-gated linear recurrence. No split fits them: each runs whole on
 every rank, on whole rows of the rows it holds (parallel/roles/whole.py);
-but a Mamba-2 mixer with groups of heads, which 1d splits by heads
-(parallel/roles/mixers.py, tests/test_mixers.py: NemotronH's here in
-1d-2-pp2-dp2 too).
+but a Mamba-2 mixer with groups of heads, a gated delta rule with key
+heads, and a Mamba-1 mixer (Mamba's, Jamba's: by inner channels, x_proj's
+partial product summed inside it), which every mode splits among the ranks
+holding a row (parallel/roles/mixers.py, tests/test_mixers.py).
 Each family (tests/hf_families.py: tiny, random init) trains like mode=none
 in 1d, 2d, 3d and 1d with two pipeline stages, its shapes and collectives
 as planned, on the shared pool, in process.
@@ -34,7 +35,11 @@ CASES += [("jamba", "1d-2-pp2-dp2")]
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family,key", CASES)
 def test_a_mixer_trains_like_mode_none(pool, none_curves, family, key):
-    trains_like_mode_none(pool, none_curves, family, key)
+    ranks, _ = trains_like_mode_none(pool, none_curves, family, key)
+    if family in ("mamba", "jamba"):  # Mamba-1, split by inner channels 2 ways in each of KEYS
+        from test_mixers import assert_mamba1_split
+
+        assert_mamba1_split(ranks, 2)
 
 
 @pytest.mark.timeout(300)
@@ -46,7 +51,7 @@ def test_context_parallelism_refuses_a_mixer_that_runs_whole_in_one_line(pool, f
     assert "\n" not in got[1]
 
 
-@pytest.mark.parametrize("family,key", [("mamba", "2d-4"), ("falcon_h1", "1d-2-pp2")])
+@pytest.mark.parametrize("family,key", [("recurrent_gemma", "2d-4"), ("falcon_h1", "1d-2-pp2")])
 def test_inspect_names_the_modules_run_whole_and_why(family, key):
     """`tpctl inspect`'s table (a dry run on rank 0): a mixer's row says it
     runs whole and why no split fits it; the modules inside it say whose."""

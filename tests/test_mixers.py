@@ -14,7 +14,11 @@ unfused), OLMo Hybrid and Kimi Linear here; NemotronH (beside
 experts) and Qwen3-Next (beside gated attention and experts) in
 test_families_hybrid's 1d layouts, which now split their mixers. A wrong
 layout fails the measurement; a mixer whose groups (key heads) do not
-split runs whole and says why.
+split runs whole and says why. Mamba-1's (Mamba, Jamba, FalconMamba) by
+inner channels: a block of in_proj's x and z rows, the conv, A_log, D,
+dt_proj's rows, x_proj's and out_proj's columns, x_proj's partial
+products summed inside the mixer both ways; Jamba's dt/B/C norms on every
+rank.
 """
 
 from __future__ import annotations
@@ -184,12 +188,16 @@ def test_each_rank_holds_its_share_of_a_mixer(key):
     ("qwen3_5", "linear_attn", "4 value heads of 2 key heads", ("norm.weight",)),
     ("olmo_hybrid", "linear_attn", "4 value heads of 2 key heads", ("o_norm.weight",)),
     ("kimi_linear", "self_attn", "4 heads, a rank's whole heads", ("o_norm.weight", "g_a_proj.weight",
-                                                                    "forget_gate.f_a_proj.weight"))])
+                                                                    "forget_gate.f_a_proj.weight")),
+    # Mamba-1: by inner channels (x_proj's columns too); Jamba's RMSNorms over dt, B and C whole
+    ("mamba", "mixer", "64 inner channels", ()),
+    ("jamba", "mamba", "64 inner channels", ("dt_layernorm.weight", "b_layernorm.weight", "c_layernorm.weight"))])
 def test_each_rank_holds_its_share_of_a_gated_delta_rule_attention(family, attn, text, held):
-    """1d-2: every tensor of a gated delta-rule linear attention but those
-    `held` whole on every rank (the gated norm's head-wide weight; Kimi's
-    projections to its gates' latent, which every head reads) is halved on
-    a rank."""
+    """1d-2: every tensor of a gated delta-rule linear attention (or a
+    Mamba-1 mixer) but those `held` whole on every rank (the gated norm's
+    head-wide weight; Kimi's projections to its gates' latent, which every
+    head reads; Jamba's norms over the summed dt, B and C) is halved on a
+    rank."""
     import math
 
     rows = _inspect("1d-2", family)
@@ -207,6 +215,68 @@ def test_each_rank_holds_its_share_of_a_gated_delta_rule_attention(family, attn,
     kept = sum(full[n] for n in held)
     before, after = sum(full.values()), sum(rows[n][5] for n in rows if n == name or n.startswith(name + "."))
     assert after == (before - kept) // 2 + kept, (before, after)
+
+
+# ---- Mamba-1: split by inner channels, x_proj's partial product summed inside the mixer -------
+
+def assert_mamba1_split(ranks, ways: int) -> None:
+    """Each rank's real shapes (trains_like_mode_none's ranks) of every
+    Mamba-1 mixer its stage holds (some rank holds one) (hf_families' tiny mamba and jamba: 64
+    inner channels, hidden 32, state 4, dt rank 4): 1/ways of the channels
+    of in_proj's rows, x_proj's columns and A_log's rows; x_proj's outputs
+    (dt rank + 2 x state) whole."""
+    want = {"in_proj.weight": (128 // ways, 32), "x_proj.weight": (12, 64 // ways), "A_log": (64 // ways, 4)}
+    seen = set()
+    for rank, (_, counted, _, _) in enumerate(ranks):  # (a pipeline stage may hold none)
+        held = {n: (shape, k) for n, shape in counted.items() for k in want if n.endswith("." + k)}
+        for name, (shape, kind) in held.items():
+            assert shape == want[kind], (rank, name, shape)
+            seen.add(kind)
+    assert seen == set(want), f"no rank holds a Mamba-1 mixer's {set(want) - seen}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family,key,ways", [("mamba", "1d-4", 4), ("mamba", "2.5d-8-d2", 2),
+                                             ("mamba", "1d-2-sp-dp2", 2), ("falcon_mamba", "1d-2-dp2", 2)])
+def test_a_mamba1_mixer_split_by_channels_trains_like_mode_none(pool, none_curves, family, key, ways):
+    """Mamba's mixer in 1d-4 (each rank a quarter of its channels, x_proj's
+    partial products summed over the four), 2.5d (among the q = 2 ranks of
+    a block of rows) and 1d with sequence parallelism (the sequence
+    gathered for the mixer); FalconMamba's (weightless norms) in 1d.
+    test_families_hybrid runs Mamba's and Jamba's split two ways in 1d,
+    2d, 3d and with pipeline stages."""
+    ranks, _ = trains_like_mode_none(pool, none_curves, family, key)
+    assert_mamba1_split(ranks, ways)
+
+
+@pytest.mark.parametrize("family", ["mamba", "jamba", "falcon_mamba"])
+def test_the_mamba1_layout_is_measured_and_a_wrong_one_fails(family):
+    """Mamba-1's split by inner channels (Mamba's, Jamba's with RMSNorms over
+    dt, B and C held whole, FalconMamba's weightless ones: buffers)
+    reproduces its output, the shards run side by side with x_proj's
+    partial products summed; in_proj's rows read as one block (x on one
+    rank, z on the other), x_proj's products left unsummed, or Jamba's
+    norms read as 1/shards, do not."""
+    import dataclasses
+
+    from tpctl.parallel.roles.experts import WHOLE
+    from tpctl.parallel.roles.fused import ProbeError
+    from tpctl.parallel.roles.mixers import measure, mixer_split
+
+    mixer, (args, kwargs) = _mixer(family), _call()
+    split = mixer_split(mixer, args, kwargs)
+    assert split.kind == "mamba1" and split.heads == split.groups == mixer.intermediate_size == 64
+    assert split.reduced == (("x_proj", mixer.x_proj.out_features),)
+    # (channels that do not divide: the mixer runs whole, and says why)
+    assert split.heads_problem(4) is None and split.heads_problem(3) == "64 inner channels do not split 3 ways"
+    with pytest.raises(ProbeError, match="no layout of its heads reproduces its output"):
+        mixer_split(mixer, args, kwargs, orders=[("xz",)])
+    assert measure(mixer, dataclasses.replace(split, reduced=()), args, kwargs)
+    norms = tuple((n, WHOLE, ()) if "layernorm" in n else (n, d, sizes) for n, d, sizes in split.dims)
+    if family == "jamba":
+        assert measure(mixer, dataclasses.replace(split, dims=norms), args, kwargs)
+    else:
+        assert not any(n.endswith("layernorm.weight") for n, _ in mixer.named_parameters())
 
 
 @pytest.mark.parametrize("family,key,why", [
@@ -244,7 +314,13 @@ LAZY = {
     # (beside experts whose stacked down_proj its init draws after gate_up_proj from one generator)
     "qwen3_next": dict(DELTA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                        shared_expert_intermediate_size=16, experts_implementation="eager"),
+    # (Mamba-1: init_mamba_weights draws dt_proj's bias from intermediate_size, the whole model's once built)
+    "mamba": dict(state_size=4, expand=2, conv_kernel=4, time_step_rank=4),
 }
+
+
+# (size keys MambaConfig has no setting for: no heads; its inner width is expand x hidden)
+MAMBA_UNSET = ("n_head", "n_kv_head", "intermediate_size")
 
 
 def _hf_cfg(family: str, key: str):
@@ -254,7 +330,8 @@ def _hf_cfg(family: str, key: str):
     from tpctl.parallel.layout import Layout
 
     cfg = Layout.parse(key).write_to(default_config())
-    cfg.model = typed_model(OmegaConf.create({"arch": family, **HF_SIZES, "config": LAZY[family]}))
+    sizes = {k: v for k, v in HF_SIZES.items() if not (family == "mamba" and k in MAMBA_UNSET)}
+    cfg.model = typed_model(OmegaConf.create({"arch": family, **sizes, "config": LAZY[family]}))
     return cfg
 
 

@@ -2,8 +2,8 @@
 norms over the stream (a LayerNorm's two moments or an RMSNorm's one), a
 latent attention's down-projections (their entry makes whole rows of the
 attention's rows), mixture-of-experts routers and modules run whole (fed
-whole rows; a mixer split by heads in 1d: its input's gradient
-and its partial output summed) and experts
+whole rows; a mixer split by heads: its input's gradient
+and its partial output summed, and a sum inside it, Mamba-1's x_proj) and experts
 modules (in 3-d Linear weights, or run by a model's own forward), each by
 its mode's `cost_*` hook (parallel/tensor/cost_hooks.py). Read once from the model
 on the meta device and its role plan, never by running it; a module the
@@ -125,6 +125,8 @@ def count_layers(layers: LayerShapes, mode, add, tokens: int, holds: Callable[[s
         each = repeated(add, layers.calls.get(name, 1))
         if heads_split(mode, layers.mixers.get(name)):  # a mixer split by heads (convert_mixer)
             mode.cost_mixer(each, tokens, hidden)
+            for _, width in layers.mixers[name].reduced:  # (Mamba-1's x_proj: summed inside it)
+                mode.cost_mixer_reduce(each, tokens, width)
         else:
             mode.cost_whole(each, tokens, hidden)
     for name, e in layers.experts.items():

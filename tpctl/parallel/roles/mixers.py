@@ -1,9 +1,10 @@
 """Mixers split by heads (as Megatron-Core splits Mamba and gated
-delta-rule attention in tensor parallelism), in 1d: a rank holds whole
-heads, and whole groups of heads, of everything the mixer holds per head
-or per group. A mixer is recognised by one of the attribute sets of
-LAYOUTS (Mamba-2's, the gated delta rule's in four families' spellings),
-each with the segments of its fused dimensions; all are measured alike.
+delta-rule attention in tensor parallelism): a rank holds whole heads, and
+whole groups of heads, of everything the mixer holds per head or per group
+(Mamba-1's: a block of its inner channels). A mixer is recognised by one
+of the attribute sets of LAYOUTS (Mamba-2's, the gated delta rule's in
+four families' spellings, Mamba-1's), each with the segments of its fused
+dimensions (mixer_dims.py builds them); all are measured alike.
 
 transformers' Mamba-2-style mixers (Mamba2Mixer, NemotronH's, FalconH1's,
 Bamba's, Zamba2's, GraniteMoeHybrid's mamba layer) declare the same
@@ -46,16 +47,34 @@ channel (forget_gate: f_a_proj, f_b_proj, dt_bias per channel, A_log per
 head), an output gate (g_a_proj, g_b_proj), a gated RMSNorm over one
 head's width (o_norm: REPLICA) and o_proj. Its gates are low-rank: the
 a-projections' latent is read by every head, so it is held whole on every
-rank (REPLICA) and only the b-projections' rows are split (_kda_dims says
+rank (REPLICA) and only the b-projections' rows are split (kda_dims says
 why).
+
+Mamba-1's mixers (MambaMixer, FalconMambaMixer, Jamba's JambaMambaMixer:
+LAYOUTS' "mamba1") have no heads: `intermediate_size` channels, each with
+its rows of in_proj's x and z segments (the forward chunks [x | z]), its
+depthwise conv channel, its rows of A_log (channel x state), D, dt_proj's
+weight and bias, and its columns of x_proj and out_proj. A rank holds block
+s of S of the channels of all of them. x_proj (channels -> dt rank + 2
+state) reads every channel: a rank's product is a PARTIAL sum of [dt | B |
+C], summed over the S ranks inside the mixer before dt_proj and the scan
+read it (REDUCED: tensor/whole.py's split_mixer all-reduces it; every
+rank then reads the sum for its own channels, so its gradient is summed
+too: an all-reduce both ways). Jamba's RMSNorms over dt, B and C act on the
+sum: held whole on every rank (REPLICA); FalconMamba's weightless ones are
+buffers. It splits when the channels divide by S. The split mixer is made
+to take its torch path (transformers' fused CUDA kernel reads x_proj's
+weight itself and would never sum it: tensor/whole.py's _torch_path).
 
 The layout is derived from the declared attributes and then MEASURED, as
 experts.own_split measures an experts module's: the S shards' outputs of
 the module's own forward (its integer attributes set to a shard's: heads,
 groups, widths; the norm's group size kept), on random weights and input,
-must sum to the whole module's. A layout the forward does not follow (a
-norm over the whole inner width, a different order of in_proj's segments)
-fails that and the mixer keeps running whole, which stays exact; so does a
+must sum to the whole module's; with an inner sum (Mamba-1's x_proj) the
+shards run side by side, each given the others' partial products as the
+rewrite's all-reduce gives them (_shard_outputs). A layout the forward
+does not follow (a norm over the whole inner width, a different order of
+in_proj's segments, x_proj's products left unsummed) fails that and the mixer keeps running whole, which stays exact; so does a
 split that does not divide (`n_groups`, or `num_k_heads`, not a multiple of
 the tensor-parallel size: one group's B and C, or one key head's q and k,
 would be needed on two ranks, and a norm over a group on two ranks would
@@ -69,7 +88,8 @@ among them, as experts run by their own forward are split
 (tensor/mode.py, convert_mixer): the scan runs on this rank's rows and
 heads, and the partial outputs are reduce-scattered back onto the
 stream's hidden blocks; ranks with other rows hold the same heads
-(replicas, their gradients summed).
+(replicas, their gradients summed). Mamba-1's x_proj sum runs over those
+q ranks too.
 """
 
 from __future__ import annotations
@@ -84,6 +104,7 @@ import torch.nn as nn
 
 from tpctl.parallel.roles.experts import WHOLE
 from tpctl.parallel.roles.fused import ProbeError, real_copy
+from tpctl.parallel.roles.mixer_dims import REPLICA, delta_dims, kda_dims, mamba1_dims, mamba2_dims
 
 # What a Mamba-2 mixer declares (transformers' families all do).
 DECLARED = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size", "conv_dim",
@@ -106,11 +127,13 @@ DELTA_QKV_DECLARED = DELTA_DECLARED[:7] + ("q_proj", "k_proj", "v_proj", "a_proj
 KDA_DECLARED = ("num_heads", "head_dim", "qkv_dim", "conv_dim", "q_proj", "k_proj", "v_proj", "conv1d",
                 "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "o_proj")
 KDA_SHARD_ATTRS = ("num_heads", "qkv_dim", "conv_dim")
+# Mamba-1's (MambaMixer, FalconMambaMixer, JambaMambaMixer): split by inner channels.
+MAMBA1_DECLARED = ("intermediate_size", "ssm_state_size", "time_step_rank", "in_proj", "conv1d", "x_proj", "dt_proj",
+                   "A_log", "D", "out_proj")
+# Linears whose input features are split and whose partial outputs are summed over the splitting ranks
+# INSIDE the mixer, before anything reads them (Mamba-1's x_proj: [dt | B | C] from every channel).
+REDUCED = {"mamba1": ("x_proj",)}
 CONV_ATTRS = ("in_channels", "out_channels", "groups")
-# (WHOLE: a parameter every shard holds whole, read as 1/shards of itself: out_proj's bias, as an experts module's bias)
-# REPLICA: held whole and read as itself by every shard (a norm weight
-# shared by every head): its gradient each rank's heads' part, summed.
-REPLICA = -2
 
 
 @dataclass(frozen=True)
@@ -126,6 +149,8 @@ class MixerSplit:
     dims: tuple[tuple[str, int, tuple[int, ...]], ...]
     attrs: tuple[tuple[str, str, int], ...]
     kind: str = "mamba2"  # (a key of LAYOUTS)
+    # (Linear inside the mixer, its outputs): its partial products summed over the ranks inside the mixer
+    reduced: tuple[tuple[str, int], ...] = ()
 
     def whole(self) -> tuple[str, ...]:
         return tuple(name for name, dim, _ in self.dims if dim == WHOLE)
@@ -144,6 +169,8 @@ class MixerSplit:
         """Why the mixer cannot be split `shards` ways (it then runs whole)."""
         if self.groups % shards == 0:
             return None
+        if self.kind == "mamba1":
+            return f"{self.groups} inner channels do not split {shards} ways"
         if self.kind == "kda":
             return (f"{self.groups} head(s) do not split {shards} ways (a head's query, key, value, gate and decay "
                     "channels would span ranks)")
@@ -164,6 +191,10 @@ class MixerSplit:
     def describe(self) -> str:
         parts = ", ".join(f"{n} whole (1/shards each)" if d == WHOLE else f"{n} whole on every rank" if d == REPLICA
                           else f"{n} dim {d} {list(sizes)}" for n, d, sizes in self.dims)
+        if self.kind == "mamba1":
+            sums = ", ".join(f"{n}'s {w} outputs" for n, w in self.reduced)
+            return (f"mixer (heads split): {self.heads} inner channels, a rank's block of {parts}; {sums} summed "
+                    "over the ranks inside the mixer")
         if self.kind == "kda":
             return f"mixer (heads split): {self.heads} heads, a rank's whole heads of {parts}"
         if self.kind.startswith("delta"):
@@ -176,7 +207,8 @@ def mixer_kind(module: nn.Module) -> Optional[str]:
     """The key of LAYOUTS whose attributes `module` declares, or None."""
     return next((kind for kind, (declared, linears, *_) in LAYOUTS.items()
                  if all(hasattr(module, a) for a in declared)
-                 and all(isinstance(_submodule(module, a), nn.Linear) for a in linears)), None)
+                 and all(isinstance(_submodule(module, a), nn.Linear) for a in linears + REDUCED.get(kind, ()))),
+                None)
 
 
 def _submodule(module: nn.Module, path: str) -> Optional[nn.Module]:
@@ -210,118 +242,9 @@ def declared_split(module: nn.Module, order: Optional[tuple[str, ...]] = None) -
     # whole by every head, Kimi's f_a_proj / g_a_proj, is none of them and keeps its width)
     attrs += [(lin, "out_features", module.get_submodule(lin).out_features) for lin in linears[:-1]]
     attrs += [(linears[-1], "in_features", width)]
-    return MixerSplit(heads, groups, tuple(dims), tuple(attrs), kind)
-
-
-def _mamba2_dims(module: nn.Module, order: tuple[str, ...]):
-    """A Mamba-2 mixer's dims (in_proj's segments in `order`, default z, x,
-    B, C, dt as every family's torch_forward splits it), heads, groups and
-    inner width."""
-    heads, groups, state = module.num_heads, module.n_groups, module.ssm_state_size
-    inner, conv = module.intermediate_size, module.conv_dim
-    if inner != heads * module.head_dim or conv != inner + 2 * groups * state or heads % groups:
-        raise ProbeError(f"{type(module).__name__} declares {heads} heads of {module.head_dim}, {groups} groups, "
-                         f"intermediate {inner}, conv_dim {conv}: not a Mamba-2 layout")
-    seg = {"z": inner, "x": inner, "B": groups * state, "C": groups * state, "dt": heads}
-    proj = tuple(seg[k] for k in (order or ("z", "x", "B", "C", "dt")))
-    if sum(proj) != module.in_proj.out_features:  # (Mamba2Mixer's d_mlp extra segments: not handled)
-        raise ProbeError(f"in_proj's {module.in_proj.out_features} outputs are not [z | x | B | C | dt] ({sum(proj)})")
-    known = {conv: (inner, groups * state, groups * state), heads: (heads,), inner: (inner,)}
-    dims, tensors = [], [*module.named_parameters(), *module.named_buffers()]
-    for name, t in tensors:
-        owner, _, leaf = name.rpartition(".")
-        if owner == "out_proj":
-            dims.append((name, 1, (inner,)) if leaf == "weight" else (name, WHOLE, ()))
-        elif owner == "in_proj":
-            dims.append((name, 0, proj))
-        elif t.dim() and t.shape[0] in known:
-            dims.append((name, 0, known[t.shape[0]]))
-        elif t.dim() and t.shape[0] == module.in_proj.out_features:  # (FalconH1's mup_vector: per in_proj output)
-            dims.append((name, 0, proj))
-        else:
-            raise ProbeError(f"{type(module).__name__}.{name} {tuple(t.shape)} is held per no head, group or channel")
-    return dims, heads, groups, inner
-
-
-def _delta_dims(module: nn.Module, order: tuple[str, ...]):
-    """A gated delta-rule attention's dims (order ("grouped",): in_proj_qkvz
-    and in_proj_ba grouped per key head, as Qwen3-Next's
-    fix_query_key_value_ordering reads them; ("concat",): [q|k|v|z] and
-    [b|a] each concatenated), value heads, key heads and value width."""
-    kh, vh, key, value = module.num_k_heads, module.num_v_heads, module.key_dim, module.value_dim
-    if key != kh * module.head_k_dim or value != vh * module.head_v_dim or module.conv_dim != 2 * key + value \
-            or vh % kh:
-        raise ProbeError(f"{type(module).__name__} declares {kh} key heads of {module.head_k_dim}, {vh} value heads "
-                         f"of {module.head_v_dim}, conv_dim {module.conv_dim}: not a gated delta-rule layout")
-    grouped = order == ("grouped",)
-    conv = (key, key, value)
-    if hasattr(module, "in_proj_qkvz"):  # (Qwen3-Next's fused [q|k|v|z] and [b|a])
-        rules = {"in_proj_qkvz": (0, (2 * key + 2 * value,) if grouped else (key, key, value, value)),
-                 "in_proj_ba": (0, (2 * vh,) if grouped else (vh, vh))}
-    elif hasattr(module, "in_proj_qkv"):  # (Qwen3.5's [q|k|v], z, b, a)
-        rules = {"in_proj_qkv": (0, (2 * key + value,) if grouped else (key, key, value)),
-                 "in_proj_z": (0, (value,)), "in_proj_b": (0, (vh,)), "in_proj_a": (0, (vh,))}
-    else:  # (OLMo Hybrid's q, k, v, a, b, g: only the conv's channels are fused, [q | k | v] as the forward
-        # concatenates them; "grouped": read per key head, the wrong order the measurement must reject)
-        rules = {"q_proj": (0, (key,)), "k_proj": (0, (key,)), "v_proj": (0, (value,)), "a_proj": (0, (vh,)),
-                 "b_proj": (0, (vh,)), "g_proj": (0, (value,))}
-        conv = (2 * key + value,) if grouped else conv
-    out, norm = ("out_proj", "norm") if hasattr(module, "out_proj") else ("o_proj", "o_norm")
-    rules.update({"conv1d": (0, conv), f"{out}.weight": (1, (value,)), f"{out}.bias": (WHOLE, ()),
-                  norm: (REPLICA, ())})
-    # (A_log, dt_bias: per value head; a key head's value heads are consecutive -- repeat_interleave -- so a
-    # block of key heads owns a block of value heads)
-    return _rule_dims(module, rules, vh), vh, kh, value
-
-
-def _kda_dims(module: nn.Module, order: tuple[str, ...]):
-    """Kimi Linear's KimiDeltaAttention's dims (order ("concat",): the
-    conv's channels [q | k | v] as its forward concatenates them;
-    ("grouped",): per head, a wrong order), heads (its own groups) and
-    q/k/v width. Every head has its q, k, v rows and conv channels, its
-    beta (b_proj's row), its decay (f_b_proj's rows, dt_bias's channels,
-    A_log's entry), its output gate (g_b_proj's rows) and o_proj's columns.
-
-    The forget gate and the output gate are low-rank: f_a_proj and g_a_proj
-    map the stream to ONE latent of head_dim features that every head
-    reads (head h's gate is B_h (A x), B_h its rows of f_b_proj / g_b_proj).
-    The rank dimension is not per head, so A is held whole on every rank
-    (REPLICA: read as itself; its gradient on a rank, sum over its heads of
-    B_h^T dL/d(B_h A x) x^T, summed over the group is the whole gradient),
-    and only B's rows are split. Splitting the rank instead would give each
-    rank a partial sum of B_h A x, which the softplus / sigmoid that follow
-    do not add up (an all-reduce inside the mixer, not built); holding A
-    costs 2 x hidden x head_dim weights per rank, small beside q, k, v."""
-    heads, width = module.num_heads, module.qkv_dim
-    if width != heads * module.head_dim or module.conv_dim != 3 * width:
-        raise ProbeError(f"{type(module).__name__} declares {heads} heads of {module.head_dim}, qkv_dim {width}, "
-                         f"conv_dim {module.conv_dim}: not Kimi's delta attention layout")
-    per_head = (0, (width,))
-    rules = {"q_proj": per_head, "k_proj": per_head, "v_proj": per_head, "b_proj": (0, (heads,)),
-             "g_b_proj": per_head, "forget_gate.f_b_proj": per_head, "forget_gate.dt_bias": per_head,
-             "forget_gate.A_log": (2, (heads,)),  # (1, 1, heads, 1)
-             "conv1d": (0, (3 * width,) if order == ("grouped",) else (width,) * 3),
-             "o_proj.weight": (1, (width,)), "o_proj.bias": (WHOLE, ()),
-             "g_a_proj": (REPLICA, ()), "forget_gate.f_a_proj": (REPLICA, ()), "o_norm": (REPLICA, ())}
-    return _rule_dims(module, rules), heads, heads, width
-
-
-def _rule_dims(module: nn.Module, rules: dict, per_head: Optional[int] = None):
-    """Each parameter's and buffer's (name, dim, segments) from `rules`
-    (keyed by its name or its owner's); a tensor of the module's own whose
-    first dimension is `per_head` long: per head. ProbeError for any other,
-    or a split dimension of another length than its segments'."""
-    dims = []
-    for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        owner = name.rpartition(".")[0]
-        rule = rules.get(name) or rules.get(owner) or ((0, (per_head,)) if not owner and t.dim()
-                                                         and t.shape[0] == per_head else None)
-        if rule is None:
-            raise ProbeError(f"{type(module).__name__}.{name} {tuple(t.shape)} is held per no head or channel")
-        if rule[0] >= 0 and (t.dim() <= rule[0] or t.shape[rule[0]] != sum(rule[1])):
-            raise ProbeError(f"{type(module).__name__}.{name} {tuple(t.shape)} is not {rule[1]} along dim {rule[0]}")
-        dims.append((name, *rule))
-    return dims
+    reduced = tuple((lin, module.get_submodule(lin).out_features) for lin in REDUCED.get(kind, ()))
+    attrs += [(lin, "in_features", module.get_submodule(lin).in_features) for lin, _ in reduced]
+    return MixerSplit(heads, groups, tuple(dims), tuple(attrs), kind, reduced)
 
 
 def shard_of(module: nn.Module, split: MixerSplit, shards: int, s: int) -> nn.Module:
@@ -362,13 +285,42 @@ def measure(module: nn.Module, split: MixerSplit, args, kwargs) -> Optional[str]
     with torch.no_grad():
         whole = _first(clone(*args, **kwargs))
         try:
-            parts = [_first(shard_of(clone, split, shards, s)(*args, **kwargs)) for s in range(shards)]
+            parts = _shard_outputs([shard_of(clone, split, shards, s) for s in range(shards)], split, args, kwargs)
         except Exception as e:  # the forward does not run on the shard: not its layout
             return f"its forward does not run on a shard of heads: {type(e).__name__}: {e}"
     total = sum(parts[1:], parts[0])
     off = (total - whole).abs().max().item() / max(whole.abs().max().item(), 1e-30)
     # Round-off is ~1e-7 of the output's scale; a wrong layout moves it by O(1).
     return None if off <= 1e-5 else f"{shards} shards' outputs sum to the whole output only within {off:.2g} of its scale"
+
+
+def _shard_outputs(shards: list, split: MixerSplit, args, kwargs) -> list:
+    """Each shard's output of its own forward. With an inner reduction
+    (split.reduced: Mamba-1's x_proj) the shards run side by side as the
+    rewrite runs them: its input comes before it, so a first pass records
+    each shard's partial product and a second gives each shard its own
+    plus the others' (what the rewrite's all-reduce sums)."""
+    if not split.reduced:
+        return [_first(shard(*args, **kwargs)) for shard in shards]
+    partials: list[dict] = [{} for _ in shards]
+
+    def summed(s, name, first):
+        def hook(module, inputs, out):
+            if first:
+                partials[s][name] = out
+                return out
+            return sum((partials[t][name] for t in range(len(shards)) if t != s), out)
+        return hook
+
+    for first in (True, False):
+        hooks = [shard.get_submodule(name).register_forward_hook(summed(s, name, first))
+                 for s, shard in enumerate(shards) for name, _ in split.reduced]
+        try:
+            outs = [_first(shard(*args, **kwargs)) for shard in shards]
+        finally:
+            for h in hooks:
+                h.remove()
+    return outs
 
 
 def _first(out):
@@ -382,16 +334,19 @@ DELTA_ORDERS = (("grouped",), ("concat",))
 # last), the integer attributes a shard's forward reads, the builder of
 # its dims and the orders of its fused segments tried by the measurement.
 LAYOUTS = {
-    "mamba2": (DECLARED, ("in_proj", "out_proj"), SHARD_ATTRS, _mamba2_dims, ORDERS),
-    "delta": (DELTA_DECLARED, ("in_proj_qkvz", "in_proj_ba", "out_proj"), DELTA_SHARD_ATTRS, _delta_dims,
+    "mamba2": (DECLARED, ("in_proj", "out_proj"), SHARD_ATTRS, mamba2_dims, ORDERS),
+    "delta": (DELTA_DECLARED, ("in_proj_qkvz", "in_proj_ba", "out_proj"), DELTA_SHARD_ATTRS, delta_dims,
               DELTA_ORDERS),
     "delta_split": (DELTA_SPLIT_DECLARED, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
-                    DELTA_SHARD_ATTRS, _delta_dims, DELTA_ORDERS[::-1]),  # ([q|k|v] concatenated first)
+                    DELTA_SHARD_ATTRS, delta_dims, DELTA_ORDERS[::-1]),  # ([q|k|v] concatenated first)
     "delta_qkv": (DELTA_QKV_DECLARED, ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_proj"),
-                  DELTA_SHARD_ATTRS, _delta_dims, DELTA_ORDERS[::-1]),
-    # (f_a_proj and g_a_proj, the low-rank gates' shared latent, are not split: _kda_dims)
+                  DELTA_SHARD_ATTRS, delta_dims, DELTA_ORDERS[::-1]),
+    # (f_a_proj and g_a_proj, the low-rank gates' shared latent, are not split: kda_dims)
     "kda": (KDA_DECLARED, ("q_proj", "k_proj", "v_proj", "b_proj", "forget_gate.f_b_proj", "g_b_proj", "o_proj"),
-            KDA_SHARD_ATTRS, _kda_dims, DELTA_ORDERS[::-1]),
+            KDA_SHARD_ATTRS, kda_dims, DELTA_ORDERS[::-1]),
+    # (x_proj, REDUCED: its input columns split, its partial outputs summed inside the mixer)
+    "mamba1": (MAMBA1_DECLARED, ("in_proj", "dt_proj", "out_proj"), ("intermediate_size",), mamba1_dims,
+               (("x", "z"), ("xz",))),
 }
 # (checked first: no order of the segments helps) a split's smallest unit is one group, or one key head
 ONE_GROUP = {
@@ -401,6 +356,7 @@ ONE_GROUP = {
     "delta_split": ("num_k_heads", "one key head (num_k_heads=1): its query and key serve every value head"),
     "delta_qkv": ("num_k_heads", "one key head (num_k_heads=1): its query and key serve every value head"),
     "kda": ("num_heads", "one head (num_heads=1): nothing to split"),
+    "mamba1": ("intermediate_size", "one inner channel: nothing to split"),
 }
 
 

@@ -13,17 +13,18 @@ every rank that ran it, and each rank's parameter gradient is the part of
 its rows and its output block, summed over the tensor-parallel group. What
 it costs: the module's parameters and compute are not divided.
 
-Except for mixers in 1d: one declaring transformers' Mamba-2 layout
-(heads, groups of heads, in_proj to [z | x | B | C | dt], ...) or the gated
-delta rule's (key heads, value heads, in_proj_qkvz / in_proj_ba grouped
-per key head, ...) gets, beside its role `whole`, a measured split by
-heads as its layout (roles/mixers.py, as Megatron-Core splits them): 1d
-holds whole heads and groups on each rank and sums out_proj's partial
-outputs; 2d, 2.5d and 3d still run it whole. A mixer whose split does not
-reproduce its output, or does not divide (one group of heads or key head;
-groups or key heads not a multiple of the tensor-parallel size), runs
-whole in every mode, its reason kept with why it runs whole (`tpctl
-inspect` shows both).
+Except for mixers: one declaring transformers' Mamba-2 layout (heads,
+groups of heads, in_proj to [z | x | B | C | dt], ...), the gated delta
+rule's (key heads, value heads, in_proj_qkvz / in_proj_ba grouped per key
+head, ...) or Mamba-1's (inner channels, x_proj, dt_proj, ...) gets,
+beside its role `whole`, a measured split as its layout (roles/mixers.py,
+as Megatron-Core splits them): the ranks holding a row (1d's group, 2d's
+q) hold whole heads and groups (Mamba-1: a block of channels, x_proj's
+partial product summed among them) and sum out_proj's partial outputs. A
+mixer whose split does not reproduce its output, or does not divide (one
+group of heads or key head; groups, key heads or channels not a multiple
+of the ranks splitting them), runs whole, its reason kept with why it runs
+whole (`tpctl inspect` shows both).
 
 Found after the other roles (inference.infer_plan): for every module with a
 problem, the innermost module holding it (itself included) that sits on the

@@ -150,6 +150,14 @@ class CostHooks:
         rank's hidden block (and their adjoints in the backward)."""
         self._cost_stream_gather(add, tokens, hidden, times=2)
 
+    def cost_mixer_reduce(self, add, tokens: int, width: int) -> None:
+        """A sum inside a mixer split by channels (Mamba-1's x_proj, its
+        `width` outputs: tensor/whole.py's _sum_reduced) over the ranks
+        splitting it, whole rows of this rank's rows: an all-reduce both
+        ways (every rank reads the sum for its own channels)."""
+        if self.rewrites and self.stream_group_name:
+            add("all_reduce", self.stream_group_name, self.cost_rows(tokens) * width, times=2)
+
     def cost_sliced_replicas(self, role: str) -> Optional[str]:
         """The mesh group whose ranks hold the same slice of a latent
         up-projection (`role` latent_up: by heads) or of an experts module

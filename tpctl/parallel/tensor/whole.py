@@ -85,6 +85,8 @@ def shard_own_forward(mode, module: nn.Module, ctx, split, shards: int, s: int,
         held = module.get_submodule(owner)
         full = getattr(held, leaf)
         dim, ranges = split.ranges(name, shards, s)
+        if (name in whole or dim == REPLICA) and leaf not in held._parameters:
+            continue  # (a buffer held whole: FalconMamba's weightless norms' ones)
         if name in whole or dim == REPLICA:  # (REPLICA: read as itself, each rank's heads' gradient summed)
             spec = mode.split_spec(full, replicas="tp", partial=True)
         else:
@@ -121,17 +123,27 @@ def split_mixer(mode, module: nn.Module, ctx, group, shards: int, s: int, dim: O
     blocks, whose backward reduce-scatters), out_proj's partial outputs
     summed (all-reduce; or reduce-scattered onto this rank's piece).
     `replicas`: shard_own_forward's."""
-    whole = shard_own_forward(mode, module, ctx, mode.layouts[ctx.name], shards, s, replicas)
+    split = mode.layouts[ctx.name]
+    whole = shard_own_forward(mode, module, ctx, split, shards, s, replicas)
     if ctx.shapes_only:  # (a dry run's mesh has no groups to communicate over)
         return module
+    for name, _ in split.reduced:  # (Mamba-1's x_proj: [dt | B | C] from every rank's channels)
+        module.get_submodule(name).register_forward_hook(functools.partial(_sum_reduced, group=group))
+    torch_path = bool(split.reduced)
+    if torch_path and hasattr(type(module), "slow_forward"):  # (releases choosing the kernel by device)
+        module.forward = module.slow_forward
 
     def entry(mod, args, kwargs):
+        if torch_path:
+            _torch_path(mod, True)
         hold_whole_scaled(mod, whole, shards)
         x = hidden_arg(args, kwargs)
         x = comm.copy_to_group(x, group) if dim is None else comm.gather_along(x, group, dim)
         return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
 
     def exit(mod, args, out):
+        if torch_path:
+            _torch_path(mod, False)
         hold_whole_scaled(mod, whole, None)
         first = out[0] if isinstance(out, tuple) else out
         first = comm.reduce_to_replicated(first, group) if dim is None else \
@@ -141,6 +153,32 @@ def split_mixer(mode, module: nn.Module, ctx, group, shards: int, s: int, dim: O
     module.register_forward_pre_hook(entry, with_kwargs=True)
     module.register_forward_hook(exit)
     return module
+
+
+def _sum_reduced(module, args, out, group):
+    """Forward hook of a Linear whose input features a rank holds a block
+    of (Mamba-1's x_proj): its partial product summed over `group`, and,
+    since every rank then reads the sum for its own channels (dt_proj's
+    rows, the scan's B and C), the sum's gradient summed over the group in
+    the backward too (comm.sum_shared: an all-reduce both ways)."""
+    return comm.sum_shared(out, group)
+
+
+def _torch_path(module: nn.Module, on: bool) -> None:
+    """Around a call of a mixer with an inner reduction (Mamba-1's): its
+    torch path forced. transformers' fused CUDA kernel (mamba_ssm's
+    mamba_inner_fn, taken only when the mixer's own `training` is set and
+    no cache is passed) reads x_proj's, dt_proj's and out_proj's weights
+    directly and would never sum x_proj's partial product over the ranks:
+    the mixer's own flag (not its children's: none reads it) is cleared
+    for the call (older releases, choosing it by device, are given their
+    slow_forward by split_mixer). The torch path is the one measured
+    (roles/mixers.py)."""
+    if on:
+        module.__dict__["_tpctl_training"] = module.training
+        module.training = False
+    else:
+        module.training = module.__dict__.pop("_tpctl_training", module.training)
 
 
 def split_own_experts(mode, module: nn.Module, ctx) -> nn.Module:

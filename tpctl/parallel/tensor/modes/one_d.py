@@ -232,6 +232,11 @@ class OneD(ParallelMode):
         else:
             add("all_reduce", "tp", tokens * hidden, times=2)
 
+    def cost_mixer_reduce(self, add, tokens: int, width: int) -> None:
+        # x_proj's partial sum over the group, forward and backward (whole rows: with sequence
+        # parallelism the mixer's entry gathered the sequence)
+        add("all_reduce", "tp", tokens * width, times=2)
+
     def cost_experts(self, add, tokens: int, hidden: int, e) -> int:
         # (own module or not) the partial output summed; backward: the
         # input's and the routing weights' partial gradients

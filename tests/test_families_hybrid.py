@@ -25,7 +25,7 @@ KEYS = ("1d-2-dp2", "2d-4", "3d-8", "1d-2-pp2-dp2")
 # Two families (a mixer alone; linear attention beside gated attention and experts) in every
 # layout, the others taking turns down the list (each layout meets several mechanisms): the
 # mechanism is one for all mixers, the suite's time is not.
-EVERY_LAYOUT = ("mamba", "qwen3_next")
+EVERY_LAYOUT = ("mamba", "qwen3_next", "minimax")
 CASES = [(family, key) for i, family in enumerate(FAMILIES)
          for key in (KEYS if family in EVERY_LAYOUT else [KEYS[i % len(KEYS)], KEYS[(i + 2) % len(KEYS)]])]
 # Mamba layers beside attention layers, two classes in one list of blocks: the stack stages cut.
@@ -40,6 +40,10 @@ def test_a_mixer_trains_like_mode_none(pool, none_curves, family, key):
         from test_mixers import assert_mamba1_split
 
         assert_mamba1_split(ranks, 2)
+    if family == "minimax":  # lightning attention, split by heads 2 ways in each of KEYS
+        from test_mixers import assert_lightning_split
+
+        assert_lightning_split(ranks, 2)
 
 
 @pytest.mark.timeout(300)

@@ -279,6 +279,26 @@ def test_the_mamba1_layout_is_measured_and_a_wrong_one_fails(family):
         assert not any(n.endswith("layernorm.weight") for n, _ in mixer.named_parameters())
 
 
+# ---- MiniMax's lightning attention: split by heads, its norm's moments summed inside the mixer ---
+
+def assert_lightning_split(ranks, ways: int) -> None:
+    """Each rank's real shapes (trains_like_mode_none's ranks) of every
+    lightning attention its stage holds (some rank holds one) (hf_families'
+    tiny minimax: 4 heads of 8, hidden 32): 1/ways of the heads of
+    qkv_proj's and output_gate's rows, of the norm's features (its weight)
+    and out_proj's columns."""
+    want = {"qkv_proj.weight": (96 // ways, 32), "output_gate.weight": (32 // ways, 32),
+            "norm.weight": (32 // ways,), "out_proj.weight": (32, 32 // ways)}
+    seen = set()
+    for rank, (_, counted, _, _) in enumerate(ranks):  # (a pipeline stage may hold none)
+        for name, shape in counted.items():
+            kind = next((k for k in want if name.endswith("self_attn." + k)), None)  # (full attention: o_proj)
+            if kind:
+                assert shape == want[kind], (rank, name, shape)
+                seen.add(kind)
+    assert seen == set(want), f"no rank holds a lightning attention's {set(want) - seen}"
+
+
 @pytest.mark.parametrize("family,key,why", [
     ("bamba", "1d-4", "2 group(s) of heads do not split 4 ways"),
     ("qwen3_next", "1d-4", "2 key head(s) do not split 4 ways"),

@@ -127,6 +127,8 @@ def count_layers(layers: LayerShapes, mode, add, tokens: int, holds: Callable[[s
             mode.cost_mixer(each, tokens, hidden)
             for _, width in layers.mixers[name].reduced:  # (Mamba-1's x_proj: summed inside it)
                 mode.cost_mixer_reduce(each, tokens, width)
+            for _, moments, _ in layers.mixers[name].moments:  # (a norm over its whole inner width: MiniMax's)
+                mode.cost_mixer_reduce(each, tokens, moments)
         else:
             mode.cost_whole(each, tokens, hidden)
     for name, e in layers.experts.items():

@@ -135,6 +135,28 @@ def mamba1_dims(module: nn.Module, order: tuple[str, ...]):
     return rule_dims(module, rules, inner), inner, inner, inner
 
 
+def lightning_dims(module: nn.Module, order: tuple[str, ...]):
+    """MiniMax's lightning attention's dims (order ("grouped",): qkv_proj's
+    rows per head [q | k | v], as its forward reshapes them to (heads, 3
+    head_dim) before splitting; ("concat",): [q.. | k.. | v..], a wrong
+    order), heads (its own groups) and inner width. Per head: its rows of
+    qkv_proj and output_gate, its decay buffers (slope_rate, query_decay,
+    key_decay: first dimension; diagonal_decay: the second), its features
+    of `norm` and out_proj's columns. The norm (an RMSNorm over the WHOLE
+    inner width, every head's features) is split by the same features: its
+    moments are summed over the ranks inside the mixer (mixers.MOMENTS)."""
+    heads, inner = module.num_attention_heads, module.num_attention_heads * module.head_dim
+    width = getattr(getattr(module.norm, "weight", None), "shape", (inner,))[-1]
+    if module.qkv_proj.out_features != 3 * inner or module.output_gate.out_features != inner or width != inner:
+        raise ProbeError(f"{type(module).__name__} declares {heads} heads of {module.head_dim}, qkv_proj to "
+                         f"{module.qkv_proj.out_features}, output_gate to {module.output_gate.out_features}, a norm "
+                         f"over {width}: not a lightning attention layout")
+    rules = {"qkv_proj": (0, (3 * inner,) if order == ("grouped",) else (inner,) * 3),
+             "output_gate": (0, (inner,)), "norm": (0, (inner,)), "diagonal_decay": (1, (heads,)),  # (1, heads, ..)
+             "out_proj.weight": (1, (inner,)), "out_proj.bias": (WHOLE, ())}
+    return rule_dims(module, rules, heads), heads, heads, inner
+
+
 def rule_dims(module: nn.Module, rules: dict, per_head: Optional[int] = None):
     """Each parameter's and buffer's (name, dim, segments) from `rules`
     (keyed by its name or its owner's); a tensor of the module's own whose

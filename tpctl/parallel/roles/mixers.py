@@ -104,7 +104,8 @@ import torch.nn as nn
 
 from tpctl.parallel.roles.experts import WHOLE
 from tpctl.parallel.roles.fused import ProbeError, real_copy
-from tpctl.parallel.roles.mixer_dims import REPLICA, delta_dims, kda_dims, mamba1_dims, mamba2_dims
+from tpctl.parallel.roles.mixer_dims import REPLICA, delta_dims, kda_dims, lightning_dims, mamba1_dims, mamba2_dims
+from tpctl.parallel.roles.probes import is_rms_norm, norm_width
 
 # What a Mamba-2 mixer declares (transformers' families all do).
 DECLARED = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size", "conv_dim",
@@ -133,6 +134,14 @@ MAMBA1_DECLARED = ("intermediate_size", "ssm_state_size", "time_step_rank", "in_
 # Linears whose input features are split and whose partial outputs are summed over the splitting ranks
 # INSIDE the mixer, before anything reads them (Mamba-1's x_proj: [dt | B | C] from every channel).
 REDUCED = {"mamba1": ("x_proj",)}
+# MiniMax's lightning attention (MiniMaxLightningAttention): per head its rows of the fused qkv_proj and
+# output_gate, its decay buffers, out_proj's columns, and its features of an RMSNorm over ALL heads.
+LIGHTNING_DECLARED = ("num_attention_heads", "head_dim", "block_size", "qkv_proj", "output_gate", "norm", "out_proj",
+                      "slope_rate", "query_decay", "key_decay", "diagonal_decay")
+# Norms inside a mixer over its WHOLE inner width, every head's features: a rank holds its heads' features
+# (and weight), and the rows' moments are summed over the ranks splitting the mixer (tensor/whole.py's
+# split_mixer: layers.SplitNorm, divided by the whole width).
+MOMENTS = {"lightning": ("norm",)}
 CONV_ATTRS = ("in_channels", "out_channels", "groups")
 
 
@@ -151,6 +160,8 @@ class MixerSplit:
     kind: str = "mamba2"  # (a key of LAYOUTS)
     # (Linear inside the mixer, its outputs): its partial products summed over the ranks inside the mixer
     reduced: tuple[tuple[str, int], ...] = ()
+    # (norm inside the mixer, its moments: 1 an RMSNorm's, 2 a LayerNorm's, its whole width): MOMENTS
+    moments: tuple[tuple[str, int, int], ...] = ()
 
     def whole(self) -> tuple[str, ...]:
         return tuple(name for name, dim, _ in self.dims if dim == WHOLE)
@@ -171,7 +182,7 @@ class MixerSplit:
             return None
         if self.kind == "mamba1":
             return f"{self.groups} inner channels do not split {shards} ways"
-        if self.kind == "kda":
+        if self.kind in ("kda", "lightning"):
             return (f"{self.groups} head(s) do not split {shards} ways (a head's query, key, value, gate and decay "
                     "channels would span ranks)")
         if self.kind.startswith("delta"):
@@ -197,6 +208,10 @@ class MixerSplit:
                     "over the ranks inside the mixer")
         if self.kind == "kda":
             return f"mixer (heads split): {self.heads} heads, a rank's whole heads of {parts}"
+        if self.moments:
+            sums = ", ".join(f"{n}'s moments (over its {w} features)" for n, _, w in self.moments)
+            return (f"mixer (heads split): {self.heads} heads, a rank's whole heads of {parts}; {sums} summed over "
+                    "the ranks inside the mixer")
         if self.kind.startswith("delta"):
             return (f"mixer (heads split): {self.heads} value heads of {self.groups} key heads, a rank's whole key "
                     f"heads and their value heads of {parts}")
@@ -244,7 +259,9 @@ def declared_split(module: nn.Module, order: Optional[tuple[str, ...]] = None) -
     attrs += [(linears[-1], "in_features", width)]
     reduced = tuple((lin, module.get_submodule(lin).out_features) for lin in REDUCED.get(kind, ()))
     attrs += [(lin, "in_features", module.get_submodule(lin).in_features) for lin, _ in reduced]
-    return MixerSplit(heads, groups, tuple(dims), tuple(attrs), kind, reduced)
+    moments = tuple((n, 1 if is_rms_norm(norm) else 2, norm_width(norm))
+                    for n in MOMENTS.get(kind, ()) for norm in [module.get_submodule(n)])
+    return MixerSplit(heads, groups, tuple(dims), tuple(attrs), kind, reduced, moments)
 
 
 def shard_of(module: nn.Module, split: MixerSplit, shards: int, s: int) -> nn.Module:
@@ -295,32 +312,77 @@ def measure(module: nn.Module, split: MixerSplit, args, kwargs) -> Optional[str]
 
 
 def _shard_outputs(shards: list, split: MixerSplit, args, kwargs) -> list:
-    """Each shard's output of its own forward. With an inner reduction
-    (split.reduced: Mamba-1's x_proj) the shards run side by side as the
-    rewrite runs them: its input comes before it, so a first pass records
-    each shard's partial product and a second gives each shard its own
-    plus the others' (what the rewrite's all-reduce sums)."""
-    if not split.reduced:
+    """Each shard's output of its own forward. With sums across the shards
+    inside the mixer (split.reduced: Mamba-1's x_proj, its partial products
+    summed; split.moments: a norm over the whole inner width, its rows'
+    moments summed) the shards run side by side as the rewrite runs them: a
+    pass records what each shard contributes (its partial product; the
+    norm's input, its features) and the next gives each shard the others'
+    from the pass before (what the rewrite's all-reduce sums). One pass
+    more than there are sums, so that a sum read after another is right."""
+    if not split.reduced and not split.moments:
         return [_first(shard(*args, **kwargs)) for shard in shards]
-    partials: list[dict] = [{} for _ in shards]
+    book = _Book(len(shards))
 
-    def summed(s, name, first):
+    def summed(s, name):
         def hook(module, inputs, out):
-            if first:
-                partials[s][name] = out
-                return out
-            return sum((partials[t][name] for t in range(len(shards)) if t != s), out)
+            book.now[s][name] = out
+            return sum((book.seen[t][name] for t in range(len(shards)) if t != s and name in book.seen[t]), out)
         return hook
 
-    for first in (True, False):
-        hooks = [shard.get_submodule(name).register_forward_hook(summed(s, name, first))
+    for name, _, _ in split.moments:
+        for s, shard in enumerate(shards):
+            owner, _, leaf = name.rpartition(".")
+            setattr(shard.get_submodule(owner), leaf, _MomentsAcross(shard.get_submodule(name), s, name, book))
+    for _ in range(1 + len(split.reduced) + len(split.moments)):
+        hooks = [shard.get_submodule(name).register_forward_hook(summed(s, name))
                  for s, shard in enumerate(shards) for name, _ in split.reduced]
         try:
             outs = [_first(shard(*args, **kwargs)) for shard in shards]
         finally:
             for h in hooks:
                 h.remove()
+        book.turn()
     return outs
+
+
+class _Book:
+    """(measuring) What each shard contributed to a sum across shards, in
+    this pass (now) and the one before (seen), by the sum's name."""
+
+    def __init__(self, shards: int):
+        self.seen: list[dict] = [{} for _ in range(shards)]
+        self.now: list[dict] = [{} for _ in range(shards)]
+
+    def turn(self) -> None:
+        self.seen, self.now = self.now, [{} for _ in self.now]
+
+
+class _MomentsAcross(nn.Module):
+    """(measuring) Shard s's norm over its block of a whole width's features
+    (MOMENTS), its moments those of the whole width: the norm run on the
+    whole features (the other shards' from the pass before, their places
+    this shard's own on the first), its parameters this shard's in every
+    block, and this shard's block kept -- what the rewrite's sum of the
+    moments across ranks computes (tensor/layers.SplitNorm), with the
+    module's own arithmetic."""
+
+    def __init__(self, norm: nn.Module, s: int, name: str, book: _Book):
+        super().__init__()
+        shards = len(book.now)
+        self.whole = copy.deepcopy(norm)
+        for leaf, t in [*norm.named_parameters(recurse=False), *norm.named_buffers(recurse=False)]:
+            tiled = t.repeat(*([1] * (t.dim() - 1)), shards)
+            if leaf in norm._parameters:
+                self.whole._parameters[leaf] = nn.Parameter(tiled, requires_grad=False)
+            else:
+                self.whole._buffers[leaf] = tiled
+        self.s, self.name, self.book = s, name, book
+
+    def forward(self, x):
+        self.book.now[self.s][self.name] = x
+        pieces = [x if t == self.s else seen.get(self.name, x) for t, seen in enumerate(self.book.seen)]
+        return self.whole(torch.cat(pieces, -1)).narrow(-1, self.s * x.shape[-1], x.shape[-1])
 
 
 def _first(out):
@@ -347,6 +409,9 @@ LAYOUTS = {
     # (x_proj, REDUCED: its input columns split, its partial outputs summed inside the mixer)
     "mamba1": (MAMBA1_DECLARED, ("in_proj", "dt_proj", "out_proj"), ("intermediate_size",), mamba1_dims,
                (("x", "z"), ("xz",))),
+    # (norm, MOMENTS: over every head's features, its moments summed across the ranks inside the mixer)
+    "lightning": (LIGHTNING_DECLARED, ("qkv_proj", "output_gate", "out_proj"), ("num_attention_heads",),
+                  lightning_dims, DELTA_ORDERS),
 }
 # (checked first: no order of the segments helps) a split's smallest unit is one group, or one key head
 ONE_GROUP = {
@@ -357,6 +422,7 @@ ONE_GROUP = {
     "delta_qkv": ("num_k_heads", "one key head (num_k_heads=1): its query and key serve every value head"),
     "kda": ("num_heads", "one head (num_heads=1): nothing to split"),
     "mamba1": ("intermediate_size", "one inner channel: nothing to split"),
+    "lightning": ("num_attention_heads", "one head (num_attention_heads=1): nothing to split"),
 }
 
 

@@ -152,9 +152,10 @@ class CostHooks:
 
     def cost_mixer_reduce(self, add, tokens: int, width: int) -> None:
         """A sum inside a mixer split by channels (Mamba-1's x_proj, its
-        `width` outputs: tensor/whole.py's _sum_reduced) over the ranks
-        splitting it, whole rows of this rank's rows: an all-reduce both
-        ways (every rank reads the sum for its own channels)."""
+        `width` outputs: tensor/whole.py's _sum_reduced; or a norm's
+        `width` moments, MiniMax's over every head: _sum_moments) over the
+        ranks splitting it, whole rows of this rank's rows: an all-reduce
+        both ways (every rank reads the sum for its own channels)."""
         if self.rewrites and self.stream_group_name:
             add("all_reduce", self.stream_group_name, self.cost_rows(tokens) * width, times=2)
 

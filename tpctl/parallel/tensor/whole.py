@@ -23,7 +23,9 @@ import torch.nn as nn
 from tpctl.parallel import comm
 from tpctl.parallel.roles.experts import routing_weights_arg
 from tpctl.parallel.roles.mixers import REPLICA, heads_split
+from tpctl.parallel.roles.probes import is_rms_norm, norm_eps, norm_offset
 from tpctl.parallel.roles.tracing import hidden_arg
+from tpctl.parallel.tensor.layers import SplitNorm
 
 
 def gather_hidden(module, args, kwargs, group, dim: int = -1):
@@ -121,14 +123,18 @@ def split_mixer(mode, module: nn.Module, ctx, group, shards: int, s: int, dim: O
     heads' part, summed over the group by copy_to_group; or pieces of the
     rows gathered along `dim`, 1d's sequence shards or 2d/3d's hidden
     blocks, whose backward reduce-scatters), out_proj's partial outputs
-    summed (all-reduce; or reduce-scattered onto this rank's piece).
-    `replicas`: shard_own_forward's."""
+    summed (all-reduce; or reduce-scattered onto this rank's piece); a norm
+    over the whole inner width (split.moments: MiniMax's) summing its
+    moments over the group. `replicas`: shard_own_forward's."""
     split = mode.layouts[ctx.name]
     whole = shard_own_forward(mode, module, ctx, split, shards, s, replicas)
     if ctx.shapes_only:  # (a dry run's mesh has no groups to communicate over)
         return module
     for name, _ in split.reduced:  # (Mamba-1's x_proj: [dt | B | C] from every rank's channels)
         module.get_submodule(name).register_forward_hook(functools.partial(_sum_reduced, group=group))
+    for name, _, width in split.moments:
+        weighted = any(n == f"{name}.weight" for n, _, _ in split.dims)
+        _sum_moments(module, name, width, group, split.ranges(f"{name}.weight", shards, s)[1] if weighted else None)
     torch_path = bool(split.reduced)
     if torch_path and hasattr(type(module), "slow_forward"):  # (releases choosing the kernel by device)
         module.forward = module.slow_forward
@@ -162,6 +168,19 @@ def _sum_reduced(module, args, out, group):
     rows, the scan's B and C), the sum's gradient summed over the group in
     the backward too (comm.sum_shared: an all-reduce both ways)."""
     return comm.sum_shared(out, group)
+
+
+def _sum_moments(module: nn.Module, name: str, width: int, group, features) -> None:
+    """The norm `name` inside a split mixer (its weight already this rank's
+    `features` of the whole `width`) made a layers.SplitNorm over `group`:
+    the moments of this rank's features summed over the ranks splitting the
+    mixer (comm.sum_shared, both ways) and divided by the whole width, as
+    a 2d norm over the stream's hidden blocks; its parameters kept."""
+    norm = module.get_submodule(name)
+    split = SplitNorm(getattr(norm, "weight", None), getattr(norm, "bias", None), width, norm_eps(norm), group,
+                      rms=is_rms_norm(norm), offset=norm_offset(norm), features=features)
+    owner, _, leaf = name.rpartition(".")
+    setattr(module.get_submodule(owner), leaf, split)
 
 
 def _torch_path(module: nn.Module, on: bool) -> None:

@@ -18,7 +18,9 @@ split runs whole and says why. Mamba-1's (Mamba, Jamba, FalconMamba) by
 inner channels: a block of in_proj's x and z rows, the conv, A_log, D,
 dt_proj's rows, x_proj's and out_proj's columns, x_proj's partial
 products summed inside the mixer both ways; Jamba's dt/B/C norms on every
-rank.
+rank. MiniMax's lightning attention by heads (qkv_proj's rows per head,
+output_gate's, the decay buffers, out_proj's columns), its norm over every
+head's features split too, its moments summed across the ranks.
 """
 
 from __future__ import annotations
@@ -191,7 +193,9 @@ def test_each_rank_holds_its_share_of_a_mixer(key):
                                                                     "forget_gate.f_a_proj.weight")),
     # Mamba-1: by inner channels (x_proj's columns too); Jamba's RMSNorms over dt, B and C whole
     ("mamba", "mixer", "64 inner channels", ()),
-    ("jamba", "mamba", "64 inner channels", ("dt_layernorm.weight", "b_layernorm.weight", "c_layernorm.weight"))])
+    ("jamba", "mamba", "64 inner channels", ("dt_layernorm.weight", "b_layernorm.weight", "c_layernorm.weight")),
+    # MiniMax's lightning attention: by heads, its norm over every head's features too (moments summed)
+    ("minimax", "self_attn", "4 heads, a rank's whole heads", ())])
 def test_each_rank_holds_its_share_of_a_gated_delta_rule_attention(family, attn, text, held):
     """1d-2: every tensor of a gated delta-rule linear attention (or a
     Mamba-1 mixer) but those `held` whole on every rank (the gated norm's
@@ -297,6 +301,40 @@ def assert_lightning_split(ranks, ways: int) -> None:
                 assert shape == want[kind], (rank, name, shape)
                 seen.add(kind)
     assert seen == set(want), f"no rank holds a lightning attention's {set(want) - seen}"
+
+
+def test_the_lightning_layout_is_measured_and_a_wrong_one_fails():
+    """MiniMax's lightning attention split by heads (qkv_proj's rows per
+    head [q|k|v], output_gate's, the decay buffers', the norm's features,
+    out_proj's columns), the shards run side by side with the norm's
+    moments summed, reproduces its output; qkv_proj read as [q..|k..|v..],
+    the moments left to each shard's own features, or the norm's weight
+    held whole, do not. Heads that do not divide: it runs whole, and says
+    why."""
+    import dataclasses
+
+    import torch
+
+    from tpctl.parallel.roles.experts import WHOLE
+    from tpctl.parallel.roles.fused import ProbeError
+    from tpctl.parallel.roles.mixers import measure, mixer_split
+
+    mixer = _mixer("minimax")
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    args, kwargs = (x, (torch.ones(2, 8, 8), torch.zeros(2, 8, 8)), None), {}
+    split = mixer_split(mixer, args, kwargs)
+    assert split.kind == "lightning" and split.heads == split.groups == mixer.num_attention_heads == 4
+    assert split.moments == (("norm", 1, 32),) and not split.reduced
+    dims = dict((n, (d, sizes)) for n, d, sizes in split.dims)
+    assert dims["qkv_proj.weight"] == (0, (96,)) and dims["diagonal_decay"] == (1, (4,))
+    assert dims["norm.weight"] == (0, (32,)) and dims["slope_rate"] == (0, (4,))
+    assert split.heads_problem(2) is None and split.heads_problem(3) == (
+        "4 head(s) do not split 3 ways (a head's query, key, value, gate and decay channels would span ranks)")
+    with pytest.raises(ProbeError, match="no layout of its heads reproduces its output"):
+        mixer_split(mixer, args, kwargs, orders=[("concat",)])
+    assert measure(mixer, dataclasses.replace(split, moments=()), args, kwargs)
+    held = tuple((n, WHOLE, ()) if n == "norm.weight" else (n, d, sizes) for n, d, sizes in split.dims)
+    assert measure(mixer, dataclasses.replace(split, dims=held), args, kwargs)
 
 
 @pytest.mark.parametrize("family,key,why", [

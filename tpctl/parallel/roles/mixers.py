@@ -3,7 +3,7 @@ delta-rule attention in tensor parallelism): a rank holds whole heads, and
 whole groups of heads, of everything the mixer holds per head or per group
 (Mamba-1's: a block of its inner channels). A mixer is recognised by one
 of the attribute sets of LAYOUTS (Mamba-2's, the gated delta rule's in
-four families' spellings, Mamba-1's), each with the segments of its fused
+four families' spellings, Mamba-1's, MiniMax's lightning attention), each with the segments of its fused
 dimensions (mixer_dims.py builds them); all are measured alike.
 
 transformers' Mamba-2-style mixers (Mamba2Mixer, NemotronH's, FalconH1's,
@@ -66,14 +66,30 @@ buffers. It splits when the channels divide by S. The split mixer is made
 to take its torch path (transformers' fused CUDA kernel reads x_proj's
 weight itself and would never sum it: tensor/whole.py's _torch_path).
 
+MiniMax's lightning attention (MiniMaxLightningAttention: LAYOUTS'
+"lightning") has `num_attention_heads` heads of `head_dim`: per head its
+rows of the fused qkv_proj ([q | k | v] of each head together: the forward
+reshapes them to (heads, 3 head_dim)), of output_gate, its decay buffers
+(slope_rate, query_decay, key_decay by their first dimension,
+diagonal_decay by its second) and out_proj's columns. A rank holds block s
+of S of the heads of all of them. Its RMSNorm `norm` acts on the WHOLE
+inner width, every head's features: a rank holds its heads' features of
+it (its weight's block s), and the rows' moments are summed over the S
+ranks inside the mixer (MOMENTS: tensor/whole.py's split_mixer makes the
+norm a layers.SplitNorm over the mixer's group, divided by the whole
+width), the general mechanism for a norm inside a split mixer over its
+whole inner width. It splits when the heads divide by S.
+
 The layout is derived from the declared attributes and then MEASURED, as
 experts.own_split measures an experts module's: the S shards' outputs of
 the module's own forward (its integer attributes set to a shard's: heads,
 groups, widths; the norm's group size kept), on random weights and input,
 must sum to the whole module's; with an inner sum (Mamba-1's x_proj) the
 shards run side by side, each given the others' partial products as the
-rewrite's all-reduce gives them (_shard_outputs). A layout the forward
-does not follow (a norm over the whole inner width, a different order of
+rewrite's all-reduce gives them (_shard_outputs); with a norm of MOMENTS,
+each shard's norm run on the whole width from the others' features (what
+the summed moments compute: _MomentsAcross). A layout the forward
+does not follow (a norm over the whole inner width not in MOMENTS, a different order of
 in_proj's segments, x_proj's products left unsummed) fails that and the mixer keeps running whole, which stays exact; so does a
 split that does not divide (`n_groups`, or `num_k_heads`, not a multiple of
 the tensor-parallel size: one group's B and C, or one key head's q and k,
@@ -88,8 +104,8 @@ among them, as experts run by their own forward are split
 (tensor/mode.py, convert_mixer): the scan runs on this rank's rows and
 heads, and the partial outputs are reduce-scattered back onto the
 stream's hidden blocks; ranks with other rows hold the same heads
-(replicas, their gradients summed). Mamba-1's x_proj sum runs over those
-q ranks too.
+(replicas, their gradients summed). Mamba-1's x_proj sum and MiniMax's
+norm moments run over those q ranks too.
 """
 
 from __future__ import annotations

@@ -374,11 +374,14 @@ LAZY = {
                        shared_expert_intermediate_size=16, experts_implementation="eager"),
     # (Mamba-1: init_mamba_weights draws dt_proj's bias from intermediate_size, the whole model's once built)
     "mamba": dict(state_size=4, expand=2, conv_kernel=4, time_step_rank=4),
+    # (lightning attention beside experts: its per-head decay buffers, a rank's its heads' block)
+    "minimax": dict(layer_types=["linear_attention", "full_attention"], head_dim=8, num_local_experts=4,
+                    num_experts_per_tok=2),
 }
-
-
-# (size keys MambaConfig has no setting for: no heads; its inner width is expand x hidden)
-MAMBA_UNSET = ("n_head", "n_kv_head", "intermediate_size")
+# size keys a family has no setting for: MambaConfig's (no heads; its inner width is expand x hidden) left
+# out, MiniMaxConfig's bias null (the family's default)
+UNSET = {"mamba": ("n_head", "n_kv_head", "intermediate_size")}
+NULL = {"minimax": ("bias",)}
 
 
 def _hf_cfg(family: str, key: str):
@@ -388,7 +391,8 @@ def _hf_cfg(family: str, key: str):
     from tpctl.parallel.layout import Layout
 
     cfg = Layout.parse(key).write_to(default_config())
-    sizes = {k: v for k, v in HF_SIZES.items() if not (family == "mamba" and k in MAMBA_UNSET)}
+    sizes = {k: v for k, v in HF_SIZES.items() if k not in UNSET.get(family, ())}
+    sizes.update(dict.fromkeys(NULL.get(family, ())))
     cfg.model = typed_model(OmegaConf.create({"arch": family, **sizes, "config": LAZY[family]}))
     return cfg
 
@@ -412,7 +416,7 @@ def _lazy_shards(key: str, family: str) -> tuple[int, float]:
         want = spec_of(p).slice(whole[name].detach())
         assert p.shape == want.shape, (name, tuple(p.shape), tuple(want.shape))
         worst = max(worst, (p.detach() - want).abs().max().item())
-        split += p.shape != whole[name].shape and any(k in name for k in ("linear_attn", "mixer", "experts"))
+        split += p.shape != whole[name].shape and any(k in name for k in ("linear_attn", "mixer", "experts", "qkv_proj"))
     return split, worst
 
 

@@ -96,6 +96,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -104,7 +105,7 @@ import torch.nn as nn
 
 from tpctl.parallel.roles.experts import WHOLE
 from tpctl.parallel.roles.fused import ProbeError, real_copy
-from tpctl.parallel.roles.mixer_dims import REPLICA, delta_dims, kda_dims, mamba1_dims, mamba2_dims
+from tpctl.parallel.roles.mixer_dims import REPLICA, delta_dims, kda_dims, mamba1_dims, mamba2_dims, rglru_dims
 
 # What a Mamba-2 mixer declares (transformers' families all do).
 DECLARED = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size", "conv_dim",
@@ -133,6 +134,10 @@ MAMBA1_DECLARED = ("intermediate_size", "ssm_state_size", "time_step_rank", "in_
 # Linears whose input features are split and whose partial outputs are summed over the splitting ranks
 # INSIDE the mixer, before anything reads them (Mamba-1's x_proj: [dt | B | C] from every channel).
 REDUCED = {"mamba1": ("x_proj",)}
+# RecurrentGemma's recurrent block (Griffin's): linear_x / linear_y, a depthwise conv_1d, the RG-LRU
+# (its heads and gates a child's: dotted), linear_out.
+RGLRU_DECLARED = ("lru_width", "linear_x", "linear_y", "conv_1d", "rg_lru.num_attention_heads", "rg_lru.block_width",
+                  "rg_lru.input_gate_weight", "rg_lru.recurrent_gate_weight", "rg_lru.recurrent_param", "linear_out")
 CONV_ATTRS = ("in_channels", "out_channels", "groups")
 
 
@@ -174,6 +179,8 @@ class MixerSplit:
         if self.kind == "kda":
             return (f"{self.groups} head(s) do not split {shards} ways (a head's query, key, value, gate and decay "
                     "channels would span ranks)")
+        if self.kind == "rglru":
+            return f"{self.groups} head(s) do not split {shards} ways (a head's block-diagonal gates would span ranks)"
         if self.kind.startswith("delta"):
             return (f"{self.groups} key head(s) do not split {shards} ways (a key head's query, key and value "
                     "heads would span ranks)")
@@ -195,7 +202,7 @@ class MixerSplit:
             sums = ", ".join(f"{n}'s {w} outputs" for n, w in self.reduced)
             return (f"mixer (heads split): {self.heads} inner channels, a rank's block of {parts}; {sums} summed "
                     "over the ranks inside the mixer")
-        if self.kind == "kda":
+        if self.kind in ("kda", "rglru"):
             return f"mixer (heads split): {self.heads} heads, a rank's whole heads of {parts}"
         if self.kind.startswith("delta"):
             return (f"mixer (heads split): {self.heads} value heads of {self.groups} key heads, a rank's whole key "
@@ -206,9 +213,18 @@ class MixerSplit:
 def mixer_kind(module: nn.Module) -> Optional[str]:
     """The key of LAYOUTS whose attributes `module` declares, or None."""
     return next((kind for kind, (declared, linears, *_) in LAYOUTS.items()
-                 if all(hasattr(module, a) for a in declared)
+                 if all(_has(module, a) for a in declared)
                  and all(isinstance(_submodule(module, a), nn.Linear) for a in linears + REDUCED.get(kind, ()))),
                 None)
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    """Whether `module` has the attribute at dotted `path` (RecurrentGemma's rg_lru.num_attention_heads)."""
+    try:
+        operator.attrgetter(path)(module)
+    except AttributeError:
+        return False
+    return True
 
 
 def _submodule(module: nn.Module, path: str) -> Optional[nn.Module]:
@@ -283,9 +299,12 @@ def measure(module: nn.Module, split: MixerSplit, args, kwargs) -> Optional[str]
     else:  # (hidden states passed by name: FalconH1's)
         kwargs = {**kwargs, "hidden_states": torch.randn(kwargs["hidden_states"].shape, generator=gen)}
     with torch.no_grad():
+        # (the shards copied before the whole call: a module keeping state from its last call, RecurrentGemma's
+        # conv and recurrence caches with use_cache on, would hand them on whole)
+        pieces = [shard_of(clone, split, shards, s) for s in range(shards)]
         whole = _first(clone(*args, **kwargs))
         try:
-            parts = _shard_outputs([shard_of(clone, split, shards, s) for s in range(shards)], split, args, kwargs)
+            parts = _shard_outputs(pieces, split, args, kwargs)
         except Exception as e:  # the forward does not run on the shard: not its layout
             return f"its forward does not run on a shard of heads: {type(e).__name__}: {e}"
     total = sum(parts[1:], parts[0])
@@ -347,6 +366,9 @@ LAYOUTS = {
     # (x_proj, REDUCED: its input columns split, its partial outputs summed inside the mixer)
     "mamba1": (MAMBA1_DECLARED, ("in_proj", "dt_proj", "out_proj"), ("intermediate_size",), mamba1_dims,
                (("x", "z"), ("xz",))),
+    # (lru_width: the block's, its cache's width; num_attention_heads: rg_lru's, its reshape's; block_width kept)
+    "rglru": (RGLRU_DECLARED, ("linear_x", "linear_y", "linear_out"), ("lru_width", "num_attention_heads"), rglru_dims,
+              (("heads",),)),
 }
 # (checked first: no order of the segments helps) a split's smallest unit is one group, or one key head
 ONE_GROUP = {
@@ -357,6 +379,7 @@ ONE_GROUP = {
     "delta_qkv": ("num_k_heads", "one key head (num_k_heads=1): its query and key serve every value head"),
     "kda": ("num_heads", "one head (num_heads=1): nothing to split"),
     "mamba1": ("intermediate_size", "one inner channel: nothing to split"),
+    "rglru": ("rg_lru.num_attention_heads", "one head (num_attention_heads=1): its gates read every channel"),
 }
 
 
@@ -376,7 +399,7 @@ def mixer_split(module: nn.Module, args, kwargs, orders=None) -> MixerSplit:
     if not isinstance(args[0] if args else kwargs.get("hidden_states"), torch.Tensor):
         raise ProbeError("its traced call has no hidden states")
     attr, why = ONE_GROUP[kind]
-    if getattr(module, attr) == 1:
+    if operator.attrgetter(attr)(module) == 1:
         raise ProbeError(why)
     for order in orders or LAYOUTS[kind][4]:
         split = declared_split(module, _flat(order))

@@ -191,13 +191,16 @@ def test_each_rank_holds_its_share_of_a_mixer(key):
                                                                     "forget_gate.f_a_proj.weight")),
     # Mamba-1: by inner channels (x_proj's columns too); Jamba's RMSNorms over dt, B and C whole
     ("mamba", "mixer", "64 inner channels", ()),
-    ("jamba", "mamba", "64 inner channels", ("dt_layernorm.weight", "b_layernorm.weight", "c_layernorm.weight"))])
+    ("jamba", "mamba", "64 inner channels", ("dt_layernorm.weight", "b_layernorm.weight", "c_layernorm.weight")),
+    # RecurrentGemma's RG-LRU block by heads: linear_out's bias whole, read as 1/2 on each rank
+    ("recurrent_gemma", "temporal_block", "4 heads, a rank's whole heads", ("linear_out.bias",))])
 def test_each_rank_holds_its_share_of_a_gated_delta_rule_attention(family, attn, text, held):
     """1d-2: every tensor of a gated delta-rule linear attention (or a
-    Mamba-1 mixer) but those `held` whole on every rank (the gated norm's
-    head-wide weight; Kimi's projections to its gates' latent, which every
-    head reads; Jamba's norms over the summed dt, B and C) is halved on a
-    rank."""
+    Mamba-1 mixer, or RecurrentGemma's recurrent block) but those `held`
+    whole on every rank (the gated norm's head-wide weight; Kimi's
+    projections to its gates' latent, which every head reads; Jamba's norms
+    over the summed dt, B and C; the output projection's bias) is halved on
+    a rank."""
     import math
 
     rows = _inspect("1d-2", family)
@@ -277,6 +280,54 @@ def test_the_mamba1_layout_is_measured_and_a_wrong_one_fails(family):
         assert measure(mixer, dataclasses.replace(split, dims=norms), args, kwargs)
     else:
         assert not any(n.endswith("layernorm.weight") for n, _ in mixer.named_parameters())
+
+
+def test_the_rglru_layout_is_measured_and_a_wrong_one_fails():
+    """RecurrentGemma's recurrent block split by heads (linear_x's and
+    linear_y's rows, the conv's channels, the RG-LRU's per-head gates and
+    per-channel recurrent_param, linear_out's columns) reproduces its
+    output on its traced call's arguments (position ids: the recurrence's
+    resets), its cache on or off; the gates' heads dealt round the ranks
+    (head 2 with head 0), each rank given the other's block of the gates
+    or of recurrent_param, or linear_out's bias added by every rank, do
+    not. Heads that do not divide: the block runs whole and says why."""
+    import dataclasses
+
+    import torch
+
+    from tpctl.parallel.roles.fused import ProbeError, real_copy
+    from tpctl.parallel.roles.mixer_dims import REPLICA
+    from tpctl.parallel.roles.mixers import measure, mixer_split, shard_of
+
+    mixer = _mixer("recurrent_gemma")
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    for cache in (False, True):
+        kwargs = dict(position_ids=torch.arange(8).expand(2, 8), attention_mask=None, use_cache=cache)
+        split = mixer_split(mixer, (x,), kwargs)
+        assert split.kind == "rglru" and split.heads == split.groups == mixer.rg_lru.num_attention_heads == 4
+        assert ("rg_lru", "num_attention_heads", 4) in split.attrs and ("", "lru_width", 32) in split.attrs
+        with pytest.raises(ProbeError, match="no layout of its heads reproduces its output"):
+            mixer_split(mixer, (x,), kwargs, orders=[("strided",)])
+    assert split.heads_problem(2) is None and "4 head(s) do not split 3 ways" in split.heads_problem(3)
+
+    # Each shard's RG-LRU given the other shard's heads of a tensor (its gates; recurrent_param's channels):
+    # the shards' outputs no longer sum to the whole block's.
+    clone, kwargs = real_copy(mixer, seed=5), {**kwargs, "use_cache": False}  # (no state kept between calls)
+    with torch.no_grad():
+        whole = clone(x, **kwargs)[0]
+        for names in ((), ("input_gate_weight", "recurrent_gate_weight"), ("input_gate_bias",), ("recurrent_param",)):
+            shards = [shard_of(clone, split, 2, s) for s in range(2)]
+            for n in names:
+                a, b = (getattr(sh.rg_lru, n) for sh in shards)
+                setattr(shards[0].rg_lru, n, b)
+                setattr(shards[1].rg_lru, n, a)
+            total = sum(sh(x, **kwargs)[0] for sh in shards)
+            off = ((total - whole).abs().max() / whole.abs().max()).item()
+            assert (off < 1e-5) == (not names), (names, off)
+    # linear_out's bias read as itself on every rank (added twice), not as 1/shards:
+    summed = dataclasses.replace(split, dims=tuple((n, REPLICA if n == "linear_out.bias" else d, s)
+                                                   for n, d, s in split.dims))
+    assert measure(mixer, summed, (x,), kwargs)
 
 
 @pytest.mark.parametrize("family,key,why", [

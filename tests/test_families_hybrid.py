@@ -5,8 +5,9 @@ a real-gated linear recurrence. No split fits them: each runs whole on
 every rank, on whole rows of the rows it holds (parallel/roles/whole.py);
 but a Mamba-2 mixer with groups of heads, a gated delta rule with key
 heads, and a Mamba-1 mixer (Mamba's, Jamba's: by inner channels, x_proj's
-partial product summed inside it), which every mode splits among the ranks
-holding a row (parallel/roles/mixers.py, tests/test_mixers.py).
+partial product summed inside it), and RecurrentGemma's real-gated
+recurrent block (by the RG-LRU's heads), which every mode splits among the
+ranks holding a row (parallel/roles/mixers.py, tests/test_mixers.py).
 Each family (tests/hf_families.py: tiny, random init) trains like mode=none
 in 1d, 2d, 3d and 1d with two pipeline stages, its shapes and collectives
 as planned, on the shared pool, in process.

@@ -18,7 +18,8 @@ split runs whole and says why. Mamba-1's (Mamba, Jamba, FalconMamba) by
 inner channels: a block of in_proj's x and z rows, the conv, A_log, D,
 dt_proj's rows, x_proj's and out_proj's columns, x_proj's partial
 products summed inside the mixer both ways; Jamba's dt/B/C norms on every
-rank.
+rank. RecurrentGemma's recurrent block by the RG-LRU's heads (its layout
+measured here, its training in test_families_hybrid's four layouts).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@ delta-rule attention in tensor parallelism): a rank holds whole heads, and
 whole groups of heads, of everything the mixer holds per head or per group
 (Mamba-1's: a block of its inner channels). A mixer is recognised by one
 of the attribute sets of LAYOUTS (Mamba-2's, the gated delta rule's in
-four families' spellings, Mamba-1's), each with the segments of its fused
-dimensions (mixer_dims.py builds them); all are measured alike.
+four families' spellings, Mamba-1's, RecurrentGemma's recurrent block),
+each with the segments of its fused dimensions (mixer_dims.py builds
+them); all are measured alike.
 
 transformers' Mamba-2-style mixers (Mamba2Mixer, NemotronH's, FalconH1's,
 Bamba's, Zamba2's, GraniteMoeHybrid's mamba layer) declare the same
@@ -66,6 +67,26 @@ buffers. It splits when the channels divide by S. The split mixer is made
 to take its torch path (transformers' fused CUDA kernel reads x_proj's
 weight itself and would never sum it: tensor/whole.py's _torch_path).
 
+RecurrentGemma's recurrent block (RecurrentGemmaRecurrentBlock, Griffin's:
+LAYOUTS' "rglru") declares `lru_width`, linear_x and linear_y (stream ->
+lru_width), a depthwise `conv_1d` over the lru_width channels, `rg_lru`
+(the RG-LRU: `num_attention_heads` heads of `block_width` channels,
+block-diagonal input and recurrent gates [heads, block_width,
+block_width] with per-head biases, a per-channel `recurrent_param`) and
+linear_out back to the stream. The RG-LRU reshapes its channels to
+(heads, block_width), so head h owns channels [h bw, (h+1) bw); its
+gates mix channels only within a head, and the recurrence and its state
+are per channel. A rank holds block s of S of the heads of all of them:
+linear_x's and linear_y's rows, the conv's channels, the gates' heads,
+recurrent_param's entries, linear_out's columns (its bias WHOLE, as
+out_proj's); the shard's lru_width (the block's, its cache's width),
+rg_lru's num_attention_heads and the conv's channels set to 1/S,
+block_width kept. It is called with position ids (the recurrence resets
+at position 0), an attention mask and use_cache: the measurement runs it
+on its traced call, its shards copied before the whole call (with
+use_cache on, the block keeps its conv and recurrence state from its
+last call). It splits when its heads divide by S.
+
 The layout is derived from the declared attributes and then MEASURED, as
 experts.own_split measures an experts module's: the S shards' outputs of
 the module's own forward (its integer attributes set to a shard's: heads,
@@ -78,7 +99,8 @@ in_proj's segments, x_proj's products left unsummed) fails that and the mixer ke
 split that does not divide (`n_groups`, or `num_k_heads`, not a multiple of
 the tensor-parallel size: one group's B and C, or one key head's q and k,
 would be needed on two ranks, and a norm over a group on two ranks would
-need its moments summed across them; Kimi's heads: a head's channels).
+need its moments summed across them; Kimi's heads: a head's channels;
+the RG-LRU's heads: a head's gate block).
 
 In 1d a mixer splits over the whole group (its stream is whole rows, or
 sequence shards gathered for the mixer). In 2d, 2.5d and 3d the q ranks

@@ -436,3 +436,43 @@ def test_inspect_starts_a_lazily_built_mixer_split_by_heads(tpctl):  # noqa: F81
     done = tpctl.run(args, timeout=120)
     assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-1500:]
     assert "mixer (heads split)" in done.stdout and "refusing" not in done.stdout + done.stderr, done.stdout[-1500:]
+
+
+# ---- decoding with the model's cache: RecurrentGemma's block keeps its conv and recurrence state ----
+
+def _rglru_logits(key: str, use_cache: bool):
+    """The whole vocabulary's last logits of six forwards of recurrent_gemma
+    (the prompt, then one fixed token at a time, with transformers' cache or
+    re-running the sequence), decoded as tpctl generate decodes; and this
+    rank's shape of the RG-LRU's input gate."""
+    import torch
+    from test_families import _cfg
+    from test_generate import PROMPT, _build
+
+    from tpctl.training.generation import Stepper, last_logits, local_input
+
+    model, mode = _build(_cfg("1d-2-dp2" if key == "none-dp4" else key, "recurrent_gemma").model, key)
+    gate = next(tuple(p.shape) for n, p in model.named_parameters() if n.endswith("rg_lru.input_gate_weight"))
+    step, out, ids = Stepper(model, use_cache), [], list(PROMPT)
+    with torch.no_grad():
+        for t in range(6):
+            out.append(last_logits(mode, step(local_input(mode, ids[-1:] if t and use_cache else ids, "cpu")), 256))
+            ids.append((7 * t + 3) % 256)
+    return gate, torch.stack(out)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_split_rglru_block_decodes_like_mode_none(pool, use_cache):
+    """Decoding with RecurrentGemma's cache (its block's conv state and the
+    RG-LRU's recurrent state, each a rank's channels: the shard's lru_width)
+    or without: the logits of 1d-2 and 2d-4, the block split by heads, are
+    mode=none's within fp32 round-off."""
+    from test_generate import _run
+
+    want = _run(pool, _rglru_logits, "none-dp4", use_cache)[0][1]
+    for key in ("1d-2-dp2", "2d-4"):
+        got = _run(pool, _rglru_logits, key, use_cache)
+        assert all(gate == (2, 8, 8) for gate, _ in got), (key, [g for g, _ in got])
+        off = max((logits - want).abs().max().item() for _, logits in got) / want.abs().max().item()
+        assert off < 1e-5, (key, off)

@@ -323,7 +323,10 @@ def measure(module: nn.Module, split: MixerSplit, args, kwargs) -> Optional[str]
     with torch.no_grad():
         # (the shards copied before the whole call: a module keeping state from its last call, RecurrentGemma's
         # conv and recurrence caches with use_cache on, would hand them on whole)
-        pieces = [shard_of(clone, split, shards, s) for s in range(shards)]
+        try:
+            pieces = [shard_of(clone, split, shards, s) for s in range(shards)]
+        except Exception as e:  # the tensors do not cut as the layout says: not its layout
+            return f"its tensors do not cut into shards of heads: {type(e).__name__}: {e}"
         whole = _first(clone(*args, **kwargs))
         try:
             parts = _shard_outputs(pieces, split, args, kwargs)

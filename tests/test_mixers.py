@@ -368,6 +368,8 @@ LAZY = {
                        shared_expert_intermediate_size=16, experts_implementation="eager"),
     # (Mamba-1: init_mamba_weights draws dt_proj's bias from intermediate_size, the whole model's once built)
     "mamba": dict(state_size=4, expand=2, conv_kernel=4, time_step_rank=4),
+    # (the RG-LRU: its init draws recurrent_param with empty_like, a shard's shape once the rewrite made it)
+    "recurrent_gemma": dict(lru_width=32, attention_window_size=4, block_types=["recurrent", "attention"]),
 }
 
 
@@ -406,7 +408,7 @@ def _lazy_shards(key: str, family: str) -> tuple[int, float]:
         want = spec_of(p).slice(whole[name].detach())
         assert p.shape == want.shape, (name, tuple(p.shape), tuple(want.shape))
         worst = max(worst, (p.detach() - want).abs().max().item())
-        split += p.shape != whole[name].shape and any(k in name for k in ("linear_attn", "mixer", "experts"))
+        split += p.shape != whole[name].shape and any(k in name for k in ("linear_attn", "mixer", "experts", "rg_lru"))
     return split, worst
 
 

@@ -39,6 +39,9 @@ CASES = [("bamba", "1d-2-pp2-dp2"), ("bamba", "1d-2-sp-dp2"), ("qwen3_5", "1d-2-
 # with sequence parallelism (its 1d-2-dp2 and 1d-2-pp2-dp2 runs, collectives compared, are
 # test_proj_norm's: its attention's q/k norms over all heads).
 CASES += [("olmo_hybrid", "1d-2-sp-dp2"), ("kimi_linear", "1d-2-dp2")]
+# RecurrentGemma's RG-LRU block with sequence parallelism (the sequence gathered for it, beside its sliding
+# attention; its four layouts without are test_families_hybrid's).
+CASES += [("recurrent_gemma", "1d-2-sp-dp2")]
 # In 2d and 3d a block of rows' q ranks gather whole rows and split the heads q ways; ranks with
 # other rows hold the same heads (qwen3_next and nemotron_h at 2d-4 and 3d-8 run in
 # test_families_hybrid, the same check).

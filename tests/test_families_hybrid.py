@@ -5,9 +5,10 @@ a real-gated linear recurrence. No split fits them: each runs whole on
 every rank, on whole rows of the rows it holds (parallel/roles/whole.py);
 but a Mamba-2 mixer with groups of heads, a gated delta rule with key
 heads, a Mamba-1 mixer (Mamba's, Jamba's: by inner channels, x_proj's
-partial product summed inside it) and MiniMax's lightning attention (by
-heads, its norm's moments summed across ranks), which every mode splits among the ranks
-holding a row (parallel/roles/mixers.py, tests/test_mixers.py).
+partial product summed inside it), MiniMax's lightning attention (by
+heads, its norm's moments summed across ranks) and RecurrentGemma's
+real-gated recurrent block (by the RG-LRU's heads), which every mode splits
+among the ranks holding a row (parallel/roles/mixers.py, tests/test_mixers.py).
 Each family (tests/hf_families.py: tiny, random init) trains like mode=none
 in 1d, 2d, 3d and 1d with two pipeline stages, its shapes and collectives
 as planned, on the shared pool, in process.
@@ -26,7 +27,7 @@ KEYS = ("1d-2-dp2", "2d-4", "3d-8", "1d-2-pp2-dp2")
 # Two families (a mixer alone; linear attention beside gated attention and experts) in every
 # layout, the others taking turns down the list (each layout meets several mechanisms): the
 # mechanism is one for all mixers, the suite's time is not.
-EVERY_LAYOUT = ("mamba", "qwen3_next", "minimax")
+EVERY_LAYOUT = ("mamba", "qwen3_next", "minimax", "recurrent_gemma")
 CASES = [(family, key) for i, family in enumerate(FAMILIES)
          for key in (KEYS if family in EVERY_LAYOUT else [KEYS[i % len(KEYS)], KEYS[(i + 2) % len(KEYS)]])]
 # Mamba layers beside attention layers, two classes in one list of blocks: the stack stages cut.
@@ -45,6 +46,27 @@ def test_a_mixer_trains_like_mode_none(pool, none_curves, family, key):
         from test_mixers import assert_lightning_split
 
         assert_lightning_split(ranks, 2)
+    if family == "recurrent_gemma":  # its RG-LRU block, split by heads 2 ways in each of KEYS
+        assert_rglru_split(ranks, 2)
+
+
+def assert_rglru_split(ranks, ways: int) -> None:
+    """Each rank's real shapes (trains_like_mode_none's ranks) of the
+    recurrent block its stage holds (some rank holds one) (hf_families'
+    tiny recurrent_gemma: 4 heads of 8 channels, lru_width 32, hidden 32):
+    1/ways of the heads of linear_x's rows, the conv's channels, the
+    RG-LRU's gates and recurrent_param, linear_out's columns."""
+    want = {"linear_x.weight": (32 // ways, 32), "conv_1d.weight": (32 // ways, 1, 4),
+            "rg_lru.input_gate_weight": (4 // ways, 8, 8), "rg_lru.recurrent_param": (32 // ways,),
+            "linear_out.weight": (32, 32 // ways)}
+    seen = set()
+    for rank, (_, counted, _, _) in enumerate(ranks):  # (a pipeline stage may hold none)
+        for name, shape in counted.items():
+            kind = next((k for k in want if name.endswith(".temporal_block." + k)), None)
+            if kind is not None:
+                assert shape == want[kind], (rank, name, shape)
+                seen.add(kind)
+    assert seen == set(want), f"no rank holds the recurrent block's {set(want) - seen}"
 
 
 @pytest.mark.timeout(300)
@@ -56,7 +78,7 @@ def test_context_parallelism_refuses_a_mixer_that_runs_whole_in_one_line(pool, f
     assert "\n" not in got[1]
 
 
-@pytest.mark.parametrize("family,key", [("recurrent_gemma", "2d-4"), ("falcon_h1", "1d-2-pp2")])
+@pytest.mark.parametrize("family,key", [("falcon_h1", "2d-4"), ("falcon_h1", "1d-2-pp2")])
 def test_inspect_names_the_modules_run_whole_and_why(family, key):
     """`tpctl inspect`'s table (a dry run on rank 0): a mixer's row says it
     runs whole and why no split fits it; the modules inside it say whose."""

@@ -21,6 +21,8 @@ products summed inside the mixer both ways; Jamba's dt/B/C norms on every
 rank. MiniMax's lightning attention by heads (qkv_proj's rows per head,
 output_gate's, the decay buffers, out_proj's columns), its norm over every
 head's features split too, its moments summed across the ranks.
+rank. RecurrentGemma's recurrent block by the RG-LRU's heads (its layout
+measured here, its training in test_families_hybrid's four layouts).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ CASES = [("bamba", "1d-2-pp2-dp2"), ("bamba", "1d-2-sp-dp2"), ("qwen3_5", "1d-2-
 # with sequence parallelism (its 1d-2-dp2 and 1d-2-pp2-dp2 runs, collectives compared, are
 # test_proj_norm's: its attention's q/k norms over all heads).
 CASES += [("olmo_hybrid", "1d-2-sp-dp2"), ("kimi_linear", "1d-2-dp2")]
+# RecurrentGemma's RG-LRU block with sequence parallelism (the sequence gathered for it, beside its sliding
+# attention; its four layouts without are test_families_hybrid's).
+CASES += [("recurrent_gemma", "1d-2-sp-dp2")]
 # In 2d and 3d a block of rows' q ranks gather whole rows and split the heads q ways; ranks with
 # other rows hold the same heads (qwen3_next and nemotron_h at 2d-4 and 3d-8 run in
 # test_families_hybrid, the same check).
@@ -195,13 +200,17 @@ def test_each_rank_holds_its_share_of_a_mixer(key):
     ("mamba", "mixer", "64 inner channels", ()),
     ("jamba", "mamba", "64 inner channels", ("dt_layernorm.weight", "b_layernorm.weight", "c_layernorm.weight")),
     # MiniMax's lightning attention: by heads, its norm over every head's features too (moments summed)
-    ("minimax", "self_attn", "4 heads, a rank's whole heads", ())])
+    ("minimax", "self_attn", "4 heads, a rank's whole heads", ()),
+    # RecurrentGemma's RG-LRU block by heads: linear_out's bias whole, read as 1/2 on each rank
+    ("recurrent_gemma", "temporal_block", "4 heads, a rank's whole heads", ("linear_out.bias",))])
 def test_each_rank_holds_its_share_of_a_gated_delta_rule_attention(family, attn, text, held):
     """1d-2: every tensor of a gated delta-rule linear attention (or a
-    Mamba-1 mixer) but those `held` whole on every rank (the gated norm's
-    head-wide weight; Kimi's projections to its gates' latent, which every
-    head reads; Jamba's norms over the summed dt, B and C) is halved on a
-    rank."""
+    Mamba-1 mixer, MiniMax's lightning attention, or RecurrentGemma's
+    recurrent block) but those `held`
+    whole on every rank (the gated norm's head-wide weight; Kimi's
+    projections to its gates' latent, which every head reads; Jamba's norms
+    over the summed dt, B and C; the output projection's bias) is halved on
+    a rank."""
     import math
 
     rows = _inspect("1d-2", family)
@@ -337,6 +346,56 @@ def test_the_lightning_layout_is_measured_and_a_wrong_one_fails():
     assert measure(mixer, dataclasses.replace(split, dims=held), args, kwargs)
 
 
+def test_the_rglru_layout_is_measured_and_a_wrong_one_fails():
+    """RecurrentGemma's recurrent block split by heads (linear_x's and
+    linear_y's rows, the conv's channels, the RG-LRU's per-head gates and
+    per-channel recurrent_param, linear_out's columns) reproduces its
+    output on its traced call's arguments (position ids: the recurrence's
+    resets), its cache on or off; the gates' heads dealt round the ranks
+    (head 2 with head 0), each rank given the other's block of the gates
+    or of recurrent_param, or linear_out's bias added by every rank, do
+    not. Heads that do not divide: the block runs whole and says why."""
+    import dataclasses
+
+    import torch
+
+    from tpctl.parallel.roles.fused import ProbeError, real_copy
+    from tpctl.parallel.roles.mixer_dims import REPLICA
+    from tpctl.parallel.roles.mixer_measure import shard_of
+    from tpctl.parallel.roles.mixers import measure, mixer_split
+
+    mixer = _mixer("recurrent_gemma")
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    for cache in (False, True):
+        kwargs = dict(position_ids=torch.arange(8).expand(2, 8), attention_mask=None, use_cache=cache)
+        split = mixer_split(mixer, (x,), kwargs)
+        assert split.kind == "rglru" and split.heads == split.groups == mixer.rg_lru.num_attention_heads == 4
+        assert ("rg_lru", "num_attention_heads", 4) in split.attrs and ("", "lru_width", 32) in split.attrs
+        with pytest.raises(ProbeError, match="no layout of its heads reproduces its output"):
+            mixer_split(mixer, (x,), kwargs, orders=[("strided",)])
+    assert split.heads_problem(2) is None and "4 head(s) do not split 3 ways" in split.heads_problem(3)
+
+    # Each shard's RG-LRU given the other shard's heads of a tensor (its gates; recurrent_param's channels):
+    # the shards' outputs no longer sum to the whole block's.
+    clone, kwargs = real_copy(mixer, seed=5), {**kwargs, "use_cache": False}  # (no state kept between calls)
+    with torch.no_grad():
+        whole = clone(x, **kwargs)[0]
+        for names in ((), ("input_gate_weight", "recurrent_gate_weight"), ("input_gate_bias",), ("recurrent_param",)):
+            shards = [shard_of(clone, split, 2, s) for s in range(2)]
+            for n in names:
+                a, b = (getattr(sh.rg_lru, n) for sh in shards)
+                setattr(shards[0].rg_lru, n, b)
+                setattr(shards[1].rg_lru, n, a)
+            total = sum(sh(x, **kwargs)[0] for sh in shards)
+            off = ((total - whole).abs().max() / whole.abs().max()).item()
+            assert (off < 1e-5) == (not names), (names, off)
+    # linear_out's bias read as itself on every rank (added twice), not as 1/shards:
+    summed = dataclasses.replace(split, dims=tuple((n, REPLICA if n == "linear_out.bias" else d, s)
+                                                   for n, d, s in split.dims))
+    assert measure(mixer, summed, (x,), kwargs)
+
+
+
 @pytest.mark.parametrize("family,key,why", [
     ("bamba", "1d-4", "2 group(s) of heads do not split 4 ways"),
     ("qwen3_next", "1d-4", "2 key head(s) do not split 4 ways"),
@@ -377,6 +436,8 @@ LAZY = {
     # (lightning attention beside experts: its per-head decay buffers, a rank's its heads' block)
     "minimax": dict(layer_types=["linear_attention", "full_attention"], head_dim=8, num_local_experts=4,
                     num_experts_per_tok=2),
+    # (the RG-LRU: its init draws recurrent_param with empty_like, a shard's shape once the rewrite made it)
+    "recurrent_gemma": dict(lru_width=32, attention_window_size=4, block_types=["recurrent", "attention"]),
 }
 # size keys a family has no setting for: MambaConfig's (no heads; its inner width is expand x hidden) left
 # out, MiniMaxConfig's bias null (the family's default)
@@ -416,7 +477,8 @@ def _lazy_shards(key: str, family: str) -> tuple[int, float]:
         want = spec_of(p).slice(whole[name].detach())
         assert p.shape == want.shape, (name, tuple(p.shape), tuple(want.shape))
         worst = max(worst, (p.detach() - want).abs().max().item())
-        split += p.shape != whole[name].shape and any(k in name for k in ("linear_attn", "mixer", "experts", "qkv_proj"))
+        split += p.shape != whole[name].shape and any(k in name for k in ("linear_attn", "mixer", "experts", "qkv_proj",
+                                                                          "rg_lru"))
     return split, worst
 
 
@@ -446,3 +508,43 @@ def test_inspect_starts_a_lazily_built_mixer_split_by_heads(tpctl):  # noqa: F81
     done = tpctl.run(args, timeout=120)
     assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-1500:]
     assert "mixer (heads split)" in done.stdout and "refusing" not in done.stdout + done.stderr, done.stdout[-1500:]
+
+
+# ---- decoding with the model's cache: RecurrentGemma's block keeps its conv and recurrence state ----
+
+def _rglru_logits(key: str, use_cache: bool):
+    """The whole vocabulary's last logits of six forwards of recurrent_gemma
+    (the prompt, then one fixed token at a time, with transformers' cache or
+    re-running the sequence), decoded as tpctl generate decodes; and this
+    rank's shape of the RG-LRU's input gate."""
+    import torch
+    from test_families import _cfg
+    from test_generate import PROMPT, _build
+
+    from tpctl.training.generation import Stepper, last_logits, local_input
+
+    model, mode = _build(_cfg("1d-2-dp2" if key == "none-dp4" else key, "recurrent_gemma").model, key)
+    gate = next(tuple(p.shape) for n, p in model.named_parameters() if n.endswith("rg_lru.input_gate_weight"))
+    step, out, ids = Stepper(model, use_cache), [], list(PROMPT)
+    with torch.no_grad():
+        for t in range(6):
+            out.append(last_logits(mode, step(local_input(mode, ids[-1:] if t and use_cache else ids, "cpu")), 256))
+            ids.append((7 * t + 3) % 256)
+    return gate, torch.stack(out)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_split_rglru_block_decodes_like_mode_none(pool, use_cache):
+    """Decoding with RecurrentGemma's cache (its block's conv state and the
+    RG-LRU's recurrent state, each a rank's channels: the shard's lru_width)
+    or without: the logits of 1d-2 and 2d-4, the block split by heads, are
+    mode=none's within fp32 round-off."""
+    from test_generate import _run
+
+    want = _run(pool, _rglru_logits, "none-dp4", use_cache)[0][1]
+    for key in ("1d-2-dp2", "2d-4"):
+        got = _run(pool, _rglru_logits, key, use_cache)
+        assert all(gate == (2, 8, 8) for gate, _ in got), (key, [g for g, _ in got])
+        off = max((logits - want).abs().max().item() for _, logits in got) / want.abs().max().item()
+        assert off < 1e-5, (key, off)

@@ -155,6 +155,30 @@ def lightning_dims(module: nn.Module, order: tuple[str, ...]):
              "output_gate": (0, (inner,)), "norm": (0, (inner,)), "diagonal_decay": (1, (heads,)),  # (1, heads, ..)
              "out_proj.weight": (1, (inner,)), "out_proj.bias": (WHOLE, ())}
     return rule_dims(module, rules, heads), heads, heads, inner
+def rglru_dims(module: nn.Module, order: tuple[str, ...]):
+    """RecurrentGemma's recurrent block's dims (Griffin's: linear_x and
+    linear_y to lru_width channels, a depthwise conv over them, the RG-LRU,
+    linear_out back), heads (its own groups) and lru_width. The RG-LRU's
+    forward reshapes its channels to (num_attention_heads, block_width):
+    head h owns channels [h bw, (h + 1) bw), its block-diagonal gates'
+    weights and biases are indexed by head, recurrent_param and the
+    recurrence's state by channel. So a block of heads is a block of
+    linear_x's and linear_y's rows, the conv's channels, recurrent_param's
+    entries, the gates' heads and linear_out's columns (order ("heads",);
+    ("strided",): the gates' heads dealt round the ranks, a wrong layout
+    the measurement must reject)."""
+    lru, rg = module.lru_width, module.rg_lru
+    heads = getattr(rg, "num_attention_heads", 0)
+    if not heads or lru != heads * getattr(rg, "block_width", 0):
+        raise ProbeError(f"{type(module).__name__} declares lru_width {lru}, its rg_lru {heads} heads of "
+                         f"{getattr(rg, 'block_width', None)}: not a real-gated linear recurrence's layout")
+    gates = (0, (heads // 2, heads // 2) if order == ("strided",) else (heads,))
+    rules = {"linear_x": (0, (lru,)), "linear_y": (0, (lru,)), "conv_1d": (0, (lru,)),
+             "rg_lru.recurrent_param": (0, (lru,)),
+             **{f"rg_lru.{g}": gates for g in ("input_gate_weight", "input_gate_bias", "recurrent_gate_weight",
+                                                "recurrent_gate_bias")},
+             "linear_out.weight": (1, (lru,)), "linear_out.bias": (WHOLE, ())}
+    return rule_dims(module, rules), heads, heads, lru
 
 
 def rule_dims(module: nn.Module, rules: dict, per_head: Optional[int] = None):

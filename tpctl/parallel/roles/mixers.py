@@ -3,7 +3,8 @@ delta-rule attention in tensor parallelism): a rank holds whole heads, and
 whole groups of heads, of everything the mixer holds per head or per group
 (Mamba-1's: a block of its inner channels). A mixer is recognised by one
 of the attribute sets of LAYOUTS (Mamba-2's, the gated delta rule's in
-four families' spellings, Mamba-1's, MiniMax's lightning attention), each with the segments of its fused
+four families' spellings, Mamba-1's, MiniMax's lightning attention,
+RecurrentGemma's recurrent block), each with the segments of its fused
 dimensions (mixer_dims.py builds them); all are measured alike.
 
 transformers' Mamba-2-style mixers (Mamba2Mixer, NemotronH's, FalconH1's,
@@ -79,6 +80,25 @@ ranks inside the mixer (MOMENTS: tensor/whole.py's split_mixer makes the
 norm a layers.SplitNorm over the mixer's group, divided by the whole
 width), the general mechanism for a norm inside a split mixer over its
 whole inner width. It splits when the heads divide by S.
+RecurrentGemma's recurrent block (RecurrentGemmaRecurrentBlock, Griffin's:
+LAYOUTS' "rglru") declares `lru_width`, linear_x and linear_y (stream ->
+lru_width), a depthwise `conv_1d` over the lru_width channels, `rg_lru`
+(the RG-LRU: `num_attention_heads` heads of `block_width` channels,
+block-diagonal input and recurrent gates [heads, block_width,
+block_width] with per-head biases, a per-channel `recurrent_param`) and
+linear_out back to the stream. The RG-LRU reshapes its channels to
+(heads, block_width), so head h owns channels [h bw, (h+1) bw); its
+gates mix channels only within a head, and the recurrence and its state
+are per channel. A rank holds block s of S of the heads of all of them:
+linear_x's and linear_y's rows, the conv's channels, the gates' heads,
+recurrent_param's entries, linear_out's columns (its bias WHOLE, as
+out_proj's); the shard's lru_width (the block's, its cache's width),
+rg_lru's num_attention_heads and the conv's channels set to 1/S,
+block_width kept. It is called with position ids (the recurrence resets
+at position 0), an attention mask and use_cache: the measurement runs it
+on its traced call, its shards copied before the whole call (with
+use_cache on, the block keeps its conv and recurrence state from its
+last call). It splits when its heads divide by S.
 
 The layout is derived from the declared attributes and then MEASURED, as
 experts.own_split measures an experts module's: the S shards' outputs of
@@ -86,15 +106,17 @@ the module's own forward (its integer attributes set to a shard's: heads,
 groups, widths; the norm's group size kept), on random weights and input,
 must sum to the whole module's; with an inner sum (Mamba-1's x_proj) the
 shards run side by side, each given the others' partial products as the
-rewrite's all-reduce gives them (_shard_outputs); with a norm of MOMENTS,
+rewrite's all-reduce gives them; with a norm of MOMENTS,
 each shard's norm run on the whole width from the others' features (what
-the summed moments compute: _MomentsAcross). A layout the forward
-does not follow (a norm over the whole inner width not in MOMENTS, a different order of
-in_proj's segments, x_proj's products left unsummed) fails that and the mixer keeps running whole, which stays exact; so does a
+the summed moments compute; mixer_measure.py). A layout the forward
+does not follow (a norm over the whole inner width not in MOMENTS, a
+different order of in_proj's segments, x_proj's products left unsummed)
+fails that and the mixer keeps running whole, which stays exact; so does a
 split that does not divide (`n_groups`, or `num_k_heads`, not a multiple of
 the tensor-parallel size: one group's B and C, or one key head's q and k,
 would be needed on two ranks, and a norm over a group on two ranks would
-need its moments summed across them; Kimi's heads: a head's channels).
+need its moments summed across them; Kimi's heads: a head's channels;
+the RG-LRU's heads: a head's gate block).
 
 In 1d a mixer splits over the whole group (its stream is whole rows, or
 sequence shards gathered for the mixer). In 2d, 2.5d and 3d the q ranks
@@ -110,8 +132,8 @@ norm moments run over those q ranks too.
 
 from __future__ import annotations
 
-import copy
 import itertools
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -119,8 +141,10 @@ import torch
 import torch.nn as nn
 
 from tpctl.parallel.roles.experts import WHOLE
-from tpctl.parallel.roles.fused import ProbeError, real_copy
-from tpctl.parallel.roles.mixer_dims import REPLICA, delta_dims, kda_dims, lightning_dims, mamba1_dims, mamba2_dims
+from tpctl.parallel.roles.fused import ProbeError
+from tpctl.parallel.roles.mixer_dims import (REPLICA, delta_dims, kda_dims, lightning_dims, mamba1_dims, mamba2_dims,
+                                              rglru_dims)
+from tpctl.parallel.roles.mixer_measure import measure
 from tpctl.parallel.roles.probes import is_rms_norm, norm_width
 
 # What a Mamba-2 mixer declares (transformers' families all do).
@@ -158,6 +182,10 @@ LIGHTNING_DECLARED = ("num_attention_heads", "head_dim", "block_size", "qkv_proj
 # (and weight), and the rows' moments are summed over the ranks splitting the mixer (tensor/whole.py's
 # split_mixer: layers.SplitNorm, divided by the whole width).
 MOMENTS = {"lightning": ("norm",)}
+# RecurrentGemma's recurrent block (Griffin's): linear_x / linear_y, a depthwise conv_1d, the RG-LRU
+# (its heads and gates a child's: dotted), linear_out.
+RGLRU_DECLARED = ("lru_width", "linear_x", "linear_y", "conv_1d", "rg_lru.num_attention_heads", "rg_lru.block_width",
+                  "rg_lru.input_gate_weight", "rg_lru.recurrent_gate_weight", "rg_lru.recurrent_param", "linear_out")
 CONV_ATTRS = ("in_channels", "out_channels", "groups")
 
 
@@ -201,6 +229,8 @@ class MixerSplit:
         if self.kind in ("kda", "lightning"):
             return (f"{self.groups} head(s) do not split {shards} ways (a head's query, key, value, gate and decay "
                     "channels would span ranks)")
+        if self.kind == "rglru":
+            return f"{self.groups} head(s) do not split {shards} ways (a head's block-diagonal gates would span ranks)"
         if self.kind.startswith("delta"):
             return (f"{self.groups} key head(s) do not split {shards} ways (a key head's query, key and value "
                     "heads would span ranks)")
@@ -222,7 +252,7 @@ class MixerSplit:
             sums = ", ".join(f"{n}'s {w} outputs" for n, w in self.reduced)
             return (f"mixer (heads split): {self.heads} inner channels, a rank's block of {parts}; {sums} summed "
                     "over the ranks inside the mixer")
-        if self.kind == "kda":
+        if self.kind in ("kda", "rglru"):
             return f"mixer (heads split): {self.heads} heads, a rank's whole heads of {parts}"
         if self.moments:
             sums = ", ".join(f"{n}'s moments (over its {w} features)" for n, _, w in self.moments)
@@ -237,9 +267,18 @@ class MixerSplit:
 def mixer_kind(module: nn.Module) -> Optional[str]:
     """The key of LAYOUTS whose attributes `module` declares, or None."""
     return next((kind for kind, (declared, linears, *_) in LAYOUTS.items()
-                 if all(hasattr(module, a) for a in declared)
+                 if all(_has(module, a) for a in declared)
                  and all(isinstance(_submodule(module, a), nn.Linear) for a in linears + REDUCED.get(kind, ()))),
                 None)
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    """Whether `module` has the attribute at dotted `path` (RecurrentGemma's rg_lru.num_attention_heads)."""
+    try:
+        operator.attrgetter(path)(module)
+    except AttributeError:
+        return False
+    return True
 
 
 def _submodule(module: nn.Module, path: str) -> Optional[nn.Module]:
@@ -280,131 +319,6 @@ def declared_split(module: nn.Module, order: Optional[tuple[str, ...]] = None) -
     return MixerSplit(heads, groups, tuple(dims), tuple(attrs), kind, reduced, moments)
 
 
-def shard_of(module: nn.Module, split: MixerSplit, shards: int, s: int) -> nn.Module:
-    """A copy of (real) `module` holding shard s of `shards`, its attributes
-    the shard's (for measuring: parameters not requiring gradients)."""
-    shard = copy.deepcopy(module)
-    for name, _, _ in split.dims:
-        owner, _, leaf = name.rpartition(".")
-        held = shard.get_submodule(owner)
-        t = getattr(held, leaf)
-        if name in split.whole():
-            piece = t / shards
-        elif split.ranges(name, shards, s)[0] == REPLICA:
-            piece = t
-        else:
-            dim, ranges = split.ranges(name, shards, s)
-            piece = torch.cat([t.narrow(dim, a, b - a) for a, b in ranges], dim)
-        if leaf in held._parameters:
-            held._parameters[leaf] = nn.Parameter(piece, requires_grad=False)
-        else:
-            held._buffers[leaf] = piece
-    for owner, attr, full in split.attrs:
-        setattr(shard.get_submodule(owner), attr, full // shards)
-    return shard
-
-
-def measure(module: nn.Module, split: MixerSplit, args, kwargs) -> Optional[str]:
-    """None where the shards' outputs of the module's own forward sum to
-    its whole output (random weights and input, the smallest split the
-    groups allow), else what differs."""
-    shards = next(d for d in range(2, split.groups + 1) if split.groups % d == 0)  # (groups > 1: mixer_split)
-    clone = real_copy(module, seed=5).float()  # (in fp32 whatever the model's dtype: 1e-5 is fp32's round-off)
-    gen = torch.Generator().manual_seed(6)
-    if args:
-        args = [torch.randn(a.shape, generator=gen) if i == 0 else a for i, a in enumerate(args)]
-    else:  # (hidden states passed by name: FalconH1's)
-        kwargs = {**kwargs, "hidden_states": torch.randn(kwargs["hidden_states"].shape, generator=gen)}
-    with torch.no_grad():
-        whole = _first(clone(*args, **kwargs))
-        try:
-            parts = _shard_outputs([shard_of(clone, split, shards, s) for s in range(shards)], split, args, kwargs)
-        except Exception as e:  # the forward does not run on the shard: not its layout
-            return f"its forward does not run on a shard of heads: {type(e).__name__}: {e}"
-    total = sum(parts[1:], parts[0])
-    off = (total - whole).abs().max().item() / max(whole.abs().max().item(), 1e-30)
-    # Round-off is ~1e-7 of the output's scale; a wrong layout moves it by O(1).
-    return None if off <= 1e-5 else f"{shards} shards' outputs sum to the whole output only within {off:.2g} of its scale"
-
-
-def _shard_outputs(shards: list, split: MixerSplit, args, kwargs) -> list:
-    """Each shard's output of its own forward. With sums across the shards
-    inside the mixer (split.reduced: Mamba-1's x_proj, its partial products
-    summed; split.moments: a norm over the whole inner width, its rows'
-    moments summed) the shards run side by side as the rewrite runs them: a
-    pass records what each shard contributes (its partial product; the
-    norm's input, its features) and the next gives each shard the others'
-    from the pass before (what the rewrite's all-reduce sums). One pass
-    more than there are sums, so that a sum read after another is right."""
-    if not split.reduced and not split.moments:
-        return [_first(shard(*args, **kwargs)) for shard in shards]
-    book = _Book(len(shards))
-
-    def summed(s, name):
-        def hook(module, inputs, out):
-            book.now[s][name] = out
-            return sum((book.seen[t][name] for t in range(len(shards)) if t != s and name in book.seen[t]), out)
-        return hook
-
-    for name, _, _ in split.moments:
-        for s, shard in enumerate(shards):
-            owner, _, leaf = name.rpartition(".")
-            setattr(shard.get_submodule(owner), leaf, _MomentsAcross(shard.get_submodule(name), s, name, book))
-    for _ in range(1 + len(split.reduced) + len(split.moments)):
-        hooks = [shard.get_submodule(name).register_forward_hook(summed(s, name))
-                 for s, shard in enumerate(shards) for name, _ in split.reduced]
-        try:
-            outs = [_first(shard(*args, **kwargs)) for shard in shards]
-        finally:
-            for h in hooks:
-                h.remove()
-        book.turn()
-    return outs
-
-
-class _Book:
-    """(measuring) What each shard contributed to a sum across shards, in
-    this pass (now) and the one before (seen), by the sum's name."""
-
-    def __init__(self, shards: int):
-        self.seen: list[dict] = [{} for _ in range(shards)]
-        self.now: list[dict] = [{} for _ in range(shards)]
-
-    def turn(self) -> None:
-        self.seen, self.now = self.now, [{} for _ in self.now]
-
-
-class _MomentsAcross(nn.Module):
-    """(measuring) Shard s's norm over its block of a whole width's features
-    (MOMENTS), its moments those of the whole width: the norm run on the
-    whole features (the other shards' from the pass before, their places
-    this shard's own on the first), its parameters this shard's in every
-    block, and this shard's block kept -- what the rewrite's sum of the
-    moments across ranks computes (tensor/layers.SplitNorm), with the
-    module's own arithmetic."""
-
-    def __init__(self, norm: nn.Module, s: int, name: str, book: _Book):
-        super().__init__()
-        shards = len(book.now)
-        self.whole = copy.deepcopy(norm)
-        for leaf, t in [*norm.named_parameters(recurse=False), *norm.named_buffers(recurse=False)]:
-            tiled = t.repeat(*([1] * (t.dim() - 1)), shards)
-            if leaf in norm._parameters:
-                self.whole._parameters[leaf] = nn.Parameter(tiled, requires_grad=False)
-            else:
-                self.whole._buffers[leaf] = tiled
-        self.s, self.name, self.book = s, name, book
-
-    def forward(self, x):
-        self.book.now[self.s][self.name] = x
-        pieces = [x if t == self.s else seen.get(self.name, x) for t, seen in enumerate(self.book.seen)]
-        return self.whole(torch.cat(pieces, -1)).narrow(-1, self.s * x.shape[-1], x.shape[-1])
-
-
-def _first(out):
-    return out[0] if isinstance(out, tuple) else out
-
-
 ORDERS = tuple(itertools.permutations(("z", "xBC", "dt")))
 DELTA_ORDERS = (("grouped",), ("concat",))
 
@@ -428,6 +342,9 @@ LAYOUTS = {
     # (norm, MOMENTS: over every head's features, its moments summed across the ranks inside the mixer)
     "lightning": (LIGHTNING_DECLARED, ("qkv_proj", "output_gate", "out_proj"), ("num_attention_heads",),
                   lightning_dims, DELTA_ORDERS),
+    # (lru_width: the block's, its cache's width; num_attention_heads: rg_lru's, its reshape's; block_width kept)
+    "rglru": (RGLRU_DECLARED, ("linear_x", "linear_y", "linear_out"), ("lru_width", "num_attention_heads"), rglru_dims,
+              (("heads",),)),
 }
 # (checked first: no order of the segments helps) a split's smallest unit is one group, or one key head
 ONE_GROUP = {
@@ -439,6 +356,7 @@ ONE_GROUP = {
     "kda": ("num_heads", "one head (num_heads=1): nothing to split"),
     "mamba1": ("intermediate_size", "one inner channel: nothing to split"),
     "lightning": ("num_attention_heads", "one head (num_attention_heads=1): nothing to split"),
+    "rglru": ("rg_lru.num_attention_heads", "one head (num_attention_heads=1): its gates read every channel"),
 }
 
 
@@ -458,7 +376,7 @@ def mixer_split(module: nn.Module, args, kwargs, orders=None) -> MixerSplit:
     if not isinstance(args[0] if args else kwargs.get("hidden_states"), torch.Tensor):
         raise ProbeError("its traced call has no hidden states")
     attr, why = ONE_GROUP[kind]
-    if getattr(module, attr) == 1:
+    if operator.attrgetter(attr)(module) == 1:
         raise ProbeError(why)
     for order in orders or LAYOUTS[kind][4]:
         split = declared_split(module, _flat(order))

@@ -16,7 +16,8 @@ it costs: the module's parameters and compute are not divided.
 Except for mixers: one declaring transformers' Mamba-2 layout (heads,
 groups of heads, in_proj to [z | x | B | C | dt], ...), the gated delta
 rule's (key heads, value heads, in_proj_qkvz / in_proj_ba grouped per key
-head, ...) or Mamba-1's (inner channels, x_proj, dt_proj, ...) gets,
+head, ...), Mamba-1's (inner channels, x_proj, dt_proj, ...) or
+RecurrentGemma's recurrent block (the RG-LRU's heads) gets,
 beside its role `whole`, a measured split as its layout (roles/mixers.py,
 as Megatron-Core splits them): the ranks holding a row (1d's group, 2d's
 q) hold whole heads and groups (Mamba-1: a block of channels, x_proj's

@@ -228,11 +228,12 @@ def _conditioned_scales(reference: nn.Module, call: tuple, x: torch.Tensor, dy: 
     measured 3.9e-4 of its scale from float64 on the block check's input)
     loses digits to round-off in any order of summation; a rewrite summing
     it in another order is as exact as the reference is. A block that
-    cannot run in float64 keeps its scales."""
+    cannot run in float64, or be copied, keeps its scales."""
     scales = _gradient_scales(reference)
-    exact = copy.deepcopy(reference).double()
-    exact.zero_grad(set_to_none=True)
-    try:
+    try:  # (a module keeping its last call's graph in an attribute, RecurrentGemma's rg_lru.recurrent_states,
+        # does not deepcopy: its scales kept, the difference reported)
+        exact = copy.deepcopy(reference).double()
+        exact.zero_grad(set_to_none=True)
         x64 = x.detach().double().requires_grad_()
         _replay(exact, _double(call), x64, x.device).backward(dy.double())
     except Exception:  # (an op without a float64 kernel, a dtype the module insists on)

@@ -11,7 +11,7 @@ and the next pass gives each shard the others' (`_shard_outputs`)."""
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -19,11 +19,10 @@ import torch.nn as nn
 from tpctl.parallel.roles.fused import real_copy
 from tpctl.parallel.roles.mixer_dims import REPLICA
 
-if TYPE_CHECKING:
-    from tpctl.parallel.roles.mixers import MixerSplit
+# (`split` below: a mixers.MixerSplit, which imports this module; not imported back)
 
 
-def shard_of(module: nn.Module, split: MixerSplit, shards: int, s: int) -> nn.Module:
+def shard_of(module: nn.Module, split, shards: int, s: int) -> nn.Module:
     """A copy of (real) `module` holding shard s of `shards`, its attributes
     the shard's (for measuring: parameters not requiring gradients)."""
     shard = copy.deepcopy(module)
@@ -47,7 +46,7 @@ def shard_of(module: nn.Module, split: MixerSplit, shards: int, s: int) -> nn.Mo
     return shard
 
 
-def measure(module: nn.Module, split: MixerSplit, args, kwargs) -> Optional[str]:
+def measure(module: nn.Module, split, args, kwargs) -> Optional[str]:
     """None where the shards' outputs of the module's own forward sum to
     its whole output (random weights and input, the smallest split the
     groups allow), else what differs."""
@@ -76,7 +75,7 @@ def measure(module: nn.Module, split: MixerSplit, args, kwargs) -> Optional[str]
     return None if off <= 1e-5 else f"{shards} shards' outputs sum to the whole output only within {off:.2g} of its scale"
 
 
-def _shard_outputs(shards: list, split: MixerSplit, args, kwargs) -> list:
+def _shard_outputs(shards: list, split, args, kwargs) -> list:
     """Each shard's output of its own forward. With sums across the shards
     inside the mixer (split.reduced: Mamba-1's x_proj, its partial products
     summed; split.moments: a norm over the whole inner width, its rows'

@@ -114,12 +114,17 @@ FAMILIES = {
                                       num_key_value_heads=2, head_dim=8, intermediate_size=16, num_local_experts=4,
                                       num_experts_per_tok=2, block_size=4)),
     # Chunked attention, layers without rotary positions (NoPE), L2-normalised q/k, and a mixture of
-    # experts whose experts module is fed every row scaled by its routing score (no routing indices):
-    # the MoE block runs whole, its output the rows flattened.
+    # experts whose experts module is fed every row scaled by its routing score (no routing indices,
+    # E rows per row): split by each expert's inner features as measured, like any own-forward experts.
     "llama4": ("Llama4TextConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=16,
                                         intermediate_size_mlp=64, num_local_experts=4, num_experts_per_tok=1,
                                         interleave_moe_layer_step=1, no_rope_layer_interval=2,
                                         attention_chunk_size=4, use_qk_norm=True)),
+    # The same with experts of an odd inner width, which no split measures: the MoE block runs
+    # whole, its output the rows flattened ([rows * seq, hidden]).
+    "llama4_odd": ("Llama4TextConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                            intermediate_size=15, intermediate_size_mlp=64, num_local_experts=4,
+                                            num_experts_per_tok=1, interleave_moe_layer_step=1)),
     # A real-gated linear recurrence (per-channel gates, a learned decay) after a short
     # convolution, beside local attention.
     "recurrent_gemma": ("RecurrentGemmaConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8,

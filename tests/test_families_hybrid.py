@@ -8,7 +8,10 @@ heads, a Mamba-1 mixer (Mamba's, Jamba's: by inner channels, x_proj's
 partial product summed inside it), MiniMax's lightning attention (by
 heads, its norm's moments summed across ranks) and RecurrentGemma's
 real-gated recurrent block (by the RG-LRU's heads), which every mode splits
-among the ranks holding a row (parallel/roles/mixers.py, tests/test_mixers.py).
+among the ranks holding a row (parallel/roles/mixers.py, tests/test_mixers.py),
+and Llama 4's experts, fed every row scaled by its score (no routing
+indices), split by each expert's inner features like any experts run by
+their own forward (parallel/roles/experts.py).
 Each family (tests/hf_families.py: tiny, random init) trains like mode=none
 in 1d, 2d, 3d and 1d with two pipeline stages, its shapes and collectives
 as planned, on the shared pool, in process.
@@ -24,10 +27,11 @@ pytest.importorskip("transformers")
 
 FAMILIES = ("mamba", "nemotron_h", "jamba", "falcon_h1", "qwen3_next", "minimax", "recurrent_gemma", "llama4")
 KEYS = ("1d-2-dp2", "2d-4", "3d-8", "1d-2-pp2-dp2")
-# Two families (a mixer alone; linear attention beside gated attention and experts) in every
-# layout, the others taking turns down the list (each layout meets several mechanisms): the
-# mechanism is one for all mixers, the suite's time is not.
-EVERY_LAYOUT = ("mamba", "qwen3_next", "minimax", "recurrent_gemma")
+# Families with a mechanism of their own in every layout (a mixer alone; linear attention beside
+# gated attention and experts; Mamba-1's inner sum; lightning's norm moments; the RG-LRU's heads;
+# experts fed E rows a row), the others taking turns down the list (each layout meets several
+# mechanisms): the mechanism is one for all mixers, the suite's time is not.
+EVERY_LAYOUT = ("mamba", "qwen3_next", "minimax", "recurrent_gemma", "llama4")
 CASES = [(family, key) for i, family in enumerate(FAMILIES)
          for key in (KEYS if family in EVERY_LAYOUT else [KEYS[i % len(KEYS)], KEYS[(i + 2) % len(KEYS)]])]
 # Mamba layers beside attention layers, two classes in one list of blocks: the stack stages cut.
@@ -48,6 +52,23 @@ def test_a_mixer_trains_like_mode_none(pool, none_curves, family, key):
         assert_lightning_split(ranks, 2)
     if family == "recurrent_gemma":  # its RG-LRU block, split by heads 2 ways in each of KEYS
         assert_rglru_split(ranks, 2)
+    if family == "llama4":  # its experts (fed E rows a row), split by inner features 2 ways in each of KEYS
+        assert_llama4_experts_split(ranks, 2)
+
+
+def assert_llama4_experts_split(ranks, ways: int) -> None:
+    """Each rank's real shapes of the experts its stage holds (hf_families'
+    tiny llama4: 4 experts of 16 inner features, hidden 32): 1/ways of
+    every expert's gate and up columns and down rows."""
+    want = {"experts.gate_up_proj": (4, 32, 32 // ways), "experts.down_proj": (4, 16 // ways, 32)}
+    seen = set()
+    for rank, (_, counted, _, _) in enumerate(ranks):
+        for name, shape in counted.items():
+            kind = next((k for k in want if name.endswith(".feed_forward." + k)), None)
+            if kind is not None:
+                assert shape == want[kind], (rank, name, shape)
+                seen.add(kind)
+    assert seen == set(want), f"no rank holds the experts' {set(want) - seen}"
 
 
 def assert_rglru_split(ranks, ways: int) -> None:
@@ -99,5 +120,5 @@ def test_inspect_names_the_modules_run_whole_and_why(family, key):
 def test_sequence_parallelism_refuses_a_module_run_whole_that_flattens_its_rows(pool):
     """Llama 4's MoE block returns its rows flattened ([rows * seq, hidden]):
     run whole, its output is cut back by hidden features, never by sequence."""
-    got = pool.run(_curve, "1d-2-sp-dp2", "llama4")[0]
+    got = pool.run(_curve, "1d-2-sp-dp2", "llama4_odd")[0]
     assert got[0] == "refused" and "returns its rows flattened" in got[1] and "seq_parallel=false" in got[1], got

@@ -82,13 +82,13 @@ def layer_shapes(model: nn.Module, plan, model_cfg) -> LayerShapes:
             if isinstance(plan.layouts.get(name), MixerSplit):
                 out.mixers[name] = plan.layouts[name]
         elif role == "experts":
-            routed = plan.routed.get(name, 0)
+            routed, rows = plan.routed.get(name, 0), plan.expert_rows.get(name, 1)
             if isinstance(plan.layouts.get(name), OwnSplit):
-                out.experts[name] = ExpertsShape(0, 0, 0, routed, own=True)
+                out.experts[name] = ExpertsShape(0, 0, 0, routed, own=True, rows=rows)
             else:
                 gate_up, down, _ = experts_layout(module)
                 (experts, n, _), inner = getattr(module, gate_up).shape, getattr(module, down).shape[2]
-                out.experts[name] = ExpertsShape(experts, n, inner, routed, own=False)
+                out.experts[name] = ExpertsShape(experts, n, inner, routed, own=False, rows=rows)
     return out
 
 
@@ -134,7 +134,8 @@ def count_layers(layers: LayerShapes, mode, add, tokens: int, holds: Callable[[s
     for name, e in layers.experts.items():
         if holds(name):
             n = layers.calls.get(name, 1)
-            act += n * mode.cost_experts(repeated(add, n), tokens, hidden, e)
+            # (its rows: the stream's, or more where every row is fed to every expert)
+            act += n * mode.cost_experts(repeated(add, n), tokens * e.rows, hidden, e)
     return act
 
 

@@ -150,10 +150,23 @@ class DenseExperts(nn.Module):
 
 
 def routing_weights_arg(args: tuple, kwargs: dict):
-    """Where an experts call's routing weights are: (args index or kwarg name)."""
+    """Where an experts call's routing weights are: (args index or kwarg
+    name), or None where the call has none (Llama 4's experts are fed every
+    row already scaled by its score)."""
     if len(args) >= 3:
         return 2
-    return "top_k_weights" if "top_k_weights" in kwargs else "routing_weights"
+    return next((k for k in ("top_k_weights", "routing_weights") if k in kwargs), None)
+
+
+def rows_per_row(args, kwargs: dict, hidden: Optional[int], tokens: int) -> int:
+    """Rows an experts call computes per row of the stream (`tokens` rows
+    traced): 1 where it is fed the stream's rows (routing inside it); the
+    expert count where every row is fed to every expert (Llama 4's dense
+    experts): what its collectives carry per stream row."""
+    x = args[0] if args else kwargs.get("hidden_states")
+    if not isinstance(x, torch.Tensor) or not hidden or not tokens:
+        return 1
+    return max(1, x.numel() // hidden // tokens)
 
 
 def routed_per_row(args, kwargs: dict, hidden: Optional[int]) -> int:
@@ -290,16 +303,22 @@ def _run_shard(clone: nn.Module, split: OwnSplit, shards: int, s: int, args, kwa
     return shard(*args, **kwargs)
 
 
-def own_split(module: nn.Module, args, kwargs, hidden: int) -> OwnSplit:
+def own_split(module: nn.Module, args, kwargs, hidden: int, tokens: int) -> OwnSplit:
     """The split of an experts module run by its own forward, measured: of
     the layouts its parameters' shapes allow, the first whose two shards'
     outputs, on the module's traced call with random weights and input, sum
     to the whole module's (each expert's MLP is a sum over its inner
-    features). ProbeError if none does."""
+    features). `tokens`: the stream's rows in the traced forward.
+    ProbeError if none does."""
     from tpctl.parallel.roles.fused import real_copy
 
-    if not any(isinstance(a, torch.Tensor) and not a.is_floating_point() for a in [*args, *kwargs.values()]):
-        raise ProbeError("no routing indices among its arguments")
+    # An experts call holds routing indices among its arguments, or is fed
+    # more rows than the stream holds (Llama 4's: every row to every expert,
+    # scaled by its score); a router (Ernie 4.5's, holding statistics beside
+    # its weight) is fed the stream's rows and no indices.
+    if not any(isinstance(a, torch.Tensor) and not a.is_floating_point() for a in [*args, *kwargs.values()]) \
+            and rows_per_row(args, kwargs, hidden, tokens) == 1:
+        raise ProbeError("no routing indices among its arguments, nor more rows than the stream's")
     params = dict(module.named_parameters())
     counts = {v for m in module.modules() for v in vars(m).values()
               if isinstance(v, int) and not isinstance(v, bool) and v > 1}

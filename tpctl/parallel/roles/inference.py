@@ -25,13 +25,13 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from tpctl.parallel.roles.experts import expert_count, experts_layout, own_split, routed_per_row
+from tpctl.parallel.roles.experts import expert_count, experts_layout, own_split, routed_per_row, rows_per_row
 from tpctl.parallel.roles.fused import FusedLayout, ProbeError, attention_layout, mlp_layout
 from tpctl.parallel.roles.plan import (GROUP_ATTRS, HEAD_ATTRS, RATIO_ATTRS, ROLES, Heads, RolePlan, blocks_of, common_parent,
                                       named_stack)
 from tpctl.parallel.roles.layer_steps import LayerSteps
 from tpctl.parallel.roles.probes import is_experts, on_cpu
-from tpctl.parallel.roles.tracing import per_head_args, random_draws, trace
+from tpctl.parallel.roles.tracing import TRACE_BATCH, TRACE_SEQ, per_head_args, random_draws, trace
 from tpctl.parallel.roles.whole import fundamental, run_whole, whole_roots
 
 
@@ -123,6 +123,7 @@ class _Inference(LayerSteps):
         self.input_ids: set[int] = set()
         self.widths: dict[str, dict[str, int]] = {}
         self.routed: dict[str, int] = {}  # experts module -> routing weights per row (RolePlan.routed)
+        self.expert_rows: dict[str, int] = {}  # experts module -> its rows per stream row (RolePlan.expert_rows)
         self.sources: dict[str, str] = {}
         self.head_rows: dict[str, str] = {}
         self.head_lists: dict[str, str] = {}
@@ -392,7 +393,7 @@ class _Inference(LayerSteps):
                 if isinstance(layout, ProbeError):  # run by its own forward, split as measured
                     call = self.first_inputs.get(n.name, ((), {}))
                     layout = self.probe((type(modules[n.name]), n.name, "own"),
-                                        lambda: own_split(modules[n.name], *call, hidden))
+                                        lambda: own_split(modules[n.name], *call, hidden, TRACE_BATCH * TRACE_SEQ))
                 if isinstance(layout, ProbeError):
                     self.problems[n.name] = f"a mixture of experts tpctl cannot shard: {layout}" \
                         if is_experts(modules[n.name]) or "routing" not in str(layout) else \
@@ -401,6 +402,9 @@ class _Inference(LayerSteps):
                 self.assign(n.name, "experts")
                 self.layouts[n.name] = layout
                 self.routed[n.name] = routed_per_row(*self.first_inputs.get(n.name, ((), {})), hidden)
+                rows = rows_per_row(*self.first_inputs.get(n.name, ((), {})), hidden, TRACE_BATCH * TRACE_SEQ)
+                if rows > 1:
+                    self.expert_rows[n.name] = rows
                 moe_blocks.append(n.name.rpartition(".")[0])
                 block = modules[moe_blocks[-1]]
                 self.widths[moe_blocks[-1]] = {a: v for a, v in vars(block).items()
@@ -462,4 +466,5 @@ class _Inference(LayerSteps):
                         random_draws(self.model, vocab_size), self.widths, self.routed, self.whole,
                         {n: m.tpctl_traced_width for n, m in self.modules.items() if n in ordered
                          and getattr(m, "tpctl_traced_width", None) is not None}, self.stream_tensors,
-                        {n: len(c) for n, c in self.calls.items() if n in ordered and len(c) > 1})
+                        {n: len(c) for n, c in self.calls.items() if n in ordered and len(c) > 1},
+                        {n: r for n, r in self.expert_rows.items() if n in ordered})

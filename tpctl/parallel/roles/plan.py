@@ -147,6 +147,10 @@ class RolePlan:
     # norm, four times): each call sends what one does (the planner's
     # count). A given plan traces nothing: each module once.
     calls: dict[str, int] = field(default_factory=dict)
+    # Experts modules fed more rows than the stream holds -> rows per stream
+    # row (Llama 4's: every row to every expert, the expert count): what
+    # their collectives carry (the planner's count). Absent: 1.
+    expert_rows: dict[str, int] = field(default_factory=dict)
 
     @property
     def lm_head(self) -> Optional[str]:

@@ -93,7 +93,7 @@ def run_whole(found, roots: dict[str, str]) -> None:
     role, its problem and its records; a unit or attention outside it that
     pairs with a Linear inside it is a problem (its partner runs whole)."""
     records = (found.roles, found.problems, found.heads, found.units, found.layouts, found.sources,
-               found.head_lists, found.head_rows, found.widths, found.routed, found.stream_tensors)
+               found.head_lists, found.head_rows, found.widths, found.routed, found.expert_rows, found.stream_tensors)
     for root in roots:
         dropout = next((n for n, m in found.modules[root].named_modules()
                         if isinstance(m, nn.Dropout) and m.p > 0), None)

@@ -34,13 +34,15 @@ class ExpertsShape:
     `experts` MLPs of `gate_up` -> `inner` features each (gate_up: the
     first product's outputs, [gate; up]), `routed` routing weights per row
     (its top-k), run by the mode's Linears (`own` False) or by the module's
-    own forward (True: experts.OwnSplit)."""
+    own forward (True: experts.OwnSplit); `rows` rows it computes per
+    stream row (RolePlan.expert_rows)."""
 
     experts: int
     gate_up: int
     inner: int
     routed: int
     own: bool
+    rows: int = 1
 
 
 class CostHooks:

@@ -231,9 +231,10 @@ def split_own_experts(mode, module: nn.Module, ctx) -> nn.Module:
         if not whole_rows:
             return (comm.gather_along(args[0], group, -1), *args[1:]), kwargs
         # Whole replicated rows: the input's and the routing weights'
-        # gradients (each rank's a part) summed over the group.
+        # gradients (each rank's a part) summed over the group (Llama 4's
+        # experts have no routing weights: its rows come scaled by them).
         at = routing_weights_arg(args, kwargs)
-        for where in (0, at):
+        for where in (0, at) if at is not None else (0,):
             box = args if isinstance(where, int) else kwargs
             box[where] = comm.copy_to_group(box[where], group)
         return tuple(args), kwargs

@@ -241,7 +241,8 @@ class OneD(ParallelMode):
         # (own module or not) the partial output summed; backward: the
         # input's and the routing weights' partial gradients
         for numel in (tokens * hidden, tokens * hidden, tokens * e.routed):
-            add("all_reduce", "tp", numel)
+            if numel:  # (none for routing weights where the call has none: Llama 4's)
+                add("all_reduce", "tp", numel)
         return tokens * hidden
 
     def cost_embedding(self, add, tokens: int, vocab: int, dim: int) -> None:
@@ -417,6 +418,8 @@ class OneD(ParallelMode):
         args, kwargs = list(args), dict(kwargs)
         weights = routing_weights_arg(args, kwargs)
         for where in (0 if args else "hidden_states", weights):
+            if where is None:  # (no routing weights among its arguments)
+                continue
             box = args if isinstance(where, int) else kwargs
             box[where] = comm.copy_to_group(box[where], self.group)
         return tuple(args), kwargs

@@ -247,7 +247,7 @@ def _expected_mlp_comm(key: str) -> tuple[dict, dict]:
     """The same from the layout math (docs/DESIGN.md): payload = the full tensor
     of each collective, fp32. fc: HIDDEN -> 4*HIDDEN, proj: back."""
     layout = MESHES[key]
-    mode, size, depth, dp, sp = layout.mode, layout.size, layout.depth, layout.dp, layout.seq_parallel
+    mode, size, depth, dp = layout.mode, layout.size, layout.depth, layout.dp
     f = 4  # bytes per fp32 element
     linears = [(4 * HIDDEN, HIDDEN), (HIDDEN, 4 * HIDDEN)]  # (out n, in k)
     tokens = BATCH // dp * SEQ  # per data-parallel replica

@@ -54,6 +54,13 @@ FAMILIES = {
                                              moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                                              n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
                                              q_lora_rank=24, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8)),
+    # Latent attention with DeepSeek's sparse-attention indexer (its own heads scoring keys; top-k
+    # positions, under no_grad): every layer dense; 3 keys of the 8 positions a query attends.
+    "deepseek_v32": ("DeepseekV32Config", dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,
+                                               first_k_dense_replace=2, kv_lora_rank=16, q_lora_rank=24,
+                                               qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, index_n_heads=4,
+                                               index_head_dim=8, index_topk=3, n_routed_experts=4,
+                                               num_experts_per_tok=2, n_group=1, topk_group=1)),
     # Latent attention alone: every layer dense (1d + sequence parallelism refuses experts).
     "deepseek_v3_dense": ("DeepseekV3Config", dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,
                                                    first_k_dense_replace=2, kv_lora_rank=16, q_lora_rank=24,

@@ -127,6 +127,7 @@ def inspect_model(cfg):
     rewritten = {r.name: r for r in done.modules}
     rows, seen, whole, local = [], set(), 0, 0
     run_whole = [n for n, role in plan.roles.items() if role == "whole"]  # (parallel/roles/whole.py)
+    indexers = [n for n, role in plan.roles.items() if role == "untrained"]
     split_mixers = {n for n in run_whole if heads_split(par.mode, plan.layouts.get(n))}  # (roles/mixers.py)
     for name, module in originals.items():
         own = built[name]
@@ -148,7 +149,11 @@ def inspect_model(cfg):
         stage = stage_of(name)
         local += nbytes if stage in (None, 0) else 0
         inside = next((r for r in run_whole if name.startswith(r + ".")), None)
+        untrained = next((r for r in indexers if name == r or name.startswith(r + ".")), None)
         role = record.role if record else ""
+        if untrained is not None and not note:  # (roles/plan.py: `untrained`)
+            note = ("held whole on every rank, fed whole rows: it returns indices, so no gradient reaches it"
+                    if name == untrained else f"held whole, inside {untrained} (never trained)")
         if record is not None and record.role == "whole" and not note and name in split_mixers:
             role, note = "mixer (heads split)", plan.layouts[name].describe()
         elif record is not None and record.role == "whole" and not note:

@@ -178,8 +178,8 @@ def stage_held(shape: Any, layout: Layout, rank: int, mode, model, holds, bucket
     sums = [*buckets.items(), *sliced_sums(shape.plan, mode, named, dp_plan), *kv_sums]
     numel = dp_plan.held_numel() if dp_plan else {"param": param_numel, "grad": param_numel, "moment": param_numel}
     layers = shape.layers
-    names = [*shape.embeddings, *layers.norms, *layers.proj_norms, *layers.latents, *layers.routers, *layers.wholes,
-             *layers.experts, *layers.head_reduces]
+    names = [*shape.embeddings, *layers.norms, *layers.proj_norms, *layers.latents, *layers.routers, *layers.untrained,
+             *layers.wholes, *layers.experts, *layers.head_reduces]
     return Held([lin for lin in shape.linears if holds(lin[0])], frozenset(filter(holds, names)).__contains__, dp_plan,
                 early, sums, numel, len(named), tied_numel, dp_plan.unit_numel() if dp_plan else 0)
 

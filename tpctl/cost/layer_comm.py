@@ -48,6 +48,7 @@ class LayerShapes:
     proj_norms: dict[str, tuple[str, int]] = field(default_factory=dict)
     latents: list[str] = field(default_factory=list)
     routers: list[str] = field(default_factory=list)
+    untrained: list[str] = field(default_factory=list)  # modules returning indices (role `untrained`)
     wholes: list[str] = field(default_factory=list)  # modules run whole (role `whole`)
     mixers: dict = field(default_factory=dict)  # those of them with a split by heads (roles/mixers.py)
     experts: dict[str, ExpertsShape] = field(default_factory=dict)
@@ -77,6 +78,8 @@ def layer_shapes(model: nn.Module, plan, model_cfg) -> LayerShapes:
             out.latents.append(name)
         elif role == "router":
             out.routers.append(name)
+        elif role == "untrained":
+            out.untrained.append(name)
         elif role == "whole":
             out.wholes.append(name)
             if isinstance(plan.layouts.get(name), MixerSplit):
@@ -121,6 +124,8 @@ def count_layers(layers: LayerShapes, mode, add, tokens: int, holds: Callable[[s
         mode.cost_latent(repeated(add, layers.calls.get(name, 1)), tokens, hidden)
     for name in filter(holds, layers.routers):
         mode.cost_router(repeated(add, layers.calls.get(name, 1)), tokens, hidden)
+    for name in filter(holds, layers.untrained):
+        mode.cost_untrained(repeated(add, layers.calls.get(name, 1)), tokens, hidden)
     for name in filter(holds, layers.wholes):
         each = repeated(add, layers.calls.get(name, 1))
         if heads_split(mode, layers.mixers.get(name)):  # a mixer split by heads (convert_mixer)

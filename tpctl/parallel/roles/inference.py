@@ -32,7 +32,7 @@ from tpctl.parallel.roles.plan import (GROUP_ATTRS, HEAD_ATTRS, RATIO_ATTRS, ROL
 from tpctl.parallel.roles.layer_steps import LayerSteps
 from tpctl.parallel.roles.probes import is_experts, on_cpu
 from tpctl.parallel.roles.tracing import TRACE_BATCH, TRACE_SEQ, per_head_args, random_draws, trace
-from tpctl.parallel.roles.whole import fundamental, run_whole, whole_roots
+from tpctl.parallel.roles.whole import fundamental, run_whole, under, whole_roots
 
 
 @on_cpu
@@ -69,20 +69,38 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
     if vocab_size is None:
         vocab_size = _vocab(model)
     found = _infer(model, vocab_size)
+    untrained = untrained_modules(found)
+    if untrained:  # again, each one opaque node: its Linears pair with nothing around it
+        found = _infer(model, vocab_size, untrained=untrained)
     roots = whole_roots(found)
     if roots:  # again, each module run whole for a problem of its own one opaque node: what it holds
         # pairs with nothing outside it (roots found for the confusion around it may then vanish)
         roots = {r: why for r, why in roots.items() if fundamental(why.partition(": ")[2])} or roots
-        found = _infer(model, vocab_size, frozenset(roots))
+        found = _infer(model, vocab_size, frozenset(roots), untrained)
         roots.update(whole_roots(found))
     found.whole = roots
     run_whole(found, roots)
     return found.plan(vocab_size)
 
 
-def _infer(model: nn.Module, vocab_size: int, opaque: frozenset = frozenset()) -> "_Inference":
-    """One trace (modules `opaque` run whole) and every step of inference."""
-    found = _Inference(model, vocab_size, opaque)
+def untrained_modules(found: "_Inference") -> frozenset:
+    """Modules inside an attention that hold parameters and return indices
+    only (no floating-point tensor: DeepSeek's sparse-attention indexer, its
+    top-k positions): no gradient reaches their parameters, in mode=none
+    either, so they run as written, whole, on whole rows of their
+    attention's rows (role `untrained`). The outermost of nested ones."""
+    names = {name for name, flow in found.flows.items()
+             if name and flow.floating is False and flow.shape
+             and any(True for _ in found.modules[name].parameters())
+             and any(under(name, owner) and name != owner for owner in found.heads)}
+    return frozenset(n for n in names if not any(o != n and under(n, o) for o in names))
+
+
+def _infer(model: nn.Module, vocab_size: int, opaque: frozenset = frozenset(),
+           untrained: frozenset = frozenset()) -> "_Inference":
+    """One trace (modules `opaque` run whole, `untrained` ones run as
+    written: each one node) and every step of inference."""
+    found = _Inference(model, vocab_size, opaque, untrained)
     for ops in found.attention_units():
         found.attention(ops)
     found.lm_head()
@@ -101,14 +119,15 @@ class _Inference(LayerSteps):
     so far. The steps run in one order (infer_plan): each reads the roles
     the ones before it assigned."""
 
-    def __init__(self, model: nn.Module, vocab_size: int, opaque: frozenset = frozenset()):
+    def __init__(self, model: nn.Module, vocab_size: int, opaque: frozenset = frozenset(),
+                 untrained: frozenset = frozenset()):
         self.model = model
         self.first_inputs: dict[str, tuple] = {}  # module -> the inputs of its first call, for probes
         self.flows: dict = {}  # module -> tracing.Flow of its first call
         self.nodes, self.out, self.calls = trace(model, vocab_size, inputs=self.first_inputs, flows=self.flows,
-                                                 opaque=opaque)
+                                                 opaque=opaque | untrained)
         self.whole: dict[str, str] = {}  # modules run whole (roles/whole.py) -> the problem that made them
-        self.roles: dict[str, str] = {name: "whole" for name in opaque}
+        self.roles: dict[str, str] = {name: "whole" for name in opaque} | {name: "untrained" for name in untrained}
         self.layouts: dict[str, Any] = {}
         self.probed: dict[tuple, Any] = {}  # one probe per kind of module
         self.problems: dict[str, str] = {}
@@ -446,7 +465,8 @@ class _Inference(LayerSteps):
             if isinstance(module, nn.Dropout) and name not in roles:
                 self.assign(name, "attn_dropout" if owners and name.startswith(owners) else "dropout")
         called = {id(p) for name in calls  # (what an experts module, a router or a module run whole holds runs inside it)
-                  for p in self.modules[name].parameters(recurse=roles.get(name) in ("experts", "router", "whole"))}
+                  for p in self.modules[name].parameters(recurse=roles.get(name) in ("experts", "router", "whole",
+                                                                                      "untrained"))}
         for name, module in self.model.named_modules():
             own = list(module.parameters(recurse=False))
             if name and name not in calls and own and not all(id(p) in called for p in own):

@@ -19,7 +19,13 @@ ROLES = (
     "embedding", "pos_embedding", "qkv", "attn_in", "attn_out", "mlp_in", "mlp_out",
     "norm", "lm_head", "dropout", "attn_dropout", "head_norm", "proj_norm", "experts", "router", "pos_table",
     "latent", "latent_norm", "latent_up", "elementwise", "split_elementwise", "whole", "head_reduce",
+    "untrained",
 )
+# `untrained`: a module holding parameters whose outputs are indices only
+# (DeepSeek's sparse-attention indexer: top-k positions, its forward under
+# no_grad), so no gradient reaches them, in mode=none either: held whole on
+# every rank, run as written on whole rows of its attention's rows
+# (roles/inference.untrained_modules, ParallelMode.convert_untrained).
 # `head_reduce`: a Linear inside attention reading all heads of one
 # projection's output and making one value per head (Doge's dt_proj: a
 # dynamic-mask rate per value head), split by heads (tensor/head_reduce.py).

@@ -313,6 +313,7 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
         def after(mod, args, kwargs, out):
             if flows is not None and flows[name].out is None:
                 flows[name].out = _shape(out[0] if isinstance(out, (tuple, list)) and out else out)
+                flows[name].floating = any(t.is_floating_point() for t in _tensors(out))
         module = model.get_submodule(name)
         handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
         handles.append(module.register_forward_hook(after, with_kwargs=True))
@@ -361,6 +362,9 @@ class Flow:
     inputs: frozenset
     shape: tuple
     out: Optional[tuple] = None
+    # whether its output holds a floating-point tensor (None: not returned
+    # yet); False: indices only, through which no gradient flows
+    floating: Optional[bool] = None
 
 
 def hidden_arg(args, kwargs):

@@ -130,6 +130,13 @@ class CostHooks:
         its attention's rows (ParallelMode.attention_rows)."""
         self._cost_stream_gather(add, tokens, hidden)
 
+    def cost_untrained(self, add, tokens: int, hidden: int) -> None:
+        """A module returning indices (convert_untrained): the forward half
+        of a latent's entry, whole rows of its attention's rows gathered
+        without autograd. In every mode that half is its all-gathers (the
+        reduce-scatters and 1d's all-reduce are their backward)."""
+        self.cost_latent(lambda kind, *a, **k: add(kind, *a, **k) if kind == "all_gather" else None, tokens, hidden)
+
     def cost_router(self, add, tokens: int, hidden: int) -> None:
         """A router's input gathered to whole rows (ParallelMode.convert_router)."""
         self._cost_stream_gather(add, tokens, hidden)

@@ -380,6 +380,31 @@ class ParallelMode(CostHooks):
         """A module no split fits, run whole on every rank (tensor/whole.py)."""
         return run_whole(self, module, ctx)
 
+    def convert_untrained(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
+        """A module returning indices only (role `untrained`: DeepSeek's
+        sparse-attention indexer), whose parameters no gradient reaches:
+        held whole on every rank and run as written on whole rows of the
+        rows its attention holds (its other inputs, the latent's, are whole
+        there already), so every rank picks mode=none's indices for them.
+        The gather runs without autograd: nothing flows back through indices."""
+        if not self.rewrites:
+            return module
+        for param in module.parameters():
+            self.replicated(param, "tp", partial=False)
+        gathered = any(ctx.name.startswith(owner + ".") for owner in getattr(self, "gathered_owners", ()))
+
+        def entry(mod, args, kwargs):
+            args, kwargs = list(args), dict(kwargs)
+            with torch.no_grad():
+                if args:
+                    args[0] = self.attention_rows(args[0], gathered)
+                else:
+                    kwargs["hidden_states"] = self.attention_rows(kwargs["hidden_states"], gathered)
+            return tuple(args), kwargs
+
+        module.register_forward_pre_hook(entry, with_kwargs=True)
+        return module
+
     def whole_split(self, ctx: RewriteContext):
         """(group, dim): the ranks holding the rest of this rank's piece of
         the stream where the module being converted sits, and the dimension

@@ -34,7 +34,7 @@ class NoParallel(ParallelMode):
 
     convert_embedding = convert_pos_embedding = convert_qkv = convert_attn_in = convert_attn_out = _keep
     convert_mlp_in = convert_mlp_out = convert_norm = convert_lm_head = convert_proj_norm = _keep
-    convert_experts = convert_router = convert_pos_table = _keep
+    convert_experts = convert_router = convert_pos_table = convert_untrained = _keep
 
     def convert_dropout(self, module: nn.Dropout, ctx) -> nn.Module:
         return ParallelDropout(module.p, self.mesh.rng_local)

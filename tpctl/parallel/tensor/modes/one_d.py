@@ -172,6 +172,7 @@ class OneD(ParallelMode):
         # that module list; None: the first way.
         self.blocks: str | None = None
         self.gathered: set[str] = set()  # Linears whose input a module's entry hook gathered
+        self.gathered_owners: set[str] = set()  # the modules of those entry hooks (attention, MLP)
         # train.overlap: collectives issued async beside independent compute
         # (False: each waited for at once, the same bits; for measuring it).
         self.overlap = True
@@ -270,7 +271,7 @@ class OneD(ParallelMode):
             add("all_reduce", "tp", numel)
 
     def prepare(self, model, plan) -> None:
-        self.blocks, self.gathered = None, set()
+        self.blocks, self.gathered, self.gathered_owners = None, set(), set()
         if self.seq_parallel and "experts" in plan.roles.values():
             raise ValueError("sequence parallelism with a mixture-of-experts block is not supported (its routed "
                              "experts and shared expert would need one sum over the sequence shards after the block "
@@ -293,6 +294,7 @@ class OneD(ParallelMode):
                                      "sequence parallelism cannot gather their input once; use seq_parallel=false")
                 model.get_submodule(owner).register_forward_pre_hook(self._gather_on_entry, with_kwargs=True)
                 self.gathered.update(members)
+                self.gathered_owners.add(owner)
 
     def _gather_on_entry(self, module, args, kwargs):
         """Pre-hook of an attention or MLP module: its hidden states (the

@@ -32,7 +32,7 @@ from tpctl.parallel.tensor.layers import SplitNorm
 from tpctl.parallel.tensor.linear import LINEAR_ROLES, default_converter
 from tpctl.parallel.tensor.loss import vocab_parallel_cross_entropy
 from tpctl.parallel.tensor.replicas import sync_replicas
-from tpctl.parallel.tensor.whole import gather_hidden, run_whole, split_mixer, split_own_experts
+from tpctl.parallel.tensor.whole import gather_hidden, run_untrained, run_whole, split_mixer, split_own_experts
 
 
 class RewriteContext:
@@ -382,28 +382,9 @@ class ParallelMode(CostHooks):
 
     def convert_untrained(self, module: nn.Module, ctx: RewriteContext) -> nn.Module:
         """A module returning indices only (role `untrained`: DeepSeek's
-        sparse-attention indexer), whose parameters no gradient reaches:
-        held whole on every rank and run as written on whole rows of the
-        rows its attention holds (its other inputs, the latent's, are whole
-        there already), so every rank picks mode=none's indices for them.
-        The gather runs without autograd: nothing flows back through indices."""
-        if not self.rewrites:
-            return module
-        for param in module.parameters():
-            self.replicated(param, "tp", partial=False)
-        gathered = any(ctx.name.startswith(owner + ".") for owner in getattr(self, "gathered_owners", ()))
-
-        def entry(mod, args, kwargs):
-            args, kwargs = list(args), dict(kwargs)
-            with torch.no_grad():
-                if args:
-                    args[0] = self.attention_rows(args[0], gathered)
-                else:
-                    kwargs["hidden_states"] = self.attention_rows(kwargs["hidden_states"], gathered)
-            return tuple(args), kwargs
-
-        module.register_forward_pre_hook(entry, with_kwargs=True)
-        return module
+        sparse-attention indexer), held whole, fed whole rows of its
+        attention's rows (tensor/whole.py, run_untrained)."""
+        return run_untrained(self, module, ctx) if self.rewrites else module
 
     def whole_split(self, ctx: RewriteContext):
         """(group, dim): the ranks holding the rest of this rank's piece of

@@ -246,3 +246,29 @@ def split_own_experts(mode, module: nn.Module, ctx) -> nn.Module:
     module.register_forward_pre_hook(entry, with_kwargs=True)
     module.register_forward_hook(exit)
     return module
+
+
+def run_untrained(mode, module: nn.Module, ctx) -> nn.Module:
+    """A module returning indices only (role `untrained`: DeepSeek's
+    sparse-attention indexer), whose parameters no gradient reaches, in
+    mode=none either: held whole on every rank and run as written on whole
+    rows of the rows its attention holds (its other inputs, the q latent's,
+    are whole there already; 1d with sequence parallelism: its attention's
+    entry gathered the sequence), so every rank picks mode=none's indices
+    for them. The gather runs without autograd: nothing flows back through
+    indices (the planner counts its forward half: cost_untrained)."""
+    for param in module.parameters():
+        mode.replicated(param, "tp", partial=False)
+    gathered = any(ctx.name.startswith(owner + ".") for owner in getattr(mode, "gathered_owners", ()))
+
+    def entry(mod, args, kwargs):
+        args, kwargs = list(args), dict(kwargs)
+        with torch.no_grad():
+            if args:
+                args[0] = mode.attention_rows(args[0], gathered)
+            else:
+                kwargs["hidden_states"] = mode.attention_rows(kwargs["hidden_states"], gathered)
+        return tuple(args), kwargs
+
+    module.register_forward_pre_hook(entry, with_kwargs=True)
+    return module

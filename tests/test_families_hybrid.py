@@ -61,14 +61,7 @@ def assert_llama4_experts_split(ranks, ways: int) -> None:
     tiny llama4: 4 experts of 16 inner features, hidden 32): 1/ways of
     every expert's gate and up columns and down rows."""
     want = {"experts.gate_up_proj": (4, 32, 32 // ways), "experts.down_proj": (4, 16 // ways, 32)}
-    seen = set()
-    for rank, (_, counted, _, _) in enumerate(ranks):
-        for name, shape in counted.items():
-            kind = next((k for k in want if name.endswith(".feed_forward." + k)), None)
-            if kind is not None:
-                assert shape == want[kind], (rank, name, shape)
-                seen.add(kind)
-    assert seen == set(want), f"no rank holds the experts' {set(want) - seen}"
+    assert_held_shapes(ranks, want, ".feed_forward.")
 
 
 def assert_rglru_split(ranks, ways: int) -> None:
@@ -80,14 +73,21 @@ def assert_rglru_split(ranks, ways: int) -> None:
     want = {"linear_x.weight": (32 // ways, 32), "conv_1d.weight": (32 // ways, 1, 4),
             "rg_lru.input_gate_weight": (4 // ways, 8, 8), "rg_lru.recurrent_param": (32 // ways,),
             "linear_out.weight": (32, 32 // ways)}
+    assert_held_shapes(ranks, want, ".temporal_block.")
+
+
+def assert_held_shapes(ranks, want: dict, inside: str) -> None:
+    """Every parameter of `want` (its name after `inside`) that a rank holds
+    has the shape `want` gives, and some rank holds each (a pipeline stage
+    may hold none)."""
     seen = set()
-    for rank, (_, counted, _, _) in enumerate(ranks):  # (a pipeline stage may hold none)
+    for rank, (_, counted, _, _) in enumerate(ranks):
         for name, shape in counted.items():
-            kind = next((k for k in want if name.endswith(".temporal_block." + k)), None)
+            kind = next((k for k in want if name.endswith(inside + k)), None)
             if kind is not None:
                 assert shape == want[kind], (rank, name, shape)
                 seen.add(kind)
-    assert seen == set(want), f"no rank holds the recurrent block's {set(want) - seen}"
+    assert seen == set(want), f"no rank holds {inside}{set(want) - seen}"
 
 
 @pytest.mark.timeout(300)

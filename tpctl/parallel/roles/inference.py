@@ -105,8 +105,9 @@ class _Inference(LayerSteps):
         self.model = model
         self.first_inputs: dict[str, tuple] = {}  # module -> the inputs of its first call, for probes
         self.flows: dict = {}  # module -> tracing.Flow of its first call
+        self.unread: dict[str, tuple] = {}  # module -> its own parameters the forward never reads (tracing.trace)
         self.nodes, self.out, self.calls = trace(model, vocab_size, inputs=self.first_inputs, flows=self.flows,
-                                                 opaque=opaque)
+                                                 opaque=opaque, unread=self.unread)
         self.whole: dict[str, str] = {}  # modules run whole (roles/whole.py) -> the problem that made them
         self.roles: dict[str, str] = {name: "whole" for name in opaque}
         self.layouts: dict[str, Any] = {}
@@ -443,6 +444,8 @@ class _Inference(LayerSteps):
                 self.assign(name, "attn_dropout" if owners and name.startswith(owners) else "dropout")
         called = {id(p) for name in calls  # (what an experts module, a router or a module run whole holds runs inside it)
                   for p in self.modules[name].parameters(recurse=roles.get(name) in ("experts", "router", "whole"))}
+        # (a module holding parameters its called forward never reads: held whole, never trained, as in mode=none)
+        called |= {id(getattr(self.modules[name], a)) for name, attrs in self.unread.items() for a in attrs}
         for name, module in self.model.named_modules():
             own = list(module.parameters(recurse=False))
             if name and name not in calls and own and not all(id(p) in called for p in own):
@@ -462,4 +465,5 @@ class _Inference(LayerSteps):
                         random_draws(self.model, vocab_size), self.widths, self.routed, self.whole,
                         {n: m.tpctl_traced_width for n, m in self.modules.items() if n in ordered
                          and getattr(m, "tpctl_traced_width", None) is not None}, self.stream_tensors,
-                        {n: len(c) for n, c in self.calls.items() if n in ordered and len(c) > 1})
+                        {n: len(c) for n, c in self.calls.items() if n in ordered and len(c) > 1},
+                        tuple(f"{n}.{a}" for n, attrs in self.unread.items() for a in attrs))

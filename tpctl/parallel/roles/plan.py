@@ -147,6 +147,11 @@ class RolePlan:
     # norm, four times): each call sends what one does (the planner's
     # count). A given plan traces nothing: each module once.
     calls: dict[str, int] = field(default_factory=dict)
+    # Parameters the traced forward never reads, of a module holding only
+    # such (BERT's LM head's `bias` where transformers leaves it untied from
+    # its decoder's): mode=none never trains them; every rank holds them
+    # whole (rewrite.py), their gradient none.
+    unread: tuple = ()
 
     @property
     def lm_head(self) -> Optional[str]:

@@ -148,14 +148,18 @@ def rewrite_layers(model: nn.Module, mode: ParallelMode, plan=None, dry_run: boo
     for block, attrs in getattr(plan, "widths", {}).items():  # the stream's width as this rank holds it
         for attr, full in attrs.items():
             setattr(model.get_submodule(block), attr, full // mode.geo.q)
+    repoint_aliases(model, ctx)
     split = mode.geo.head_split
     _hold_heads(model, plan, mode, ctx)
     hold_stream_tensors(model, plan, mode, ctx)  # (after the roles: an elementwise module's are replicated there)
     if init is not None:
         init.materialize(model)  # what no layer sharded: norms, replicated tables, ...
+    unread = set(getattr(plan, "unread", ()))
     for name, param in model.named_parameters():
         if spec_of(param) is None:
-            if mode.replicated_activations:
+            if name in unread:  # (never read by the forward: whole on every rank, as mode=none never trains it)
+                mode.replicated(param, "tp", partial=False)
+            elif mode.replicated_activations:
                 # Replicated over the group and fed replicated activations:
                 # every rank computes the same gradient.
                 mode.replicated(param, "tp", partial=False)
@@ -181,6 +185,20 @@ def rewrite_layers(model: nn.Module, mode: ParallelMode, plan=None, dry_run: boo
         return Rewrite(model, plan, vocab_size)
     return Rewrite(model, plan, vocab_size, rewritten, problems)
 
+
+
+def repoint_aliases(model: nn.Module, ctx: RewriteContext) -> None:
+    """Every registration of a parameter a layer's rewrite sharded, made to
+    hold the shard: a module with no role holding, as its own, a parameter
+    of a child with one (BERT's LM head registers `bias`, the very tensor its
+    decoder Linear adds: transformers' tied-weights keys) would otherwise
+    keep the whole original, untrained, under the name named_parameters and
+    so checkpoints, export and the start-up check read first."""
+    for module in model.modules():
+        for attr, p in list(module._parameters.items()):
+            made = None if p is None else ctx.made_for(p)
+            if made is not None and made is not p:
+                module._parameters[attr] = made
 
 
 def held_by_heads_or_slices(plan) -> list[str]:

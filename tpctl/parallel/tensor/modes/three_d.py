@@ -18,6 +18,7 @@ add sees matching layouts; the roles fix which layout each layer is fed.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -204,6 +205,13 @@ class Embedding3D(nn.Module):
         if self.scale != 1.0:
             out = out * torch.tensor(self.scale, dtype=out.dtype)
         return comm.reduce_scatter_along(out, self.rows_group, 0)
+
+
+def _own_rows(forward, q: int, j: int, *args, **kwargs) -> torch.Tensor:
+    """A position table's output, cut to rows block j of q where it has
+    rows of its own (more than one broadcast row)."""
+    out = forward(*args, **kwargs)
+    return out.chunk(q, 0)[j] if out.shape[0] > 1 else out
 
 
 @register
@@ -407,6 +415,14 @@ class ThreeD(ParallelMode):
     def convert_pos_embedding(self, module: nn.Embedding, ctx):
         # The module's own forward on this rank's hidden block of the table.
         module.weight = ctx.shard(module.weight, self._hidden_spec(module.weight, LAYOUT_A, dim=1))
+        if ctx.shapes_only:
+            return module
+        # Ids with the input's rows (BERT's token types, expanded to rows
+        # block i) look up rows the token embedding scatters to blocks
+        # (i, j): this rank keeps its block of them, as shard_hidden does
+        # (positions, one row for every row, stay broadcast).
+        # (its forward itself: the start-up check replays forward, not hooks)
+        module.forward = functools.partial(_own_rows, module.forward, self.q, self.c[LAYOUT_A.rows])
         return module
 
     def convert_norm(self, module: nn.Module, ctx):

@@ -420,6 +420,7 @@ class _Inference(LayerSteps):
     def stray_linears(self) -> None:
         """Why each Linear still without a role has none."""
         nodes, kind_of, roles = self.nodes, self.kind_of, self.roles
+        stack, block_of = named_stack(self.model), self._block_of()
         feeding = {j for i, n in enumerate(nodes) if n.kind == "linear" and roles.get(n.name) in ("qkv", "attn_in")
                    for j in n.inputs | {k for m in n.inputs if kind_of[m] == "norm" for k in nodes[m].inputs}}
         for name in self.rest:
@@ -429,6 +430,8 @@ class _Inference(LayerSteps):
                 self.problems[name] = ("a Linear feeding the attention's projections (a low-rank or latent projection, "
                                        "as DeepSeek's multi-head latent attention): tpctl splits attention by heads, "
                                        "and its output has none")
+            elif stack is not None and block_of(name) is None:  # (BERT's LM head's transform: run whole, whole.py)
+                self.problems[name] = "a Linear outside the attention / MLP / LM head pattern, after the model's blocks"
             else:
                 self.problems[name] = "a Linear outside the attention / MLP / LM head pattern"
 

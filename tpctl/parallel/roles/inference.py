@@ -27,8 +27,8 @@ import torch.nn as nn
 
 from tpctl.parallel.roles.experts import expert_count, experts_layout, own_split, routed_per_row
 from tpctl.parallel.roles.fused import FusedLayout, ProbeError, attention_layout, mlp_layout
-from tpctl.parallel.roles.plan import (GROUP_ATTRS, HEAD_ATTRS, RATIO_ATTRS, ROLES, Heads, RolePlan, blocks_of, common_parent,
-                                      named_stack)
+from tpctl.parallel.roles.plan import (HEAD_ATTRS, RATIO_ATTRS, ROLES, Heads, RolePlan, blocks_of, common_parent,
+                                      head_attrs, named_stack)
 from tpctl.parallel.roles.layer_steps import LayerSteps
 from tpctl.parallel.roles.probes import is_experts, on_cpu
 from tpctl.parallel.roles.tracing import per_head_args, random_draws, trace
@@ -233,9 +233,7 @@ class _Inference(LayerSteps):
             problems[owner] = "cannot tell the attention's head size from its forward"
             return
         h, kv = q_width // head_dim, kv_width // head_dim
-        attrs = {a: v for a, v in vars(modules[owner]).items() if isinstance(v, int) and not isinstance(v, bool)
-                 and (a in HEAD_ATTRS and v in (h, kv, q_width, kv_width) or a in RATIO_ATTRS and kv and v == h // kv
-                      or a in GROUP_ATTRS)}
+        attrs = head_attrs(modules, owner, feeders + [out_proj], h, kv, q_width, kv_width)
         if kv < h:  # separate key/value projections: heads of their own, which may be shared
             for name in feeders:
                 if name != q_name and name not in layouts and modules[name].out_features == kv_width:
@@ -430,10 +428,22 @@ class _Inference(LayerSteps):
                 self.problems[name] = ("a Linear feeding the attention's projections (a low-rank or latent projection, "
                                        "as DeepSeek's multi-head latent attention): tpctl splits attention by heads, "
                                        "and its output has none")
+            elif stack is not None and block_of(name) is None and self.changes_width(name):
+                # (ELECTRA's, RemBERT's LM head transform: hidden -> the output embedding's width)
+                linear = self.modules[name]
+                self.problems[name] = (f"a Linear after the model's blocks changing the width the LM head reads "
+                                       f"({linear.in_features} -> {linear.out_features} features): tpctl runs such a "
+                                       "transform whole only where it keeps the stream's width")
             elif stack is not None and block_of(name) is None:  # (BERT's LM head's transform: run whole, whole.py)
                 self.problems[name] = "a Linear outside the attention / MLP / LM head pattern, after the model's blocks"
             else:
                 self.problems[name] = "a Linear outside the attention / MLP / LM head pattern"
+
+    def changes_width(self, name: str) -> bool:
+        """Whether a Linear's output is not as wide as its input (the
+        stream's width as its input has it)."""
+        linear = self.modules[name]
+        return linear.in_features != linear.out_features
 
     def uncalled(self) -> None:
         """Dropout modules the traced forward never called (used only in

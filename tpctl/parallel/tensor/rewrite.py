@@ -74,8 +74,9 @@ def _hold_heads(model: nn.Module, plan: RolePlan, mode: ParallelMode, ctx: Rewri
     split = mode.geo.head_split
     for owner, heads in plan.heads.items():
         module = model.get_submodule(owner)
-        for attr, full in heads.attrs.items():
-            setattr(module, attr, heads.local(attr, full, split))
+        for attr, full in heads.attrs.items():  # (its own, or a module's below it: "self.all_head_size")
+            path, _, leaf = attr.rpartition(".")
+            setattr(module.get_submodule(path), leaf, heads.local(attr, full, split))
         per_rank_counts(module, heads, split)
         ctx.name = owner
         for attr in heads.params if mode.rewrites else ():  # (learned sinks) this rank's heads' entries
@@ -316,7 +317,7 @@ def check_plan(plan, model: nn.Module, geo, training: bool = True) -> dict[str, 
     for owner, heads in plan.heads.items():
         if heads.heads % ways:
             problems.setdefault(owner, f"{heads.heads} query heads do not split {ways} ways (mode {geo.mode}, size {geo.size})")
-        elif groups := next(((a, v) for a, v in heads.attrs.items() if a in GROUP_ATTRS and v % ways), None):
+        elif groups := next(((a, v) for a, v in heads.attrs.items() if a.rpartition(".")[2] in GROUP_ATTRS and v % ways), None):
             problems.setdefault(owner, f"its forward reshapes the fused projection into {groups[0]}={groups[1]} groups "
                                        f"of heads, which do not split {ways} ways (mode {geo.mode}, size {geo.size})")
         elif heads.kv_heads % ways and (heads.kv_heads > ways or ways % heads.kv_heads):

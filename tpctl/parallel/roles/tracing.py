@@ -190,6 +190,17 @@ def own_params(module: nn.Module) -> dict[str, nn.Parameter]:
     return {a: p for a, p in module._parameters.items() if p is not None and id(p) not in children}
 
 
+def _unread(module: nn.Module, out, read: set[int]) -> bool:
+    """Whether no op read any of a module's own parameters (own_params) and
+    its call did not return one for a caller to read: BERT's LM head's
+    `bias` where transformers leaves it untied from the decoder's (as with
+    tie_word_embeddings=False). They change nothing it computes, so it is a
+    container, and its output keeps the provenance its children gave it
+    (the decoder's: the LM head)."""
+    own = own_params(module).values()
+    return bool(own) and not any(id(p) in read or any(t is p for t in _tensors(out)) for p in own)
+
+
 def _kind(module: nn.Module) -> Optional[str]:
     if isinstance(module, nn.Linear):
         return "linear"
@@ -278,9 +289,8 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
     first call. Modules named in `opaque` (run whole: roles/whole.py) are one
     node each, of kind "whole", what runs inside them not followed. With
     `draws`, the forward runs in training mode and `draws` records its
-    random numbers. `unread`, if given, is filled with module name -> its
-    own parameters (own_params) that no op of the forward read: a module
-    holding only such is a container, no node (see `after`)."""
+    random numbers. `unread`, if given, gets module name -> its own
+    parameters where no op read them (_unread: a container, no node)."""
     originals, stand_ins = _put_stand_ins(model)
     params = {id(p) for p in model.parameters()}
     tracer = _Trace(params, {id(p) for p in stand_ins.values()})
@@ -299,14 +309,7 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
             tracer.paused = False
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else ()
             found = kind
-            own = own_params(mod).values() if kind == "layer" else ()
-            if own and not any(id(p) in tracer.read or any(t is p for t in _tensors(out)) for p in own):
-                # Parameters its forward never reads (BERT's LM head's `bias`
-                # where transformers leaves it untied from the decoder's, as
-                # with tie_word_embeddings=False): they change nothing it
-                # computes (nor are they returned for a caller to read), so
-                # it is a container and its output keeps the provenance its
-                # children gave it (the decoder: the LM head).
+            if kind == "layer" and _unread(mod, out, tracer.read):  # a container: no node, its output's provenance kept
                 if unread is not None:
                     unread[name] = tuple(own_params(mod))
                 return

@@ -152,3 +152,36 @@ def _curve_mutated(key: str, family: str, mutation: str):
         return _curve(key, family)
     finally:
         ParallelMode.whole_split, mode_module.run_whole = original_split, original_run
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family,extra", [("bert", {}), ("roberta", {"tie_embeddings": False})])
+def test_a_bert_style_head_reads_checkpoints_and_exports_as_mode_none(pool, tmp_path_factory, family, extra):
+    """model=hf (transformers' own BERT / RoBERTa, tied: the alias holds
+    the decoder's shard; untied: the unread bias kept whole): a
+    save_pretrained directory read in 2d as from_pretrained reads it,
+    trained, checkpointed and exported (tpctl export: save_hf writes the
+    head's `bias` under both names, tied), the export loading back to the
+    2d model's logits and as close to mode=none's export as round-off
+    lets them (tests/test_hf_io.py's round trip)."""
+    import test_hf_io
+    from test_hf_io import EXPORT_GAP, _export_gap, _in_and_out, deviation as curve_gap, save_family
+    from transformers import AutoModelForCausalLM
+
+    test_hf_io.TRAINED.setdefault(family, extra)  # (its tpctl model keys)
+    directory = tmp_path_factory.mktemp(family)
+    save_family(family, directory)
+    runs = {}
+    for key in ("none-dp4", "2d-4"):
+        runs[key] = str(tmp_path_factory.mktemp(f"{family}-{key}"))
+        results = pool.run(_in_and_out, key, family, str(directory), False, runs[key])
+        assert all(r["loaded"] < 1e-5 and r["exported"] < 1e-5 for r in results), results
+        runs[key + "-curve"] = results[0]["curve"]
+    assert max(curve_gap(runs["none-dp4-curve"], runs["2d-4-curve"])) < 1e-4
+    a, b, start = (AutoModelForCausalLM.from_pretrained(d).state_dict()
+                   for d in (f"{runs['none-dp4']}/exported", f"{runs['2d-4']}/exported", directory))
+    assert a.keys() == b.keys()
+    head = {"bert": "cls.predictions", "roberta": "lm_head"}[family]
+    assert {f"{head}.bias", f"{head}.decoder.bias"} <= a.keys()
+    gap, name = max((_export_gap(a[n], b[n], start[n]), n) for n in a)
+    assert gap < EXPORT_GAP, (name, gap)

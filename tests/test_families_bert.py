@@ -185,3 +185,16 @@ def test_a_bert_style_head_reads_checkpoints_and_exports_as_mode_none(pool, tmp_
     assert {f"{head}.bias", f"{head}.decoder.bias"} <= a.keys()
     gap, name = max((_export_gap(a[n], b[n], start[n]), n) for n in a)
     assert gap < EXPORT_GAP, (name, gap)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_a_bert_style_head_trains_like_mode_none_with_zero3(pool, none_curves, family):
+    """ZeRO-3 over dp=2 (each replica holds a part of every parameter and
+    gathers it for the step): the tied alias (one parameter, two names) and
+    the unread bias (a gradient of none) among them; the curve only."""
+    if family not in none_curves:
+        none_curves[family] = pool.run(_curve, "none-dp4", family, STEPS)[0]
+    got = pool.run(_curve, "1d-2-dp2-z3", family, STEPS, ranks=4)[0]
+    assert got[0] != "refused", got[1]
+    assert len(got) == STEPS and max(deviation(none_curves[family], got)) < 1e-4, (none_curves[family], got)

@@ -29,8 +29,13 @@ whole (`tpctl inspect` shows both).
 
 Found after the other roles (inference.infer_plan): for every module with a
 problem, the innermost module holding it (itself included) that sits on the
-stream, inside a block of the model's stack (a block itself, or the stack,
-is never run whole: sequence parallelism and pipeline stages cut there).
+stream, inside a block of the model's stack or outside the stack (a block
+itself, or the stack, is never run whole: sequence parallelism and pipeline
+stages cut there). Outside it: BERT's LM head's transform (a dense Linear
+hidden -> hidden, an activation, a LayerNorm) between the last block and
+the decoder: its dense pairs with no Linear, so it runs whole (its
+LayerNorm is a norm on the stream), exactly as inside a block, on the
+last pipeline stage.
 Everything under it loses its role and its problem; it gets role `whole`.
 """
 

@@ -248,3 +248,6 @@ FAMILIES["falcon_mamba"] = ("FalconMambaConfig", dict(state_size=4, expand=2, co
 FAMILIES["bert"] = ("BertConfig", dict(num_attention_heads=4, intermediate_size=64, is_decoder=True))
 FAMILIES["roberta"] = ("RobertaConfig", dict(num_attention_heads=4, intermediate_size=64, is_decoder=True,
                                              tie_word_embeddings=False))
+# RoFormer: BERT's head, its self-attention's head counts stored below the attention module that holds
+# its output projection too, and a frozen sinusoidal rotary table one head wide (no role: whole on every rank).
+FAMILIES["roformer"] = ("RoFormerConfig", dict(num_attention_heads=4, intermediate_size=64, is_decoder=True))

@@ -14,6 +14,10 @@ the head module also registers as its own `bias`:
   rank, on whole rows of the rows a rank holds (roles/whole.py), its
   LayerNorm a norm on the stream.
 
+RoFormer's (tied, as BERT's) beside a frozen sinusoidal rotary table one
+head wide, held whole (RolePlan.frozen), and head counts its
+self-attention stores below the attention module (plan.head_attrs).
+
 Each trains like mode=none within 1e-4 in 1d, 2d, 3d and 1d with two
 pipeline stages (its shapes the planner's dry run, its collectives counted
 == planned), on the shared pool, in process (tests/hf_families.py).
@@ -28,14 +32,15 @@ from test_families_anymodel import STEPS, trains_like_mode_none
 pytest.importorskip("transformers")
 
 KEYS = ("1d-2-dp2", "2d-4", "3d-8", "1d-2-pp2-dp2")
-CASES = [("bert", k) for k in KEYS] + [("roberta", "2d-4"), ("roberta", "1d-2-pp2-dp2")]
+CASES = [("bert", k) for k in KEYS] + [("roberta", "2d-4"), ("roberta", "1d-2-pp2-dp2"), ("roformer", "2d-4"),
+                                        ("roformer", "3d-8")]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family,key", CASES)
 def test_a_bert_style_lm_head_trains_like_mode_none(pool, none_curves, family, key):
     ranks, _ = trains_like_mode_none(pool, none_curves, family, key)
-    head = {"bert": "cls.predictions", "roberta": "lm_head"}[family]
+    head = {"bert": "cls.predictions", "roberta": "lm_head", "roformer": "cls.predictions"}[family]
     for rank, (_, counted, _, _) in enumerate(ranks):  # (a pipeline stage may hold no head)
         if f"{head}.bias" in counted or f"{head}.decoder.bias" in counted:
             # The alias is the decoder's bias (tied: named once, by the head, its shard) or held whole (untied).

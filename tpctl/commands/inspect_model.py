@@ -187,20 +187,22 @@ def inspect_model(cfg):
 
 
 # Notes that say how a module is held, not a problem (not shown in red).
-PLAIN_NOTES = ("fused:", "heads:", "mixer (heads split)", "split by heads", "its ", "never read")
+PLAIN_NOTES = ("fused:", "heads:", "mixer (heads split)", "split by heads", "its ", "never read", "never trained")
 
 
 def _held_note(name: str, module, plan) -> str:
     """What a module with no role holding parameters of its own holds: a
     child's parameter under its own name too (BERT's LM head's `bias`, its
-    decoder's: sharded with it), or parameters its forward never reads
-    (RolePlan.unread); "" for neither."""
+    decoder's: sharded with it), parameters its forward never reads
+    (RolePlan.unread), or a frozen table (RolePlan.frozen); "" for none."""
     own = [(a, p) for a, p in module._parameters.items() if p is not None]
     children = {id(p): f"{c}.{a}" for c, child in module.named_children() for a, p in child.named_parameters()}
     if own and all(id(p) in children for _, p in own):
         return "; ".join(f"its {a} is {name}.{children[id(p)]} (tied: held as that is)" for a, p in own)
     if own and all(f"{name}.{a}" in plan.unread for a, _ in own):
         return "never read by its forward: kept whole, never trained (as in mode=none)"
+    if own and all(f"{name}.{a}" in plan.frozen for a, _ in own):
+        return "never trained (frozen), not as wide as the stream: kept whole"
     return ""
 
 

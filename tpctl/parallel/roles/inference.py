@@ -106,6 +106,7 @@ class _Inference(LayerSteps):
         self.first_inputs: dict[str, tuple] = {}  # module -> the inputs of its first call, for probes
         self.flows: dict = {}  # module -> tracing.Flow of its first call
         self.unread: dict[str, tuple] = {}  # module -> its own parameters the forward never reads (tracing.trace)
+        self.frozen: list[str] = []  # RolePlan.frozen
         self.nodes, self.out, self.calls = trace(model, vocab_size, inputs=self.first_inputs, flows=self.flows,
                                                  opaque=opaque, unread=self.unread)
         self.whole: dict[str, str] = {}  # modules run whole (roles/whole.py) -> the problem that made them
@@ -373,10 +374,18 @@ class _Inference(LayerSteps):
             head = next((modules[n] for n, r in roles.items() if r == "lm_head"), None)
             vocab = [t for t in token if head is not None and modules[t].num_embeddings == head.out_features]
             token = vocab[:1] or token[:1]
-        for n in nodes:
-            if n.kind == "embedding":
-                self.assign(n.name, "embedding" if n.name in token else "pos_embedding")
         self.hidden = modules[token[0]].embedding_dim if token else None
+        for n in nodes:
+            table = modules[n.name] if n.kind == "embedding" else None
+            if table is not None and n.name not in token and self.hidden is not None \
+                    and table.embedding_dim != self.hidden and not table.weight.requires_grad:
+                # A frozen table not as wide as the stream (RoFormer's sinusoidal
+                # rotary table, one head wide, which every head reads): no split
+                # of the stream's features applies; whole on every rank, exact
+                # as nothing trains it (RolePlan.frozen).
+                self.frozen.append(f"{n.name}.weight")
+            elif table is not None:
+                self.assign(n.name, "embedding" if n.name in token else "pos_embedding")
 
     def experts(self) -> None:
         """Mixture-of-experts blocks: the experts module, and beside it (in
@@ -479,4 +488,5 @@ class _Inference(LayerSteps):
                         {n: m.tpctl_traced_width for n, m in self.modules.items() if n in ordered
                          and getattr(m, "tpctl_traced_width", None) is not None}, self.stream_tensors,
                         {n: len(c) for n, c in self.calls.items() if n in ordered and len(c) > 1},
-                        tuple(f"{n}.{a}" for n, attrs in self.unread.items() for a in attrs))
+                        tuple(f"{n}.{a}" for n, attrs in self.unread.items() for a in attrs),
+                        tuple(dict.fromkeys(self.frozen)))

@@ -177,6 +177,10 @@ class RolePlan:
     # its decoder's): mode=none never trains them; every rank holds them
     # whole (rewrite.py), their gradient none.
     unread: tuple = ()
+    # Parameters of frozen tables (requires_grad off) not as wide as the
+    # stream (RoFormer's sinusoidal rotary table, one head wide): no role,
+    # whole on every rank (rewrite.py), as nothing trains them.
+    frozen: tuple = ()
 
     @property
     def lm_head(self) -> Optional[str]:

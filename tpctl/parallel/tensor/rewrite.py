@@ -155,10 +155,10 @@ def rewrite_layers(model: nn.Module, mode: ParallelMode, plan=None, dry_run: boo
     hold_stream_tensors(model, plan, mode, ctx)  # (after the roles: an elementwise module's are replicated there)
     if init is not None:
         init.materialize(model)  # what no layer sharded: norms, replicated tables, ...
-    unread = set(getattr(plan, "unread", ()))
+    unread = set(getattr(plan, "unread", ())) | set(getattr(plan, "frozen", ()))
     for name, param in model.named_parameters():
         if spec_of(param) is None:
-            if name in unread:  # (never read by the forward: whole on every rank, as mode=none never trains it)
+            if name in unread:  # (never read by the forward, or frozen: whole on every rank, as nothing trains it)
                 mode.replicated(param, "tp", partial=False)
             elif mode.replicated_activations:
                 # Replicated over the group and fed replicated activations:

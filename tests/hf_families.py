@@ -204,8 +204,32 @@ def oss_experts(vocab_size: int, width: int, depth: int, max_len: int):
     return model
 
 
+def bert_head(vocab_size: int, width: int, depth: int, max_len: int):
+    """Qwen3 whose LM head is BERT's (BertLMPredictionHead: a dense, GELU,
+    LayerNorm transform, then the decoder), its `bias` tied to the
+    decoder's as transformers' tied-weights keys tie them: the head's
+    mechanism on a stack sequence parallelism splits (BERT's own MLP,
+    halves in two modules, it refuses)."""
+    import torch
+    import torch.nn as nn
+    import transformers
+    from transformers.models.bert.modeling_bert import BertLMPredictionHead
+
+    model = build("qwen3", vocab_size, width, depth, max_len)
+    head = BertLMPredictionHead(transformers.BertConfig(vocab_size=vocab_size, hidden_size=width))
+    head.decoder.bias = head.bias
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # (its own initialisation belongs to a BERT model: a bias of zeros, ...)
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        head.transform.LayerNorm.weight.add_(1.0)
+    model.lm_head = head
+    assert isinstance(model.lm_head.transform.dense, nn.Linear)
+    return model
+
+
 # Families composed of transformers' classes (a mechanism beside a family it does not come with).
-COMPOSED = {"oss_experts": oss_experts}
+COMPOSED = {"oss_experts": oss_experts, "bert_head": bert_head}
 
 # Gated delta-rule linear attention with separate projections (issue 46): Kimi Linear's (q, k and v
 # each its own Linear and short convolution, per-channel decay from a low-rank forget gate, a low-rank
@@ -229,3 +253,13 @@ FAMILIES["dory"] = ("DoryConfig", dict(num_attention_heads=4, num_key_value_head
 # Mamba-1 with weightless RMSNorms over dt, B and C (buffers): split by inner channels like Mamba's.
 FAMILIES["falcon_mamba"] = ("FalconMambaConfig", dict(state_size=4, expand=2, conv_kernel=4, time_step_rank=4,
                                                        intermediate_size=64))
+# BERT-style LM heads (transformers' causal-LM BERT and RoBERTa): a transform (dense hidden -> hidden,
+# GELU, LayerNorm) after the stack, run whole (roles/whole.py), then a decoder Linear whose bias the head
+# also registers as its own `bias`: the same tensor where tied (BERT's default), a parameter the forward
+# never reads where transformers leaves it untied (tie_word_embeddings=False, as RoBERTa's here).
+FAMILIES["bert"] = ("BertConfig", dict(num_attention_heads=4, intermediate_size=64, is_decoder=True))
+FAMILIES["roberta"] = ("RobertaConfig", dict(num_attention_heads=4, intermediate_size=64, is_decoder=True,
+                                             tie_word_embeddings=False))
+# RoFormer: BERT's head, its self-attention's head counts stored below the attention module that holds
+# its output projection too, and a frozen sinusoidal rotary table one head wide (no role: whole on every rank).
+FAMILIES["roformer"] = ("RoFormerConfig", dict(num_attention_heads=4, intermediate_size=64, is_decoder=True))

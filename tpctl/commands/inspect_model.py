@@ -165,7 +165,8 @@ def inspect_model(cfg):
         elif inside is not None and not note:
             note = f"split by heads, inside {inside}" if inside in split_mixers else f"run whole, inside {inside}"
         if record is None and own and not note:
-            note = "kept whole (replicated)" if par.mode.replicated_activations else "no role"
+            note = _held_note(name, module, plan) or \
+                ("kept whole (replicated)" if par.mode.replicated_activations else "no role")
         if name in plan.layouts and not note:  # a fused projection's parts, or a projection's heads (maybe shared)
             layout = plan.layouts[name]
             # (experts run by their own forward are split as measured: OwnSplit, no parts named)
@@ -188,6 +189,26 @@ def inspect_model(cfg):
         summary["held"] = {what: held[key] * 4 * (2 if what == "AdamW moments" else 1)
                            for what, key in (("parameters", "param"), ("gradients", "grad"), ("AdamW moments", "moment"))}
     return rows, summary, problems
+
+
+# Notes that say how a module is held, not a problem (not shown in red).
+PLAIN_NOTES = ("fused:", "heads:", "mixer (heads split)", "split by heads", "its ", "never read", "never trained")
+
+
+def _held_note(name: str, module, plan) -> str:
+    """What a module with no role holding parameters of its own holds: a
+    child's parameter under its own name too (BERT's LM head's `bias`, its
+    decoder's: sharded with it), parameters its forward never reads
+    (RolePlan.unread), or a frozen table (RolePlan.frozen); "" for none."""
+    own = [(a, p) for a, p in module._parameters.items() if p is not None]
+    children = {id(p): f"{c}.{a}" for c, child in module.named_children() for a, p in child.named_parameters()}
+    if own and all(id(p) in children for _, p in own):
+        return "; ".join(f"its {a} is {name}.{children[id(p)]} (tied: held as that is)" for a, p in own)
+    if own and all(f"{name}.{a}" in plan.unread for a, _ in own):
+        return "never read by its forward: kept whole, never trained (as in mode=none)"
+    if own and all(f"{name}.{a}" in plan.frozen for a, _ in own):
+        return "never trained (frozen), not as wide as the stream: kept whole"
+    return ""
 
 
 def _print(cfg, rows, verdicts: dict, summary) -> None:
@@ -222,7 +243,7 @@ def _print(cfg, rows, verdicts: dict, summary) -> None:
     for name, kind, role, becomes, shapes, nbytes, note, stage in rows:
         note = escape(note)  # a fused layout's "[q|k|v]" is not markup
         cells = [name, kind, role, becomes, shapes, mib(nbytes) if nbytes else "",
-                 f"[red]{note}[/red]" if note and note != "kept whole (replicated)" and not note.startswith(("fused:", "heads:", "mixer (heads split)", "split by heads"))
+                 f"[red]{note}[/red]" if note and note != "kept whole (replicated)" and not note.startswith(PLAIN_NOTES)
                  else note]
         if layout.pp > 1:
             cells.insert(1, stage)

@@ -169,7 +169,9 @@ def _size_settings(cls, cfg: Any) -> dict:
     _head_parts(fields, cls, cfg, out)
     for name, f in fields.items():
         default = _default(f)
-        if isinstance(default, float) and not isinstance(default, bool) and name.endswith(("dropout", "pdrop")):
+        # (BERT's families name theirs hidden_dropout_prob, attention_probs_dropout_prob)
+        if isinstance(default, float) and not isinstance(default, bool) \
+                and name.endswith(("dropout", "pdrop", "dropout_prob")):
             out[name] = float(cfg.dropout)
     if cfg.bias is not None:
         names = [n for n, f in fields.items() if isinstance(_default(f), bool) and (n == "bias" or n.endswith("_bias"))]

@@ -27,12 +27,12 @@ import torch.nn as nn
 
 from tpctl.parallel.roles.experts import expert_count, experts_layout, own_split, routed_per_row, rows_per_row
 from tpctl.parallel.roles.fused import FusedLayout, ProbeError, attention_layout, mlp_layout
-from tpctl.parallel.roles.plan import (GROUP_ATTRS, HEAD_ATTRS, RATIO_ATTRS, ROLES, Heads, RolePlan, blocks_of, common_parent,
-                                      named_stack)
+from tpctl.parallel.roles.plan import (HEAD_ATTRS, RATIO_ATTRS, ROLES, Heads, RolePlan, blocks_of, common_parent,
+                                      head_attrs, named_stack)
 from tpctl.parallel.roles.layer_steps import LayerSteps
 from tpctl.parallel.roles.probes import is_experts, on_cpu
 from tpctl.parallel.roles.tracing import TRACE_BATCH, TRACE_SEQ, per_head_args, random_draws, trace
-from tpctl.parallel.roles.whole import fundamental, run_whole, under, whole_roots
+from tpctl.parallel.roles.whole import fundamental, run_whole, untrained_modules, whole_roots
 
 
 @on_cpu
@@ -83,19 +83,6 @@ def infer_plan(model: nn.Module, vocab_size: Optional[int] = None) -> RolePlan:
     return found.plan(vocab_size)
 
 
-def untrained_modules(found: "_Inference") -> frozenset:
-    """Modules inside an attention that hold parameters and return indices
-    only (no floating-point tensor: DeepSeek's sparse-attention indexer, its
-    top-k positions): no gradient reaches their parameters, in mode=none
-    either, so they run as written, whole, on whole rows of their
-    attention's rows (role `untrained`). The outermost of nested ones."""
-    names = {name for name, flow in found.flows.items()
-             if name and flow.floating is False and flow.shape
-             and any(True for _ in found.modules[name].parameters())
-             and any(under(name, owner) and name != owner for owner in found.heads)}
-    return frozenset(n for n in names if not any(o != n and under(n, o) for o in names))
-
-
 def _infer(model: nn.Module, vocab_size: int, opaque: frozenset = frozenset(),
            untrained: frozenset = frozenset()) -> "_Inference":
     """One trace (modules `opaque` run whole, `untrained` ones run as
@@ -124,8 +111,10 @@ class _Inference(LayerSteps):
         self.model = model
         self.first_inputs: dict[str, tuple] = {}  # module -> the inputs of its first call, for probes
         self.flows: dict = {}  # module -> tracing.Flow of its first call
+        self.unread: dict[str, tuple] = {}  # module -> its own parameters the forward never reads (tracing.trace)
+        self.frozen: list[str] = []  # RolePlan.frozen
         self.nodes, self.out, self.calls = trace(model, vocab_size, inputs=self.first_inputs, flows=self.flows,
-                                                 opaque=opaque | untrained)
+                                                 opaque=opaque | untrained, unread=self.unread)
         self.whole: dict[str, str] = {}  # modules run whole (roles/whole.py) -> the problem that made them
         self.roles: dict[str, str] = {name: "whole" for name in opaque} | {name: "untrained" for name in untrained}
         self.layouts: dict[str, Any] = {}
@@ -252,9 +241,7 @@ class _Inference(LayerSteps):
             problems[owner] = "cannot tell the attention's head size from its forward"
             return
         h, kv = q_width // head_dim, kv_width // head_dim
-        attrs = {a: v for a, v in vars(modules[owner]).items() if isinstance(v, int) and not isinstance(v, bool)
-                 and (a in HEAD_ATTRS and v in (h, kv, q_width, kv_width) or a in RATIO_ATTRS and kv and v == h // kv
-                      or a in GROUP_ATTRS)}
+        attrs = head_attrs(modules, owner, feeders + [out_proj], h, kv, q_width, kv_width)
         if kv < h:  # separate key/value projections: heads of their own, which may be shared
             for name in feeders:
                 if name != q_name and name not in layouts and modules[name].out_features == kv_width:
@@ -394,10 +381,18 @@ class _Inference(LayerSteps):
             head = next((modules[n] for n, r in roles.items() if r == "lm_head"), None)
             vocab = [t for t in token if head is not None and modules[t].num_embeddings == head.out_features]
             token = vocab[:1] or token[:1]
-        for n in nodes:
-            if n.kind == "embedding":
-                self.assign(n.name, "embedding" if n.name in token else "pos_embedding")
         self.hidden = modules[token[0]].embedding_dim if token else None
+        for n in nodes:
+            table = modules[n.name] if n.kind == "embedding" else None
+            if table is not None and n.name not in token and self.hidden is not None \
+                    and table.embedding_dim != self.hidden and not table.weight.requires_grad:
+                # A frozen table not as wide as the stream (RoFormer's sinusoidal
+                # rotary table, one head wide, which every head reads): no split
+                # of the stream's features applies; whole on every rank, exact
+                # as nothing trains it (RolePlan.frozen).
+                self.frozen.append(f"{n.name}.weight")
+            elif table is not None:
+                self.assign(n.name, "embedding" if n.name in token else "pos_embedding")
 
     def experts(self) -> None:
         """Mixture-of-experts blocks: the experts module, and beside it (in
@@ -442,6 +437,7 @@ class _Inference(LayerSteps):
     def stray_linears(self) -> None:
         """Why each Linear still without a role has none."""
         nodes, kind_of, roles = self.nodes, self.kind_of, self.roles
+        stack, block_of = named_stack(self.model), self._block_of()
         feeding = {j for i, n in enumerate(nodes) if n.kind == "linear" and roles.get(n.name) in ("qkv", "attn_in")
                    for j in n.inputs | {k for m in n.inputs if kind_of[m] == "norm" for k in nodes[m].inputs}}
         for name in self.rest:
@@ -451,26 +447,22 @@ class _Inference(LayerSteps):
                 self.problems[name] = ("a Linear feeding the attention's projections (a low-rank or latent projection, "
                                        "as DeepSeek's multi-head latent attention): tpctl splits attention by heads, "
                                        "and its output has none")
+            elif stack is not None and block_of(name) is None and self.changes_width(name):
+                # (ELECTRA's, RemBERT's LM head transform: hidden -> the output embedding's width)
+                linear = self.modules[name]
+                self.problems[name] = (f"a Linear after the model's blocks changing the width the LM head reads "
+                                       f"({linear.in_features} -> {linear.out_features} features): tpctl runs such a "
+                                       "transform whole only where it keeps the stream's width")
+            elif stack is not None and block_of(name) is None:  # (BERT's LM head's transform: run whole, whole.py)
+                self.problems[name] = "a Linear outside the attention / MLP / LM head pattern, after the model's blocks"
             else:
                 self.problems[name] = "a Linear outside the attention / MLP / LM head pattern"
 
-    def uncalled(self) -> None:
-        """Dropout modules the traced forward never called (used only in
-        training, or only for their `p`): split activations inside
-        attention. Other modules never called that hold parameters are
-        problems."""
-        roles, calls = self.roles, self.calls
-        owners = tuple(f"{owner}." for owner in self.heads)
-        for name, module in self.model.named_modules():
-            if isinstance(module, nn.Dropout) and name not in roles:
-                self.assign(name, "attn_dropout" if owners and name.startswith(owners) else "dropout")
-        called = {id(p) for name in calls  # (what an experts module, a router or a module run whole holds runs inside it)
-                  for p in self.modules[name].parameters(recurse=roles.get(name) in ("experts", "router", "whole",
-                                                                                      "untrained"))}
-        for name, module in self.model.named_modules():
-            own = list(module.parameters(recurse=False))
-            if name and name not in calls and own and not all(id(p) in called for p in own):
-                self.problems.setdefault(name, "never called in the forward")
+    def changes_width(self, name: str) -> bool:
+        """Whether a Linear's output is not as wide as its input (the
+        stream's width as its input has it)."""
+        linear = self.modules[name]
+        return linear.in_features != linear.out_features
 
     def plan(self, vocab_size: int) -> RolePlan:
         """The RolePlan, roles in the model's module order. A layer tpctl has
@@ -487,4 +479,6 @@ class _Inference(LayerSteps):
                         {n: m.tpctl_traced_width for n, m in self.modules.items() if n in ordered
                          and getattr(m, "tpctl_traced_width", None) is not None}, self.stream_tensors,
                         {n: len(c) for n, c in self.calls.items() if n in ordered and len(c) > 1},
-                        {n: r for n, r in self.expert_rows.items() if n in ordered})
+                        {n: r for n, r in self.expert_rows.items() if n in ordered},
+                        tuple(f"{n}.{a}" for n, attrs in self.unread.items() for a in attrs),
+                        tuple(dict.fromkeys(self.frozen)))

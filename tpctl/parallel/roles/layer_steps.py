@@ -2,7 +2,7 @@
 that are not Linears: norms (on the stream, over each head, over one
 projection's output, lists of per-head norms), dropouts, tables of
 constants, elementwise modules, an attention module's own per-head
-parameters, tensors as wide as the stream a module holds itself and adds to
+parameters, modules the forward never calls (`uncalled`), tensors as wide as the stream a module holds itself and adds to
 (or multiplies into) it outside any Linear; any other layer with parameters
 is a problem (a module on the
 stream holding one may then run whole: roles/whole.py). A mixin of
@@ -176,3 +176,23 @@ class LayerSteps:
                     self.head_lists[name] = owner
                 else:
                     self.problems[name] = f"a list of {len(module)} per-head norms that matches no attention's head count"
+
+    def uncalled(self) -> None:
+        """Dropout modules the traced forward never called (used only in
+        training, or only for their `p`): split activations inside
+        attention. Other modules never called that hold parameters are
+        problems."""
+        roles, calls = self.roles, self.calls
+        owners = tuple(f"{owner}." for owner in self.heads)
+        for name, module in self.model.named_modules():
+            if isinstance(module, nn.Dropout) and name not in roles:
+                self.assign(name, "attn_dropout" if owners and name.startswith(owners) else "dropout")
+        called = {id(p) for name in calls  # (what an experts module, a router or a module run whole holds runs inside it)
+                  for p in self.modules[name].parameters(recurse=roles.get(name) in ("experts", "router", "whole",
+                                                                                      "untrained"))}
+        # (a module holding parameters its called forward never reads: held whole, never trained, as in mode=none)
+        called |= {id(getattr(self.modules[name], a)) for name, attrs in self.unread.items() for a in attrs}
+        for name, module in self.model.named_modules():
+            own = list(module.parameters(recurse=False))
+            if name and name not in calls and own and not all(id(p) in called for p in own):
+                self.problems.setdefault(name, "never called in the forward")

@@ -62,6 +62,29 @@ HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", *KV_ATTRS
               "embed_dim", "split_size", "hidden_size", "all_head_size", "inner_dim")
 
 
+def head_attrs(modules: dict, owner: str, members: list[str], h: int, kv: int, q_width: int,
+               kv_width: int) -> dict[str, int]:
+    """The head counts, widths and ratios an attention module `owner`
+    stores (attribute -> full value); where it stores none, those of the
+    modules between it and its Linears `members`, by their path below it
+    ("self.all_head_size": MegatronBERT's and RoFormer's self-attention,
+    beside its output projection, views its context as all_head_size
+    wide)."""
+    def stored(module) -> dict[str, int]:
+        return {a: v for a, v in vars(module).items() if isinstance(v, int) and not isinstance(v, bool)
+                and (a in HEAD_ATTRS and v in (h, kv, q_width, kv_width) or a in RATIO_ATTRS and kv and v == h // kv
+                     or a in GROUP_ATTRS)}
+
+    attrs = stored(modules[owner])
+    if attrs:
+        return attrs
+    prefix = f"{owner}." if owner else ""
+    between = {m[:i] for m in members for i in range(len(m)) if m[i] == "." and m[:i].startswith(prefix)}
+    for name in sorted(between - {owner}):
+        attrs.update({f"{name[len(prefix):]}.{a}": v for a, v in stored(modules[name]).items()})
+    return attrs
+
+
 @dataclass
 class Heads:
     """The attention module of one layer, and what its heads look like."""
@@ -86,7 +109,9 @@ class Heads:
         return max(self.kv_heads // split, 1)
 
     def local(self, attr: str, full: int, split: int) -> int:
-        """This rank's value of a head count, width or ratio `attr`."""
+        """This rank's value of a head count, width or ratio `attr` (of the
+        attention module, or of a module below it: its path first)."""
+        attr = attr.rpartition(".")[2]
         kv = self.kv_local(split)
         if attr in RATIO_ATTRS:
             return (self.heads // split) // kv
@@ -157,6 +182,15 @@ class RolePlan:
     # row (Llama 4's: every row to every expert, the expert count): what
     # their collectives carry (the planner's count). Absent: 1.
     expert_rows: dict[str, int] = field(default_factory=dict)
+    # Parameters the traced forward never reads, of a module holding only
+    # such (BERT's LM head's `bias` where transformers leaves it untied from
+    # its decoder's): mode=none never trains them; every rank holds them
+    # whole (rewrite.py), their gradient none.
+    unread: tuple = ()
+    # Parameters of frozen tables (requires_grad off) not as wide as the
+    # stream (RoFormer's sinusoidal rotary table, one head wide): no role,
+    # whole on every rank (rewrite.py), as nothing trains them.
+    frozen: tuple = ()
 
     @property
     def lm_head(self) -> Optional[str]:

@@ -54,6 +54,7 @@ class _Trace(TorchFunctionMode):
         self.stand_ins = stand_ins
         self._prov: dict[int, frozenset] = {}
         self._alive: list[torch.Tensor] = []  # keeps ids unique during the trace
+        self.read: set[int] = set()  # ids of the parameters some op read (a module's own never read: unread)
         self.paused = False  # a probe runs inside a hook: its ops are no part of the model's flow
 
     def prov(self, value) -> frozenset:
@@ -74,6 +75,7 @@ class _Trace(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.read.update(id(t) for t in _tensors((args, kwargs)) if id(t) in self.params)
         if self.paused:
             out = _skip_grouped_mm(func, args, kwargs, self.stand_ins)  # (an experts module's own forward)
             return func(*args, **kwargs) if out is None else out
@@ -179,6 +181,26 @@ def _tensors(value):
             yield from _tensors(v)
 
 
+def own_params(module: nn.Module) -> dict[str, nn.Parameter]:
+    """A module's own parameters, less those that are also a child's (by
+    identity): a tied alias (BERT's LM head registers `bias`, the very
+    parameter its decoder Linear holds as its bias) is the child's, read by
+    the child's forward, and makes its holder no layer of its own."""
+    children = {id(p) for child in module.children() for p in child.parameters()}
+    return {a: p for a, p in module._parameters.items() if p is not None and id(p) not in children}
+
+
+def _unread(module: nn.Module, out, read: set[int]) -> bool:
+    """Whether no op read any of a module's own parameters (own_params) and
+    its call did not return one for a caller to read: BERT's LM head's
+    `bias` where transformers leaves it untied from the decoder's (as with
+    tie_word_embeddings=False). They change nothing it computes, so it is a
+    container, and its output keeps the provenance its children gave it
+    (the decoder's: the LM head)."""
+    own = own_params(module).values()
+    return bool(own) and not any(id(p) in read or any(t is p for t in _tensors(out)) for p in own)
+
+
 def _kind(module: nn.Module) -> Optional[str]:
     if isinstance(module, nn.Linear):
         return "linear"
@@ -190,7 +212,7 @@ def _kind(module: nn.Module) -> Optional[str]:
         return "dropout"
     if is_experts(module) or holds_experts(module):
         return "experts"
-    if any(True for _ in module.parameters(recurse=False)):
+    if own_params(module):
         return "layer"
     if any(b.is_floating_point() for b in module.buffers(recurse=False)):
         return "table"  # constants without parameters: rotary frequencies, a sinusoidal position table
@@ -258,7 +280,7 @@ def _put_stand_ins(model: nn.Module) -> tuple[dict, dict]:
 
 def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: Optional[dict] = None,
           ids: Optional[torch.Tensor] = None, draws: Optional[_Draws] = None, flows: Optional[dict] = None,
-          opaque: frozenset = frozenset()):
+          opaque: frozenset = frozenset(), unread: Optional[dict] = None):
     """Run `model` on `ids` (default: a batch of TRACE_BATCH x `seq` random
     token ids); return (nodes, the node ids the output came from, module
     name -> node ids of its calls). `inputs`, if given, is filled with module
@@ -267,7 +289,8 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
     first call. Modules named in `opaque` (run whole: roles/whole.py) are one
     node each, of kind "whole", what runs inside them not followed. With
     `draws`, the forward runs in training mode and `draws` records its
-    random numbers."""
+    random numbers. `unread`, if given, gets module name -> its own
+    parameters where no op read them (_unread: a container, no node)."""
     originals, stand_ins = _put_stand_ins(model)
     params = {id(p) for p in model.parameters()}
     tracer = _Trace(params, {id(p) for p in stand_ins.values()})
@@ -286,6 +309,10 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
             tracer.paused = False
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else ()
             found = kind
+            if kind == "layer" and _unread(mod, out, tracer.read):  # a container: no node, its output's provenance kept
+                if unread is not None:
+                    unread[name] = tuple(own_params(mod))
+                return
             if kind == "norm" and shape:
                 traced_width(mod, shape[-1])
             if kind == "layer":

@@ -29,8 +29,13 @@ whole (`tpctl inspect` shows both).
 
 Found after the other roles (inference.infer_plan): for every module with a
 problem, the innermost module holding it (itself included) that sits on the
-stream, inside a block of the model's stack (a block itself, or the stack,
-is never run whole: sequence parallelism and pipeline stages cut there).
+stream, inside a block of the model's stack or outside the stack (a block
+itself, or the stack, is never run whole: sequence parallelism and pipeline
+stages cut there). Outside it: BERT's LM head's transform (a dense Linear
+hidden -> hidden, an activation, a LayerNorm) between the last block and
+the decoder: its dense pairs with no Linear, so it runs whole (its
+LayerNorm is a norm on the stream), exactly as inside a block, on the
+last pipeline stage.
 Everything under it loses its role and its problem; it gets role `whole`.
 """
 
@@ -79,6 +84,19 @@ def whole_roots(found) -> dict[str, str]:
             roots.setdefault(root, f"{name}: {reason}")
     # The outermost of nested ones.
     return {r: why for r, why in roots.items() if not any(o != r and under(r, o) for o in roots)}
+
+
+def untrained_modules(found) -> frozenset:
+    """Modules inside an attention that hold parameters and return indices
+    only (no floating-point tensor: DeepSeek's sparse-attention indexer, its
+    top-k positions): no gradient reaches their parameters, in mode=none
+    either, so they run as written, whole, on whole rows of their
+    attention's rows (role `untrained`). The outermost of nested ones."""
+    names = {name for name, flow in found.flows.items()
+             if name and flow.floating is False and flow.shape
+             and any(True for _ in found.modules[name].parameters())
+             and any(under(name, owner) and name != owner for owner in found.heads)}
+    return frozenset(n for n in names if not any(o != n and under(n, o) for o in names))
 
 
 def fundamental(reason: str) -> bool:

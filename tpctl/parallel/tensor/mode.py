@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -46,6 +47,9 @@ class RewriteContext:
         self.shapes_only = shapes_only
         self.name = ""  # the module being converted
         self._new: dict[int, nn.Parameter] = {}
+        # id -> a weak reference to the original sharded (the id alone may be
+        # a freed original's, reused: `made_for` checks it is the same object)
+        self._originals: dict[int, weakref.ref] = {}
 
     def shard(self, original: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
         """The sharded parameter for `original`, created once: a parameter
@@ -59,9 +63,16 @@ class RewriteContext:
             else:
                 local = spec.slice(original.detach())
             made = self._new[id(original)] = make_param(local, spec)
+            self._originals[id(original)] = weakref.ref(original)
         elif (made.tpctl_spec.full_shape, made.tpctl_spec.index) != (spec.full_shape, spec.index):
             raise ValueError(f"a tied parameter {tuple(original.shape)} is used by layers that shard it differently")
         return made
+
+
+    def made_for(self, original: torch.Tensor) -> Optional[nn.Parameter]:
+        """The shard made for `original` (this very object), or None."""
+        ref = self._originals.get(id(original))
+        return self._new[id(original)] if ref is not None and ref() is original else None
 
 
 class ParallelMode(CostHooks):

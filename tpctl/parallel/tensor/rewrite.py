@@ -74,8 +74,9 @@ def _hold_heads(model: nn.Module, plan: RolePlan, mode: ParallelMode, ctx: Rewri
     split = mode.geo.head_split
     for owner, heads in plan.heads.items():
         module = model.get_submodule(owner)
-        for attr, full in heads.attrs.items():
-            setattr(module, attr, heads.local(attr, full, split))
+        for attr, full in heads.attrs.items():  # (its own, or a module's below it: "self.all_head_size")
+            path, _, leaf = attr.rpartition(".")
+            setattr(module.get_submodule(path), leaf, heads.local(attr, full, split))
         per_rank_counts(module, heads, split)
         ctx.name = owner
         for attr in heads.params if mode.rewrites else ():  # (learned sinks) this rank's heads' entries
@@ -148,14 +149,18 @@ def rewrite_layers(model: nn.Module, mode: ParallelMode, plan=None, dry_run: boo
     for block, attrs in getattr(plan, "widths", {}).items():  # the stream's width as this rank holds it
         for attr, full in attrs.items():
             setattr(model.get_submodule(block), attr, full // mode.geo.q)
+    repoint_aliases(model, ctx)
     split = mode.geo.head_split
     _hold_heads(model, plan, mode, ctx)
     hold_stream_tensors(model, plan, mode, ctx)  # (after the roles: an elementwise module's are replicated there)
     if init is not None:
         init.materialize(model)  # what no layer sharded: norms, replicated tables, ...
+    unread = set(getattr(plan, "unread", ())) | set(getattr(plan, "frozen", ()))
     for name, param in model.named_parameters():
         if spec_of(param) is None:
-            if mode.replicated_activations:
+            if name in unread:  # (never read by the forward, or frozen: whole on every rank, as nothing trains it)
+                mode.replicated(param, "tp", partial=False)
+            elif mode.replicated_activations:
                 # Replicated over the group and fed replicated activations:
                 # every rank computes the same gradient.
                 mode.replicated(param, "tp", partial=False)
@@ -181,6 +186,20 @@ def rewrite_layers(model: nn.Module, mode: ParallelMode, plan=None, dry_run: boo
         return Rewrite(model, plan, vocab_size)
     return Rewrite(model, plan, vocab_size, rewritten, problems)
 
+
+
+def repoint_aliases(model: nn.Module, ctx: RewriteContext) -> None:
+    """Every registration of a parameter a layer's rewrite sharded, made to
+    hold the shard: a module with no role holding, as its own, a parameter
+    of a child with one (BERT's LM head registers `bias`, the very tensor its
+    decoder Linear adds: transformers' tied-weights keys) would otherwise
+    keep the whole original, untrained, under the name named_parameters and
+    so checkpoints, export and the start-up check read first."""
+    for module in model.modules():
+        for attr, p in list(module._parameters.items()):
+            made = None if p is None else ctx.made_for(p)
+            if made is not None and made is not p:
+                module._parameters[attr] = made
 
 
 def held_by_heads_or_slices(plan) -> list[str]:
@@ -298,7 +317,7 @@ def check_plan(plan, model: nn.Module, geo, training: bool = True) -> dict[str, 
     for owner, heads in plan.heads.items():
         if heads.heads % ways:
             problems.setdefault(owner, f"{heads.heads} query heads do not split {ways} ways (mode {geo.mode}, size {geo.size})")
-        elif groups := next(((a, v) for a, v in heads.attrs.items() if a in GROUP_ATTRS and v % ways), None):
+        elif groups := next(((a, v) for a, v in heads.attrs.items() if a.rpartition(".")[2] in GROUP_ATTRS and v % ways), None):
             problems.setdefault(owner, f"its forward reshapes the fused projection into {groups[0]}={groups[1]} groups "
                                        f"of heads, which do not split {ways} ways (mode {geo.mode}, size {geo.size})")
         elif heads.kv_heads % ways and (heads.kv_heads > ways or ways % heads.kv_heads):

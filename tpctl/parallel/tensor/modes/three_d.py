@@ -18,6 +18,7 @@ add sees matching layouts; the roles fix which layout each layer is fed.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -206,6 +207,24 @@ class Embedding3D(nn.Module):
         return comm.reduce_scatter_along(out, self.rows_group, 0)
 
 
+def _own_rows(forward, q: int, j: int, fed: dict, *args, **kwargs) -> torch.Tensor:
+    """A position table's output, cut to rows block j of q where it holds
+    the rows the model was fed (`fed["rows"]`, rows block i: BERT's token
+    types, expanded to the input ids' shape); not one row broadcast to all,
+    a bare [seq] of positions (GPT's), nor rows made from the embedding's
+    output (OPT's positions from a mask of its rows: already this rank's)."""
+    out = forward(*args, **kwargs)
+    rows = fed.get("rows", 1)
+    return out.chunk(q, 0)[j] if rows > 1 and out.dim() >= 3 and out.shape[0] == rows else out
+
+
+def _record_rows(fed: dict, module, args, kwargs) -> None:
+    """Pre-hook of the model: how many rows of ids it is fed."""
+    ids = args[0] if args else kwargs.get("input_ids")
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        fed["rows"] = ids.shape[0]
+
+
 @register
 class ThreeD(ParallelMode):
     name = "3d"
@@ -231,6 +250,10 @@ class ThreeD(ParallelMode):
         super().__init__(mesh)
         self.q = mesh.geo.q
         self.c = mesh.coords
+        self.fed: dict = {}  # the rows of ids the model was last fed (_record_rows)
+
+    def prepare(self, model, plan) -> None:
+        model.register_forward_pre_hook(functools.partial(_record_rows, self.fed), with_kwargs=True)
 
     # ---- cost (mode.ParallelMode) -------------------------------------------
     loss_group_name, stream_group_name = LAYOUT_B.hidden, LAYOUT_A.hidden
@@ -407,6 +430,14 @@ class ThreeD(ParallelMode):
     def convert_pos_embedding(self, module: nn.Embedding, ctx):
         # The module's own forward on this rank's hidden block of the table.
         module.weight = ctx.shard(module.weight, self._hidden_spec(module.weight, LAYOUT_A, dim=1))
+        if ctx.shapes_only:
+            return module
+        # Ids with the input's rows (BERT's token types, expanded to rows
+        # block i) look up rows the token embedding scatters to blocks
+        # (i, j): this rank keeps its block of them, as shard_hidden does
+        # (positions, one row for every row, stay broadcast).
+        # (its forward itself: the start-up check replays forward, not hooks)
+        module.forward = functools.partial(_own_rows, module.forward, self.q, self.c[LAYOUT_A.rows], self.fed)
         return module
 
     def convert_norm(self, module: nn.Module, ctx):

@@ -355,3 +355,20 @@ def test_a_fused_layout_splits_by_runs_exactly_as_feature_by_feature():
                             [(f, f + 1) for f in flat[sub * size:(sub + 1) * size]])
                         checked += 1
     assert checked > 1000
+
+
+def test_a_frozen_parameter_stays_frozen_when_sharded():
+    """A tensor mode=none never trains (requires_grad off: Marian's
+    sinusoidal position table) is no trainable shard either: a shard made
+    trainable would be trained by every split mode, silently off
+    mode=none's curve (Marian and Pegasus in 2d, found by the zoo)."""
+    import torch
+
+    from tpctl.parallel.shard import ShardSpec
+    from tpctl.parallel.tensor.mode import RewriteContext
+
+    ctx = RewriteContext(mesh=None)
+    frozen, trained = torch.nn.Parameter(torch.randn(8, 4), requires_grad=False), torch.nn.Parameter(torch.randn(8, 4))
+    spec = ShardSpec((8, 4), (None, ((0, 2),)))
+    assert not ctx.shard(frozen, spec).requires_grad
+    assert ctx.shard(trained, spec).requires_grad

@@ -201,6 +201,22 @@ def _unread(module: nn.Module, out, read: set[int]) -> bool:
     return bool(own) and not any(id(p) in read or any(t is p for t in _tensors(out)) for p in own)
 
 
+def _never_entered(model: nn.Module, calls: dict, holders: tuple, read: set[int], unread: Optional[dict]) -> None:
+    """Modules the forward never called, none of whose own parameters any
+    op read (an encoder-decoder's cross-attention, which its causal LM's
+    forward leaves unused; a vision tower): nothing they hold reaches the
+    output, so mode=none never trains them, and `unread` gets them (held
+    whole on every rank, never trained: rewrite.py). What is inside a module
+    run whole or an experts module is its own."""
+    if unread is None:
+        return
+    for name, module in model.named_modules():
+        own = own_params(module)
+        if name and own and name not in calls and not (holders and name.startswith(holders)) \
+                and not any(id(p) in read for p in own.values()):
+            unread.setdefault(name, tuple(own))
+
+
 def _kind(module: nn.Module) -> Optional[str]:
     if isinstance(module, nn.Linear):
         return "linear"
@@ -290,7 +306,8 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
     node each, of kind "whole", what runs inside them not followed. With
     `draws`, the forward runs in training mode and `draws` records its
     random numbers. `unread`, if given, gets module name -> its own
-    parameters where no op read them (_unread: a container, no node)."""
+    parameters where no op read them (_unread: a container, no node; or a
+    module never called: _never_entered)."""
     originals, stand_ins = _put_stand_ins(model)
     params = {id(p) for p in model.parameters()}
     tracer = _Trace(params, {id(p) for p in stand_ins.values()})
@@ -369,6 +386,7 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
         with torch.no_grad(), CacheOff(model), tracer, draws if draws is not None else contextlib.nullcontext():
             logits = logits_of(model(ids))
         out = tracer.prov(logits)
+        _never_entered(model, calls, holders, tracer.read, unread)
     finally:
         for h in handles:
             h.remove()

@@ -63,6 +63,9 @@ class RewriteContext:
             else:
                 local = spec.slice(original.detach())
             made = self._new[id(original)] = make_param(local, spec)
+            # (a frozen tensor stays frozen: Marian's sinusoidal position table, requires_grad off,
+            # trained by no mode=none step; a shard made trainable would train it, silently)
+            made.requires_grad_(original.requires_grad)
             self._originals[id(original)] = weakref.ref(original)
         elif (made.tpctl_spec.full_shape, made.tpctl_spec.index) != (spec.full_shape, spec.index):
             raise ValueError(f"a tied parameter {tuple(original.shape)} is used by layers that shard it differently")

@@ -49,12 +49,43 @@ CASES += [("recurrent_gemma", "1d-2-sp-dp2")]
 # other rows hold the same heads (qwen3_next and nemotron_h at 2d-4 and 3d-8 run in
 # test_families_hybrid, the same check).
 CASES += [("bamba", "2d-4"), ("kimi_linear", "3d-8"), ("olmo_hybrid", "2d-4-dp2"), ("qwen3_5", "2.5d-8-d2")]
+# A Mamba-2 mixer with ONE group of heads split by heads, its B and C whole on every rank of the split (their
+# gradients summed over those ranks), its gated norm over the whole inner width summing its moments:
+# Falcon-H1's without the norm (its default; 2d-4 and 1d-2-pp2-dp2 run in test_families_hybrid), with it
+# (normalising before the gate), and Bamba's with one group (gating before the norm, biases).
+CASES += [("falcon_h1", "1d-2-dp2"), ("falcon_h1", "3d-8"), ("falcon_h1_norm", "1d-2-sp-dp2"),
+          ("falcon_h1_norm", "2d-4"), ("bamba_one_group", "1d-2-pp2-dp2"), ("bamba_one_group", "2.5d-8-d2")]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family,key", CASES)
 def test_a_mixer_split_by_heads_trains_like_mode_none(pool, none_curves, family, key):
-    trains_like_mode_none(pool, none_curves, family, key)
+    ranks, (loss, norm) = trains_like_mode_none(pool, none_curves, family, key)
+    if family in ONE_GROUP:
+        assert_one_group_split(ranks, 2)
+        print(f"{family} {key}: loss within {loss:.2g}, grad norm within {norm:.2g} of mode=none")
+
+
+ONE_GROUP = ("falcon_h1", "falcon_h1_norm", "bamba_one_group")
+
+
+def assert_one_group_split(ranks, ways: int) -> None:
+    """Each rank's real shapes (trains_like_mode_none's ranks) of every
+    one-group Mamba-2 mixer its stage holds (some rank holds one)
+    (hf_families' tiny falcon_h1 / bamba_one_group: 8 heads of 8, state 8,
+    hidden 32): 1/ways of the heads of in_proj's z, x and dt rows, of the
+    conv's x channels, of A_log and of out_proj's columns; B's and C's 8
+    rows (and channels) each whole."""
+    want = {"in_proj.weight": ((64 + 64 + 8) // ways + 16, 32), "conv1d.weight": (64 // ways + 16, 1, 4),
+            "A_log": (8 // ways,), "out_proj.weight": (32, 64 // ways)}
+    seen = set()
+    for rank, (_, counted, _, _) in enumerate(ranks):  # (a pipeline stage may hold none)
+        for name, shape in counted.items():
+            kind = next((k for k in want if name.endswith(("mamba." + k, "mixer." + k))), None)
+            if kind is not None:
+                assert shape == want[kind], (rank, name, shape)
+                seen.add(kind)
+    assert seen == set(want), f"no rank holds a one-group mixer's {set(want) - seen}"
 
 
 def _mixer(family: str):

@@ -261,6 +261,93 @@ def test_each_rank_holds_its_share_of_a_gated_delta_rule_attention(family, attn,
     assert after == (before - kept) // 2 + kept, (before, after)
 
 
+# ---- Mamba-2 with ONE group of heads: B and C whole on every rank, the gated norm's moments summed -------
+
+@pytest.mark.parametrize("family", ["falcon_h1_norm", "bamba_one_group", "falcon_h1"])
+def test_the_one_group_layout_is_measured_and_a_wrong_one_fails(family):
+    """A Mamba-2 mixer with one group split by heads (in_proj's z, x and dt
+    rows and the conv's x channels by heads, B's and C's rows and channels
+    Kept whole on every shard, the gated norm over the whole inner width
+    summing its moments across the shards) reproduces its output (Falcon-H1
+    normalising before its gate, Bamba gating before its norm, Falcon-H1
+    without a norm); the norm's moments left to each shard's own features,
+    or B and C cut into blocks like a group's, do not. Heads that do not
+    divide: it runs whole, and says why."""
+    import dataclasses
+
+    from tpctl.parallel.roles.mixer_dims import Kept
+    from tpctl.parallel.roles.mixers import measure, mixer_split
+
+    mixer, (args, kwargs) = _mixer(family), _call()
+    split = mixer_split(mixer, args, kwargs)
+    assert split.kind == "mamba2" and (split.heads, split.groups) == (8, 1)
+    dims = {n: sizes for n, _, sizes in split.dims}
+    assert dims["in_proj.weight"] == (64, 64, 8, 8, 8) and dims["conv1d.weight"] == (64, 8, 8)
+    assert [isinstance(s, Kept) for s in dims["in_proj.weight"]] == [False, False, True, True, False]
+    assert {"in_proj.weight", "conv1d.weight"} <= set(split.kept_params())
+    # (a shard's conv and in_proj: its heads' channels and rows, and B's and C's 16 whole; n_groups stays 1)
+    assert ("conv1d", "groups", 32 + 16) in split.shard_attrs(2) and ("in_proj", "out_features", 68 + 16) in \
+        split.shard_attrs(2) and not any(a == "n_groups" for _, a, _ in split.attrs)
+    assert split.heads_problem(2) is None and split.heads_problem(3) == (
+        "8 heads of one group do not split 3 ways (a head's channels would span ranks)")
+    cut = tuple((n, d, tuple(int(x) for x in sizes)) for n, d, sizes in split.dims)  # (B and C: blocks of a group)
+    assert measure(mixer, dataclasses.replace(split, dims=cut), args, kwargs)
+    if family == "falcon_h1":  # (mamba_rms_norm off, its default: no norm, nothing summed)
+        assert split.moments == ()
+        return
+    assert split.moments == (("norm", 1, 64),)
+    assert measure(mixer, dataclasses.replace(split, moments=()), args, kwargs)
+
+
+def _curve_without_kept_sums(key: str, family: str, steps: int):
+    """test_families._curve with the one-group mixers' B and C rows'
+    gradients left unsummed (each rank keeping its own heads' part): the
+    rewrite handing none of them to replicas.share_slices."""
+    from test_families import _curve
+
+    import tpctl.parallel.tensor.rewrite as rewrite
+
+    kept_rows = rewrite.kept_rows
+    rewrite.kept_rows = lambda plan, mode: []
+    try:
+        return _curve(key, family, steps)
+    finally:  # (the pool's workers run the next test too)
+        rewrite.kept_rows = kept_rows
+
+
+@pytest.mark.timeout(300)
+def test_a_one_group_mixer_whose_b_and_c_gradients_are_not_summed_is_refused(pool):
+    """The B and C rows each rank holds whole get only its own heads' part
+    of their gradient: without the sum over the ranks splitting the mixer
+    the start-up proof (a block's gradients against the original's) refuses
+    the rewrite."""
+    got = pool.run(_curve_without_kept_sums, "1d-2-dp2", "falcon_h1_norm", 2)[0]
+    assert got[0] == "refused" and "in_proj" in got[1], got
+
+
+@pytest.mark.parametrize("key", ["1d-2", "2d-4"])
+def test_each_rank_holds_its_share_of_a_one_group_mixer(key):
+    """1d-2 and 2d-4 (the heads split among the q = 2 ranks of a block of
+    rows): Falcon-H1's one-group mixer is split by heads, every tensor of it
+    halved on a rank but B's and C's rows of in_proj and channels of the
+    conv, whole; inspect says so."""
+    import math
+
+    rows = _inspect(key, "falcon_h1_norm")
+    mixer = _mixer("falcon_h1_norm")
+    name = next(n for n in rows if n.endswith("layers.0.mamba"))
+    assert rows[name][2] == "mixer (heads split)" and "8 heads in one group" in rows[name][6], rows[name]
+    assert "in_proj.weight dim 0 [64, 64, 8 whole, 8 whole, 8]" in rows[name][6], rows[name]
+    nbytes = {n: math.prod(p.shape) * p.element_size() for n, p in mixer.named_parameters()}
+    bc = 4 * 2 * 8  # (B's and C's 8 rows or channels, fp32)
+    want = {"in_proj": (nbytes["in_proj.weight"] - 32 * bc) // 2 + 32 * bc,
+            "conv1d": (nbytes["conv1d.weight"] - 4 * bc) // 2 + 4 * bc + (nbytes["conv1d.bias"] - bc) // 2 + bc,
+            "norm": nbytes["norm.weight"] // 2, "out_proj": nbytes["out_proj.weight"] // 2}
+    for sub, held in want.items():
+        assert rows[f"{name}.{sub}"][5] == held and rows[f"{name}.{sub}"][6].startswith("split by heads, inside"), \
+            rows[f"{name}.{sub}"]
+
+
 # ---- Mamba-1: split by inner channels, x_proj's partial product summed inside the mixer -------
 
 def assert_mamba1_split(ranks, ways: int) -> None:
@@ -432,8 +519,7 @@ def test_the_rglru_layout_is_measured_and_a_wrong_one_fails():
     ("qwen3_next", "1d-4", "2 key head(s) do not split 4 ways"),
     ("qwen3_5", "1d-4", "2 key head(s) do not split 4 ways"),
     ("olmo_hybrid", "1d-4", "2 key head(s) do not split 4 ways"),
-    ("bamba", "2d-16", "2 group(s) of heads do not split 4 ways"),
-    ("falcon_h1", "1d-2", "one group of heads (n_groups=1)")])
+    ("bamba", "2d-16", "2 group(s) of heads do not split 4 ways")])
 def test_a_mixer_that_does_not_split_runs_whole_and_says_why(family, key, why):
     rows = _inspect(key, family)
     mixers = [row for row in rows.values() if row[2] == "whole" and ("Mixer" in row[1] or "Delta" in row[1])]

@@ -23,6 +23,25 @@ split the same way, so its output is a partial sum (one all-reduce after
 the mixer, like 1d's row-parallel Linear), and the input's gradient is
 summed over the group (tensor/whole.py's split_mixer).
 
+With ONE group of heads (n_groups=1, Falcon-H1's default) every head reads
+the same B and C, and the gated norm is over the whole inner width. A rank
+then holds its heads of z, x and dt (rows of in_proj, channels of the
+conv, A_log, D, dt_bias, the norm's features, out_proj's columns) and B's
+and C's rows of in_proj and channels of the conv (their biases, FalconH1's
+mup_vector's entries) WHOLE: segments Kept (mixer_dims.py), on every shard
+whole, its integer attributes a Kept part plus the rest / S (conv_dim =
+intermediate / S + 2 x state; n_groups stays 1). Each rank's gradient of
+B's and C's rows is its own heads' part: they are rows several ranks hold
+alike beside rows of their own, as shared key/value heads' in a fused
+projection, so the rewrite hands them to replicas.share_slices (row
+replicas, summed once after the backward by sync_replicas; `kept_rows`),
+and the planner counts those sums from every rank's dry run
+(cost/layer_comm.kv_shared). The norm's moments are summed over the ranks
+splitting the mixer (MOMENTS, below: a layers.SplitNorm gating before or
+after the norm as the family's does). Such a split mixer, and its
+measurement, take the torch path (transformers' fused kernel would
+normalise by one rank's features). It splits when its heads divide by S.
+
 Gated delta-rule linear attention (Qwen3-Next's Qwen3NextGatedDeltaNet)
 declares `num_k_heads` key heads of `head_k_dim`, `num_v_heads` value
 heads of `head_v_dim` (each key head serves num_v / num_k consecutive
@@ -112,11 +131,12 @@ the summed moments compute; mixer_measure.py). A layout the forward
 does not follow (a norm over the whole inner width not in MOMENTS, a
 different order of in_proj's segments, x_proj's products left unsummed)
 fails that and the mixer keeps running whole, which stays exact; so does a
-split that does not divide (`n_groups`, or `num_k_heads`, not a multiple of
-the tensor-parallel size: one group's B and C, or one key head's q and k,
-would be needed on two ranks, and a norm over a group on two ranks would
-need its moments summed across them; Kimi's heads: a head's channels;
-the RG-LRU's heads: a head's gate block).
+split that does not divide (`n_groups` > 1, or `num_k_heads`, not a
+multiple of the tensor-parallel size: one group's B and C, or one key
+head's q and k, would be needed on some ranks but not all, and a norm over
+a group on two ranks would need its moments summed across them, neither
+built; one group's heads: a head's channels; Kimi's heads: a head's
+channels; the RG-LRU's heads: a head's gate block).
 
 In 1d a mixer splits over the whole group (its stream is whole rows, or
 sequence shards gathered for the mixer). In 2d, 2.5d and 3d the q ranks

@@ -175,7 +175,9 @@ def rewrite_layers(model: nn.Module, mode: ParallelMode, plan=None, dry_run: boo
     shared += held_by_heads_or_slices(plan) + per_head_params(plan) if mode.rewrites else []
     params = dict(model.named_parameters())  # (a one-group mixer's B and C rows, whole on the ranks splitting it)
     shared += [name for name in kept_rows(plan, mode) if name in params]
-    if shared and not dry_run:  # (which rank shares what is learnt by communicating)
+    # (which rank shares what is learnt by communicating; with pipeline stages on every rank, as a stage
+    # without any, a hybrid's attention stage, still makes the groups the others' need: share_slices)
+    if (shared or mode.rewrites and mode.mesh.layout.pp > 1) and not dry_run:
         share_slices(model, shared, mode.mesh)
     record_replicas(model, mode.mesh.group_ranks["dp_cp"], mode.mesh.groups["dp_cp"])
     if not dry_run:

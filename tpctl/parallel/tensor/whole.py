@@ -127,6 +127,9 @@ def split_mixer(mode, module: nn.Module, ctx, group, shards: int, s: int, dim: O
     over the whole inner width (split.moments: MiniMax's) summing its
     moments over the group. `replicas`: shard_own_forward's."""
     split = mode.layouts[ctx.name]
+    # (each norm's arithmetic probed whole, before its weight is cut: a one-group norm's group is the whole width)
+    arithmetic = {name: (norm_eps(norm), norm_offset(norm, moments == 1))
+                  for name, moments, _ in split.moments for norm in [module.get_submodule(name)]}
     whole = shard_own_forward(mode, module, ctx, split, shards, s, replicas)
     if ctx.shapes_only:  # (a dry run's mesh has no groups to communicate over)
         return module
@@ -134,7 +137,7 @@ def split_mixer(mode, module: nn.Module, ctx, group, shards: int, s: int, dim: O
         module.get_submodule(name).register_forward_hook(functools.partial(_sum_reduced, group=group))
     for name, moments, width in split.moments:
         weighted = any(n == f"{name}.weight" for n, _, _ in split.dims)
-        _sum_moments(module, name, moments, width, group,
+        _sum_moments(module, name, moments, width, group, arithmetic[name],
                      split.ranges(f"{name}.weight", shards, s)[1] if weighted else None)
     torch_path = split.torch_path()  # (Mamba-1's x_proj sum; a Mamba-2 gated norm's moments)
     if torch_path and hasattr(type(module), "slow_forward"):  # (releases choosing the kernel by device)
@@ -171,10 +174,11 @@ def _sum_reduced(module, args, out, group):
     return comm.sum_shared(out, group)
 
 
-def _sum_moments(module: nn.Module, name: str, moments: int, width: int, group, features) -> None:
+def _sum_moments(module: nn.Module, name: str, moments: int, width: int, group, arithmetic, features) -> None:
     """The norm `name` inside a split mixer (its weight already this rank's
     `features` of the whole `width`; `moments`: 1 an RMSNorm's, 2 a
-    LayerNorm's) made a layers.SplitNorm over `group`: the moments of this
+    LayerNorm's; `arithmetic`: its eps and weight offset, probed whole) made
+    a layers.SplitNorm over `group`: the moments of this
     rank's features summed over the ranks splitting the mixer
     (comm.sum_shared, both ways) and divided by the whole width, as a 2d
     norm over the stream's hidden blocks; its parameters kept. A gated
@@ -182,8 +186,9 @@ def _sum_moments(module: nn.Module, name: str, moments: int, width: int, group, 
     before the norm, or after it where it says norm_before_gate (FalconH1's)."""
     norm = module.get_submodule(name)
     gate = "after" if getattr(norm, "norm_before_gate", False) else "before"
-    split = SplitNorm(getattr(norm, "weight", None), getattr(norm, "bias", None), width, norm_eps(norm), group,
-                      rms=moments == 1, offset=norm_offset(norm, moments == 1), features=features, gate=gate)
+    eps, offset = arithmetic
+    split = SplitNorm(getattr(norm, "weight", None), getattr(norm, "bias", None), width, eps, group,
+                      rms=moments == 1, offset=offset, features=features, gate=gate)
     owner, _, leaf = name.rpartition(".")
     setattr(module.get_submodule(owner), leaf, split)
 

@@ -299,15 +299,17 @@ class MixerSplit:
                     "over the ranks inside the mixer")
         if self.kind in ("kda", "rglru"):
             return f"mixer (heads split): {self.heads} heads, a rank's whole heads of {parts}"
+        one = (" in one group (its B and C segments whole on every rank, their gradients summed over the ranks "
+               "inside the mixer)" if self.kept_params() else "")
         if self.moments:
             sums = ", ".join(f"{n}'s moments (over its {w} features)" for n, _, w in self.moments)
-            one = (f" in one group (its B and C segments whole on every rank, their gradients summed over the "
-                   f"ranks inside the mixer)" if self.kept_params() else "")
             return (f"mixer (heads split): {self.heads} heads{one}, a rank's whole heads of {parts}; {sums} summed "
                     "over the ranks inside the mixer")
         if self.kind.startswith("delta"):
             return (f"mixer (heads split): {self.heads} value heads of {self.groups} key heads, a rank's whole key "
                     f"heads and their value heads of {parts}")
+        if one:
+            return f"mixer (heads split): {self.heads} heads{one}, a rank's whole heads of {parts}"
         return f"mixer (heads split): {self.heads} heads in {self.groups} groups, a rank's whole heads and groups of {parts}"
 
 

@@ -3,8 +3,8 @@ alone and beside attention and experts, Mamba-2 beside experts, Mamba-2 in
 parallel with attention), gated delta-rule and lightning linear attention,
 a real-gated linear recurrence. No split fits them: each runs whole on
 every rank, on whole rows of the rows it holds (parallel/roles/whole.py);
-but a Mamba-2 mixer with groups of heads, a gated delta rule with key
-heads, a Mamba-1 mixer (Mamba's, Jamba's: by inner channels, x_proj's
+but a Mamba-2 mixer (by heads: with one group, Falcon-H1's, its B and C
+whole on every rank), a gated delta rule with key heads, a Mamba-1 mixer (Mamba's, Jamba's: by inner channels, x_proj's
 partial product summed inside it), MiniMax's lightning attention (by
 heads, its norm's moments summed across ranks) and RecurrentGemma's
 real-gated recurrent block (by the RG-LRU's heads), which every mode splits

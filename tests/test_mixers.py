@@ -21,7 +21,11 @@ products summed inside the mixer both ways; Jamba's dt/B/C norms on every
 rank. MiniMax's lightning attention by heads (qkv_proj's rows per head,
 output_gate's, the decay buffers, out_proj's columns), its norm over every
 head's features split too, its moments summed across the ranks.
-rank. RecurrentGemma's recurrent block by the RG-LRU's heads (its layout
+A Mamba-2 mixer with ONE group of heads (Falcon-H1's default; Bamba's at
+n_groups=1) by heads too: B's and C's rows of in_proj and channels of the
+conv whole on every rank of the split, their gradients summed over those
+ranks, its gated norm over the whole inner width summing its moments.
+RecurrentGemma's recurrent block by the RG-LRU's heads (its layout
 measured here, its training in test_families_hybrid's four layouts).
 """
 

@@ -236,7 +236,8 @@ class MixerSplit:
         out, offset = [], 0
         for size in sizes:  # (a Kept segment: whole on every shard)
             step = size // shards
-            out.append((offset, offset + size) if isinstance(size, Kept) else (offset + s * step, offset + (s + 1) * step))
+            whole = isinstance(size, Kept)
+            out.append((offset, offset + size) if whole else (offset + s * step, offset + (s + 1) * step))
             offset += size
         return dim, tuple(out)
 
@@ -290,9 +291,9 @@ class MixerSplit:
         return False
 
     def describe(self) -> str:
+        segments = lambda sizes: ", ".join(f"{int(s)} whole" if isinstance(s, Kept) else str(s) for s in sizes)  # noqa: E731
         parts = ", ".join(f"{n} whole (1/shards each)" if d == WHOLE else f"{n} whole on every rank" if d == REPLICA
-                          else f"{n} dim {d} [{', '.join(f'{int(s)} whole' if isinstance(s, Kept) else str(s) for s in sizes)}]"
-                          for n, d, sizes in self.dims)
+                          else f"{n} dim {d} [{segments(sizes)}]" for n, d, sizes in self.dims)
         if self.kind == "mamba1":
             sums = ", ".join(f"{n}'s {w} outputs" for n, w in self.reduced)
             return (f"mixer (heads split): {self.heads} inner channels, a rank's block of {parts}; {sums} summed "
@@ -357,7 +358,8 @@ def declared_split(module: nn.Module, order: Optional[tuple[str, ...]] = None) -
     one_group = any(kept(sizes) for _, d, sizes in dims if d >= 0)  # (its B and C whole: n_groups stays 1)
     attrs = [(path, a, v) for path, m in module.named_modules() for a, v in vars(m).items()
              if isinstance(v, int) and not isinstance(v, bool) and v > 0
-             and (a in shard_attrs or isinstance(m, nn.Conv1d) and a in CONV_ATTRS) and not (one_group and a == "n_groups")]
+             and (a in shard_attrs or isinstance(m, nn.Conv1d) and a in CONV_ATTRS)
+             and not (one_group and a == "n_groups")]
     # (linears: the Linears split by heads, the output projection last; a low-rank projection read
     # whole by every head, Kimi's f_a_proj / g_a_proj, is none of them and keeps its width)
     attrs += [(lin, "out_features", module.get_submodule(lin).out_features) for lin in linears[:-1]]

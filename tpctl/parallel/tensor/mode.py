@@ -401,7 +401,8 @@ class ParallelMode(CostHooks):
         # of ranks holding a one-group mixer's B and C rows from every rank's dry run, layer_comm.kv_replica_sums)
         s = comm.group_rank(group) if group is not None else \
             sorted(self.mesh.group_ranks[self.stream_group_name]).index(self.mesh.rank)
-        return split_mixer(self, module, ctx, group, self.own_forward_ways(), s, -1, self.cost_sliced_replicas("experts"))
+        return split_mixer(self, module, ctx, group, self.own_forward_ways(), s, -1,
+                           self.cost_sliced_replicas("experts"))
 
     def weight_spec(self, weight: torch.Tensor, role: str, layout=None, n: Optional[int] = None) -> ShardSpec:
         """The ShardSpec of a Linear's (out, in) weight for `role`."""

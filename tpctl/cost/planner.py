@@ -281,10 +281,7 @@ def plan_split(shape: ModelShape, layout: Layout, batch_size: int, seq_len: int,
         return dataclasses.replace(worst, stages=stages, bubble=pipeline.bubble_for([p.flops for p in stages]))
     first = layout.rank_of({"pp": stage or 0})
     shares = layout.size > 1 and bool(kv_shared(shape.plan, layout.geo.head_split))
-    # (a one-group mixer's B and C rows, whole on the ranks splitting it: their sums are cut from every tensor
-    # rank's dry run too, alike on every rank)
-    kept = layout.size > 1 and any(getattr(split, "kept_params", tuple)() for split in shape.plan.layouts.values())
-    if (shares or kept) and cache is None:
+    if shares and cache is None:
         cache = {}  # (every rank's plan reads every tensor rank's dry run: each once)
     args = (shape, layout, batch_size, seq_len, grad_accum, bucket_bytes, pipeline, stage, cache, context)
     plan = _plan_rank(first, *args)

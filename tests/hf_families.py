@@ -98,6 +98,17 @@ FAMILIES = {
     "falcon_h1": ("FalconH1Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                          intermediate_size=64, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8,
                                          mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=4)),
+    # The same with its gated RMSNorm over the mixer's whole inner width (one group), normalising before the
+    # gate; and Bamba's mixer with one group (its norm gating before it, biases on in_proj and out_proj):
+    # split by heads, B and C whole on every rank, the norm's moments summed (parallel/roles/mixers.py).
+    "falcon_h1_norm": ("FalconH1Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                              intermediate_size=64, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8,
+                                              mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=4,
+                                              mamba_rms_norm=True, mamba_norm_before_gate=True)),
+    "bamba_one_group": ("BambaConfig", dict(attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2,
+                                            intermediate_size=64, mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1,
+                                            mamba_d_state=8, mamba_expand=2, mamba_chunk_size=4,
+                                            mamba_proj_bias=True)),
     # Mamba-2 layers (two groups of heads, biases on in_proj and out_proj) beside attention:
     # split by heads in 1d (parallel/roles/mixers.py).
     "bamba": ("BambaConfig", dict(attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2,

@@ -3,8 +3,8 @@ alone and beside attention and experts, Mamba-2 beside experts, Mamba-2 in
 parallel with attention), gated delta-rule and lightning linear attention,
 a real-gated linear recurrence. No split fits them: each runs whole on
 every rank, on whole rows of the rows it holds (parallel/roles/whole.py);
-but a Mamba-2 mixer with groups of heads, a gated delta rule with key
-heads, a Mamba-1 mixer (Mamba's, Jamba's: by inner channels, x_proj's
+but a Mamba-2 mixer (by heads: with one group, Falcon-H1's, its B and C
+whole on every rank), a gated delta rule with key heads, a Mamba-1 mixer (Mamba's, Jamba's: by inner channels, x_proj's
 partial product summed inside it), MiniMax's lightning attention (by
 heads, its norm's moments summed across ranks) and RecurrentGemma's
 real-gated recurrent block (by the RG-LRU's heads), which every mode splits
@@ -99,10 +99,13 @@ def test_context_parallelism_refuses_a_mixer_that_runs_whole_in_one_line(pool, f
     assert "\n" not in got[1]
 
 
-@pytest.mark.parametrize("family,key", [("falcon_h1", "2d-4"), ("falcon_h1", "1d-2-pp2")])
+# (Bamba's two groups of heads on 2d-16's q = 4 ranks of a row; Llama 4's MoE block, which returns its rows
+# flattened. Falcon-H1's one-group mixer, run whole here before, now splits: test_mixers.)
+@pytest.mark.parametrize("family,key", [("bamba", "2d-16"), ("llama4", "1d-2-pp2")])
 def test_inspect_names_the_modules_run_whole_and_why(family, key):
-    """`tpctl inspect`'s table (a dry run on rank 0): a mixer's row says it
-    runs whole and why no split fits it; the modules inside it say whose."""
+    """`tpctl inspect`'s table (a dry run on rank 0): a module's row (a
+    mixer's) says it runs whole and why no split fits it; the modules
+    inside it say whose."""
     from test_families import _cfg
 
     from tpctl.commands.inspect_model import inspect_model

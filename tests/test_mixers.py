@@ -21,7 +21,11 @@ products summed inside the mixer both ways; Jamba's dt/B/C norms on every
 rank. MiniMax's lightning attention by heads (qkv_proj's rows per head,
 output_gate's, the decay buffers, out_proj's columns), its norm over every
 head's features split too, its moments summed across the ranks.
-rank. RecurrentGemma's recurrent block by the RG-LRU's heads (its layout
+A Mamba-2 mixer with ONE group of heads (Falcon-H1's default; Bamba's at
+n_groups=1) by heads too: B's and C's rows of in_proj and channels of the
+conv whole on every rank of the split, their gradients summed over those
+ranks, its gated norm over the whole inner width summing its moments.
+RecurrentGemma's recurrent block by the RG-LRU's heads (its layout
 measured here, its training in test_families_hybrid's four layouts).
 """
 
@@ -49,12 +53,43 @@ CASES += [("recurrent_gemma", "1d-2-sp-dp2")]
 # other rows hold the same heads (qwen3_next and nemotron_h at 2d-4 and 3d-8 run in
 # test_families_hybrid, the same check).
 CASES += [("bamba", "2d-4"), ("kimi_linear", "3d-8"), ("olmo_hybrid", "2d-4-dp2"), ("qwen3_5", "2.5d-8-d2")]
+# A Mamba-2 mixer with ONE group of heads split by heads, its B and C whole on every rank of the split (their
+# gradients summed over those ranks), its gated norm over the whole inner width summing its moments:
+# Falcon-H1's without the norm (its default; 2d-4 and 1d-2-pp2-dp2 run in test_families_hybrid), with it
+# (normalising before the gate), and Bamba's with one group (gating before the norm, biases).
+CASES += [("falcon_h1", "1d-2-dp2"), ("falcon_h1", "3d-8"), ("falcon_h1_norm", "1d-2-sp-dp2"),
+          ("falcon_h1_norm", "2d-4"), ("bamba_one_group", "1d-2-pp2-dp2"), ("bamba_one_group", "2.5d-8-d2")]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family,key", CASES)
 def test_a_mixer_split_by_heads_trains_like_mode_none(pool, none_curves, family, key):
-    trains_like_mode_none(pool, none_curves, family, key)
+    ranks, (loss, norm) = trains_like_mode_none(pool, none_curves, family, key)
+    if family in ONE_GROUP:
+        assert_one_group_split(ranks, 2)
+        print(f"{family} {key}: loss within {loss:.2g}, grad norm within {norm:.2g} of mode=none")
+
+
+ONE_GROUP = ("falcon_h1", "falcon_h1_norm", "bamba_one_group")
+
+
+def assert_one_group_split(ranks, ways: int) -> None:
+    """Each rank's real shapes (trains_like_mode_none's ranks) of every
+    one-group Mamba-2 mixer its stage holds (some rank holds one)
+    (hf_families' tiny falcon_h1 / bamba_one_group: 8 heads of 8, state 8,
+    hidden 32): 1/ways of the heads of in_proj's z, x and dt rows, of the
+    conv's x channels, of A_log and of out_proj's columns; B's and C's 8
+    rows (and channels) each whole."""
+    want = {"in_proj.weight": ((64 + 64 + 8) // ways + 16, 32), "conv1d.weight": (64 // ways + 16, 1, 4),
+            "A_log": (8 // ways,), "out_proj.weight": (32, 64 // ways)}
+    seen = set()
+    for rank, (_, counted, _, _) in enumerate(ranks):  # (a pipeline stage may hold none)
+        for name, shape in counted.items():
+            kind = next((k for k in want if name.endswith(("mamba." + k, "mixer." + k))), None)
+            if kind is not None:
+                assert shape == want[kind], (rank, name, shape)
+                seen.add(kind)
+    assert seen == set(want), f"no rank holds a one-group mixer's {set(want) - seen}"
 
 
 def _mixer(family: str):
@@ -230,6 +265,132 @@ def test_each_rank_holds_its_share_of_a_gated_delta_rule_attention(family, attn,
     assert after == (before - kept) // 2 + kept, (before, after)
 
 
+# ---- Mamba-2 with ONE group of heads: B and C whole on every rank, the gated norm's moments summed -------
+
+@pytest.mark.parametrize("family", ["falcon_h1_norm", "bamba_one_group", "falcon_h1"])
+def test_the_one_group_layout_is_measured_and_a_wrong_one_fails(family):
+    """A Mamba-2 mixer with one group split by heads (in_proj's z, x and dt
+    rows and the conv's x channels by heads, B's and C's rows and channels
+    Kept whole on every shard, the gated norm over the whole inner width
+    summing its moments across the shards) reproduces its output (Falcon-H1
+    normalising before its gate, Bamba gating before its norm, Falcon-H1
+    without a norm); the norm's moments left to each shard's own features,
+    or B and C cut into blocks like a group's, do not. Heads that do not
+    divide: it runs whole, and says why."""
+    import dataclasses
+
+    from tpctl.parallel.roles.mixer_dims import Kept
+    from tpctl.parallel.roles.mixers import measure, mixer_split
+
+    mixer, (args, kwargs) = _mixer(family), _call()
+    split = mixer_split(mixer, args, kwargs)
+    assert split.kind == "mamba2" and (split.heads, split.groups) == (8, 1)
+    dims = {n: sizes for n, _, sizes in split.dims}
+    assert dims["in_proj.weight"] == (64, 64, 8, 8, 8) and dims["conv1d.weight"] == (64, 8, 8)
+    assert [isinstance(s, Kept) for s in dims["in_proj.weight"]] == [False, False, True, True, False]
+    assert {"in_proj.weight", "conv1d.weight"} <= set(split.kept_params())
+    # (a shard's conv and in_proj: its heads' channels and rows, and B's and C's 16 whole; n_groups stays 1)
+    assert ("conv1d", "groups", 32 + 16) in split.shard_attrs(2) and ("in_proj", "out_features", 68 + 16) in \
+        split.shard_attrs(2) and not any(a == "n_groups" for _, a, _ in split.attrs)
+    assert split.heads_problem(2) is None and split.heads_problem(3) == (
+        "8 heads of one group do not split 3 ways (a head's channels would span ranks)")
+    cut = tuple((n, d, tuple(int(x) for x in sizes)) for n, d, sizes in split.dims)  # (B and C: blocks of a group)
+    assert measure(mixer, dataclasses.replace(split, dims=cut), args, kwargs)
+    if family == "falcon_h1":  # (mamba_rms_norm off, its default: no norm, nothing summed)
+        assert split.moments == ()
+        return
+    assert split.moments == (("norm", 1, 64),)
+    assert measure(mixer, dataclasses.replace(split, moments=()), args, kwargs)
+
+
+def _kept_row_grads(key: str, family: str, summed: bool) -> tuple[float, float]:
+    """One training step of `family` in `key` (the rewrite's B and C rows'
+    gradients `summed` over the ranks splitting the mixer, or, a mutation,
+    left each rank's own heads' part: the rewrite handing none of them to
+    replicas.share_slices), every in_proj's gradient after the step's sums
+    and clipping against the whole model's on the same batch: the largest
+    relative differences (of the rows of this rank's heads; of B's and C's
+    rows), the whole model's scaled to the rank's by the heads' rows (the
+    clipping's factor). B's and C's gradients are ~1e-5 of the others' at
+    initialisation, and AdamW's first steps are scale-free: a curve or the
+    start-up proof (relative to a module's largest gradient) barely sees
+    them, so they are compared alone."""
+    import torch
+    import torch.nn.functional as F
+    from conftest import build
+    from test_families import _cfg
+
+    import tpctl.parallel.tensor.rewrite as rewrite
+    from tpctl.models import build_model
+    from tpctl.parallel.layout import Layout
+    from tpctl.parallel.shard import spec_of
+
+    cfg, layout = _cfg(key, family, 1), Layout.parse(key)
+    kept_rows = rewrite.kept_rows
+    rewrite.kept_rows = kept_rows if summed else lambda plan, mode: []
+    try:
+        real = build(cfg, layout, lazy=False, verify=False, schedule=False)
+    finally:  # (the pool's workers run the next test too)
+        rewrite.kept_rows = kept_rows
+    ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1),
+                        generator=torch.Generator().manual_seed(0))
+    real.step([(real.par.shard_batch(ids[:, :-1], 0, 1), real.par.shard_targets(ids[:, 1:], 0, 1))], 0)
+    whole = build_model(cfg.model, cfg.seed)
+    logits = whole(input_ids=ids[:, :-1]).logits
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
+    grads = {n: p.grad for n, p in whole.named_parameters()}
+    off = {True: 0.0, False: 0.0}  # (B's and C's rows, the others)
+    for name, p in real.model.named_parameters():
+        if not name.endswith("mamba.in_proj.weight"):
+            continue
+        spec = spec_of(p)
+        rows = torch.cat([torch.arange(a, b) for a, b in spec.index[0]])
+        kept = (rows >= 128) & (rows < 144)  # (hf_families' one-group mixers: [z 64 | x 64 | B 8 | C 8 | dt 8])
+        want, got = spec.slice(grads[name]), p.grad
+        scale = (got[~kept] * want[~kept]).sum() / (want[~kept] * want[~kept]).sum()
+        for is_kept, mask in ((True, kept), (False, ~kept)):
+            diff = (got[mask] - scale * want[mask]).abs().max() / (scale * want[mask]).abs().max()
+            off[is_kept] = max(off[is_kept], diff.item())
+    return off[False], off[True]
+
+
+@pytest.mark.timeout(300)
+def test_a_one_group_mixers_b_and_c_gradients_are_summed_over_the_ranks_splitting_it(pool):
+    """1d-2-dp2: each rank's gradient of B's and C's rows (held whole) equals the
+    whole model's once summed over the two ranks; left unsummed (each its
+    own heads' part, the mutation) it does not."""
+    for summed in (True, False):
+        results = pool.run(_kept_row_grads, "1d-2-dp2", "falcon_h1_norm", summed)
+        own, kept = max(r[0] for r in results), max(r[1] for r in results)
+        print(f"B and C gradients {'summed' if summed else 'unsummed'}: heads' rows within {own:.2g}, "
+              f"B's and C's within {kept:.2g} of the whole model's")
+        assert own < 1e-4, (summed, own)
+        assert (kept < 1e-4) if summed else (kept > 0.1), (summed, kept)
+
+
+@pytest.mark.parametrize("key", ["1d-2", "2d-4"])
+def test_each_rank_holds_its_share_of_a_one_group_mixer(key):
+    """1d-2 and 2d-4 (the heads split among the q = 2 ranks of a block of
+    rows): Falcon-H1's one-group mixer is split by heads, every tensor of it
+    halved on a rank but B's and C's rows of in_proj and channels of the
+    conv, whole; inspect says so."""
+    import math
+
+    rows = _inspect(key, "falcon_h1_norm")
+    mixer = _mixer("falcon_h1_norm")
+    name = next(n for n in rows if n.endswith("layers.0.mamba"))
+    assert rows[name][2] == "mixer (heads split)" and "8 heads in one group" in rows[name][6], rows[name]
+    assert "in_proj.weight dim 0 [64, 64, 8 whole, 8 whole, 8]" in rows[name][6], rows[name]
+    nbytes = {n: math.prod(p.shape) * p.element_size() for n, p in mixer.named_parameters()}
+    bc = 4 * 2 * 8  # (B's and C's 8 rows or channels, fp32)
+    want = {"in_proj": (nbytes["in_proj.weight"] - 32 * bc) // 2 + 32 * bc,
+            "conv1d": (nbytes["conv1d.weight"] - 4 * bc) // 2 + 4 * bc + (nbytes["conv1d.bias"] - bc) // 2 + bc,
+            "norm": nbytes["norm.weight"] // 2, "out_proj": nbytes["out_proj.weight"] // 2}
+    for sub, held in want.items():
+        assert rows[f"{name}.{sub}"][5] == held and rows[f"{name}.{sub}"][6].startswith("split by heads, inside"), \
+            rows[f"{name}.{sub}"]
+
+
 # ---- Mamba-1: split by inner channels, x_proj's partial product summed inside the mixer -------
 
 def assert_mamba1_split(ranks, ways: int) -> None:
@@ -401,8 +562,7 @@ def test_the_rglru_layout_is_measured_and_a_wrong_one_fails():
     ("qwen3_next", "1d-4", "2 key head(s) do not split 4 ways"),
     ("qwen3_5", "1d-4", "2 key head(s) do not split 4 ways"),
     ("olmo_hybrid", "1d-4", "2 key head(s) do not split 4 ways"),
-    ("bamba", "2d-16", "2 group(s) of heads do not split 4 ways"),
-    ("falcon_h1", "1d-2", "one group of heads (n_groups=1)")])
+    ("bamba", "2d-16", "2 group(s) of heads do not split 4 ways")])
 def test_a_mixer_that_does_not_split_runs_whole_and_says_why(family, key, why):
     rows = _inspect(key, family)
     mixers = [row for row in rows.values() if row[2] == "whole" and ("Mixer" in row[1] or "Delta" in row[1])]

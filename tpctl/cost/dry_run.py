@@ -155,7 +155,7 @@ def stage_held(shape: Any, layout: Layout, rank: int, mode, model, holds, bucket
         units = zero_plan.units_of([model], [p for _, p in named]) if layout.zero == 3 else None
         dp_plan = zero_plan.plan(named, layout.dp * layout.cp, layout.zero, bucket_bytes or zero_plan.BUCKET_BYTES, units)
     kv_sums, kv_held = [], {}
-    if shared := kv_shared(shape.plan, mode.geo.head_split):
+    if shared := kv_shared(shape.plan, mode.geo.head_split, mode):
         tp = members(layout, "tp", rank)
         everyone = [_kv_keys(model if r == rank else stage_rewrite(shape, layout, r, pipeline, cache)[2], shared, cache)
                     for r in tp]

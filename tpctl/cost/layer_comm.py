@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from tpctl.parallel.roles.experts import OwnSplit, experts_layout
 from tpctl.parallel.roles.fused import FusedLayout
-from tpctl.parallel.roles.mixers import MixerSplit, heads_split
+from tpctl.parallel.roles.mixers import MixerSplit, heads_split, kept_rows
 from tpctl.parallel.roles.probes import is_rms_norm, norm_width
 from tpctl.parallel.shard import spec_of
 from tpctl.parallel.tensor.cost_hooks import KV_REPLICAS, ExpertsShape
@@ -173,13 +173,16 @@ def sliced_sums(plan, mode, named: list, dp_plan=None) -> list[tuple[str, int]]:
     return [*out.items(), *([("tp", everywhere)] if everywhere else [])]
 
 
-def kv_shared(plan, split: int) -> list[str]:
+def kv_shared(plan, split: int, mode=None) -> list[str]:
     """The modules holding key/value heads several of `split` blocks of
     query heads share (fewer heads than the split), and the norms over such
-    a projection's output features (`proj_norm`): what the rewrite hands
-    replicas.share_slices for them (rewrite.py)."""
+    a projection's output features (`proj_norm`); given `mode`, the
+    parameters of mixers it splits by heads with rows held whole on every
+    rank of the split (mixers.kept_rows: one group's B and C): what the
+    rewrite hands replicas.share_slices for them (rewrite.py)."""
     names = [name for name, layout in getattr(plan, "layouts", {}).items() if layout.shares(split)]
-    return names + [norm for norm, src in getattr(plan, "sources", {}).items() if src in names]
+    names += [norm for norm, src in getattr(plan, "sources", {}).items() if src in names]
+    return names + (kept_rows(plan, mode) if mode is not None else [])
 
 
 def held_out_features(plan, name: str, split: int, n: int) -> int:

@@ -19,20 +19,52 @@ from tpctl.parallel.roles.fused import ProbeError
 REPLICA = -2
 
 
+class Kept(int):
+    """A segment of a split dimension held WHOLE by every rank splitting the
+    mixer, beside segments each rank holds a block of (ranges: the whole
+    segment on every shard): a Mamba-2 mixer's B and C rows of in_proj and
+    channels of the conv when it has one group of heads, which every head
+    reads. Each rank's gradient of it is its own heads' part: the rewrite
+    sums it over the ranks holding it (replicas.share_slices' row replicas,
+    as shared key/value heads' rows). An int: the segment's size."""
+
+    def __repr__(self) -> str:
+        return f"Kept({int(self)})"
+
+
+def kept(sizes) -> int:
+    """The part of a dimension of `sizes` (segments) held whole on every shard."""
+    return sum(s for s in sizes if isinstance(s, Kept))
+
+
+def shard_value(entry: tuple, kept_of: dict, shards: int) -> int:
+    """A shard's value of an integer attribute (owner, attribute, full):
+    full / shards, or where full is the length of a dimension with segments
+    held whole (`kept_of`: {length: its part held whole}, a one-group
+    mixer's conv_dim and in_proj's outputs), that part plus the rest / shards."""
+    full = entry[2]
+    whole = kept_of.get(full, 0)
+    return whole + (full - whole) // shards
+
+
 def mamba2_dims(module: nn.Module, order: tuple[str, ...]):
     """A Mamba-2 mixer's dims (in_proj's segments in `order`, default z, x,
     B, C, dt as every family's torch_forward splits it), heads, groups and
-    inner width."""
+    inner width. With ONE group of heads every head reads the same B and C:
+    their segments (in_proj's rows, the conv's channels) are Kept, whole on
+    every shard, and the rest split by heads (the gated norm, then over the
+    whole inner width, has its moments summed: mixers.declared_split)."""
     heads, groups, state = module.num_heads, module.n_groups, module.ssm_state_size
     inner, conv = module.intermediate_size, module.conv_dim
     if inner != heads * module.head_dim or conv != inner + 2 * groups * state or heads % groups:
         raise ProbeError(f"{type(module).__name__} declares {heads} heads of {module.head_dim}, {groups} groups, "
                          f"intermediate {inner}, conv_dim {conv}: not a Mamba-2 layout")
-    seg = {"z": inner, "x": inner, "B": groups * state, "C": groups * state, "dt": heads}
+    bc = Kept(state) if groups == 1 else groups * state
+    seg = {"z": inner, "x": inner, "B": bc, "C": bc, "dt": heads}
     proj = tuple(seg[k] for k in (order or ("z", "x", "B", "C", "dt")))
     if sum(proj) != module.in_proj.out_features:  # (Mamba2Mixer's d_mlp extra segments: not handled)
         raise ProbeError(f"in_proj's {module.in_proj.out_features} outputs are not [z | x | B | C | dt] ({sum(proj)})")
-    known = {conv: (inner, groups * state, groups * state), heads: (heads,), inner: (inner,)}
+    known = {conv: (inner, bc, bc), heads: (heads,), inner: (inner,)}
     dims, tensors = [], [*module.named_parameters(), *module.named_buffers()]
     for name, t in tensors:
         owner, _, leaf = name.rpartition(".")
@@ -42,8 +74,8 @@ def mamba2_dims(module: nn.Module, order: tuple[str, ...]):
             dims.append((name, 0, proj))
         elif t.dim() and t.shape[0] in known:
             dims.append((name, 0, known[t.shape[0]]))
-        elif t.dim() and t.shape[0] == module.in_proj.out_features:  # (FalconH1's mup_vector: per in_proj output)
-            dims.append((name, 0, proj))
+        elif t.dim() and t.shape[-1] == module.in_proj.out_features:  # (FalconH1's mup_vector (1, 1, outputs))
+            dims.append((name, t.dim() - 1, proj))
         else:
             raise ProbeError(f"{type(module).__name__}.{name} {tuple(t.shape)} is held per no head, group or channel")
     return dims, heads, groups, inner

@@ -41,8 +41,8 @@ def shard_of(module: nn.Module, split, shards: int, s: int) -> nn.Module:
             held._parameters[leaf] = nn.Parameter(piece, requires_grad=False)
         else:
             held._buffers[leaf] = piece
-    for owner, attr, full in split.attrs:
-        setattr(shard.get_submodule(owner), attr, full // shards)
+    for owner, attr, value in split.shard_attrs(shards):
+        setattr(shard.get_submodule(owner), attr, value)
     return shard
 
 
@@ -50,8 +50,12 @@ def measure(module: nn.Module, split, args, kwargs) -> Optional[str]:
     """None where the shards' outputs of the module's own forward sum to
     its whole output (random weights and input, the smallest split the
     groups allow), else what differs."""
-    shards = next(d for d in range(2, split.groups + 1) if split.groups % d == 0)  # (groups > 1: mixer_split)
+    # (the unit: a group; with one group, whose B and C every shard holds whole, a head; more than one: mixer_split)
+    units = split.groups if split.groups > 1 else split.heads
+    shards = next(d for d in range(2, units + 1) if units % d == 0)
     clone = real_copy(module, seed=5).float()  # (in fp32 whatever the model's dtype: 1e-5 is fp32's round-off)
+    if split.torch_path():  # (the path the split mixer runs: its own flag cleared, as tensor/whole.py's _torch_path)
+        clone.training = False
     gen = torch.Generator().manual_seed(6)
     if args:
         args = [torch.randn(a.shape, generator=gen) if i == 0 else a for i, a in enumerate(args)]
@@ -143,10 +147,13 @@ class _MomentsAcross(nn.Module):
                 self.whole._buffers[leaf] = tiled
         self.s, self.name, self.book = s, name, book
 
-    def forward(self, x):
-        self.book.now[self.s][self.name] = x
-        pieces = [x if t == self.s else seen.get(self.name, x) for t, seen in enumerate(self.book.seen)]
-        return self.whole(torch.cat(pieces, -1)).narrow(-1, self.s * x.shape[-1], x.shape[-1])
+    def forward(self, x, *gate):
+        # (a gated norm, Mamba-2's, is called with its gate: features of the same heads, cut alike)
+        self.book.now[self.s][self.name] = (x, *gate)
+        seen = [seen.get(self.name, (x, *gate)) for seen in self.book.seen]
+        whole = [torch.cat([mine if t == self.s else theirs[i] for t, theirs in enumerate(seen)], -1)
+                 for i, mine in enumerate((x, *gate))]
+        return self.whole(*whole).narrow(-1, self.s * x.shape[-1], x.shape[-1])
 
 
 def _first(out):

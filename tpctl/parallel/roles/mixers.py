@@ -23,6 +23,25 @@ split the same way, so its output is a partial sum (one all-reduce after
 the mixer, like 1d's row-parallel Linear), and the input's gradient is
 summed over the group (tensor/whole.py's split_mixer).
 
+With ONE group of heads (n_groups=1, Falcon-H1's default) every head reads
+the same B and C, and the gated norm is over the whole inner width. A rank
+then holds its heads of z, x and dt (rows of in_proj, channels of the
+conv, A_log, D, dt_bias, the norm's features, out_proj's columns) and B's
+and C's rows of in_proj and channels of the conv (their biases, FalconH1's
+mup_vector's entries) WHOLE: segments Kept (mixer_dims.py), on every shard
+whole, its integer attributes a Kept part plus the rest / S (conv_dim =
+intermediate / S + 2 x state; n_groups stays 1). Each rank's gradient of
+B's and C's rows is its own heads' part: they are rows several ranks hold
+alike beside rows of their own, as shared key/value heads' in a fused
+projection, so the rewrite hands them to replicas.share_slices (row
+replicas, summed once after the backward by sync_replicas; `kept_rows`),
+and the planner counts those sums from every rank's dry run
+(cost/layer_comm.kv_shared). The norm's moments are summed over the ranks
+splitting the mixer (MOMENTS, below: a layers.SplitNorm gating before or
+after the norm as the family's does). Such a split mixer, and its
+measurement, take the torch path (transformers' fused kernel would
+normalise by one rank's features). It splits when its heads divide by S.
+
 Gated delta-rule linear attention (Qwen3-Next's Qwen3NextGatedDeltaNet)
 declares `num_k_heads` key heads of `head_k_dim`, `num_v_heads` value
 heads of `head_v_dim` (each key head serves num_v / num_k consecutive
@@ -112,11 +131,12 @@ the summed moments compute; mixer_measure.py). A layout the forward
 does not follow (a norm over the whole inner width not in MOMENTS, a
 different order of in_proj's segments, x_proj's products left unsummed)
 fails that and the mixer keeps running whole, which stays exact; so does a
-split that does not divide (`n_groups`, or `num_k_heads`, not a multiple of
-the tensor-parallel size: one group's B and C, or one key head's q and k,
-would be needed on two ranks, and a norm over a group on two ranks would
-need its moments summed across them; Kimi's heads: a head's channels;
-the RG-LRU's heads: a head's gate block).
+split that does not divide (`n_groups` > 1, or `num_k_heads`, not a
+multiple of the tensor-parallel size: one group's B and C, or one key
+head's q and k, would be needed on some ranks but not all, and a norm over
+a group on two ranks would need its moments summed across them, neither
+built; one group's heads: a head's channels; Kimi's heads: a head's
+channels; the RG-LRU's heads: a head's gate block).
 
 In 1d a mixer splits over the whole group (its stream is whole rows, or
 sequence shards gathered for the mixer). In 2d, 2.5d and 3d the q ranks
@@ -142,8 +162,8 @@ import torch.nn as nn
 
 from tpctl.parallel.roles.experts import WHOLE
 from tpctl.parallel.roles.fused import ProbeError
-from tpctl.parallel.roles.mixer_dims import (REPLICA, delta_dims, kda_dims, lightning_dims, mamba1_dims, mamba2_dims,
-                                              rglru_dims)
+from tpctl.parallel.roles.mixer_dims import (REPLICA, Kept, delta_dims, kda_dims, kept, lightning_dims, mamba1_dims,
+                                              mamba2_dims, rglru_dims, shard_value)
 from tpctl.parallel.roles.mixer_measure import measure
 from tpctl.parallel.roles.probes import is_rms_norm, norm_width
 
@@ -214,16 +234,41 @@ class MixerSplit:
         """(dim, ((start, stop), ...)): block s of `shards` of every segment."""
         _, dim, sizes = next(d for d in self.dims if d[0] == name)
         out, offset = [], 0
-        for size in sizes:
+        for size in sizes:  # (a Kept segment: whole on every shard)
             step = size // shards
-            out.append((offset + s * step, offset + (s + 1) * step))
+            whole = isinstance(size, Kept)
+            out.append((offset, offset + size) if whole else (offset + s * step, offset + (s + 1) * step))
             offset += size
         return dim, tuple(out)
 
+    def kept_params(self) -> tuple[str, ...]:
+        """The tensors with segments held whole on every shard (Kept: one
+        group's B and C), whose rows' gradients the rewrite sums over the
+        ranks holding them (replicas.share_slices; a buffer among them,
+        FalconH1's mup_vector, has none)."""
+        return tuple(name for name, dim, sizes in self.dims if dim >= 0 and kept(sizes))
+
+    def torch_path(self) -> bool:
+        """Whether the split mixer must take its torch path: transformers'
+        fused CUDA kernels (taken while its `training` is set) read its
+        weights themselves and would never make its sums across ranks
+        (Mamba-1's x_proj products; a Mamba-2 gated norm's moments, over
+        this rank's features alone). tensor/whole.py's _torch_path; the
+        measurement runs the same path."""
+        return bool(self.reduced) or self.kind == "mamba2" and bool(self.moments)
+
+    def shard_attrs(self, shards: int) -> list[tuple[str, str, int]]:
+        """(module path, attribute, a shard's value) of each integer attribute
+        the shard's forward reads: full / shards, a Kept part kept whole."""
+        kept_of = {sum(sizes): kept(sizes) for _, dim, sizes in self.dims if dim >= 0 and kept(sizes)}
+        return [(entry[0], entry[1], shard_value(entry, kept_of, shards)) for entry in self.attrs]
+
     def heads_problem(self, shards: int) -> Optional[str]:
         """Why the mixer cannot be split `shards` ways (it then runs whole)."""
-        if self.groups % shards == 0:
+        if self.groups % shards == 0 or self.kept_params() and self.heads % shards == 0:
             return None
+        if self.kept_params():  # (one group, its B and C on every rank: a head is the unit)
+            return f"{self.heads} heads of one group do not split {shards} ways (a head's channels would span ranks)"
         if self.kind == "mamba1":
             return f"{self.groups} inner channels do not split {shards} ways"
         if self.kind in ("kda", "lightning"):
@@ -246,21 +291,26 @@ class MixerSplit:
         return False
 
     def describe(self) -> str:
+        segments = lambda sizes: ", ".join(f"{int(s)} whole" if isinstance(s, Kept) else str(s) for s in sizes)  # noqa: E731
         parts = ", ".join(f"{n} whole (1/shards each)" if d == WHOLE else f"{n} whole on every rank" if d == REPLICA
-                          else f"{n} dim {d} {list(sizes)}" for n, d, sizes in self.dims)
+                          else f"{n} dim {d} [{segments(sizes)}]" for n, d, sizes in self.dims)
         if self.kind == "mamba1":
             sums = ", ".join(f"{n}'s {w} outputs" for n, w in self.reduced)
             return (f"mixer (heads split): {self.heads} inner channels, a rank's block of {parts}; {sums} summed "
                     "over the ranks inside the mixer")
         if self.kind in ("kda", "rglru"):
             return f"mixer (heads split): {self.heads} heads, a rank's whole heads of {parts}"
+        one = (" in one group (its B and C segments whole on every rank, their gradients summed over the ranks "
+               "inside the mixer)" if self.kept_params() else "")
         if self.moments:
             sums = ", ".join(f"{n}'s moments (over its {w} features)" for n, _, w in self.moments)
-            return (f"mixer (heads split): {self.heads} heads, a rank's whole heads of {parts}; {sums} summed over "
-                    "the ranks inside the mixer")
+            return (f"mixer (heads split): {self.heads} heads{one}, a rank's whole heads of {parts}; {sums} summed "
+                    "over the ranks inside the mixer")
         if self.kind.startswith("delta"):
             return (f"mixer (heads split): {self.heads} value heads of {self.groups} key heads, a rank's whole key "
                     f"heads and their value heads of {parts}")
+        if one:
+            return f"mixer (heads split): {self.heads} heads{one}, a rank's whole heads of {parts}"
         return f"mixer (heads split): {self.heads} heads in {self.groups} groups, a rank's whole heads and groups of {parts}"
 
 
@@ -305,9 +355,11 @@ def declared_split(module: nn.Module, order: Optional[tuple[str, ...]] = None) -
         raise ProbeError(f"{type(module).__name__} declares no mixer layout")
     declared, linears, shard_attrs, build, orders = LAYOUTS[kind]
     dims, heads, groups, width = build(module, order or _flat(orders[0]))
+    one_group = any(kept(sizes) for _, d, sizes in dims if d >= 0)  # (its B and C whole: n_groups stays 1)
     attrs = [(path, a, v) for path, m in module.named_modules() for a, v in vars(m).items()
              if isinstance(v, int) and not isinstance(v, bool) and v > 0
-             and (a in shard_attrs or isinstance(m, nn.Conv1d) and a in CONV_ATTRS)]
+             and (a in shard_attrs or isinstance(m, nn.Conv1d) and a in CONV_ATTRS)
+             and not (one_group and a == "n_groups")]
     # (linears: the Linears split by heads, the output projection last; a low-rank projection read
     # whole by every head, Kimi's f_a_proj / g_a_proj, is none of them and keeps its width)
     attrs += [(lin, "out_features", module.get_submodule(lin).out_features) for lin in linears[:-1]]
@@ -316,6 +368,10 @@ def declared_split(module: nn.Module, order: Optional[tuple[str, ...]] = None) -
     attrs += [(lin, "in_features", module.get_submodule(lin).in_features) for lin, _ in reduced]
     moments = tuple((n, 1 if is_rms_norm(norm) else 2, norm_width(norm))
                     for n in MOMENTS.get(kind, ()) for norm in [module.get_submodule(n)])
+    if one_group and getattr(getattr(module, "norm", None), "weight", None) is not None:
+        # One group's gated RMSNorm is over the WHOLE inner width (group_size = intermediate): its moments
+        # summed over the ranks splitting the mixer, as MiniMax's norm's (a norm's class named *Gated: one moment)
+        moments = (("norm", 1, norm_width(module.norm)),)
     return MixerSplit(heads, groups, tuple(dims), tuple(attrs), kind, reduced, moments)
 
 
@@ -348,8 +404,8 @@ LAYOUTS = {
 }
 # (checked first: no order of the segments helps) a split's smallest unit is one group, or one key head
 ONE_GROUP = {
-    "mamba2": ("n_groups", "one group of heads (n_groups=1): its B, C and gated-norm moments span every head, so a "
-                           "split would need them on every rank and the norm's moments summed across ranks"),
+    # (one group of heads splits by heads: its B and C Kept whole on every rank, the gated norm's moments summed)
+    "mamba2": ("num_heads", "one head (num_heads=1): nothing to split"),
     "delta": ("num_k_heads", "one key head (num_k_heads=1): its query and key serve every value head"),
     "delta_split": ("num_k_heads", "one key head (num_k_heads=1): its query and key serve every value head"),
     "delta_qkv": ("num_k_heads", "one key head (num_k_heads=1): its query and key serve every value head"),
@@ -393,3 +449,14 @@ def heads_split(mode, split) -> bool:
     of q), whose number its groups divide by. The rewrite
     (tensor/whole.py) and the planner (cost/layer_comm.py) ask the same."""
     return isinstance(split, MixerSplit) and mode.rewrites and split.heads_problem(mode.own_forward_ways()) is None
+
+
+def kept_rows(plan, mode) -> list[str]:
+    """The parameters (by name) of the mixers `mode` splits by heads with
+    segments held whole on every rank of the split (one group's B and C):
+    each rank's gradient of those rows is its heads' part, summed over the
+    ranks holding them. The rewrite hands them to replicas.share_slices
+    (row replicas beside the rows of its own heads), the planner counts
+    those sums (cost/layer_comm.kv_shared)."""
+    return [f"{name}.{p}" for name, layout in getattr(plan, "layouts", {}).items()
+            if name in plan.roles and heads_split(mode, layout) for p in layout.kept_params()]

@@ -158,11 +158,13 @@ def _probe_copy(module: nn.Module, fill) -> nn.Module:
 
 
 @on_cpu
-def norm_offset(module: nn.Module) -> float:
+def norm_offset(module: nn.Module, rms: Optional[bool] = None) -> float:
     """How the norm's weight enters its own forward, measured: 0 for
     x_hat * w (+ b), 1 for x_hat * (1 + w) (Gemma). The split norm then
     checks its arithmetic against the module's on random weights; anything
-    else is refused, naming the module's class."""
+    else is refused, naming the module's class. `rms`: whether x_hat is an
+    RMSNorm's, where its class's name does not say (a Mamba-2 mixer's
+    gated norm, *RMSNormGated); default is_rms_norm."""
     weight = getattr(module, "weight", None)
     if weight is None:
         return 0.0
@@ -171,7 +173,7 @@ def norm_offset(module: nn.Module) -> float:
     x = torch.randn(3, hidden, generator=gen)
     w, b = torch.randn(hidden, generator=gen), torch.randn(hidden, generator=gen)
     eps = norm_eps(module)
-    if is_rms_norm(module):
+    if is_rms_norm(module) if rms is None else rms:
         x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     else:
         x_hat = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + eps)

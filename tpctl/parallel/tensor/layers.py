@@ -49,10 +49,12 @@ class SplitNorm(nn.Module):
     (and one in the backward, through autograd). It computes in fp32 whatever
     autocast's dtype (the moments, their all-reduce and the output), as
     autocast runs nn.LayerNorm, so the residual stream's precision matches
-    mode=none."""
+    mode=none. Called with a gate (a Mamba-2 mixer's gated RMSNorm), x is
+    multiplied by silu(gate) before the norm (gate "before"), or the output
+    after it ("after": FalconH1's norm_before_gate)."""
 
     def __init__(self, weight, bias, hidden: int, eps: float, group, rms: bool = False, offset: float = 0.0,
-                 features=None):
+                 features=None, gate: str = "before"):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.hidden, self.eps, self.group, self.rms = hidden, eps, group, rms
@@ -60,11 +62,14 @@ class SplitNorm(nn.Module):
         # The (start, stop) ranges of the hidden features this rank holds:
         # what the start-up check compares, with or without a weight.
         self.features = features
+        self.gate = gate
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
         from tpctl.parallel.comm import sum_shared
 
         x = upcast(x)
+        if gate is not None and self.gate == "before":
+            x = x * nn.functional.silu(upcast(gate))
         if self.rms:
             mean_square = sum_shared((x * x).sum(-1), self.group) / self.hidden
             y = x * torch.rsqrt(mean_square + self.eps).unsqueeze(-1)
@@ -75,7 +80,8 @@ class SplitNorm(nn.Module):
             y = (x - mean.unsqueeze(-1)) * torch.rsqrt(var + self.eps).unsqueeze(-1)
         if self.weight is not None:
             y = y * (self.weight + self.offset if self.offset else self.weight)
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return y * nn.functional.silu(upcast(gate)) if gate is not None and self.gate == "after" else y
 
     @classmethod
     def like(cls, module: nn.Module, features, shard, group, copies: int = 1) -> "SplitNorm":

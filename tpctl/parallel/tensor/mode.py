@@ -417,7 +417,11 @@ class ParallelMode(CostHooks):
         gathered, the partial output reduce-scattered onto this rank's
         hidden block; ranks with other rows hold its heads alike."""
         group = self.stream_group()
-        return split_mixer(self, module, ctx, group, self.own_forward_ways(), comm.group_rank(group), -1,
+        # (this rank's block of heads also in a dry run, whose mesh has no groups: the planner cuts the sets
+        # of ranks holding a one-group mixer's B and C rows from every rank's dry run, layer_comm.kv_replica_sums)
+        s = comm.group_rank(group) if group is not None else \
+            sorted(self.mesh.group_ranks[self.stream_group_name]).index(self.mesh.rank)
+        return split_mixer(self, module, ctx, group, self.own_forward_ways(), s, -1,
                            self.cost_sliced_replicas("experts"))
 
     def weight_spec(self, weight: torch.Tensor, role: str, layout=None, n: Optional[int] = None) -> ShardSpec:

@@ -68,6 +68,9 @@ def share_slices(model: nn.Module, names: list[str], mesh: Mesh) -> None:
     # Every rank makes every set's group, in one order (process groups are collective).
     sets = sorted({h for t, theirs in enumerate(everyone) for name in theirs
                    for _, _, h in holder_pieces(everyone, name, t)})
+    if mesh.layout.pp > 1:  # (stages hold different modules, a hybrid's mixers in one: every stage makes
+        # every stage's groups, new_group being collective over the world; rewrite.py calls this on every rank)
+        sets = sorted({h for theirs in comm.all_gather_object(sets) for h in theirs})
     groups = mesh.tp_subgroups(sets)
     for name, p in mine.items():
         spec, mine_pieces = spec_of(p), holder_pieces(everyone, name, mesh.tp_rank)

@@ -20,6 +20,7 @@ from tpctl.parallel.registry import mode_class
 from tpctl.parallel.roles.fused import held_units
 from tpctl.parallel.roles.inference import resolve_plan
 from tpctl.parallel.roles.plan import GROUP_ATTRS, KV_ATTRS, RolePlan, repeated_blocks
+from tpctl.parallel.roles.mixers import kept_rows
 from tpctl.parallel.roles.probes import embedding_semantics, norm_offset, norm_width, traced_width
 from tpctl.parallel.shard import spec_of
 from tpctl.parallel.tensor.layers import hold_stream_tensors
@@ -177,7 +178,11 @@ def rewrite_layers(model: nn.Module, mode: ParallelMode, plan=None, dry_run: boo
     shared += [norm for norm, source in mode.sources.items() if source in shared]
     shared += list(plan.head_lists) + list(plan.head_rows) if split > 1 else []
     shared += held_by_heads_or_slices(plan) + per_head_params(plan) if mode.rewrites else []
-    if shared and not dry_run:  # (which rank shares what is learnt by communicating)
+    params = dict(model.named_parameters())  # (a one-group mixer's B and C rows, whole on the ranks splitting it)
+    shared += [name for name in kept_rows(plan, mode) if name in params]
+    # (which rank shares what is learnt by communicating; with pipeline stages on every rank, as a stage
+    # without any, a hybrid's attention stage, still makes the groups the others' need: share_slices)
+    if (shared or mode.rewrites and mode.mesh.layout.pp > 1) and not dry_run:
         share_slices(model, shared, mode.mesh)
     record_replicas(model, mode.mesh.group_ranks["dp_cp"], mode.mesh.groups["dp_cp"])
     if not dry_run:

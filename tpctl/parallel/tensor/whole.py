@@ -23,7 +23,7 @@ import torch.nn as nn
 from tpctl.parallel import comm
 from tpctl.parallel.roles.experts import routing_weights_arg
 from tpctl.parallel.roles.mixers import REPLICA, heads_split
-from tpctl.parallel.roles.probes import is_rms_norm, norm_eps, norm_offset
+from tpctl.parallel.roles.probes import norm_eps, norm_offset
 from tpctl.parallel.roles.tracing import hidden_arg
 from tpctl.parallel.tensor.layers import SplitNorm
 
@@ -97,8 +97,8 @@ def shard_own_forward(mode, module: nn.Module, ctx, split, shards: int, s: int,
                 continue
             spec = mode.split_spec(full, dim, ranges, replicas=replicas)
         setattr(held, leaf, ctx.shard(full, spec))
-    for owner, attr, full in split.attrs:
-        setattr(module.get_submodule(owner), attr, full // shards)
+    for owner, attr, value in split.shard_attrs(shards):  # (full / shards; a Kept part, one group's B and C, whole)
+        setattr(module.get_submodule(owner), attr, value)
     return whole
 
 
@@ -127,15 +127,19 @@ def split_mixer(mode, module: nn.Module, ctx, group, shards: int, s: int, dim: O
     over the whole inner width (split.moments: MiniMax's) summing its
     moments over the group. `replicas`: shard_own_forward's."""
     split = mode.layouts[ctx.name]
+    # (each norm's arithmetic probed whole, before its weight is cut: a one-group norm's group is the whole width)
+    arithmetic = {name: (norm_eps(norm), norm_offset(norm, moments == 1))
+                  for name, moments, _ in split.moments for norm in [module.get_submodule(name)]}
     whole = shard_own_forward(mode, module, ctx, split, shards, s, replicas)
     if ctx.shapes_only:  # (a dry run's mesh has no groups to communicate over)
         return module
     for name, _ in split.reduced:  # (Mamba-1's x_proj: [dt | B | C] from every rank's channels)
         module.get_submodule(name).register_forward_hook(functools.partial(_sum_reduced, group=group))
-    for name, _, width in split.moments:
+    for name, moments, width in split.moments:
         weighted = any(n == f"{name}.weight" for n, _, _ in split.dims)
-        _sum_moments(module, name, width, group, split.ranges(f"{name}.weight", shards, s)[1] if weighted else None)
-    torch_path = bool(split.reduced)
+        _sum_moments(module, name, moments, width, group, arithmetic[name],
+                     split.ranges(f"{name}.weight", shards, s)[1] if weighted else None)
+    torch_path = split.torch_path()  # (Mamba-1's x_proj sum; a Mamba-2 gated norm's moments)
     if torch_path and hasattr(type(module), "slow_forward"):  # (releases choosing the kernel by device)
         module.forward = module.slow_forward
 
@@ -170,15 +174,21 @@ def _sum_reduced(module, args, out, group):
     return comm.sum_shared(out, group)
 
 
-def _sum_moments(module: nn.Module, name: str, width: int, group, features) -> None:
+def _sum_moments(module: nn.Module, name: str, moments: int, width: int, group, arithmetic, features) -> None:
     """The norm `name` inside a split mixer (its weight already this rank's
-    `features` of the whole `width`) made a layers.SplitNorm over `group`:
-    the moments of this rank's features summed over the ranks splitting the
-    mixer (comm.sum_shared, both ways) and divided by the whole width, as
-    a 2d norm over the stream's hidden blocks; its parameters kept."""
+    `features` of the whole `width`; `moments`: 1 an RMSNorm's, 2 a
+    LayerNorm's; `arithmetic`: its eps and weight offset, probed whole) made
+    a layers.SplitNorm over `group`: the moments of this
+    rank's features summed over the ranks splitting the mixer
+    (comm.sum_shared, both ways) and divided by the whole width, as a 2d
+    norm over the stream's hidden blocks; its parameters kept. A gated
+    norm (Mamba-2's, called with its gate) gates as its own forward does:
+    before the norm, or after it where it says norm_before_gate (FalconH1's)."""
     norm = module.get_submodule(name)
-    split = SplitNorm(getattr(norm, "weight", None), getattr(norm, "bias", None), width, norm_eps(norm), group,
-                      rms=is_rms_norm(norm), offset=norm_offset(norm), features=features)
+    gate = "after" if getattr(norm, "norm_before_gate", False) else "before"
+    eps, offset = arithmetic
+    split = SplitNorm(getattr(norm, "weight", None), getattr(norm, "bias", None), width, eps, group,
+                      rms=moments == 1, offset=offset, features=features, gate=gate)
     owner, _, leaf = name.rpartition(".")
     setattr(module.get_submodule(owner), leaf, split)
 

@@ -99,9 +99,10 @@ def test_context_parallelism_refuses_a_mixer_that_runs_whole_in_one_line(pool, f
     assert "\n" not in got[1]
 
 
-# (Bamba's two groups of heads on 2d-16's q = 4 ranks of a row; Llama 4's MoE block, which returns its rows
-# flattened. Falcon-H1's one-group mixer, run whole here before, now splits: test_mixers.)
-@pytest.mark.parametrize("family,key", [("bamba", "2d-16"), ("llama4", "1d-2-pp2")])
+# (Bamba's two groups of heads on 2d-16's q = 4 ranks of a row; Llama 4's MoE block with experts of an odd
+# inner width, which returns its rows flattened. Falcon-H1's one-group mixer and Llama 4's experts of an even
+# inner width, run whole here before, now split: test_mixers, test_a_mixer_trains_like_mode_none.)
+@pytest.mark.parametrize("family,key", [("bamba", "2d-16"), ("llama4_odd", "1d-2-pp2")])
 def test_inspect_names_the_modules_run_whole_and_why(family, key):
     """`tpctl inspect`'s table (a dry run on rank 0): a module's row (a
     mixer's) says it runs whole and why no split fits it; the modules

@@ -201,6 +201,17 @@ def _unread(module: nn.Module, out, read: set[int]) -> bool:
     return bool(own) and not any(id(p) in read or any(t is p for t in _tensors(out)) for p in own)
 
 
+def _dropout_hooks(model: nn.Module, draws: Optional["_Draws"]) -> list:
+    """Hooks counting, in `draws`, whether a Dropout module is running (its
+    draws are its own, not the forward's); none without `draws`."""
+    handles = []
+    for module in model.modules() if draws is not None else ():
+        if isinstance(module, nn.Dropout):
+            handles.append(module.register_forward_pre_hook(lambda *a: setattr(draws, "in_dropout", draws.in_dropout + 1)))
+            handles.append(module.register_forward_hook(lambda *a: setattr(draws, "in_dropout", draws.in_dropout - 1)))
+    return handles
+
+
 def _never_entered(model: nn.Module, calls: dict, holders: tuple, read: set[int], unread: Optional[dict]) -> None:
     """Modules the forward never called, none of whose own parameters any
     op read (an encoder-decoder's cross-attention, which its causal LM's
@@ -371,11 +382,7 @@ def trace(model: nn.Module, vocab_size: int = 2, seq: int = TRACE_SEQ, inputs: O
                 holders += (f"{name}.",)
         if inputs is not None:
             keep(name)
-    if draws is not None:
-        for module in model.modules():
-            if isinstance(module, nn.Dropout):
-                handles.append(module.register_forward_pre_hook(lambda *a: setattr(draws, "in_dropout", draws.in_dropout + 1)))
-                handles.append(module.register_forward_hook(lambda *a: setattr(draws, "in_dropout", draws.in_dropout - 1)))
+    handles += _dropout_hooks(model, draws)
     was_training = model.training
     model.train(draws is not None)
     try:

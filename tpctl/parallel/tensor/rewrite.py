@@ -156,17 +156,7 @@ def rewrite_layers(model: nn.Module, mode: ParallelMode, plan=None, dry_run: boo
     hold_stream_tensors(model, plan, mode, ctx)  # (after the roles: an elementwise module's are replicated there)
     if init is not None:
         init.materialize(model)  # what no layer sharded: norms, replicated tables, ...
-    unread = set(getattr(plan, "unread", ())) | set(getattr(plan, "frozen", ()))
-    for name, param in model.named_parameters():
-        if spec_of(param) is None:
-            if name in unread:  # (never read by the forward, or frozen: whole on every rank, as nothing trains it)
-                mode.replicated(param, "tp", partial=False)
-            elif mode.replicated_activations:
-                # Replicated over the group and fed replicated activations:
-                # every rank computes the same gradient.
-                mode.replicated(param, "tp", partial=False)
-            elif not dry_run:
-                raise ValueError(f"parameter {name!r} has no role in the plan; mode {mode.name} cannot leave it whole")
+    _hold_unplaced(model, plan, mode, dry_run)
     for name in plan.head_lists if split > 1 else ():
         whole = model.get_submodule(name)
         held = held_units(len(whole), split, mode.head_block())
@@ -191,6 +181,20 @@ def rewrite_layers(model: nn.Module, mode: ParallelMode, plan=None, dry_run: boo
         return Rewrite(model, plan, vocab_size)
     return Rewrite(model, plan, vocab_size, rewritten, problems)
 
+
+
+def _hold_unplaced(model: nn.Module, plan, mode: ParallelMode, dry_run: bool) -> None:
+    """Parameters no layer placed, held whole on every rank where that is
+    exact: those the forward never reads, or frozen ones (nothing trains
+    them), and any where the mode feeds every rank replicated activations
+    (each computes the same gradient); else refused."""
+    unread = set(getattr(plan, "unread", ())) | set(getattr(plan, "frozen", ()))
+    for name, param in model.named_parameters():
+        if spec_of(param) is None:
+            if name in unread or mode.replicated_activations:
+                mode.replicated(param, "tp", partial=False)
+            elif not dry_run:
+                raise ValueError(f"parameter {name!r} has no role in the plan; mode {mode.name} cannot leave it whole")
 
 
 def repoint_aliases(model: nn.Module, ctx: RewriteContext) -> None:

@@ -32,8 +32,8 @@ from test_families_anymodel import STEPS, trains_like_mode_none
 pytest.importorskip("transformers")
 
 KEYS = ("1d-2-dp2", "2d-4", "3d-8", "1d-2-pp2-dp2")
-CASES = [("bert", k) for k in KEYS] + [("roberta", "2d-4"), ("roberta", "1d-2-pp2-dp2"), ("roformer", "2d-4"),
-                                        ("roformer", "3d-8")]
+# (roberta in 1d pp=2 and roformer in 2d also train like mode=none, measured once: the suite's time)
+CASES = [("bert", k) for k in KEYS] + [("roberta", "2d-4"), ("roformer", "3d-8")]
 
 
 @pytest.mark.timeout(300)

@@ -32,8 +32,13 @@ def gather_hidden(module, args, kwargs, group, dim: int = -1):
     """Pre-hook: a module's hidden states (its first argument, or
     `hidden_states`) gathered along `dim` over `group` (a router's and a
     module run whole's: whole rows of this rank's rows)."""
-    whole = comm.gather_along(hidden_arg(args, kwargs), group, dim)
-    return ((whole, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": whole})
+    return with_hidden(args, kwargs, comm.gather_along(hidden_arg(args, kwargs), group, dim))
+
+
+def with_hidden(args, kwargs, hidden):
+    """(args, kwargs) of a call with its hidden states (the first argument,
+    or `hidden_states`: tracing.hidden_arg) replaced by `hidden`."""
+    return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
 
 
 def run_whole(mode, module: nn.Module, ctx) -> nn.Module:
@@ -272,13 +277,8 @@ def run_untrained(mode, module: nn.Module, ctx) -> nn.Module:
     gathered = any(ctx.name.startswith(owner + ".") for owner in getattr(mode, "gathered_owners", ()))
 
     def entry(mod, args, kwargs):
-        args, kwargs = list(args), dict(kwargs)
         with torch.no_grad():
-            if args:
-                args[0] = mode.attention_rows(args[0], gathered)
-            else:
-                kwargs["hidden_states"] = mode.attention_rows(kwargs["hidden_states"], gathered)
-        return tuple(args), kwargs
+            return with_hidden(args, kwargs, mode.attention_rows(hidden_arg(args, kwargs), gathered))
 
     module.register_forward_pre_hook(entry, with_kwargs=True)
     return module
